@@ -318,8 +318,11 @@ def test_two_iterations_change_lora_and_nothing_else(tmp_path, monkeypatch):
     after = dict(captured["tr"].named_parameters())
     lora = [n for n in after if "lora_" in n]
     assert lora, "no LoRA parameters were added"
-    # B starts at zero, A Gaussian: after two steps every LoRA B matrix has moved off zero
-    assert all(after[n].abs().sum() > 0 for n in lora if "lora_B" in n)
+    # B starts at zero, A Gaussian: after two steps every LoRA B matrix has moved off zero, except
+    # the last block's context query, whose output SD3 discards (context_pre_only) — no gradient
+    last = captured["tr"].config.num_layers - 1
+    unused = {n for n in lora if n.startswith(f"transformer_blocks.{last}.attn.add_q_proj.")}
+    assert all(after[n].abs().sum() > 0 for n in lora if "lora_B" in n and n not in unused)
     base = {n.replace(".base_layer", ""): p for n, p in after.items() if "lora_" not in n}
     assert set(base) == set(captured["before"])                    # peft only wrapped, added nothing else
     for n, p in captured["before"].items():
@@ -340,8 +343,9 @@ def test_tiny_pipeline_roundtrips_through_the_hub_loading_path(tmp_path):
         torch.testing.assert_close(a.velocity(x, t, a.encode(["a cat", "a dog"])),
                                    b.velocity(x, t, b.encode(["a cat", "a dog"])))
     # and the CLI runs on it like on a hub model
-    assert V.main(TINY + ["--model", str(tmp_path / "tiny"), "--iterations", "1",
-                          "--run_dir", str(tmp_path / "run")]) == 0
+    sizes = ["--resolution", "64", "--max_sequence_length", "32", "--lora_rank", "8", "--lora_alpha", "16"]
+    assert V.main(TINY + sizes + ["--model", str(tmp_path / "tiny"), "--iterations", "1",
+                                  "--run_dir", str(tmp_path / "run")]) == 0
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
@@ -405,6 +409,7 @@ def test_off_policy_controls_run(tmp_path):
 # ------------------------------------------------------------------------------------------------
 def _tiny_pickscore(folder):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    folder.mkdir(parents=True, exist_ok=True)
     tok = V.tiny_clip_tokenizer(str(folder))
     n = len(tok)
     torch.manual_seed(0)
@@ -422,7 +427,7 @@ def _tiny_pickscore(folder):
 def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     from transformers import AutoModel, AutoProcessor
     _tiny_pickscore(tmp_path / "ps")
-    rw = V.PickScoreReward(str(tmp_path / "ps"), str(tmp_path / "ps"), torch.device("cpu"), torch.float32)
+    rw = V.PickScoreReward.load(str(tmp_path / "ps"), str(tmp_path / "ps"), torch.device("cpu"), torch.float32)
     torch.manual_seed(0)
     imgs = torch.rand(3, 3, 48, 64)
     prompts = ["a red fox", "a blue car", "a cat"]
@@ -434,8 +439,9 @@ def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     ti = proc(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
     with torch.no_grad():
         ref = model(input_ids=ti.input_ids, attention_mask=ti.attention_mask, pixel_values=px).logits_per_image.diag()
-    torch.testing.assert_close(got, ref, atol=0.05, rtol=0)      # processor backends differ slightly
+    # torch preprocessing vs the processor's own (its backends differ by ≤ 0.04 [FACTS (g) 3])
     torch.testing.assert_close(rw.preprocess(imgs), px, atol=0.05, rtol=0)
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0)
 
 
 def test_pickscore_end_to_end_on_tiny_models(tmp_path):
@@ -546,5 +552,6 @@ def test_readme_loss_snippet_runs():
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     ns = {}
     exec(compile(code, "README.md", "exec"), ns)
-    assert torch.isfinite(ns["loss"]) and ns["loss"].requires_grad is False or True
+    assert torch.isfinite(ns["loss"])
+    assert ns["net"].weight.grad is not None and ns["net"].weight.grad.abs().sum() > 0
     assert ns["stats"]["ratio"].item() == pytest.approx(1.0)

@@ -77,6 +77,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -632,9 +633,10 @@ def load_pipeline(name: str, dtype: torch.dtype):
             if cls_name not in SUPPORTED_PIPELINES:
                 raise ValueError(f"{location!r} holds a {cls_name}; supported: {SUPPORTED_PIPELINES}")
         try:
-            kw = {"torch_dtype": dtype}           # portable across diffusers 0.3x–0.4x [FACTS (g) 8.5]
-            pipe = (StableDiffusion3Pipeline if os.path.isdir(location) else DiffusionPipeline
-                    ).from_pretrained(location, **kw)
+            with warnings.catch_warnings():       # `torch_dtype` works on diffusers 0.3x–0.4x;
+                warnings.simplefilter("ignore", FutureWarning)      # 0.42 prefers `dtype`
+                pipe = (StableDiffusion3Pipeline if os.path.isdir(location) else DiffusionPipeline
+                        ).from_pretrained(location, torch_dtype=dtype)
         except (OSError, EnvironmentError) as e:
             raise RuntimeError(_offline_hint("the model", location, "--model")) from e
         if type(pipe).__name__ not in SUPPORTED_PIPELINES:
@@ -695,8 +697,9 @@ def tiny_t5_tokenizer():
 
 def build_tiny_sd3_pipeline(seed: int = 0):
     """A randomly initialised StableDiffusion3Pipeline with SD3.5-Medium's architecture in
-    miniature (MMDiT-X dual attention in block 0, qk RMSNorm, three text encoders), ~0.3M params.
-    No network: tokenizers and configs are built here [FACTS (g) 2]."""
+    miniature (MMDiT-X dual attention in block 0, qk RMSNorm, three text encoders), ~0.3M params,
+    its VAE decoder made latent-sensitive (_smooth_decoder). No network: tokenizers and configs
+    are built here [FACTS (g) 2]."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -727,9 +730,40 @@ def build_tiny_sd3_pipeline(seed: int = 0):
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
         text_encoder=te1, tokenizer=tok1, text_encoder_2=te2, tokenizer_2=tok2,
         text_encoder_3=te3, tokenizer_3=tok3)
+    _smooth_decoder(vae)
     for m in (transformer, vae, te1, te2, te3):
         m.eval()                                # built from configs, modules start in train mode
     return pipe
+
+
+@torch.no_grad()
+def _smooth_decoder(vae) -> None:
+    """Make the tiny VAE's decoder a smooth upsampler of latent channels 0–2 instead of random.
+
+    A randomly initialised decoder's output is dominated by its biases and GroupNorms: the image
+    barely depends on the latent, so no reward could be learned from it (measured: JPEG size
+    varied by < 0.1 kB across latents scaled ×0 … ×4). Here every residual branch (resnet conv2,
+    attention output) and every conv bias is zeroed, conv_in/conv_out pick channels, and each
+    upsampler applies a 3×3 binomial blur; the architecture and the loading code are untouched.
+    """
+    dec = vae.decoder
+    for name, mod in dec.named_modules():
+        if name.endswith("conv2") or name.endswith("to_out.0"):
+            mod.weight.zero_()
+            mod.bias.zero_()
+    for name, p in dec.named_parameters():
+        if name.endswith("bias") and "norm" not in name:
+            p.zero_()
+    blur = torch.tensor([[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]]) / 16
+    for block in dec.up_blocks:
+        for up in block.upsamplers or []:
+            up.conv.weight.zero_()
+            for i in range(up.conv.weight.shape[0]):
+                up.conv.weight[i, i] = blur
+    for conv, n, gain in ((dec.conv_in, dec.conv_in.weight.shape[0], 1.0), (dec.conv_out, 3, 0.5)):
+        conv.weight.zero_()
+        for i in range(n):
+            conv.weight[i, i, 1, 1] = gain
 
 
 class SD3Adapter:
@@ -815,31 +849,41 @@ class PickScoreReward:
     centre-crop, normalise — the processor's own sizes and mean/std, no PIL round trip."""
     name, train_scale, unit = "pickscore", 1 / 26, "raw"
 
-    def __init__(self, model: str, processor: str, device: torch.device, dtype: torch.dtype):
-        from transformers import AutoModel, AutoProcessor
-        _quiet_hf()
-        try:
-            self.processor = AutoProcessor.from_pretrained(processor)
-        except (OSError, EnvironmentError) as e:
-            raise RuntimeError(_offline_hint("the PickScore processor", processor, "--pickscore_processor")) from e
-        try:
-            self.model = AutoModel.from_pretrained(model).eval().requires_grad_(False).to(device, dtype)
-        except (OSError, EnvironmentError) as e:
-            raise RuntimeError(_offline_hint("the PickScore model", model, "--pickscore_model")) from e
-        ip = self.processor.image_processor
-        size = ip.size.get("shortest_edge", ip.size.get("height"))
-        crop = ip.crop_size if isinstance(ip.crop_size, dict) else {"height": ip.crop_size, "width": ip.crop_size}
-        self.size, self.crop = int(size), (int(crop["height"]), int(crop["width"]))
+    def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
+        """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
+        self.processor = processor
+        self.model = model.eval().requires_grad_(False).to(device, dtype)
+        ip = processor.image_processor
+        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x
+        get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
+        size = get(ip.size, "shortest_edge") or get(ip.size, "height")
+        crop = ip.crop_size if not isinstance(ip.crop_size, int) else {"height": ip.crop_size, "width": ip.crop_size}
+        self.size, self.crop = int(size), (int(get(crop, "height")), int(get(crop, "width")))
         self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
         self.device, self.dtype = device, dtype
+
+    @classmethod
+    def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype) -> "PickScoreReward":
+        """From hub ids or local folders; offline failures say which flag points at local files."""
+        from transformers import AutoModel, AutoProcessor
+        _quiet_hf()
+        try:
+            proc = AutoProcessor.from_pretrained(processor)
+        except (OSError, EnvironmentError) as e:
+            raise RuntimeError(_offline_hint("the PickScore processor", processor, "--pickscore_processor")) from e
+        try:
+            net = AutoModel.from_pretrained(model)
+        except (OSError, EnvironmentError) as e:
+            raise RuntimeError(_offline_hint("the PickScore model", model, "--pickscore_model")) from e
+        return cls(net, proc, device, dtype)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """(N, 3, H, W) in [0, 1] → normalised (N, 3, crop_h, crop_w) pixel values."""
         x = images.to(self.device, torch.float32)
         h, w = x.shape[-2:]
         scale = self.size / min(h, w)
-        nh, nw = max(self.size, round(h * scale)), max(self.size, round(w * scale))
+        nh, nw = max(self.size, int(h * scale)), max(self.size, int(w * scale))     # HF floors the long side
         x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
         top, left = (nh - self.crop[0]) // 2, (nw - self.crop[1]) // 2
         x = x[..., top:top + self.crop[0], left:left + self.crop[1]]
@@ -860,7 +904,7 @@ def build_reward(args: Args, device: torch.device, dtype: torch.dtype):
     if args.reward == "jpeg":
         return JpegReward()
     if args.reward == "pickscore":
-        return PickScoreReward(args.pickscore_model, args.pickscore_processor, device, dtype)
+        return PickScoreReward.load(args.pickscore_model, args.pickscore_processor, device, dtype)
     raise ValueError(f"unknown reward {args.reward!r}")
 
 # ------------------------------------------------------------------------------------------------
