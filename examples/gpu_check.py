@@ -8,6 +8,7 @@ sequence lengths are the real 77 + 128).
 
     python examples/gpu_check.py                      # default single-GPU settings + a variant
     python examples/gpu_check.py --configs default    # one configuration
+    python examples/gpu_check.py --cpu_smoke          # the script itself, on the tiny model, CPU
 
 For each configuration it runs vgrpo.iteration() once after a small warm-up iteration and prints
 the wall time of each phase, peak GPU memory, NFE per sample and achieved model TFLOP/s (model
@@ -34,7 +35,7 @@ CONFIGS = {
     # the defaults of `python vgrpo.py --model sd3.5-medium --reward pickscore`
     "default": [],
     # a smaller batch with bigger micro-batches and no gradient checkpointing (memory vs speed)
-    "mb16_nockpt": ["--prompts_per_iter", "2", "--micro_batch", "16", "--no-gradient_checkpointing"],
+    "mb8_nockpt": ["--prompts_per_iter", "2", "--micro_batch", "8", "--no-gradient_checkpointing"],
 }
 
 
@@ -110,8 +111,8 @@ def forward_flops(adapter, D, cond, ctx):
     return fc.get_total_flops()
 
 
-def run_config(name, extra, pipe, reward, dev, dtype, ctx, peak):
-    args = V.parse_args(["--model", "sd3.5-medium", "--reward", "pickscore"] + extra)
+def run_config(name, extra, pipe, reward, dev, dtype, ctx, peak, model="sd3.5-medium"):
+    args = V.parse_args(["--model", model, "--reward", "pickscore"] + extra)
     tr = pipe.transformer
     if hasattr(tr, "peft_config"):                      # fresh LoRA per configuration
         tr.delete_adapters(list(tr.peft_config))
@@ -130,8 +131,9 @@ def run_config(name, extra, pipe, reward, dev, dtype, ctx, peak):
     N = P * G
     scope = torch.zeros(N, dtype=torch.long)
     fwd = forward_flops(adapter, D, adapter.encode(prompts[:1]), ctx)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     m = V.iteration(args, adapter, reward, opt, params, prompts, 0, P, G, J, D, sig, sig[:-1], scope, dev, ctx)
     wall = time.perf_counter() - t0
@@ -140,7 +142,8 @@ def run_config(name, extra, pipe, reward, dev, dtype, ctx, peak):
     row = {"config": name, "P×G": f"{P}×{G}", "micro_batch": args.micro_batch,
            "grad_ckpt": args.gradient_checkpointing, "time_rollout": m["time_rollout"],
            "time_reward": m["time_reward"], "time_old": m["time_old"], "time_update": m["time_update"],
-           "time_iter": wall, "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30,
+           "time_iter": wall,
+           "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if dev.type == "cuda" else float("nan"),
            "fwd_TFLOP_per_sample": fwd / 1e12, "TFLOP/s": flops / wall / 1e12,
            "MFU_%": 100 * flops / wall / 1e12 / peak, "abs_log_ratio": m["abs_log_ratio"],
            "reward_finite": m["n_nonfinite_reward"] == 0, "grad_norm": m["grad_norm"]}
@@ -150,12 +153,22 @@ def run_config(name, extra, pipe, reward, dev, dtype, ctx, peak):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="default,mb16_nockpt")
+    ap.add_argument("--configs", default="default,mb8_nockpt")
     ap.add_argument("--peak", type=float, default=BF16_PEAK_TFLOPS, help="GPU dense bf16 TFLOP/s")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--cpu_smoke", action="store_true", help="run the script on the tiny model on the CPU")
     a = ap.parse_args()
-    assert torch.cuda.is_available(), "this check needs a CUDA GPU"
     V._quiet_hf()
+    if a.cpu_smoke:
+        dev = torch.device("cpu")
+        pipe = V.build_tiny_sd3_pipeline()
+        reward = V.JpegReward()
+        small = ["--prompts_per_iter", "2", "--group_size", "3", "--num_steps", "4"]
+        rows = [run_config(n, small + CONFIGS[n] + ["--prompts_per_iter", "2"], pipe, reward, dev, torch.float32,
+                           torch.autocast("cpu", enabled=False), a.peak, model="tiny") for n in a.configs.split(",")]
+        print_table(rows)
+        return
+    assert torch.cuda.is_available(), "this check needs a CUDA GPU (or pass --cpu_smoke)"
     dev, dtype = torch.device("cuda"), torch.bfloat16
     ctx = torch.autocast("cuda", dtype=dtype)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -165,6 +178,9 @@ def main():
     pipe = build_sd35m_random(dev, dtype)
     pipe.vae.to(torch.float32)
     reward = build_pickscore_random(dev, dtype)
+    with torch.no_grad():
+        c = V.SD3Adapter(pipe, dev, 128).encode(["a red fox in the snow"])
+    print("text embeddings finite:", all(bool(torch.isfinite(v).all()) for v in c.values()), flush=True)
     n_tr = sum(p.numel() for p in pipe.transformer.parameters())
     print(f"built random SD3.5-M pipeline (transformer {n_tr / 1e9:.3f}B params) and PickScore-shaped "
           f"reward in {time.perf_counter() - t0:.0f}s; memory {torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB",
@@ -172,7 +188,19 @@ def main():
     # warm-up: kernels, allocator, autotuning (not reported)
     run_config("warmup", ["--prompts_per_iter", "1", "--group_size", "4", "--num_steps", "4"],
                pipe, reward, dev, dtype, ctx, a.peak)
-    rows = [run_config(n, CONFIGS[n], pipe, reward, dev, dtype, ctx, a.peak) for n in a.configs.split(",")]
+    rows = []
+    for n in a.configs.split(","):
+        try:
+            rows.append(run_config(n, CONFIGS[n], pipe, reward, dev, dtype, ctx, a.peak))
+        except torch.OutOfMemoryError as e:
+            print(f"{n}: out of memory ({str(e).splitlines()[0]})", flush=True)
+            torch.cuda.empty_cache()
+    print_table(rows)
+    if a.out:
+        Path(a.out).write_text(json.dumps(rows, indent=2))
+
+
+def print_table(rows):
     print("\n| config | P×G | micro-batch | grad ckpt | rollout s | reward s | old s | update s | "
           "iteration s | peak GiB | TFLOP/s | MFU % |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -180,8 +208,6 @@ def main():
         print(f"| {r['config']} | {r['P×G']} | {r['micro_batch']} | {r['grad_ckpt']} | {r['time_rollout']:.1f} | "
               f"{r['time_reward']:.1f} | {r['time_old']:.1f} | {r['time_update']:.1f} | {r['time_iter']:.1f} | "
               f"{r['peak_mem_GiB']:.1f} | {r['TFLOP/s']:.0f} | {r['MFU_%']:.0f} |")
-    if a.out:
-        Path(a.out).write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

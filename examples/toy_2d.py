@@ -470,7 +470,7 @@ def _txt(s: str, font) -> str:
 def save_png(path: Path, results: dict, refs: list, iters: int) -> None:
     """Left: eval reward vs iteration (mean over seeds) per method. Right: final samples (seed 0)."""
     from PIL import Image, ImageDraw
-    W, H = 1700, 900
+    W, H = 1600, 900
     img = Image.new("RGB", (W, H), "white")
     d = ImageDraw.Draw(img)
     f12, f14, f18 = _font(12), _font(14), _font(18)
@@ -497,33 +497,37 @@ def save_png(path: Path, results: dict, refs: list, iters: int) -> None:
         n = min(len(r["curve"]) for r in runs)
         mean = [sum(r["curve"][k] for r in runs) / len(runs) for k in range(n)]
         d.line([(X(its[k]), Y(max(0.0, min(1.0, mean[k])))) for k in range(n)], fill=col, width=3)
-        d.rectangle([x0 + 10, y0 + 10 + 20 * ci, x0 + 30, y0 + 22 + 20 * ci], fill=col)
-        d.text((x0 + 36, y0 + 8 + 20 * ci), _txt(METHODS[name]["label"], f14), fill="black", font=f14)
+        ly = y0 + ph + 55 + 20 * (ci // 2)                   # legend below the plot, two columns
+        lx = x0 + 330 * (ci % 2)
+        d.rectangle([lx, ly + 2, lx + 20, ly + 14], fill=col)
+        d.text((lx + 26, ly), _txt(METHODS[name]["label"], f14), fill="black", font=f14)
 
     # ---- final samples, seed 0: pretrained + each method ---------------------------------------
-    panels = [("pretrained", refs[0]["samples"], refs[0]["cond"])] + \
-             [(METHODS[n]["label"], runs[0]["samples"], runs[0]["cond"]) for n, runs in results.items()]
+    panels = [("pretrained", refs[0]["samples"], refs[0]["cond"], False)] + \
+             [(METHODS[n]["label"], runs[0]["samples"], runs[0]["cond"], runs[0]["diverged"])
+              for n, runs in results.items()]
     cols, size, gap, left, top = 3, 250, 12, 780, 40
     lim = RADIUS + 0.8
-    for pi, (title, xs, cs) in enumerate(panels):
+    for pi, (title, xs, cs, diverged) in enumerate(panels):
         px, py = left + (pi % cols) * (size + gap), top + (pi // cols) * (size + gap + 6)
         d.rectangle([px, py, px + size, py + size], outline="black")
         d.text((px + 4, py + 3), _txt(title, f12), fill="black", font=f12)
         P = lambda p: (px + size * (p[0] + lim) / (2 * lim), py + size * (1 - (p[1] + lim) / (2 * lim)))
         for c in range(N_COND):
-            for m in MODES[c]:                                # data modes: small open circles
+            for m in MODES[c]:                                # data modes: small grey circles
                 u, v = P(m.tolist())
                 d.ellipse([u - 4, v - 4, u + 4, v + 4], outline=(200, 200, 200))
-        for p, c in zip(xs.tolist(), cs.tolist()):
+            u, v = P(TARGET[c].tolist())                      # rewarded mode: circle of radius 0.3
+            rr = size * REWARD_WIDTH / (2 * lim)
+            d.ellipse([u - rr, v - rr, u + rr, v + rr], outline="black")
+        for p, c in zip(xs.tolist(), cs.tolist()):            # samples on top
             if all(math.isfinite(q) for q in p) and abs(p[0]) < lim and abs(p[1]) < lim:
                 u, v = P(p)
                 d.point([(u, v), (u + 1, v), (u, v + 1)], fill=COND_COLORS[c])
-        for c in range(N_COND):                               # target modes: crosses
-            u, v = P(TARGET[c].tolist())
-            d.line([u - 7, v - 7, u + 7, v + 7], fill="black", width=2)
-            d.line([u - 7, v + 7, u + 7, v - 7], fill="black", width=2)
-    d.text((left, H - 30), _txt("final ODE samples, seed 0; colour = condition c, × = rewarded mode m_c, "
-                                "o = data modes", f14), fill="black", font=f14)
+        if diverged:
+            d.text((px + 60, py + size / 2 - 8), "diverged (samples off the plot)", fill=(200, 0, 0), font=f12)
+    d.text((left, H - 30), _txt("final ODE samples, seed 0; colour = condition c; black circle: rewarded "
+                                "mode m_c (radius 0.3); grey: data modes", f14), fill="black", font=f14)
     img.save(path)
 
 
