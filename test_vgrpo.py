@@ -353,8 +353,10 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert V.main(TINY + ["--iterations", "3", "--run_dir", str(full)]) == 0
     part = tmp_path / "part"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(part)]) == 0
-    assert V.main(["--resume", str(part), "--iterations", "3"]) == 0
+    assert V.main(["--resume", str(part), "--iterations", "3", "--eval_every", "1"]) == 0
     assert _strip_times(_metrics(part)) == _strip_times(_metrics(full))
+    evals = [m["iter"] for m in _metrics(part) if "eval_reward_mean" in m]
+    assert evals == [1, 2, 3]                       # resumed at 1: evaluated once per iteration, no repeats
     assert Path(part, "checkpoints", "latest").read_text() == "iter_000003"
 
 

@@ -1169,7 +1169,6 @@ def train(args: Args) -> list[dict]:
         run_dir = ckpt.parent.parent
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    log_f = open(run_dir / "metrics.jsonl", "a")
 
     P, G, J = args.prompts_per_iter, args.group_size, args.n_mc
     N = P * G
@@ -1193,12 +1192,16 @@ def train(args: Args) -> list[dict]:
         return {"iter": it, "eval_reward_mean": raw.mean().item(), "eval_reward_std": raw.std(unbiased=False).item(),
                 "eval_nfe": len(eval_sigmas) - 1}
 
+    mpath = run_dir / "metrics.jsonl"
+    done_evals = {json.loads(l)["iter"] for l in mpath.read_text().splitlines()
+                  if l.strip() and "eval_reward_mean" in l} if mpath.exists() else set()
+    log_f = open(mpath, "a")
     history: list[dict] = []
     it = start
     bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="V-GRPO", unit="it")
     try:
         for it in bar:
-            if args.eval_every and it % args.eval_every == 0:
+            if args.eval_every and it % args.eval_every == 0 and it not in done_evals:
                 ev = evaluate(it)
                 log_f.write(json.dumps(ev) + "\n")
                 log_f.flush()

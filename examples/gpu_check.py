@@ -36,6 +36,8 @@ CONFIGS = {
     "default": [],
     # a smaller batch with bigger micro-batches and no gradient checkpointing (memory vs speed)
     "mb8_nockpt": ["--prompts_per_iter", "2", "--micro_batch", "8", "--no-gradient_checkpointing"],
+    # the default batch with bigger rollout and training micro-batches (throughput)
+    "rb48_mb8": ["--rollout_batch", "48", "--micro_batch", "8"],
 }
 
 
