@@ -124,11 +124,24 @@ class Args:
     eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default 2 × num_steps)")
     rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, no effect on results)")
     # --- reward ----------------------------------------------------------------------------------
-    reward: str = _f("pickscore", "reward model", choices=("pickscore", "jpeg"))
+    reward: str = _f("pickscore", "reward(s) with weights: pickscore | hpsv2 | clipscore | aesthetic | "
+                     "imagereward | jpeg | module.path:function, e.g. pickscore:1,hpsv2:1")
+    reward_aggregation: str = _f("sum", "several rewards: weighted sum then group-normalise (sum), or "
+                                 "group-normalise each then weighted sum (per_reward)", "[PAPER §3 item 3]",
+                                 choices=("sum", "per_reward"))
+    eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: the training ones)")
     pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore weights: hub id or local dir",
                               "[FACTS (e)]")
     pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
                                   "PickScore processor: hub id or local dir", "[FACTS (e)]")
+    hpsv2_arch: str = _f("ViT-H-14", "open_clip architecture of HPSv2 (name or JSON config path)", "[FACTS (e)]")
+    hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt", "HPSv2.1 weights: file or owner/repo/file",
+                               "[FACTS (e)]")
+    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP for clipscore and aesthetic: hub id or dir",
+                         "[FACTS (e)]")
+    aesthetic_weights: str = _f("trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
+                                "LAION aesthetic MLP weights: file or owner/repo/file", "[FACTS (e)]")
+    imagereward_model: str = _f("ImageReward-v1.0", "ImageReward checkpoint name or path (optional package)")
     reward_batch: int = _f(32, "images per reward-model call (memory knob)")
     # --- objective -------------------------------------------------------------------------------
     prompts_per_iter: int = _f(6, "P: prompts per iteration (paper: 48; 6 = one GPU's share of 8)")
@@ -231,6 +244,12 @@ def check_args(a: Args) -> None:
         problems.append(f"--resolution must be a multiple of 16 (got {a.resolution})")
     if not 0 <= a.eval_holdout < 1:
         problems.append(f"--eval_holdout must lie in [0, 1) (got {a.eval_holdout})")
+    for spec in (a.reward, a.eval_rewards):
+        if spec is not None:
+            try:
+                parse_reward_spec(spec)
+            except ValueError as e:
+                problems.append(str(e))
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
@@ -386,6 +405,40 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
     if eta > 0:
         adv = eta * torch.tanh(adv / eta)
     adv = torch.where(ok & (n >= 2), adv, torch.zeros_like(adv))
+    stats = {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
+             "adv_absmax": adv.abs().max().detach(), "frac_dropped": (~ok).float().mean().detach()}
+    return adv, stats
+
+
+def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
+    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [PAPER §3 item 3].
+
+    rewards: (K, P, G) training-scaled rewards; weights: (K,). A sample with any non-finite
+    component is dropped. kw: as group_advantages (global_std, std_eps, clamp, eta).
+    Returns group_advantages(Σ_k w_k r_k): (P, G) and stats.
+    """
+    total = (weights.float().view(-1, 1, 1) * rewards.float()).sum(dim=0)             # (P, G)
+    return group_advantages(total, **kw)
+
+
+def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, global_std: bool = False,
+                          std_eps: float = 1e-8, clamp: float = 5.0, eta: float = 3.0):
+    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [PAPER §3 item 3].
+
+    A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w.
+    rewards: (K, P, G); weights: (K,). A sample with any non-finite component is dropped.
+    Returns (P, G) fp32 advantages and stats.
+    Reference form: A = Σ_k ŵ_k · group_advantages(r_k, clamp=∞, eta=0); then clamp, soft-clip.
+    """
+    r = rewards.float()
+    ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
+    r = torch.where(ok, r, torch.full_like(r, float("nan")))                           # drop whole sample
+    w = weights.float() / weights.float().sum().clamp(min=1e-12)                        # (K,)
+    parts = [group_advantages(rk, global_std=global_std, std_eps=std_eps, clamp=math.inf, eta=0.0)[0] for rk in r]
+    adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0).clamp(-clamp, clamp)      # (P, G)
+    if eta > 0:
+        adv = eta * torch.tanh(adv / eta)
+    adv = torch.where(ok, adv, torch.zeros_like(adv))
     stats = {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
              "adv_absmax": adv.abs().max().detach(), "frac_dropped": (~ok).float().mean().detach()}
     return adv, stats
@@ -825,7 +878,32 @@ def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
     return cfg
 
 
-# ---- §5 (continued) rewards: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> (N,) ----------
+# ---- §5 (continued) rewards: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> raw (N,) -------
+# Every reward has a `name`, the `unit` its raw value is logged in, and a `train_scale`: the value
+# the advantages see is raw · train_scale (only matters for sums of several rewards and std_eps).
+# Frozen reward models run in the compute dtype (bf16 on CUDA); images never leave the device:
+# preprocessing is torch (resize, crop/pad, normalise), no PIL round trip, except JPEG/ImageReward.
+def _fetch(location: str, flag: str) -> str:
+    """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
+    if os.path.isfile(location):
+        return location
+    parts = location.split("/")
+    if len(parts) < 3:
+        raise ValueError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
+    from huggingface_hub import hf_hub_download
+    try:
+        return hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]))
+    except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
+        raise RuntimeError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a machine "
+                           f"with access (`huggingface-cli download {'/'.join(parts[:2])} {'/'.join(parts[2:])}`) "
+                           f"and pass `{flag} /path/to/file`.") from e
+
+
+def _features(out) -> torch.Tensor:
+    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling [FACTS (e)]."""
+    return out if torch.is_tensor(out) else out.pooler_output
+
+
 class JpegReward:
     """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [FACTS (e)].
     Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
@@ -848,6 +926,8 @@ class PickScoreReward:
     Preprocessing runs in torch on the device: resize shortest edge (bicubic, antialias),
     centre-crop, normalise — the processor's own sizes and mean/std, no PIL round trip."""
     name, train_scale, unit = "pickscore", 1 / 26, "raw"
+    use_logit_scale = True
+    flags = ("--pickscore_model", "--pickscore_processor")
 
     def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
         """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
@@ -864,18 +944,18 @@ class PickScoreReward:
         self.device, self.dtype = device, dtype
 
     @classmethod
-    def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype) -> "PickScoreReward":
+    def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype):
         """From hub ids or local folders; offline failures say which flag points at local files."""
         from transformers import AutoModel, AutoProcessor
         _quiet_hf()
         try:
             proc = AutoProcessor.from_pretrained(processor)
         except (OSError, EnvironmentError) as e:
-            raise RuntimeError(_offline_hint("the PickScore processor", processor, "--pickscore_processor")) from e
+            raise RuntimeError(_offline_hint(f"the {cls.name} processor", processor, cls.flags[1])) from e
         try:
             net = AutoModel.from_pretrained(model)
         except (OSError, EnvironmentError) as e:
-            raise RuntimeError(_offline_hint("the PickScore model", model, "--pickscore_model")) from e
+            raise RuntimeError(_offline_hint(f"the {cls.name} model", model, cls.flags[0])) from e
         return cls(net, proc, device, dtype)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
@@ -897,15 +977,218 @@ class PickScoreReward:
                          pixel_values=self.preprocess(images))
         img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
         txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
-        return (self.model.logit_scale.exp().float() * (img * txt).sum(-1)).cpu()
+        cos = (img * txt).sum(-1)                                    # (N,)
+        return ((self.model.logit_scale.exp().float() * cos) if self.use_logit_scale else cos).cpu()
 
 
-def build_reward(args: Args, device: torch.device, dtype: torch.dtype):
-    if args.reward == "jpeg":
+class CLIPScoreReward(PickScoreReward):
+    """CLIPScore: cosine of CLIP ViT-L/14 image and text embeddings (logits/100) [FACTS (e)]."""
+    name, train_scale, unit = "clipscore", 1.0, "cos"
+    use_logit_scale = False
+    flags = ("--clip_model", "--clip_model")
+
+
+class AestheticReward(PickScoreReward):
+    """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
+    output on its ≈ 1–10 scale [FACTS (e)]. Weights: sac+logos+ava1-l14-linearMSE."""
+    name, train_scale, unit = "aesthetic", 1.0, "1-10"
+    flags = ("--clip_model", "--clip_model")
+
+    def __init__(self, model, processor, device, dtype, head: torch.nn.Module):
+        super().__init__(model, processor, device, dtype)
+        self.head = head.eval().requires_grad_(False).to(device, torch.float32)
+
+    @staticmethod
+    def make_head() -> torch.nn.Module:
+        """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
+        m = torch.nn.Module()
+        m.layers = torch.nn.Sequential(torch.nn.Linear(768, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128),
+                                       torch.nn.Dropout(0.2), torch.nn.Linear(128, 64), torch.nn.Dropout(0.1),
+                                       torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
+        m.forward = m.layers.forward
+        return m
+
+    @classmethod
+    def load(cls, model: str, processor: str, device, dtype, weights: str = ""):
+        base = PickScoreReward.load.__func__(CLIPScoreReward, model, processor, device, dtype)
+        head = cls.make_head()
+        head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
+        return cls(base.model, base.processor, device, dtype, head)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        f = _features(self.model.get_image_features(pixel_values=self.preprocess(images)))
+        return self.head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
+
+
+class HPSv2Reward:
+    """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
+    HPS_v2.1_compressed.pt); score = cos(image, text) [FACTS (e)]. HPS preprocessing: longest side
+    → 224 (bicubic), zero-pad to square, OpenAI CLIP mean/std — here in torch on the device."""
+    name, train_scale, unit = "hpsv2", 1.0, "cos"
+
+    def __init__(self, model, tokenizer, device, dtype, size: int = 224):
+        import open_clip
+        self.model = model.eval().requires_grad_(False).to(device, dtype)
+        self.tokenizer, self.size, self.device, self.dtype = tokenizer, size, device, dtype
+        self.mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(open_clip.OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1)
+
+    @classmethod
+    def load(cls, arch: str, checkpoint: str, device, dtype):
+        """arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config."""
+        import open_clip
+        if arch.endswith(".json"):
+            open_clip.add_model_config(arch)
+            arch = Path(arch).stem
+        ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu", weights_only=False)
+        model = open_clip.create_model(arch, pretrained=None)
+        model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
+        size = model.visual.image_size
+        return cls(model, open_clip.get_tokenizer(arch), device, dtype, size if isinstance(size, int) else size[0])
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.to(self.device, torch.float32)
+        h, w = x.shape[-2:]
+        scale = self.size / max(h, w)
+        nh, nw = round(h * scale), round(w * scale)
+        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+        top, left = (self.size - nh) // 2, (self.size - nw) // 2
+        x = F.pad(x, (left, self.size - nw - left, top, self.size - nh - top), value=0.0)   # black bars
+        return ((x - self.mean) / self.std).to(self.dtype)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        img = self.model.encode_image(self.preprocess(images), normalize=True).float()
+        txt = self.model.encode_text(self.tokenizer(prompts).to(self.device), normalize=True).float()
+        return (img * txt).sum(-1).cpu()
+
+
+class ImageRewardReward:
+    """ImageReward (THUDM), only when the optional `image-reward` package is importable."""
+    name, train_scale, unit = "imagereward", 1.0, "raw"
+
+    def __init__(self, location: str, device):
+        try:
+            import ImageReward as RM  # noqa: N813 — the package's own name
+        except ImportError as e:
+            raise RuntimeError("--reward imagereward needs the optional package `image-reward` "
+                               "(pip install image-reward); it is not in requirements.txt because its "
+                               "pins (timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
+        self.model = RM.load(location, device=str(device))
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        from PIL import Image
+        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+        return torch.tensor([float(self.model.score(p, Image.fromarray(im.numpy()))) for p, im in zip(prompts, u8)])
+
+
+class PluginReward:
+    """A user's `module.path:function` with signature (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
+    train_scale, unit = 1.0, "raw"
+
+    def __init__(self, spec: str):
+        import importlib
+        module, _, fn = spec.partition(":")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())             # so `examples.custom_reward:fn` works from the repo
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
+        if not callable(getattr(mod, fn, None)):
+            raise ValueError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
+        self.fn, self.name = getattr(mod, fn), spec
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        out = torch.as_tensor(self.fn(images, prompts)).detach().float().cpu()
+        if out.shape != (len(prompts),):
+            raise ValueError(f"reward {self.name!r} returned shape {tuple(out.shape)}, expected ({len(prompts)},)")
+        return out
+
+
+BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ValueError."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        name, weight = item, 1.0
+        head, sep, tail = item.rpartition(":")
+        if sep:
+            try:
+                weight, name = float(tail), head
+            except ValueError:
+                pass                                        # 'module:function' without a weight
+        if name not in BUILTIN_REWARDS and ":" not in name:
+            raise ValueError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
+                             "module.path:function for your own")
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
+        out.append((name, weight))
+    if not out:
+        raise ValueError(f"--reward {spec!r} names no reward")
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError(f"--reward {spec!r} names a reward twice")
+    return out
+
+
+def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype):
+    """One reward model by name (built-in or plug-in), loaded from the locations in args."""
+    if name == "jpeg":
         return JpegReward()
-    if args.reward == "pickscore":
+    if name == "pickscore":
         return PickScoreReward.load(args.pickscore_model, args.pickscore_processor, device, dtype)
-    raise ValueError(f"unknown reward {args.reward!r}")
+    if name == "clipscore":
+        return CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype)
+    if name == "aesthetic":
+        return AestheticReward.load(args.clip_model, args.clip_model, device, dtype, args.aesthetic_weights)
+    if name == "hpsv2":
+        return HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
+    if name == "imagereward":
+        return ImageRewardReward(args.imagereward_model, device)
+    return PluginReward(name)
+
+
+class Rewards:
+    """The rewards of a run, each model loaded once and shared by training and evaluation."""
+
+    def __init__(self, args: Args, device: torch.device, dtype: torch.dtype):
+        self.train = parse_reward_spec(args.reward)
+        self.eval = parse_reward_spec(args.eval_rewards) if args.eval_rewards else self.train
+        self.models: dict = {}
+        for n, _ in self.train + self.eval:
+            if n not in self.models:
+                self.models[n] = build_reward(n, args, device, dtype)
+
+    @classmethod
+    def of(cls, models: dict, train: list, eval: Optional[list] = None) -> "Rewards":
+        """Wrap already-built reward objects, e.g. {"pickscore": PickScoreReward(...)}."""
+        self = cls.__new__(cls)
+        self.models, self.train, self.eval = dict(models), train, eval or train
+        return self
+
+    def unit(self, terms) -> str:
+        return self.models[terms[0][0]].unit if len(terms) == 1 else "weighted sum of training-scaled rewards"
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
+        return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
+
+    def training_values(self, raw: dict, terms) -> torch.Tensor:
+        """raw per reward → (K, N) values the advantages see (raw · train_scale)."""
+        return torch.stack([raw[n] * self.models[n].train_scale for n, _ in terms])
+
+    def summary(self, raw: dict, terms) -> torch.Tensor:
+        """The headline number: the raw reward when there is one, else Σ_k w_k·raw_k·train_scale_k."""
+        if len(terms) == 1:
+            return raw[terms[0][0]]
+        w = torch.tensor([wt for _, wt in terms])
+        return (self.training_values(raw, terms) * w[:, None]).sum(0)
+
 
 # ------------------------------------------------------------------------------------------------
 # §10  Training loop: PAPER §4 line by line, with logging, evaluation and checkpoints.
@@ -1007,14 +1290,17 @@ def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: t
 
 
 @torch.no_grad()
-def score(adapter, reward, latents: torch.Tensor, prompts: list[str], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode and score in chunks. Returns (raw rewards (N,) CPU fp32, images (N, 3, H, W) CPU uint8)."""
-    raw, imgs = [], []
+def score(adapter, rewards, names: list[str], latents: torch.Tensor, prompts: list[str], batch: int):
+    """Decode once and score with every named reward, in chunks of `batch` images.
+    Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8)."""
+    raw: dict[str, list] = {n: [] for n in names}
+    imgs = []
     for rows in torch.arange(len(latents)).split(batch):
         im = adapter.decode(latents[rows])
-        raw.append(reward(im, [prompts[i] for i in rows.tolist()]).float().cpu())
+        for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
+            raw[n].append(r)
         imgs.append((im * 255).round().to(torch.uint8).cpu())
-    return torch.cat(raw), torch.cat(imgs)
+    return {n: torch.cat(v) for n, v in raw.items()}, torch.cat(imgs)
 
 
 def save_grid(images_u8: torch.Tensor, path: Path) -> None:
@@ -1139,7 +1425,7 @@ def train(args: Args) -> list[dict]:
     pipe.to(dev)
     pipe.vae.to(torch.float32)
     adapter = SD3Adapter(pipe, dev, args.max_sequence_length)
-    reward = build_reward(args, dev, dtype)
+    rewards = Rewards(args, dev, dtype)
 
     # ---- trainable parameters: LoRA (default) or the whole transformer -----------------------
     tr = adapter.transformer
@@ -1164,7 +1450,8 @@ def train(args: Args) -> list[dict]:
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     # ---- output folder (only now: bad input above has written nothing) ------------------------
-    run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{args.reward}-{time.strftime('%Y%m%d-%H%M%S')}")
+    tag = "+".join(n.split(":")[-1] for n, _ in rewards.train)
+    run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}")
     if ckpt is not None and args.run_dir is None:
         run_dir = ckpt.parent.parent
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -1186,11 +1473,15 @@ def train(args: Args) -> list[dict]:
         cond = adapter.encode(prompts)
         lat = rollout(adapter, x1, cond, torch.arange(len(prompts), device=dev), eval_sigmas, args.solver,
                       args.rollout_batch, ctx)
-        raw, imgs = score(adapter, reward, lat, prompts, args.reward_batch)
+        raw, imgs = score(adapter, rewards, [n for n, _ in rewards.eval], lat, prompts, args.reward_batch)
         (run_dir / "eval").mkdir(exist_ok=True)
         save_grid(imgs, run_dir / "eval" / f"iter_{it:06d}.png")
-        return {"iter": it, "eval_reward_mean": raw.mean().item(), "eval_reward_std": raw.std(unbiased=False).item(),
-                "eval_nfe": len(eval_sigmas) - 1}
+        head = rewards.summary(raw, rewards.eval)
+        ev = {"iter": it, "eval_reward_mean": head.mean().item(), "eval_reward_std": head.std(unbiased=False).item(),
+              "eval_reward_unit": rewards.unit(rewards.eval), "eval_nfe": len(eval_sigmas) - 1}
+        for n, r in raw.items():
+            ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = r.mean().item(), r.std(unbiased=False).item()
+        return ev
 
     mpath = run_dir / "metrics.jsonl"
     done_evals = {json.loads(l)["iter"] for l in mpath.read_text().splitlines()
@@ -1205,14 +1496,14 @@ def train(args: Args) -> list[dict]:
                 ev = evaluate(it)
                 log_f.write(json.dumps(ev) + "\n")
                 log_f.flush()
-            m = iteration(args, adapter, reward, opt, params, train_prompts, it, P, G, J, D, sigmas, grid,
+            m = iteration(args, adapter, rewards, opt, params, train_prompts, it, P, G, J, D, sigmas, grid,
                           scope, dev, ctx)
             m["lr"] = opt.param_groups[0]["lr"]
             history.append(m)
             log_f.write(json.dumps(m) + "\n")
             log_f.flush()
             bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
-            tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} ({reward.unit})"
+            tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} ({m['reward_unit']})"
                        f"  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}"
                        f"  {m['time_iter']:.1f}s")
             if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
@@ -1231,7 +1522,7 @@ def train(args: Args) -> list[dict]:
     return history
 
 
-def iteration(args, adapter, reward, opt, params, train_prompts, it, P, G, J, D, sigmas, grid, scope,
+def iteration(args, adapter, rewards, opt, params, train_prompts, it, P, G, J, D, sigmas, grid, scope,
               dev, ctx) -> dict:
     """One V-GRPO iteration, PAPER §4 steps 1–5. Returns host-side metrics (one sync at the end)."""
     N = P * G
@@ -1253,10 +1544,14 @@ def iteration(args, adapter, reward, opt, params, train_prompts, it, P, G, J, D,
     # [§4 step 2] rewards and group-relative advantages.
     t1 = time.perf_counter()
     sample_prompts = [prompts[i // G] for i in range(N)]
-    raw, _ = score(adapter, reward, x0, sample_prompts, args.reward_batch)   # (N,) raw, CPU
-    adv, adv_stats = group_advantages((raw * reward.train_scale).view(P, G), global_std=args.global_std,
-                                      std_eps=args.std_eps, clamp=args.adv_clamp, eta=args.soft_clip_eta)
+    raw_all, _ = score(adapter, rewards, [n for n, _ in rewards.train], x0, sample_prompts, args.reward_batch)
+    values = rewards.training_values(raw_all, rewards.train).view(-1, P, G)  # (K, P, G)
+    weights = torch.tensor([w for _, w in rewards.train])
+    aggregate = per_reward_advantages if args.reward_aggregation == "per_reward" else weighted_sum_advantages
+    adv, adv_stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
+                               clamp=args.adv_clamp, eta=args.soft_clip_eta)
     adv = adv.flatten().to(dev)                                              # (N,)
+    raw = rewards.summary(raw_all, rewards.train)                            # (N,) headline reward
     times["time_reward"] = time.perf_counter() - t1
 
     # [§4 step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ step.
@@ -1322,9 +1617,14 @@ def iteration(args, adapter, reward, opt, params, train_prompts, it, P, G, J, D,
     finite = raw[torch.isfinite(raw)]
     m = {"iter": it, "reward_mean": finite.mean().item() if len(finite) else float("nan"),
          "reward_std": finite.std(unbiased=False).item() if len(finite) else float("nan"),
-         "reward_unit": reward.unit, "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
+         "reward_unit": rewards.unit(rewards.train), "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
          "skipped": skipped, **host, **times,
          "nfe_rollout": args.num_steps, "nfe_old": args.num_steps + J, "nfe_theta": J}
+    if len(raw_all) > 1:
+        for n, r in raw_all.items():
+            f = r[torch.isfinite(r)]
+            m[f"reward_{n}_mean"] = f.mean().item() if len(f) else float("nan")
+            m[f"reward_{n}_std"] = f.std(unbiased=False).item() if len(f) else float("nan")
     for k in ("ratio", "abs_log_ratio", "clip_frac", "approx_kl", "kl_x"):
         m.setdefault(k, float("nan") if skipped else 0.0)
     if m["n_nonfinite_reward"]:

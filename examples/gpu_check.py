@@ -99,7 +99,7 @@ def build_pickscore_random(device, dtype):
     proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 224},
                                                             crop_size={"height": 224, "width": 224}),
                          tokenizer=tok)
-    return V.PickScoreReward(model, proc, device, dtype)
+    return V.Rewards.of({"pickscore": V.PickScoreReward(model, proc, device, dtype)}, [("pickscore", 1.0)])
 
 
 def forward_flops(adapter, D, cond, ctx):
@@ -164,7 +164,7 @@ def main():
     if a.cpu_smoke:
         dev = torch.device("cpu")
         pipe = V.build_tiny_sd3_pipeline()
-        reward = V.JpegReward()
+        reward = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
         small = ["--prompts_per_iter", "2", "--group_size", "3", "--num_steps", "4"]
         rows = [run_config(n, small + CONFIGS[n] + ["--prompts_per_iter", "2"], pipe, reward, dev, torch.float32,
                            torch.autocast("cpu", enabled=False), a.peak, model="tiny") for n in a.configs.split(",")]
