@@ -610,3 +610,166 @@ def test_toy_vgrpo_beats_naive():
     assert mean(v, "final_reward") - mean(f, "final_reward") >= 0.05, (
         [r["final_reward"] for r in v], [r["final_reward"] for r in f])
     assert mean(v, "cv_group") <= 0.5 * mean(f, "cv_group"), ([r["cv_group"] for r in v], [r["cv_group"] for r in f])
+
+
+# ------------------------------------------------------------------------------------------------
+# Rewards: every code path on tiny models built offline, preprocessing against the reference
+# processors, aggregation math, plug-ins
+# ------------------------------------------------------------------------------------------------
+def _tiny_open_clip(folder):
+    """A tiny open_clip config + an HPS-style checkpoint ({'state_dict': ...}) of random weights."""
+    import open_clip
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = folder / "tiny-hps.json"
+    cfg.write_text(json.dumps({"embed_dim": 16,
+                               "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "patch_size": 8, "head_width": 16},
+                               "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}))
+    open_clip.add_model_config(str(cfg))
+    torch.manual_seed(0)
+    model = open_clip.create_model("tiny-hps", pretrained=None)
+    torch.save({"state_dict": model.state_dict()}, folder / "hps.pt")
+    return cfg, folder / "hps.pt", model
+
+
+def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
+    import open_clip
+    from PIL import Image
+    cfg, ckpt, ref_model = _tiny_open_clip(tmp_path)
+    rw = V.HPSv2Reward.load(str(cfg), str(ckpt), torch.device("cpu"), torch.float32)
+    torch.manual_seed(1)
+    imgs = torch.rand(3, 3, 40, 64)                                  # non-square: exercises the padding
+    prompts = ["a red fox", "a blue car", "a cat"]
+    got = rw(imgs, prompts)
+    assert got.shape == (3,) and torch.isfinite(got).all() and (got.abs() <= 1 + 1e-5).all()
+    # reference: open_clip's own "resize longest side + pad" transform on PIL images (HPS's ResizeMaxSize)
+    tf = open_clip.transform.image_transform(32, is_train=False, mean=open_clip.OPENAI_DATASET_MEAN,
+                                             std=open_clip.OPENAI_DATASET_STD, resize_mode="longest", fill_color=0)
+    pil = [Image.fromarray((im.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()) for im in imgs]
+    px = torch.stack([tf(p) for p in pil])
+    mine = rw.preprocess((imgs * 255).round() / 255)
+    assert (mine - px).abs().mean() < 0.02 and (mine - px).abs().max() < 0.5     # resampler kernels differ a bit
+    with torch.no_grad():
+        ref = (ref_model.encode_image(px, normalize=True) *
+               ref_model.encode_text(open_clip.get_tokenizer("tiny-hps")(prompts), normalize=True)).sum(-1)
+    torch.testing.assert_close(got, ref, atol=0.02, rtol=0)
+
+
+def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
+    from transformers import AutoModel, AutoProcessor
+    _tiny_pickscore(tmp_path / "clip")
+    rw = V.CLIPScoreReward.load(str(tmp_path / "clip"), str(tmp_path / "clip"), torch.device("cpu"), torch.float32)
+    imgs, prompts = torch.rand(2, 3, 32, 32), ["a dog", "a tree"]
+    got = rw(imgs, prompts)
+    proc, model = AutoProcessor.from_pretrained(tmp_path / "clip"), AutoModel.from_pretrained(tmp_path / "clip")
+    px = proc(images=list(imgs), return_tensors="pt", do_rescale=False)["pixel_values"]
+    ti = proc(text=prompts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        out = model(input_ids=ti.input_ids, attention_mask=ti.attention_mask, pixel_values=px)
+    torch.testing.assert_close(got, out.logits_per_image.diag() / model.logit_scale.exp(), atol=2e-3, rtol=0)
+
+
+def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    d = tmp_path / "clip"
+    d.mkdir()
+    tok = V.tiny_clip_tokenizer(str(d))
+    n = len(tok)
+    cfg = CLIPConfig(text_config=dict(vocab_size=n, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, max_position_embeddings=77, bos_token_id=n - 2,
+                                      eos_token_id=n - 1, pad_token_id=n - 1),
+                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, image_size=32, patch_size=8),
+                     projection_dim=768)                            # the LAION head takes ViT-L/14's 768
+    torch.manual_seed(0)
+    CLIPModel(cfg).save_pretrained(d)
+    CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+                  tokenizer=tok).save_pretrained(d)
+    head = V.AestheticReward.make_head()
+    torch.save(head.state_dict(), tmp_path / "aesthetic.pth")
+    rw = V.AestheticReward.load(str(d), str(d), torch.device("cpu"), torch.float32, str(tmp_path / "aesthetic.pth"))
+    imgs = torch.rand(4, 3, 32, 32)
+    got = rw(imgs, ["x"] * 4)
+    assert got.shape == (4,) and torch.isfinite(got).all()
+    with torch.no_grad():
+        f = V._features(CLIPModel.from_pretrained(d).get_image_features(pixel_values=rw.preprocess(imgs)))
+        torch.testing.assert_close(got, head.eval()(torch.nn.functional.normalize(f, dim=-1)).squeeze(-1))
+    assert sorted(k for k in head.state_dict()) == sorted(
+        f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))   # the original's key names
+
+
+def test_imagereward_without_package_says_how_to_install(tmp_path, capsys):
+    try:
+        import ImageReward  # noqa: F401
+        pytest.skip("image-reward is installed here")
+    except ImportError:
+        pass
+    _fails(TINY + ["--reward", "imagereward"], tmp_path, capsys, r"pip install image-reward")
+
+
+def test_reward_spec_parsing():
+    assert V.parse_reward_spec("pickscore") == [("pickscore", 1.0)]
+    assert V.parse_reward_spec("pickscore:1,hpsv2:0.5") == [("pickscore", 1.0), ("hpsv2", 0.5)]
+    assert V.parse_reward_spec("examples.custom_reward:colour_match:2, jpeg") == [
+        ("examples.custom_reward:colour_match", 2.0), ("jpeg", 1.0)]
+    assert V.parse_reward_spec("my.mod:fn") == [("my.mod:fn", 1.0)]
+    for bad in ("pickscor", "pickscore:-1", "jpeg,jpeg", "", "jpeg:nan"):
+        with pytest.raises(ValueError):
+            V.parse_reward_spec(bad)
+
+
+def test_weighted_sum_aggregation_by_hand():
+    r = torch.tensor([[[1.0, 3.0]], [[10.0, 0.0]]])                 # K=2 rewards, P=1, G=2
+    w = torch.tensor([1.0, 0.5])
+    a, _ = V.weighted_sum_advantages(r, w, global_std=False, std_eps=0.0, clamp=100.0, eta=0.0)
+    # totals 6 and 3 → mean 4.5, std 1.5 → ±1
+    torch.testing.assert_close(a, torch.tensor([[1.0, -1.0]]))
+
+
+def test_per_reward_aggregation_by_hand():
+    r = torch.tensor([[[1.0, 3.0, 5.0]], [[0.0, 0.0, 9.0]]])        # K=2, P=1, G=3
+    w = torch.tensor([3.0, 1.0])                                     # normalised to 0.75, 0.25
+    a, _ = V.per_reward_advantages(r, w, std_eps=0.0, clamp=100.0, eta=0.0)
+    z1 = torch.tensor([-2.0, 0.0, 2.0]) / math.sqrt(8 / 3)          # mean 3, pop. std sqrt(8/3)
+    z2 = torch.tensor([-3.0, -3.0, 6.0]) / math.sqrt(18.0)          # mean 3, pop. std sqrt(18)
+    torch.testing.assert_close(a[0], 0.75 * z1 + 0.25 * z2)
+    # a sample with one non-finite component is dropped from every reward's statistics
+    r2 = r.clone()
+    r2[1, 0, 0] = float("nan")
+    a2, st = V.per_reward_advantages(r2, w, std_eps=0.0, clamp=100.0, eta=0.0)
+    assert a2[0, 0] == 0 and st["frac_dropped"] == pytest.approx(1 / 3)
+    torch.testing.assert_close(a2[0, 1:], 0.75 * torch.tensor([-1.0, 1.0]) + 0.25 * torch.tensor([-1.0, 1.0]))
+    # soft-clip bound holds after aggregation
+    a3, _ = V.per_reward_advantages(r * 100, w, eta=0.5)
+    assert a3.abs().max() <= 0.5
+
+
+def test_plugin_reward_loading_and_errors(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    rw = V.PluginReward("examples.custom_reward:colour_match")
+    imgs = torch.zeros(3, 3, 8, 8)
+    imgs[0, 0] = 1.0                                                 # pure red
+    got = rw(imgs, ["a red apple", "a blue sky", "a cat"])
+    torch.testing.assert_close(got, torch.tensor([1.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="could not import module 'no_such_module'"):
+        V.PluginReward("no_such_module:fn")
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        V.PluginReward("examples.custom_reward:nope")
+    (tmp_path / "badreward.py").write_text("import torch\ndef two(images, prompts):\n    return torch.zeros(len(prompts), 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"returned shape \(3, 2\), expected \(3,\)"):
+        V.PluginReward("badreward:two")(imgs, ["a", "b", "c"])
+
+
+def test_multi_reward_run_logs_each_reward_and_eval_rewards(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    _tiny_pickscore(tmp_path / "clip")
+    assert V.main(TINY + ["--reward", "jpeg:1,examples.custom_reward:colour_match:0.5", "--reward_aggregation",
+                          "per_reward", "--eval_rewards", "jpeg,clipscore", "--clip_model", str(tmp_path / "clip"),
+                          "--iterations", "1", "--eval_every", "1", "--run_dir", str(tmp_path / "run")]) == 0
+    ms = _metrics(tmp_path / "run")
+    tr = [m for m in ms if "reward_mean" in m][0]
+    assert {"reward_jpeg_mean", "reward_examples.custom_reward:colour_match_mean"} <= set(tr)
+    j, c = tr["reward_jpeg_mean"], tr["reward_examples.custom_reward:colour_match_mean"]
+    assert tr["reward_mean"] == pytest.approx(j + 0.5 * c, rel=1e-5)          # weighted headline value
+    ev = [m for m in ms if "eval_reward_mean" in m]
+    assert all({"eval_jpeg_mean", "eval_clipscore_mean"} <= set(e) for e in ev) and len(ev) == 2
