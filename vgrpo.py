@@ -88,7 +88,8 @@ import torch.nn.functional as F
 # ------------------------------------------------------------------------------------------------
 # §2  Configuration. One dataclass is the single source of truth: every field is a CLI flag of
 #     the same name, and its `src` says where the default comes from ([PAPER §x] or "our choice").
-#     Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > default.
+#     Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > per-family preset
+#     (FAMILY_PRESETS: SD3 or FLUX) > default.
 # ------------------------------------------------------------------------------------------------
 def _f(default, help: str, src: str = "our choice", choices=None):
     return field(default=default, metadata=dict(help=help, src=src, choices=choices))
@@ -106,9 +107,12 @@ class Args:
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
     # --- model -----------------------------------------------------------------------------------
-    model: str = _f("sd3.5-medium", "alias (tiny, sd3.5-medium, sd3.5-large, sd3-medium), hub id or local dir")
+    model: str = _f("sd3.5-medium", "alias (tiny, tiny-flux, sd3.5-medium, sd3.5-large, sd3-medium, "
+                    "flux.1-dev), hub id or local dir")
     resolution: int = _f(512, "image side in pixels", "[PAPER §3 item 7] DiffusionNFT's 512")
     max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [FACTS (d)]")
+    guidance: float = _f(3.5, "FLUX: distilled guidance embedding (no true CFG)", "[PAPER §3 item 1] [FACTS (d)]")
+    flux_shift: float = _f(3.0, "FLUX: time shift of the rollout grid", "[PAPER §3 item 8] MixGRPO")
     lora_rank: int = _f(32, "LoRA rank r", "[PAPER §1.7] SD3.5-M Stage 1")
     lora_alpha: int = _f(64, "LoRA alpha", "[PAPER §1.7] SD3.5-M Stage 1")
     lora_targets: str = _f("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out",
@@ -176,12 +180,24 @@ class Args:
 # Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
 # minutes; its numbers are our choice, measured on a 2-core machine (README "Quickstart").
 MODEL_PRESETS: dict[str, dict] = {
-    "tiny": dict(resolution=64, num_steps=8, max_sequence_length=32, prompts_per_iter=4, group_size=8,
+    "tiny": dict(resolution=64, num_steps=8, max_sequence_length=32, prompts_per_iter=4, group_size=8, gradient_checkpointing=False,
                  lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
                  eval_every=10, save_every=10, n_eval=8),
-    "sd3.5-medium": dict(gradient_checkpointing=True),
-    "sd3.5-large": dict(gradient_checkpointing=True),
-    "sd3-medium": dict(gradient_checkpointing=True),
+    "tiny-flux": dict(resolution=64, num_steps=8, max_sequence_length=32, prompts_per_iter=4, group_size=8,
+                      lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
+                      eval_every=10, save_every=10, n_eval=8, reward="jpeg", gradient_checkpointing=False),
+}
+FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"   # attention
+                     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"        # double-block FF
+                     "proj_mlp,proj_out")                                                    # single blocks
+# Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
+# baseline numbers [PAPER §3 items 1–3, 8; §7], with LoRA (use --full_finetune --lr 1e-5 for theirs).
+FAMILY_PRESETS: dict[str, dict] = {
+    "sd3": dict(gradient_checkpointing=True),
+    "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, solver="dpmpp2m", group_size=12,
+                 prompts_per_iter=2, mu=4, clip_eps=1e-2, soft_clip_eta=3.0, reward="hpsv2:1,pickscore:1",
+                 reward_aggregation="per_reward", global_std=False, std_eps=1e-8, max_sequence_length=512,
+                 lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
 PRESETS: dict[str, dict] = {
     "paper": dict(prompts_per_iter=48, group_size=24),          # [PAPER §1.7] 48 × 24 = 1,152 images
@@ -211,7 +227,8 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
 def resolve_args(given: dict) -> Args:
     """Apply per-model and named presets under the explicitly given values; validate."""
     model = given.get("model", Args.model)
-    values = dict(MODEL_PRESETS.get(model, {}))
+    values = dict(FAMILY_PRESETS[model_family(model)])
+    values.update(MODEL_PRESETS.get(model, {}))
     if given.get("preset"):
         values.update(PRESETS[given["preset"]])
     values.update(given)
@@ -302,6 +319,19 @@ def sigma_grid(num_steps: int, shift: float = 1.0, sigma_min: Optional[float] = 
         return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
     s = torch.linspace(1.0, sigma_min, num_steps, dtype=torch.float64)
     return torch.cat([time_shift(s, shift), torch.zeros(1, dtype=torch.float64)])
+
+
+def pack_latents(lat: torch.Tensor) -> torch.Tensor:
+    """FLUX's 2×2 patch packing: (B, C, H, W) → (B, (H/2)·(W/2), 4C), row-major over patches.
+    A pure permutation, so Gaussian noise and per-element means are the same in both layouts."""
+    B, C, H, W = lat.shape
+    return lat.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // 2) * (W // 2), 4 * C)
+
+
+def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+    """Inverse of pack_latents: (B, (H/2)·(W/2), 4C) → (B, C, H, W)."""
+    B, _, C4 = x.shape
+    return x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, C4 // 4, H, W)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -637,8 +667,20 @@ MODEL_ALIASES = {
     "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
     "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
     "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
+    "flux.1-dev": "black-forest-labs/FLUX.1-dev",
 }
-SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline",)
+TINY_MODELS = {"tiny": "StableDiffusion3Pipeline", "tiny-flux": "FluxPipeline"}
+SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
+
+
+def model_family(name: str) -> str:
+    """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
+    if name in TINY_MODELS:
+        return "flux" if TINY_MODELS[name] == "FluxPipeline" else "sd3"
+    index = Path(name, "model_index.json")
+    if index.is_file():
+        return "flux" if json.loads(index.read_text()).get("_class_name") == "FluxPipeline" else "sd3"
+    return "flux" if "flux" in MODEL_ALIASES.get(name, name).lower() else "sd3"
 
 
 def _quiet_hf():
@@ -653,14 +695,14 @@ def _quiet_hf():
 
 def resolve_model(name: str) -> str:
     """'tiny' | alias | local diffusers dir | hub id → what from_pretrained gets. Raises ValueError."""
-    if name == "tiny" or os.path.isdir(name):
+    if name in TINY_MODELS or os.path.isdir(name):
         return name
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
     parts = name.split("/")
     if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
         return name                                                  # looks like owner/name
-    raise ValueError(f"unknown model {name!r}: use an alias ({', '.join(['tiny', *MODEL_ALIASES])}), "
+    raise ValueError(f"unknown model {name!r}: use an alias ({', '.join([*TINY_MODELS, *MODEL_ALIASES])}), "
                      "a hub id such as stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
 
 
@@ -671,12 +713,15 @@ def _offline_hint(what: str, location: str, flag: str) -> str:
 
 
 def load_pipeline(name: str, dtype: torch.dtype):
-    """Load a diffusers SD3-family pipeline: the same code path for hub ids and local folders."""
-    from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
+    """Load a diffusers SD3 or FLUX pipeline: the same code path for hub ids and local folders."""
+    import diffusers
+    from diffusers import DiffusionPipeline
     _quiet_hf()
     location = resolve_model(name)
     if location == "tiny":
         pipe = build_tiny_sd3_pipeline()
+    elif location == "tiny-flux":
+        pipe = build_tiny_flux_pipeline()
     else:
         if os.path.isdir(location):
             index = Path(location, "model_index.json")
@@ -688,19 +733,20 @@ def load_pipeline(name: str, dtype: torch.dtype):
         try:
             with warnings.catch_warnings():       # `torch_dtype` works on diffusers 0.3x–0.4x;
                 warnings.simplefilter("ignore", FutureWarning)      # 0.42 prefers `dtype`
-                pipe = (StableDiffusion3Pipeline if os.path.isdir(location) else DiffusionPipeline
-                        ).from_pretrained(location, torch_dtype=dtype)
+                cls = getattr(diffusers, cls_name) if os.path.isdir(location) else DiffusionPipeline
+                pipe = cls.from_pretrained(location, torch_dtype=dtype)
         except (OSError, EnvironmentError) as e:
             raise RuntimeError(_offline_hint("the model", location, "--model")) from e
         if type(pipe).__name__ not in SUPPORTED_PIPELINES:
             raise ValueError(f"{location!r} is a {type(pipe).__name__}; supported: {SUPPORTED_PIPELINES}")
-    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+    parts = [getattr(pipe, n, None) for n in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")]
+    for m in parts:
         if m is not None:
             m.requires_grad_(False).eval()
     # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs band).
     # Explicit casts also work around a diffusers loading bug that can leave the transformer in
     # fp32 when a bf16 dtype is requested [FACTS (g) 8.5].
-    for m in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.vae):
+    for m in parts:
         want = torch.float32 if m is pipe.vae else dtype
         if m is not None and m.dtype != want:
             m.to(want)
@@ -819,6 +865,50 @@ def _smooth_decoder(vae) -> None:
             conv.weight[i, i, 1, 1] = gain
 
 
+def build_tiny_flux_pipeline(seed: int = 0):
+    """A randomly initialised FluxPipeline in miniature (one double- and one single-stream block,
+    guidance embedding like FLUX.1-dev, CLIP-L pooled + T5 text), ~0.1M params, offline
+    [FACTS (g) 4]. Same latent-sensitive VAE decoder as the tiny SD3 pipeline."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory() as d:
+        tok1 = tiny_clip_tokenizer(d)
+    tok2 = tiny_t5_tokenizer()
+    V = len(tok1)
+    te1 = CLIPTextModel(CLIPTextConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, max_position_embeddings=77, bos_token_id=V - 2,
+                                       eos_token_id=V - 1, pad_token_id=V - 1, hidden_act="quick_gelu"))
+    te2 = T5EncoderModel(T5Config(vocab_size=len(tok2), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+                                  relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=0,
+                                  eos_token_id=1, decoder_start_token_id=0))
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                         pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
+                        layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=64,
+                        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                            base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = FluxPipeline(scheduler=sched, vae=vae, text_encoder=te1, tokenizer=tok1, text_encoder_2=te2,
+                        tokenizer_2=tok2, transformer=transformer)
+    _smooth_decoder(vae)
+    for m in (transformer, vae, te1, te2):
+        m.eval()
+    return pipe
+
+
+# The seam between the algorithm and a pipeline: the loop, samplers, surrogate and loss only call
+# encode / latent_shape / velocity / decode / sigmas. The two models differ exactly here [FACTS (d)]:
+#
+#                    SD3 / SD3.5                          FLUX.1-dev
+#   text             CLIP-L + CLIP-G (+ T5) → 77 + L      CLIP-L pooled + T5 → L tokens, txt_ids
+#   latent in ODE    (16, H/8, W/8)                       packed 2×2: ((H/16)(W/16), 64), img_ids
+#   timestep         1000·t                               t (the transformer scales it by 1000)
+#   guidance         none (CFG-free)                      distilled guidance embedding, 3.5
+#   rollout grid     the scheduler's (shift 3)            linspace shifted by 3 (MixGRPO) [PAPER §3 item 8]
+#   VAE factors      1.5305 / 0.0609                      0.3611 / 0.1159 (read from vae.config)
 class SD3Adapter:
     """The seam between the algorithm and a diffusers SD3 pipeline [FACTS (d)]: text encoding,
     latent shape, the velocity call, decoding and the rollout grid. The loop sees only these."""
@@ -864,6 +954,57 @@ class SD3Adapter:
         """Write the LoRA in diffusers' format: StableDiffusion3Pipeline.load_lora_weights(folder)."""
         type(self.pipe).save_lora_weights(folder, transformer_lora_layers=state,
                                           transformer_lora_adapter_metadata=lora_config.to_dict())
+
+
+class FluxAdapter(SD3Adapter):
+    """FLUX.1: packed latents with image ids, t in [0, 1], the guidance embedding, a fixed shifted grid."""
+
+    def __init__(self, pipe, device: torch.device, max_sequence_length: int, guidance: float = 3.5,
+                 shift: float = 3.0):
+        super().__init__(pipe, device, max_sequence_length)
+        self.guidance, self.shift = guidance, shift
+        self.C = self.transformer.config.in_channels // 4                            # 16 latent channels
+        self.txt_ids = torch.zeros(max_sequence_length, 3, device=device)
+
+    def latent_shape(self, resolution: int) -> tuple:
+        r = resolution // self.vae_scale                                              # latent side (even)
+        return ((r // 2) * (r // 2), 4 * self.C)                                      # (seq, 64)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> dict:
+        """prompt_embeds (B, L, 4096) from T5, pooled (B, 768) from CLIP-L."""
+        pe, pooled, txt_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
+                                                      max_sequence_length=self.L)
+        self.txt_ids = txt_ids
+        return {"prompt_embeds": pe, "pooled": pooled}
+
+    def _img_ids(self, seq: int) -> torch.Tensor:
+        s = math.isqrt(seq)                                                           # square images
+        rows, cols = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
+        return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(seq, 3).to(self.device)
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """v_θ on packed latents x (M, seq, 64), t (M,) in [0, 1]."""
+        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
+        g = (torch.full((x.shape[0],), self.guidance, device=x.device, dtype=dt)
+             if self.transformer.config.guidance_embeds else None)
+        return self.transformer(hidden_states=x.to(dt), timestep=t.to(dt), guidance=g,
+                                pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
+                                txt_ids=self.txt_ids, img_ids=self._img_ids(x.shape[1]), return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        side = 2 * math.isqrt(latents.shape[1])
+        return super().decode(unpack_latents(latents, side, side))
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        return sigma_grid(num_steps, self.shift)
+
+
+def make_adapter(pipe, args: "Args", device: torch.device):
+    if type(pipe).__name__ == "FluxPipeline":
+        return FluxAdapter(pipe, device, args.max_sequence_length, args.guidance, args.flux_shift)
+    return SD3Adapter(pipe, device, args.max_sequence_length)
 
 
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
@@ -1386,8 +1527,7 @@ def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optim
 def load_trainable(adapter, ckpt: Path, full: bool) -> None:
     """Load trained weights back into the live transformer (the inverse of save_checkpoint)."""
     if full:
-        from diffusers import SD3Transformer2DModel
-        src = SD3Transformer2DModel.from_pretrained(ckpt / "transformer", torch_dtype=torch.float32)
+        src = type(adapter.transformer).from_pretrained(ckpt / "transformer", torch_dtype=torch.float32)
         adapter.transformer.load_state_dict(src.state_dict())
         return
     from peft.utils import set_peft_model_state_dict
@@ -1424,7 +1564,7 @@ def train(args: Args) -> list[dict]:
     pipe = load_pipeline(args.model, dtype)
     pipe.to(dev)
     pipe.vae.to(torch.float32)
-    adapter = SD3Adapter(pipe, dev, args.max_sequence_length)
+    adapter = make_adapter(pipe, args, dev)
     rewards = Rewards(args, dev, dtype)
 
     # ---- trainable parameters: LoRA (default) or the whole transformer -----------------------

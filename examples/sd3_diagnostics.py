@@ -188,13 +188,14 @@ def per_sample_grads(adapter, params, x0, cond, prompt_idx, pairs, variant, adv,
     return norms, g_batch
 
 
-def measure(mine, args, log=print) -> tuple[list[dict], dict]:
+def measure(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict], dict]:
+    """All variants on one rollout batch. `pipe` / `rewards` may be passed in already built."""
     t_start = time.perf_counter()
     dev, dtype, ctx = V.setup_device(args)
     torch.manual_seed(args.seed)
 
     # ---- model, LoRA (the trainable parameters whose gradient we measure), reward --------------
-    pipe = V.load_pipeline(args.model, dtype)
+    pipe = pipe if pipe is not None else V.load_pipeline(args.model, dtype)
     pipe.to(dev)
     pipe.vae.to(torch.float32)
     adapter = V.SD3Adapter(pipe, dev, args.max_sequence_length)
@@ -202,7 +203,7 @@ def measure(mine, args, log=print) -> tuple[list[dict], dict]:
     if args.gradient_checkpointing:
         adapter.transformer.enable_gradient_checkpointing()
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
-    rewards = build_rewards(args, dev, dtype)
+    rewards = rewards if rewards is not None else build_rewards(args, dev, dtype)
 
     # ---- ONE fixed rollout batch: P prompts × G images, as vgrpo.iteration() draws them ----------
     P, G, J = args.prompts_per_iter, args.group_size, args.n_mc
