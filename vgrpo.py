@@ -1546,6 +1546,9 @@ def setup_device(args: Args) -> tuple[torch.device, torch.dtype, contextlib.Abst
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True      # fp32 matmuls (surrogate math) on tensor cores
         torch.backends.cudnn.allow_tf32 = True
+        # cuDNN's fused attention failed in the backward pass of FLUX.1-dev (head dim 128) on an H200
+        # with torch 2.11 ("mha_graph.execute(...).is_good()"); flash / mem-efficient SDPA are used instead.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     ctx = torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     return dev, dtype, ctx
 

@@ -13,7 +13,7 @@ side: NFE per sample of each phase and the wall time of each phase (rollout, rew
 pass, update), plus the held-out ODE reward before and after (do not over-read this on the tiny
 random model: it only shows that both update code paths run and move the policy).
 
-    python examples/flow_grpo_sd3.py                   # tiny SD3 pipeline, CPU, ~40 s
+    python examples/flow_grpo_sd3.py                   # tiny SD3 pipeline, CPU, ~30 s
     python examples/flow_grpo_sd3.py --model sd3.5-medium --reward pickscore --num_steps 10   # one GPU
 
 Any other vgrpo.py flag is passed through (--resolution, --n_mc, --micro_batch, --lr, ...); both
@@ -83,27 +83,16 @@ def parse(argv):
 # ------------------------------------------------------------------------------------------------
 # Rewards → advantages, as vgrpo.iteration() computes them (step 2 of PAPER §4).
 # ------------------------------------------------------------------------------------------------
-def build_rewards(args, dev, dtype):
-    if hasattr(V, "Rewards"):                      # vgrpo.py with multi-reward support
-        return V.Rewards(args, dev, dtype)
-    return V.build_reward(args, dev, dtype)        # vgrpo.py with a single reward
-
-
 def score_and_advantages(adapter, rewards, args, x0, sample_prompts, P, G, eta):
     """Decode + score N latents, group-relative advantages (soft-clip η; 0 = off). Returns raw, A (N,)."""
     kw = dict(global_std=args.global_std, std_eps=args.std_eps, clamp=args.adv_clamp, eta=eta)
-    if hasattr(V, "Rewards"):
-        names = [n for n, _ in rewards.train]
-        raw_all, _ = V.score(adapter, rewards, names, x0, sample_prompts, args.reward_batch)
-        values = rewards.training_values(raw_all, rewards.train).view(-1, P, G)        # (K, P, G)
-        weights = torch.tensor([w for _, w in rewards.train])
-        agg = V.per_reward_advantages if args.reward_aggregation == "per_reward" else V.weighted_sum_advantages
-        adv, _ = agg(values, weights, **kw)
-        raw = rewards.summary(raw_all, rewards.train)
-    else:
-        raw, _ = V.score(adapter, rewards, x0, sample_prompts, args.reward_batch)
-        adv, _ = V.group_advantages((raw * rewards.train_scale).view(P, G), **kw)
-    return raw, adv.flatten()
+    names = [n for n, _ in rewards.train]
+    raw_all, _ = V.score(adapter, rewards, names, x0, sample_prompts, args.reward_batch)
+    values = rewards.training_values(raw_all, rewards.train).view(-1, P, G)          # (K, P, G)
+    weights = torch.tensor([w for _, w in rewards.train])
+    agg = V.per_reward_advantages if args.reward_aggregation == "per_reward" else V.weighted_sum_advantages
+    adv, _ = agg(values, weights, **kw)                                                # (P, G)
+    return rewards.summary(raw_all, rewards.train), adv.flatten()                      # (N,), (N,)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,14 +245,14 @@ def run(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict], dic
     pipe = pipe if pipe is not None else V.load_pipeline(args.model, dtype)
     pipe.to(dev)
     pipe.vae.to(torch.float32)
-    adapter = V.SD3Adapter(pipe, dev, args.max_sequence_length)
+    adapter = V.make_adapter(pipe, args, dev)
     V.add_lora(adapter.transformer, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
     if args.gradient_checkpointing:
         adapter.transformer.enable_gradient_checkpointing()
     named = {n: p for n, p in adapter.transformer.named_parameters() if p.requires_grad}
     init = {n: p.detach().clone() for n, p in named.items()}          # both methods start here
     params = list(named.values())
-    rewards = rewards if rewards is not None else build_rewards(args, dev, dtype)
+    rewards = rewards if rewards is not None else V.Rewards(args, dev, dtype)
     train_prompts, eval_prompts = V.load_prompts(args)
 
     P, G, J = args.prompts_per_iter, args.group_size, args.n_mc
@@ -292,6 +281,7 @@ def run(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict], dic
             log(f"{method:9s} iter {it}  reward {m['reward_mean']:.4f}  |log ρ| {m['abs_log_ratio']:.2e}  "
                 f"clip {m['clip_frac']:.2f}  grad {m['grad_norm']:.3g}  {m['time_iter']:.2f}s")
         after = evaluate(adapter, rewards, args, eval_prompts, D, dev, ctx)
+        moved = torch.sqrt(sum((p.detach().float() - init[n].float()).square().sum() for n, p in named.items()))
         med = lambda k: statistics.median(h[k] for h in hist)       # robust to a first-iteration warm-up
         rows.append({
             "method": method,
@@ -305,7 +295,7 @@ def run(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict], dic
             "clip_frac": statistics.mean(h["clip_frac"] for h in hist),
             "abs_log_ratio_first": hist[0].get("abs_log_ratio_first", hist[0]["abs_log_ratio"]),
             "train_reward_first": hist[0]["reward_mean"], "train_reward_last": hist[-1]["reward_mean"],
-            "eval_reward_before": before, "eval_reward_after": after,
+            "eval_reward_before": before, "eval_reward_after": after, "lora_change": float(moved),
         })
     info = {"model": args.model, "reward": args.reward, "device": str(dev), "dtype": str(dtype).split(".")[-1],
             "P": P, "G": G, "K": args.num_steps, "J": J, "resolution": args.resolution,
@@ -324,12 +314,12 @@ def to_markdown(rows, info) -> str:
             f"iterations each (times: median over them); {info['seconds']:.0f} s in all.\n\n")
     cols = ("| method | rollout | NFE rollout | NFE old (extra) | NFE π_θold | NFE π_θ (with grad) | opt. steps | "
             "rollout s | reward s | old s | update s | iteration s | clip frac | \\|log ρ\\| at θ=θ_old | "
-            "train reward first → last | eval reward before → after |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "‖Δθ_LoRA‖ | train reward first → last | eval reward before → after |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = [f"| {r['method']} | {r['rollout']} | {r['nfe_rollout']} | {r['nfe_old_extra']} | {r['nfe_pi_old']} | "
              f"{r['nfe_theta']} | {r['opt_steps']} | {r['time_rollout']:.2f} | {r['time_reward']:.2f} | "
              f"{r['time_old']:.2f} | {r['time_update']:.2f} | {r['time_iter']:.2f} | {r['clip_frac']:.2f} | "
-             f"{r['abs_log_ratio_first']:.1e} | {r['train_reward_first']:.4f} → {r['train_reward_last']:.4f} | "
+             f"{r['abs_log_ratio_first']:.1e} | {r['lora_change']:.3g} | {r['train_reward_first']:.4f} → {r['train_reward_last']:.4f} | "
              f"{r['eval_reward_before']:.4f} → {r['eval_reward_after']:.4f} |" for r in rows]
     foot = ("\n\nNFE per sample (transformer forwards; CFG-free): π_θold = rollout + extra old-policy pass "
             "(the paper's Table 1 convention, PAPER §1.6); π_θ = forwards with grad (each also one backward). "

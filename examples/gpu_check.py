@@ -9,6 +9,7 @@ sequence lengths are the real 77 + 128).
     python examples/gpu_check.py                      # default single-GPU settings + a variant
     python examples/gpu_check.py --configs default    # one configuration
     python examples/gpu_check.py --cpu_smoke          # the script itself, on the tiny model, CPU
+    python examples/gpu_check.py --family flux        # FLUX.1-dev's architecture (11.9B), random weights
 
 For each configuration it runs vgrpo.iteration() once after a small warm-up iteration and prints
 the wall time of each phase, peak GPU memory, NFE per sample and achieved model TFLOP/s (model
@@ -38,7 +39,15 @@ CONFIGS = {
     "mb8_nockpt": ["--prompts_per_iter", "2", "--micro_batch", "8", "--no-gradient_checkpointing"],
     # the default batch with bigger rollout and training micro-batches (throughput)
     "rb48_mb8": ["--rollout_batch", "48", "--micro_batch", "8"],
+    # FLUX defaults (720 px, 16-step DPM-Solver++(2M), μ = 4, clip 1e-2) at MixGRPO's per-GPU batch:
+    # one prompt × 12 images [PAPER §3 item 1]
+    "flux_default": ["--prompts_per_iter", "1"],
+    "flux_g4": ["--prompts_per_iter", "1", "--group_size", "4"],
+    "flux_nockpt_mb1": ["--prompts_per_iter", "1", "--no-gradient_checkpointing", "--micro_batch", "1"],
 }
+WARMUP = {"sd3": ["--prompts_per_iter", "1", "--group_size", "4", "--num_steps", "4"],
+          "flux": ["--prompts_per_iter", "1", "--group_size", "2", "--num_steps", "4", "--resolution", "256",
+                   "--mu", "1", "--no-gradient_checkpointing", "--micro_batch", "1"]}
 
 
 def build_sd35m_random(device, dtype, t5_layers=24):
@@ -81,6 +90,37 @@ def build_sd35m_random(device, dtype, t5_layers=24):
     return pipe
 
 
+def build_flux_dev_random(device, dtype):
+    """FluxPipeline with FLUX.1-dev's architecture (diffusers' default FluxTransformer2DModel config:
+    19 double + 38 single blocks, width 3072, guidance embedding) and random weights."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        tok1 = V.tiny_clip_tokenizer(d)
+    tok2 = V.tiny_t5_tokenizer()
+    n = len(tok1)
+    with torch.device(device):
+        transformer = FluxTransformer2DModel(guidance_embeds=True).to(dtype)
+        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
+                            layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
+                            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                            use_post_quant_conv=False)
+        te1 = CLIPTextModel(CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072,
+                                           num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77,
+                                           bos_token_id=n - 2, eos_token_id=n - 1, pad_token_id=n - 1)).to(dtype)
+        te2 = T5EncoderModel(T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
+                                      num_heads=64, feed_forward_proj="gated-gelu", dropout_rate=0.0,
+                                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).to(dtype)
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), vae=vae,
+                        text_encoder=te1, tokenizer=tok1, text_encoder_2=te2, tokenizer_2=tok2, transformer=transformer)
+    for m in (transformer, vae, te1, te2):
+        m.requires_grad_(False).eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def build_pickscore_random(device, dtype):
     """A CLIP ViT-H/14 (PickScore's architecture, ~0.99B params) with random weights."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
@@ -114,7 +154,7 @@ def forward_flops(adapter, D, cond, ctx):
 
 
 def run_config(name, extra, pipe, reward, dev, dtype, ctx, peak, model="sd3.5-medium"):
-    args = V.parse_args(["--model", model, "--reward", "pickscore"] + extra)
+    args = V.parse_args(["--model", model, "--reward", "pickscore", "--eval_rewards", "pickscore"] + extra)
     tr = pipe.transformer
     if hasattr(tr, "peft_config"):                      # fresh LoRA per configuration
         tr.delete_adapters(list(tr.peft_config))
@@ -125,7 +165,7 @@ def run_config(name, extra, pipe, reward, dev, dtype, ctx, peak, model="sd3.5-me
         tr.disable_gradient_checkpointing()
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    adapter = V.SD3Adapter(pipe, dev, args.max_sequence_length)
+    adapter = V.make_adapter(pipe, args, dev)
     prompts, _ = V.load_prompts(args)
     D = adapter.latent_shape(args.resolution)
     sig = adapter.sigmas(args.num_steps)
@@ -155,45 +195,55 @@ def run_config(name, extra, pipe, reward, dev, dtype, ctx, peak, model="sd3.5-me
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="default,mb8_nockpt")
+    ap.add_argument("--configs", default=None, help="default: default,mb8_nockpt (sd3) or flux_default (flux)")
+    ap.add_argument("--family", default="sd3", choices=("sd3", "flux"))
+    ap.add_argument("--extra", default="", help="flags appended to every configuration, warm-up included")
     ap.add_argument("--peak", type=float, default=BF16_PEAK_TFLOPS, help="GPU dense bf16 TFLOP/s")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--cpu_smoke", action="store_true", help="run the script on the tiny model on the CPU")
     a = ap.parse_args()
     V._quiet_hf()
+    a.configs = a.configs or ("flux_default" if a.family == "flux" else "default,mb8_nockpt")
+    extra = a.extra.split()
+    for k in CONFIGS:
+        CONFIGS[k] = CONFIGS[k] + extra
+    WARMUP[a.family] = WARMUP[a.family] + extra
+    model = "flux.1-dev" if a.family == "flux" else "sd3.5-medium"
     if a.cpu_smoke:
         dev = torch.device("cpu")
-        pipe = V.build_tiny_sd3_pipeline()
+        pipe = V.build_tiny_flux_pipeline() if a.family == "flux" else V.build_tiny_sd3_pipeline()
         reward = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
-        small = ["--prompts_per_iter", "2", "--group_size", "3", "--num_steps", "4"]
-        rows = [run_config(n, small + CONFIGS[n] + ["--prompts_per_iter", "2"], pipe, reward, dev, torch.float32,
-                           torch.autocast("cpu", enabled=False), a.peak, model="tiny") for n in a.configs.split(",")]
+        small = ["--prompts_per_iter", "2", "--group_size", "3", "--num_steps", "4", "--resolution", "64",
+                 "--max_sequence_length", "32", "--lora_rank", "4", "--lora_alpha", "8"]
+        rows = [run_config(n, small + CONFIGS[n] + ["--prompts_per_iter", "2", "--resolution", "64"], pipe, reward,
+                           dev, torch.float32, torch.autocast("cpu", enabled=False), a.peak, model=model)
+                for n in a.configs.split(",") if n in CONFIGS]
         print_table(rows)
         return
     assert torch.cuda.is_available(), "this check needs a CUDA GPU (or pass --cpu_smoke)"
     dev, dtype = torch.device("cuda"), torch.bfloat16
     ctx = torch.autocast("cuda", dtype=dtype)
     torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.enable_cudnn_sdp(False)          # as vgrpo.setup_device: cuDNN SDPA backward fails on FLUX
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    pipe = build_sd35m_random(dev, dtype)
+    pipe = build_flux_dev_random(dev, dtype) if a.family == "flux" else build_sd35m_random(dev, dtype)
     pipe.vae.to(torch.float32)
     reward = build_pickscore_random(dev, dtype)
     with torch.no_grad():
-        c = V.SD3Adapter(pipe, dev, 128).encode(["a red fox in the snow"])
+        c = V.make_adapter(pipe, V.parse_args(["--model", model]), dev).encode(["a red fox in the snow"])
     print("text embeddings finite:", all(bool(torch.isfinite(v).all()) for v in c.values()), flush=True)
     n_tr = sum(p.numel() for p in pipe.transformer.parameters())
-    print(f"built random SD3.5-M pipeline (transformer {n_tr / 1e9:.3f}B params) and PickScore-shaped "
+    print(f"built random {model} pipeline (transformer {n_tr / 1e9:.3f}B params) and PickScore-shaped "
           f"reward in {time.perf_counter() - t0:.0f}s; memory {torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB",
           flush=True)
     # warm-up: kernels, allocator, autotuning (not reported)
-    run_config("warmup", ["--prompts_per_iter", "1", "--group_size", "4", "--num_steps", "4"],
-               pipe, reward, dev, dtype, ctx, a.peak)
+    run_config("warmup", WARMUP[a.family], pipe, reward, dev, dtype, ctx, a.peak, model=model)
     rows = []
-    for n in a.configs.split(","):
+    for n in [c for c in a.configs.split(",") if c in CONFIGS]:
         try:
-            rows.append(run_config(n, CONFIGS[n], pipe, reward, dev, dtype, ctx, a.peak))
+            rows.append(run_config(n, CONFIGS[n], pipe, reward, dev, dtype, ctx, a.peak, model=model))
         except torch.OutOfMemoryError as e:
             print(f"{n}: out of memory ({str(e).splitlines()[0]})", flush=True)
             torch.cuda.empty_cache()
