@@ -119,6 +119,8 @@ class Args:
                            "comma-separated module names that get LoRA (attn and attn2)", "[PAPER §7]")
     full_finetune: bool = _f(False, "train all transformer weights instead of LoRA")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (less memory)")
+    offload_text_encoders: bool = _f(False, "embed all prompts once at start, then move the text encoders "
+                                     "to the CPU (saves ~10 GB with T5-XXL; prompts are then fixed)")
     dtype: str = _f("auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", "[PAPER §3 item 10]",
                     choices=("auto", "bf16", "fp16", "fp32"))
     # --- sampler ---------------------------------------------------------------------------------
@@ -922,8 +924,36 @@ class SD3Adapter:
         r = resolution // self.vae_scale
         return (self.transformer.config.in_channels, r, r)                           # (C, H, W)
 
-    @torch.no_grad()
+    _cache: Optional[dict] = None
+
     def encode(self, prompts: list[str]) -> dict:
+        """Text conditioning of B prompts: from the cache (cache_prompts) or the text encoders."""
+        if self._cache is None:
+            return self._encode(prompts)
+        missing = [p for p in prompts if p not in self._cache]
+        if missing:
+            raise ValueError(f"prompt not among the cached embeddings (--offload_text_encoders): {missing[0]!r}")
+        return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device) for k in self._cache[prompts[0]]}
+
+    @torch.no_grad()
+    def cache_prompts(self, prompts: list[str], batch: int = 16) -> None:
+        """Embed every prompt once (kept on the CPU), then move the text encoders off the GPU."""
+        cache = {}
+        uniq = list(dict.fromkeys(prompts))
+        for i in range(0, len(uniq), batch):
+            chunk = uniq[i:i + batch]
+            c = self._encode(chunk)
+            for j, p in enumerate(chunk):
+                cache[p] = {k: v[j].cpu() for k, v in c.items()}
+        self._cache = cache
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            if getattr(self.pipe, name, None) is not None:
+                getattr(self.pipe, name).to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str]) -> dict:
         """CFG-free conditioning [PAPER §1.7]: prompt_embeds (B, 77 + L, 4096), pooled (B, 2048)."""
         pe, _, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None,
                                                    device=self.device, do_classifier_free_guidance=False,
@@ -971,7 +1001,7 @@ class FluxAdapter(SD3Adapter):
         return ((r // 2) * (r // 2), 4 * self.C)                                      # (seq, 64)
 
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> dict:
+    def _encode(self, prompts: list[str]) -> dict:
         """prompt_embeds (B, L, 4096) from T5, pooled (B, 768) from CLIP-L."""
         pe, pooled, txt_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
                                                       max_sequence_length=self.L)
@@ -1538,12 +1568,18 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
         raise ValueError(f"checkpoint {str(ckpt)!r} does not match this model: {res.unexpected_keys[:3]}")
 
 
-def setup_device(args: Args) -> tuple[torch.device, torch.dtype, contextlib.AbstractContextManager]:
+def setup_device(args: Args, local_rank: int = 0) -> tuple[torch.device, torch.dtype, contextlib.AbstractContextManager]:
     """Device, compute dtype and the one autocast context used for every model call."""
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.device == "auto":
+        dev = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        dev = torch.device(args.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device(f"cuda:{local_rank}")
     name = args.dtype if args.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
     if dev.type == "cuda":
+        torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = True      # fp32 matmuls (surrogate math) on tensor cores
         torch.backends.cudnn.allow_tf32 = True
         # cuDNN's fused attention failed in the backward pass of FLUX.1-dev (head dim 128) on an H200
@@ -1553,22 +1589,85 @@ def setup_device(args: Args) -> tuple[torch.device, torch.dtype, contextlib.Abst
     return dev, dtype, ctx
 
 
-def train(args: Args) -> list[dict]:
-    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
-    from tqdm.auto import tqdm
+# ---- data parallelism: `torchrun --nproc_per_node=N vgrpo.py ...` ------------------------------------
+# nanoGPT's pattern: WORLD_SIZE > 1 in the environment ⇒ torch.distributed (NCCL on GPUs, gloo on CPU).
+# Every rank draws the same global prompts, noise and pairs from the (seed, iteration) generators and
+# works on its own contiguous slice of whole groups; rewards are all-gathered so advantages (global
+# std included) are computed on the global batch; gradients of the trainable parameters are averaged
+# with all_reduce before clipping. One rank then computes exactly what a single process would.
+def dist_info() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) otherwise."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
 
-    # ---- validate everything that can fail BEFORE creating any output -------------------------
+
+def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate a tensor across ranks along its last dim, in rank order (identity on one process)."""
+    if world == 1:
+        return x
+    import torch.distributed as dist
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        import torch.distributed as dist
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        x /= world
+    return x
+
+
+@dataclass
+class Run:
+    """Everything an iteration needs, built once by `setup` (the loop's state, no globals)."""
+    args: Args
+    adapter: object
+    rewards: Rewards
+    opt: torch.optim.Optimizer
+    params: list
+    lora_cfg: object
+    train_prompts: list
+    eval_prompts: list
+    dev: torch.device
+    dtype: torch.dtype
+    ctx: object
+    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
+    eval_sigmas: torch.Tensor     # (K_eval + 1,)
+    D: tuple                      # latent shape the ODE runs in: (C, H, W) for SD3, (seq, 64) for FLUX
+    start: int = 0                # first iteration (> 0 when resumed)
+    rank: int = 0
+    world: int = 1
+    run_dir: Optional[Path] = None
+
+
+def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
+    """Validate, load the model and rewards, attach LoRA, build the optimizer, restore a checkpoint.
+    Writes nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
     check_args(args)
     train_prompts, eval_prompts = load_prompts(args)
     ckpt, ck_state = read_checkpoint(args.resume) if args.resume else (None, None)
-    dev, dtype, ctx = setup_device(args)
-    torch.manual_seed(args.seed)
+    rank, world, local_rank = dist_info()
+    if world > 1:
+        import torch.distributed as dist
+        if args.prompts_per_iter % world:
+            raise ValueError(f"--prompts_per_iter {args.prompts_per_iter} must be divisible by the "
+                             f"{world} processes: a group is never split across ranks")
+        if (args.prompts_per_iter // world * args.group_size) % args.mu:
+            raise ValueError(f"each rank's {args.prompts_per_iter // world * args.group_size} samples must "
+                             f"split into --mu {args.mu} equal minibatches")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo")
+    dev, dtype, ctx = setup_device(args, local_rank)
+    torch.manual_seed(args.seed)                           # same LoRA init on every rank
     random.seed(args.seed)
-    pipe = load_pipeline(args.model, dtype)
+    pipe = pipe if pipe is not None else load_pipeline(args.model, dtype)
     pipe.to(dev)
     pipe.vae.to(torch.float32)
     adapter = make_adapter(pipe, args, dev)
-    rewards = Rewards(args, dev, dtype)
+    rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
+    if args.offload_text_encoders:                         # embed every prompt once, free the encoders
+        adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
 
     # ---- trainable parameters: LoRA (default) or the whole transformer -----------------------
     tr = adapter.transformer
@@ -1591,134 +1690,189 @@ def train(args: Args) -> list[dict]:
         random.setstate(rng["python"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+    if world > 1:
+        import torch.distributed as dist
+        for p in params:                                   # identical start on every rank
+            dist.broadcast(p.data, src=0)
+    sigmas = adapter.sigmas(args.num_steps)
+    return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params, lora_cfg=lora_cfg,
+               train_prompts=train_prompts, eval_prompts=eval_prompts, dev=dev, dtype=dtype, ctx=ctx,
+               sigmas=sigmas, eval_sigmas=adapter.sigmas(args.eval_steps or 2 * args.num_steps),
+               D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world)
 
-    # ---- output folder (only now: bad input above has written nothing) ------------------------
-    tag = "+".join(n.split(":")[-1] for n, _ in rewards.train)
+
+def train(args: Args) -> list[dict]:
+    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
+    from tqdm.auto import tqdm
+    run = setup(args)                                      # bad input fails here, having written nothing
+    main_rank = run.rank == 0
+
+    # ---- output folder (rank 0 decides the name, every rank learns it) ------------------------
+    tag = "+".join(n.split(":")[-1] for n, _ in run.rewards.train)
     run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if ckpt is not None and args.run_dir is None:
-        run_dir = ckpt.parent.parent
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-
-    P, G, J = args.prompts_per_iter, args.group_size, args.n_mc
-    N = P * G
-    D = adapter.latent_shape(args.resolution)
-    sigmas = adapter.sigmas(args.num_steps)                       # (K + 1,), ends in 0
-    eval_sigmas = adapter.sigmas(args.eval_steps or 2 * args.num_steps)
-    grid = sigmas[:-1]                                            # stratification grid, no t = 0
-    scope = {"batch": torch.zeros(N, dtype=torch.long),           # [PAPER §3 item 4]
-             "group": torch.arange(N) // G, "none": torch.arange(N)}[args.pair_sharing]
-    print(banner(args, dev, dtype, run_dir, len(train_prompts), len(eval_prompts), sigmas))
-
-    def evaluate(it: int) -> dict:
-        prompts = eval_prompts[:args.n_eval]
-        x1 = torch.randn((len(prompts),) + D, generator=_gen(args.seed, 0, 9)).to(dev)  # fixed across iters
-        cond = adapter.encode(prompts)
-        lat = rollout(adapter, x1, cond, torch.arange(len(prompts), device=dev), eval_sigmas, args.solver,
-                      args.rollout_batch, ctx)
-        raw, imgs = score(adapter, rewards, [n for n, _ in rewards.eval], lat, prompts, args.reward_batch)
-        (run_dir / "eval").mkdir(exist_ok=True)
-        save_grid(imgs, run_dir / "eval" / f"iter_{it:06d}.png")
-        head = rewards.summary(raw, rewards.eval)
-        ev = {"iter": it, "eval_reward_mean": head.mean().item(), "eval_reward_std": head.std(unbiased=False).item(),
-              "eval_reward_unit": rewards.unit(rewards.eval), "eval_nfe": len(eval_sigmas) - 1}
-        for n, r in raw.items():
-            ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = r.mean().item(), r.std(unbiased=False).item()
-        return ev
-
+    if args.resume and args.run_dir is None:
+        run_dir = find_checkpoint(args.resume).parent.parent
+    if run.world > 1:
+        import torch.distributed as dist
+        box = [str(run_dir)]
+        dist.broadcast_object_list(box, src=0)
+        run_dir = Path(box[0])
+    run.run_dir = run_dir
     mpath = run_dir / "metrics.jsonl"
-    done_evals = {json.loads(l)["iter"] for l in mpath.read_text().splitlines()
-                  if l.strip() and "eval_reward_mean" in l} if mpath.exists() else set()
-    log_f = open(mpath, "a")
-    history: list[dict] = []
-    it = start
-    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="V-GRPO", unit="it")
-    try:
-        for it in bar:
-            if args.eval_every and it % args.eval_every == 0 and it not in done_evals:
-                ev = evaluate(it)
-                log_f.write(json.dumps(ev) + "\n")
-                log_f.flush()
-            m = iteration(args, adapter, rewards, opt, params, train_prompts, it, P, G, J, D, sigmas, grid,
-                          scope, dev, ctx)
-            m["lr"] = opt.param_groups[0]["lr"]
-            history.append(m)
+    log_f = None
+    done_evals: set = set()
+    if main_rank:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        if mpath.exists():
+            done_evals = {json.loads(l)["iter"] for l in mpath.read_text().splitlines()
+                          if l.strip() and "eval_reward_mean" in l}
+        log_f = open(mpath, "a")
+        print(banner(run))
+
+    def log(m: dict) -> None:
+        if log_f is not None:
             log_f.write(json.dumps(m) + "\n")
             log_f.flush()
+
+    def checkpoint(done: int) -> Optional[Path]:
+        path = save_checkpoint(run_dir, done, run.adapter, args, run.lora_cfg, run.opt) if main_rank else None
+        _barrier(run.world)
+        return path
+
+    history: list[dict] = []
+    bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations, desc="V-GRPO",
+               unit="it", disable=not main_rank)
+    try:
+        for it in bar:
+            if args.eval_every and it % args.eval_every == 0 and it not in done_evals and main_rank:
+                log(evaluate(run, it))
+            m = iteration(run, it)
+            history.append(m)
+            log(m)
             bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
-            tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} ({m['reward_unit']})"
-                       f"  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}"
-                       f"  {m['time_iter']:.1f}s")
+            if main_rank:
+                tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
+                           f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  "
+                           f"cv {m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
             if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
-                save_checkpoint(run_dir, it + 1, adapter, args, lora_cfg, opt)
-        if args.eval_every and start < args.iterations:
-            ev = evaluate(args.iterations)
-            log_f.write(json.dumps(ev) + "\n")
+                checkpoint(it + 1)
+        if args.eval_every and run.start < args.iterations and main_rank:
+            ev = evaluate(run, args.iterations)
+            log(ev)
             tqdm.write(f"eval after {args.iterations} iterations: reward {ev['eval_reward_mean']:.4f}")
     except KeyboardInterrupt:
-        done = history[-1]["iter"] + 1 if history else start
-        path = save_checkpoint(run_dir, done, adapter, args, lora_cfg, opt)
-        print(f"\ninterrupted: saved {path}; continue with --resume {run_dir}")
+        done = history[-1]["iter"] + 1 if history else run.start
+        path = checkpoint(done)
+        if main_rank:
+            print(f"\ninterrupted: saved {path}; continue with --resume {run_dir}")
     finally:
         bar.close()
-        log_f.close()
+        if log_f is not None:
+            log_f.close()
+        if run.world > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return history
 
 
-def iteration(args, adapter, rewards, opt, params, train_prompts, it, P, G, J, D, sigmas, grid, scope,
-              dev, ctx) -> dict:
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+@torch.no_grad()
+def evaluate(run: Run, it: int) -> dict:
+    """Held-out prompts, one image each from noise that is the same at every evaluation, sampled with
+    eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png and scores every --eval_rewards."""
+    a, ad = run.args, run.adapter
+    prompts = run.eval_prompts[:a.n_eval]
+    x1 = torch.randn((len(prompts),) + run.D, generator=_gen(a.seed, 0, 9)).to(run.dev)
+    lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev), run.eval_sigmas,
+                  a.solver, a.rollout_batch, run.ctx)
+    raw, imgs = score(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts, a.reward_batch)
+    if run.run_dir is not None:
+        (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
+        save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
+    head = run.rewards.summary(raw, run.rewards.eval)
+    ev = {"iter": it, "eval_reward_mean": head.mean().item(), "eval_reward_std": head.std(unbiased=False).item(),
+          "eval_reward_unit": run.rewards.unit(run.rewards.eval), "eval_nfe": len(run.eval_sigmas) - 1}
+    for n, r in raw.items():
+        ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = r.mean().item(), r.std(unbiased=False).item()
+    return ev
+
+
+def iteration(run: Run, it: int) -> dict:
     """One V-GRPO iteration, PAPER §4 steps 1–5. Returns host-side metrics (one sync at the end)."""
+    a, ad, dev, ctx = run.args, run.adapter, run.dev, run.ctx
+    P, G, J, D = a.prompts_per_iter, a.group_size, a.n_mc, run.D
     N = P * G
+    Pl, Nl = P // run.world, N // run.world                  # this rank's share: whole groups
+    lo = run.rank * Nl                                       # first global sample index of this rank
     times = {}
     t0 = time.perf_counter()
-    g_prompt, g_noise, g_pairs, g_perm = (_gen(args.seed, it, s) for s in range(4))
+    g_prompt, g_noise, g_pairs, g_perm = (_gen(a.seed, it, s) for s in range(4))
 
     # [§4 step 1] P prompts, G images each, by a deterministic ODE solve of the current policy θ_old.
-    pick = torch.randperm(len(train_prompts), generator=g_prompt)[:P] if P <= len(train_prompts) \
-        else torch.randint(len(train_prompts), (P,), generator=g_prompt)
-    prompts = [train_prompts[i] for i in pick.tolist()]
-    cond = adapter.encode(prompts)                                           # P rows
-    prompt_idx = (torch.arange(N) // G).to(dev)                              # (N,) row of cond per sample
-    x1 = torch.randn((N,) + D, generator=g_noise).to(dev)                    # (N, C, H, W) independent noise
-    x0 = rollout(adapter, x1, cond, prompt_idx, sigmas, args.solver, args.rollout_batch, ctx)   # (N, C, H, W)
+    n_tr = len(run.train_prompts)
+    pick = torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr else torch.randint(n_tr, (P,), generator=g_prompt)
+    prompts = [run.train_prompts[i] for i in pick.tolist()][run.rank * Pl:(run.rank + 1) * Pl]
+    cond = ad.encode(prompts)                                               # Pl rows
+    prompt_idx = (torch.arange(Nl) // G).to(dev)                            # (Nl,) row of cond per sample
+    x1 = torch.randn((N,) + D, generator=g_noise)[lo:lo + Nl].to(dev)       # (Nl, *D) independent noise
+    x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, a.solver, a.rollout_batch, ctx)   # (Nl, *D)
     _sync(dev)
     times["time_rollout"] = time.perf_counter() - t0
 
-    # [§4 step 2] rewards and group-relative advantages.
+    # [§4 step 2] rewards (all-gathered: advantages see the global batch) and advantages.
     t1 = time.perf_counter()
-    sample_prompts = [prompts[i // G] for i in range(N)]
-    raw_all, _ = score(adapter, rewards, [n for n, _ in rewards.train], x0, sample_prompts, args.reward_batch)
-    values = rewards.training_values(raw_all, rewards.train).view(-1, P, G)  # (K, P, G)
-    weights = torch.tensor([w for _, w in rewards.train])
-    aggregate = per_reward_advantages if args.reward_aggregation == "per_reward" else weighted_sum_advantages
-    adv, adv_stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
-                               clamp=args.adv_clamp, eta=args.soft_clip_eta)
-    adv = adv.flatten().to(dev)                                              # (N,)
-    raw = rewards.summary(raw_all, rewards.train)                            # (N,) headline reward
+    names = [n for n, _ in run.rewards.train]
+    raw_loc, _ = score(ad, run.rewards, names, x0, [prompts[i // G] for i in range(Nl)], a.reward_batch)
+    raw_all = dict(zip(names, _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(dev),
+                                              run.world).cpu()))          # {name: (N,)}
+    values = run.rewards.training_values(raw_all, run.rewards.train).view(-1, P, G)   # (K, P, G)
+    weights = torch.tensor([w for _, w in run.rewards.train])
+    aggregate = per_reward_advantages if a.reward_aggregation == "per_reward" else weighted_sum_advantages
+    adv, adv_stats = aggregate(values, weights, global_std=a.global_std, std_eps=a.std_eps,
+                               clamp=a.adv_clamp, eta=a.soft_clip_eta)
+    skipped = bool((adv == 0).all())                     # nothing to learn (e.g. every reward dropped)
+    adv = adv.flatten()[lo:lo + Nl].to(dev)                                 # (Nl,)
+    raw = run.rewards.summary(raw_all, run.rewards.train)                   # (N,) headline reward
     times["time_reward"] = time.perf_counter() - t1
 
-    # [§4 step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ step.
-    pairs = draw_pairs(grid, J, D, scope, stratified=args.stratified, generator=g_pairs)
+    # [§4 step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ step;
+    # drawn from the same generator on every rank, then broadcast from rank 0 to be safe.
+    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [PAPER §3 item 4]
+             "group": torch.arange(N) // G, "none": torch.arange(N)}[a.pair_sharing]
+    pairs = draw_pairs(run.sigmas[:-1], J, D, scope, stratified=a.stratified, generator=g_pairs)
     pairs = Pairs(t=pairs.t.to(dev), eps=pairs.eps.to(dev), index=pairs.index.to(dev))
-    sur_kw = dict(parameterization=args.parameterization, adaptive=args.adaptive_weighting,
-                  mae_floor=args.mae_floor)
+    if run.world > 1:
+        import torch.distributed as dist
+        dist.broadcast(pairs.t, src=0)
+        dist.broadcast(pairs.eps, src=0)
+    sur_kw = dict(parameterization=a.parameterization, adaptive=a.adaptive_weighting, mae_floor=a.mae_floor)
+
+    def surrogates(rows: torch.Tensor, want_x0_hat: bool):
+        """s (m, J) [and x̂0 (m, J, *D)] of local samples `rows` with the current parameters."""
+        t_r, e_r = pairs.take(rows + lo)                                    # pairs are indexed globally
+        with ctx:
+            return pair_surrogates(ad.velocity, x0[rows], select(cond, prompt_idx[rows]), t_r, e_r,
+                                   return_x0_hat=want_x0_hat, **sur_kw)
 
     # [§4 step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
     t2 = time.perf_counter()
-    want_kl = args.kl_coef > 0
-    s_old = torch.empty(N, J, device=dev)
-    x0h_old = torch.empty((N, J) + D, device=dev) if want_kl else None
+    want_kl = a.kl_coef > 0
+    s_old = torch.empty(Nl, J, device=dev)
+    x0h_old = torch.empty((Nl, J) + D, device=dev) if want_kl else None
     with torch.no_grad():
-        for rows in torch.arange(N, device=dev).split(args.micro_batch):
-            t_r, e_r = pairs.take(rows)
-            with ctx:
-                out = pair_surrogates(adapter.velocity, x0[rows], select(cond, prompt_idx[rows]), t_r, e_r,
-                                      return_x0_hat=want_kl, **sur_kw)
+        for rows in torch.arange(Nl, device=dev).split(a.micro_batch):
             if want_kl:
-                s_old[rows], x0h_old[rows] = out
+                s_old[rows], x0h_old[rows] = surrogates(rows, True)
             else:
-                s_old[rows] = out
-    cv = surrogate_cv(s_old.mean(dim=1).view(P, G))
+                s_old[rows] = surrogates(rows, False)
+    cv = surrogate_cv(_all_gather_cat(s_old.mean(dim=1), run.world).view(P, G))
     _sync(dev)
     times["time_old"] = time.perf_counter() - t2
 
@@ -1726,43 +1880,50 @@ def iteration(args, adapter, rewards, opt, params, train_prompts, it, P, G, J, D
     t3 = time.perf_counter()
     stats_acc: dict[str, list] = {}
     grad_norms = []
-    skipped = bool((adv == 0).all())                     # nothing to learn (e.g. every reward dropped)
-    perm = torch.randperm(N, generator=g_perm).to(dev) if args.mu > 1 else torch.arange(N, device=dev)
-    for mb in (perm.tensor_split(args.mu) if not skipped else []):
-        opt.zero_grad(set_to_none=True)
-        for rows in mb.split(args.micro_batch):
-            t_r, e_r = pairs.take(rows)
-            with ctx:
-                out = pair_surrogates(adapter.velocity, x0[rows], select(cond, prompt_idx[rows]), t_r, e_r,
-                                      return_x0_hat=want_kl, **sur_kw)
+    perm = torch.randperm(Nl, generator=g_perm).to(dev) if a.mu > 1 else torch.arange(Nl, device=dev)
+    for mb in (perm.tensor_split(a.mu) if not skipped else []):
+        run.opt.zero_grad(set_to_none=True)
+        for rows in mb.split(a.micro_batch):
+            out = surrogates(rows, want_kl)
             s_new, x0h = out if want_kl else (out, None)
             kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
-            loss, st = vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=args.clip_eps, kl=kl,
-                                  kl_coef=args.kl_coef)
+            loss, st = vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=a.clip_eps, kl=kl, kl_coef=a.kl_coef)
             (loss * (len(rows) / len(mb))).backward()     # mean over the minibatch [PAPER §3 item 16]
             for k, v in st.items():
                 stats_acc.setdefault(k, []).append(v)
-        gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        for p in run.params:                              # average gradients over ranks (DDP); a
+            if p.grad is not None:                        # None grad is None on every rank (same graph)
+                _all_reduce_mean(p.grad, run.world)
+        gn = torch.nn.utils.clip_grad_norm_(run.params, a.max_grad_norm)
         if torch.isfinite(gn):
-            opt.step()
+            run.opt.step()
         grad_norms.append(gn.detach().float())
-    opt.zero_grad(set_to_none=True)
+    run.opt.zero_grad(set_to_none=True)
     _sync(dev)
     times["time_update"] = time.perf_counter() - t3
 
-    # one host sync for everything logged
+    # one host sync for everything logged; local stats averaged over ranks
     scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
+    scal["grad_norm"] = torch.stack(grad_norms).mean() if grad_norms else torch.tensor(0.0, device=dev)
+    scal["nonfinite_grad_steps"] = ((~torch.isfinite(torch.stack(grad_norms))).sum().float() if grad_norms
+                                    else torch.tensor(0.0, device=dev))
+    if scal:
+        keys = list(scal)
+        vec = _all_reduce_mean(torch.stack([scal[k].float().to(dev) for k in keys]), run.world)
+        scal = dict(zip(keys, vec))
     scal.update(adv_stats)
     scal.update(cv)
-    scal["grad_norm"] = torch.stack(grad_norms).mean() if grad_norms else torch.tensor(0.0)
-    scal["nonfinite_grad_steps"] = (~torch.isfinite(torch.stack(grad_norms))).sum() if grad_norms else torch.tensor(0)
+    if run.world > 1:                                     # all ranks must hold the same parameters
+        fp = torch.stack([p.detach().double().sum() for p in run.params]).sum().reshape(1)
+        fps = _all_gather_cat(fp, run.world)
+        scal["param_desync"] = (fps.max() - fps.min()).float()
     host = {k: float(v) for k, v in zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist())}
     finite = raw[torch.isfinite(raw)]
     m = {"iter": it, "reward_mean": finite.mean().item() if len(finite) else float("nan"),
          "reward_std": finite.std(unbiased=False).item() if len(finite) else float("nan"),
-         "reward_unit": rewards.unit(rewards.train), "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
-         "skipped": skipped, **host, **times,
-         "nfe_rollout": args.num_steps, "nfe_old": args.num_steps + J, "nfe_theta": J}
+         "reward_unit": run.rewards.unit(run.rewards.train), "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
+         "skipped": skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
+         "nfe_rollout": a.num_steps, "nfe_old": a.num_steps + J, "nfe_theta": J}
     if len(raw_all) > 1:
         for n, r in raw_all.items():
             f = r[torch.isfinite(r)]
@@ -1770,7 +1931,7 @@ def iteration(args, adapter, rewards, opt, params, train_prompts, it, P, G, J, D
             m[f"reward_{n}_std"] = f.std(unbiased=False).item() if len(f) else float("nan")
     for k in ("ratio", "abs_log_ratio", "clip_frac", "approx_kl", "kl_x"):
         m.setdefault(k, float("nan") if skipped else 0.0)
-    if m["n_nonfinite_reward"]:
+    if m["n_nonfinite_reward"] and run.rank == 0:
         print(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) dropped "
               f"(advantage 0){'; update skipped' if skipped else ''}", file=sys.stderr)
     m["time_iter"] = time.perf_counter() - t0
@@ -1783,18 +1944,21 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def banner(args: Args, dev, dtype, run_dir, n_train, n_eval, sigmas) -> str:
-    P, G = args.prompts_per_iter, args.group_size
+def banner(run: Run) -> str:
+    a = run.args
+    P, G = a.prompts_per_iter, a.group_size
     N = P * G
-    lines = [f"V-GRPO  model={args.model}  reward={args.reward}  device={dev}  dtype={dtype}  run_dir={run_dir}",
-             f"  batch: {P} prompts × {G} images = {N} rollouts/iteration; {args.mu} optimizer step(s) of "
-             f"{N // args.mu} samples; micro-batch {args.micro_batch} × {args.n_mc} pairs",
-             f"  rollout: {args.num_steps}-step {args.solver} ODE, grid {[round(float(s), 4) for s in sigmas[:3]]}…"
-             f"; NFE/sample old {args.num_steps}+{args.n_mc}, θ {args.n_mc}",
-             f"  surrogate: {args.parameterization}-pred, adaptive={args.adaptive_weighting}, "
-             f"stratified={args.stratified}, sharing={args.pair_sharing}",
-             f"  controls: clip ε={args.clip_eps or 'off'}, KL β={args.kl_coef or 'off'}, "
-             f"soft-clip η={args.soft_clip_eta or 'off'}; prompts {n_train} train / {n_eval} eval"]
+    lines = [f"V-GRPO  model={a.model}  reward={a.reward}  device={run.dev}  dtype={run.dtype}  "
+             f"processes={run.world}  run_dir={run.run_dir}",
+             f"  batch: {P} prompts × {G} images = {N} rollouts/iteration ({N // run.world} per process); "
+             f"{a.mu} optimizer step(s) of {N // a.mu} samples; micro-batch {a.micro_batch} × {a.n_mc} pairs",
+             f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {[round(float(s), 4) for s in run.sigmas[:3]]}…"
+             f"; NFE/sample old {a.num_steps}+{a.n_mc}, θ {a.n_mc}",
+             f"  surrogate: {a.parameterization}-pred, adaptive={a.adaptive_weighting}, "
+             f"stratified={a.stratified}, sharing={a.pair_sharing}",
+             f"  controls: clip ε={a.clip_eps or 'off'}, KL β={a.kl_coef or 'off'}, "
+             f"soft-clip η={a.soft_clip_eta or 'off'}; prompts {len(run.train_prompts)} train / "
+             f"{len(run.eval_prompts)} eval"]
     return "\n".join(lines)
 
 

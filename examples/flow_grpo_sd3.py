@@ -259,8 +259,6 @@ def run(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict], dic
     N = P * G
     D = adapter.latent_shape(args.resolution)
     sigmas = adapter.sigmas(args.num_steps)
-    scope = {"batch": torch.zeros(N, dtype=torch.long), "group": torch.arange(N) // G,
-             "none": torch.arange(N)}[args.pair_sharing]
 
     rows = []
     for method in ("V-GRPO", "Flow-GRPO"):
@@ -270,10 +268,12 @@ def run(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict], dic
         opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
         before = evaluate(adapter, rewards, args, eval_prompts, D, dev, ctx)
         hist = []
+        vrun = V.Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params, lora_cfg=None,
+                     train_prompts=train_prompts, eval_prompts=eval_prompts, dev=dev, dtype=dtype, ctx=ctx,
+                     sigmas=sigmas, eval_sigmas=sigmas, D=D)
         for it in range(mine.iterations):
             if method == "V-GRPO":
-                m = V.iteration(args, adapter, rewards, opt, params, train_prompts, it, P, G, J, D, sigmas,
-                                sigmas[:-1], scope, dev, ctx)
+                m = V.iteration(vrun, it)
             else:
                 m = flow_grpo_iteration(mine, args, adapter, rewards, opt, params, train_prompts, it, P, G, D,
                                         sigmas, dev, ctx)

@@ -158,26 +158,18 @@ def run_config(name, extra, pipe, reward, dev, dtype, ctx, peak, model="sd3.5-me
     tr = pipe.transformer
     if hasattr(tr, "peft_config"):                      # fresh LoRA per configuration
         tr.delete_adapters(list(tr.peft_config))
-    V.add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
-    if args.gradient_checkpointing:
-        tr.enable_gradient_checkpointing()
-    else:
+    if not args.gradient_checkpointing:
         tr.disable_gradient_checkpointing()
-    params = [p for p in tr.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    adapter = V.make_adapter(pipe, args, dev)
-    prompts, _ = V.load_prompts(args)
-    D = adapter.latent_shape(args.resolution)
-    sig = adapter.sigmas(args.num_steps)
+    run = V.setup(args, pipe=pipe, rewards=reward)      # the trainer's own setup (LoRA, optimizer, grid)
+    adapter, D = run.adapter, run.D
     P, G, J = args.prompts_per_iter, args.group_size, args.n_mc
     N = P * G
-    scope = torch.zeros(N, dtype=torch.long)
-    fwd = forward_flops(adapter, D, adapter.encode(prompts[:1]), ctx)
+    fwd = forward_flops(adapter, D, adapter.encode(run.train_prompts[:1]), ctx)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    m = V.iteration(args, adapter, reward, opt, params, prompts, 0, P, G, J, D, sig, sig[:-1], scope, dev, ctx)
+    m = V.iteration(run, 0)
     wall = time.perf_counter() - t0
     # useful model FLOPs: rollout K fwd + old J fwd + θ J × (fwd + 2·fwd backward)
     flops = N * fwd * (args.num_steps + J + 3 * J)
