@@ -7,15 +7,19 @@ You Think", Tang et al., 2026, arXiv 2604.23380. Equation numbers of the paper a
 here (the full text was not available to us); tags such as [PAPER §1.4] point into the
 project's method spec PAPER.md, whose sections carry the sources ([CY], [VRL], ...).
 
-What this file IS: a readable reference of the algorithm plus a working single-GPU trainer for
-Stable Diffusion 3 / 3.5 (diffusers) with a PickScore or JPEG reward, and an offline tiny model
-so everything runs on a laptop CPU. What it is NOT: a framework. Multi-GPU, FLUX and further
-rewards are deliberately kept out of the core math so the loss can be copied into any trainer.
+What this file IS: a readable reference of the algorithm plus a working trainer for Stable
+Diffusion 3 / 3.5 and FLUX.1 (diffusers) with human-preference rewards (PickScore, HPSv2.1,
+CLIPScore, aesthetic, ImageReward, your own), on one GPU or data-parallel under torchrun, and
+offline tiny models so everything runs on a laptop CPU. What it is NOT: a framework. The math
+(§3–§8) is pure torch and knows nothing of models, rewards or processes, so the loss can be
+copied into any trainer.
 
 Quickstart
     pip install -r requirements.txt
-    python vgrpo.py --model tiny --reward jpeg                 # CPU, offline, ~2 min
+    python vgrpo.py --model tiny --reward jpeg                 # CPU, offline, < 1 min
     python vgrpo.py --model sd3.5-medium --reward pickscore    # one CUDA GPU, hub weights
+    python vgrpo.py --model flux.1-dev --reward hpsv2:1,pickscore:1
+    torchrun --nproc_per_node=8 vgrpo.py --model sd3.5-medium --preset paper
 
 ALGORITHM (one iteration; "→ §k" points into this file)            [PAPER §4]
     0. θ_old ← θ  (nothing to copy: everything θ_old is needed for is cached in steps 1 and 4)
@@ -55,8 +59,8 @@ CONTENTS
     §1  imports                      §6  group-relative advantages
     §2  configuration (Args, CLI)    §7  shared stratified pairs + ELBO surrogate
     §3  flow-matching math           §8  GRPO loss and diagnostics
-    §4  ODE samplers                 §9  models: loading, tiny SD3, LoRA, adapter
-    §5  rewards                      §10 training loop, checkpoints, main()
+    §4  ODE samplers                 §9  models: loading, tiny SD3/FLUX, adapters, LoRA, rewards
+    §5  rewards (interface)          §10 setup, iteration, evaluation, checkpoints, torchrun, main()
 """
 
 # ------------------------------------------------------------------------------------------------
@@ -1461,17 +1465,19 @@ def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: t
 
 
 @torch.no_grad()
-def score(adapter, rewards, names: list[str], latents: torch.Tensor, prompts: list[str], batch: int):
+def score(adapter, rewards, names: list[str], latents: torch.Tensor, prompts: list[str], batch: int,
+          keep_images: bool = False):
     """Decode once and score with every named reward, in chunks of `batch` images.
-    Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8)."""
+    Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
     raw: dict[str, list] = {n: [] for n in names}
     imgs = []
     for rows in torch.arange(len(latents)).split(batch):
         im = adapter.decode(latents[rows])
         for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
             raw[n].append(r)
-        imgs.append((im * 255).round().to(torch.uint8).cpu())
-    return {n: torch.cat(v) for n, v in raw.items()}, torch.cat(imgs)
+        if keep_images:
+            imgs.append((im * 255).round().to(torch.uint8).cpu())
+    return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
 
 
 def save_grid(images_u8: torch.Tensor, path: Path) -> None:
@@ -1792,7 +1798,8 @@ def evaluate(run: Run, it: int) -> dict:
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(a.seed, 0, 9)).to(run.dev)
     lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev), run.eval_sigmas,
                   a.solver, a.rollout_batch, run.ctx)
-    raw, imgs = score(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts, a.reward_batch)
+    raw, imgs = score(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts, a.reward_batch,
+                      keep_images=True)
     if run.run_dir is not None:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
