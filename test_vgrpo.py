@@ -802,6 +802,10 @@ def test_flux_defaults_follow_the_paper_protocol():
     assert V.parse_args(["--model", "flux.1-dev", "--mu", "1"]).mu == 1            # flags still win
     s = V.parse_args(["--model", "sd3.5-medium"])
     assert (s.num_steps, s.solver, s.mu, s.clip_eps) == (40, "euler", 1, 0.0)
+    # every value says where it comes from
+    assert a.origin["clip_eps"].startswith("flux preset") and "PAPER" in a.origin["clip_eps"]
+    assert s.origin["num_steps"] == "[PAPER §1.7] 40-step ODE rollouts" and s.origin["model"] == "command line"
+    assert V.parse_args(["--model", "tiny"]).origin["lr"] == "tiny preset (our choice)"
 
 
 def test_tiny_flux_two_iterations_and_local_loading(tmp_path):

@@ -198,6 +198,7 @@ FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,t
                      "proj_mlp,proj_out")                                                    # single blocks
 # Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
 # baseline numbers [PAPER §3 items 1–3, 8; §7], with LoRA (use --full_finetune --lr 1e-5 for theirs).
+FAMILY_PRESET_SRC = {"sd3": "our choice: memory", "flux": "[PAPER §3 items 1–3, 8; §7] MixGRPO protocol"}
 FAMILY_PRESETS: dict[str, dict] = {
     "sd3": dict(gradient_checkpointing=True),
     "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, solver="dpmpp2m", group_size=12,
@@ -230,20 +231,28 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
     return resolve_args(given)
 
 
-def resolve_args(given: dict) -> Args:
-    """Apply per-model and named presets under the explicitly given values; validate."""
-    model = given.get("model", Args.model)
-    values = dict(FAMILY_PRESETS[model_family(model)])
-    values.update(MODEL_PRESETS.get(model, {}))
-    if given.get("preset"):
-        values.update(PRESETS[given["preset"]])
-    values.update(given)
+def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
+    """Apply per-model and named presets (and a resumed run's saved config) under the explicitly
+    given values; validate."""
+    model = given.get("model", (resumed or {}).get("model", Args.model))
+    family = model_family(model)
+    layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
+              (f"{model} preset (our choice)", MODEL_PRESETS.get(model, {})),
+              (f"--preset {given.get('preset')}", PRESETS.get(given.get("preset") or "", {})),
+              ("the resumed run's config", resumed or {}),
+              ("command line", given)]
+    values, origin = {}, {}
+    for where, layer in layers:
+        values.update(layer)
+        origin.update({k: where for k in layer})
     names = {f.name for f in dataclasses.fields(Args)}
     unknown = set(values) - names
     if unknown:
         raise ValueError(f"unknown option(s): {sorted(unknown)}")
     args = Args(**values)
     check_args(args)
+    # where each value comes from: the layer that set it, else the field's own source tag
+    args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in dataclasses.fields(Args)}
     return args
 
 
@@ -1966,6 +1975,11 @@ def banner(run: Run) -> str:
              f"  controls: clip ε={a.clip_eps or 'off'}, KL β={a.kl_coef or 'off'}, "
              f"soft-clip η={a.soft_clip_eta or 'off'}; prompts {len(run.train_prompts)} train / "
              f"{len(run.eval_prompts)} eval"]
+    origin = getattr(a, "origin", {})
+    changed = [f for f in dataclasses.fields(Args) if getattr(a, f.name) != f.default and f.name in origin]
+    if changed:
+        lines.append("  set by presets or flags (others: `--help` shows each default and its source):")
+        lines += [f"    {f.name} = {getattr(a, f.name)!r}  ← {origin[f.name]}" for f in changed]
     return "\n".join(lines)
 
 
@@ -1976,7 +1990,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             # a resumed run keeps its own configuration; flags given now override it
             given = vars(_given_flags(argv))
             _, state = read_checkpoint(args.resume)
-            args = resolve_args({**state["config"], **given})
+            args = resolve_args(given, resumed=state["config"])
         train(args)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
