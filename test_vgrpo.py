@@ -362,7 +362,6 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
-    from diffusers import StableDiffusion3Pipeline
     run = tmp_path / "run"
     assert V.main(TINY + ["--run_dir", str(run)]) == 0
     ckpt = run / "checkpoints" / "iter_000002"

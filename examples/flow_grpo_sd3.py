@@ -256,7 +256,6 @@ def run(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict], dic
     train_prompts, eval_prompts = V.load_prompts(args)
 
     P, G, J = args.prompts_per_iter, args.group_size, args.n_mc
-    N = P * G
     D = adapter.latent_shape(args.resolution)
     sigmas = adapter.sigmas(args.num_steps)
 
