@@ -1671,9 +1671,9 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
         if (args.prompts_per_iter // world * args.group_size) % args.mu:
             raise ValueError(f"each rank's {args.prompts_per_iter // world * args.group_size} samples must "
                              f"split into --mu {args.mu} equal minibatches")
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo")
-    dev, dtype, ctx = setup_device(args, local_rank)
+    dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     torch.manual_seed(args.seed)                           # same LoRA init on every rank
     random.seed(args.seed)
     pipe = pipe if pipe is not None else load_pipeline(args.model, dtype)
