@@ -212,8 +212,9 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def parse_args(argv: Optional[list[str]] = None) -> Args:
-    """CLI → Args. Flag name == field name; bools get --name / --no-name."""
+def given_flags(argv: Optional[list[str]] = None) -> dict:
+    """The flags given on the command line (and only those). Flag name == field name; bools get
+    --name / --no-name."""
     p = argparse.ArgumentParser(description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Args):
@@ -227,8 +228,12 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
             if f.metadata["choices"]:
                 kw["choices"] = f.metadata["choices"]
         p.add_argument(f"--{f.name}", **kw)
-    given = vars(p.parse_args(argv))
-    return resolve_args(given)
+    return vars(p.parse_args(argv))
+
+
+def parse_args(argv: Optional[list[str]] = None) -> Args:
+    """CLI → Args (presets applied, validated)."""
+    return resolve_args(given_flags(argv))
 
 
 def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
@@ -450,9 +455,13 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
     if eta > 0:
         adv = eta * torch.tanh(adv / eta)
     adv = torch.where(ok & (n >= 2), adv, torch.zeros_like(adv))
-    stats = {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
-             "adv_absmax": adv.abs().max().detach(), "frac_dropped": (~ok).float().mean().detach()}
-    return adv, stats
+    return adv, _adv_stats(adv, ok)
+
+
+def _adv_stats(adv: torch.Tensor, ok: torch.Tensor) -> dict:
+    """Detached scalars logged for advantages (P, G) and the finite-reward mask ok (P, G)."""
+    return {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
+            "adv_absmax": adv.abs().max().detach(), "frac_dropped": (~ok).float().mean().detach()}
 
 
 def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
@@ -484,9 +493,7 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
     if eta > 0:
         adv = eta * torch.tanh(adv / eta)
     adv = torch.where(ok, adv, torch.zeros_like(adv))
-    stats = {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
-             "adv_absmax": adv.abs().max().detach(), "frac_dropped": (~ok).float().mean().detach()}
-    return adv, stats
+    return adv, _adv_stats(adv, ok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1022,9 +1029,12 @@ class FluxAdapter(SD3Adapter):
         return {"prompt_embeds": pe, "pooled": pooled}
 
     def _img_ids(self, seq: int) -> torch.Tensor:
-        s = math.isqrt(seq)                                                           # square images
-        rows, cols = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
-        return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(seq, 3).to(self.device)
+        """(seq, 3) rows [0, row, col] of the packed latent grid; built once per size, not per NFE."""
+        if getattr(self, "_ids", None) is None or self._ids.shape[0] != seq:
+            s = math.isqrt(seq)                                                       # square images
+            rows, cols = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
+            self._ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(seq, 3).to(self.device)
+        return self._ids
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """v_θ on packed latents x (M, seq, 64), t (M,) in [0, 1]."""
@@ -1538,6 +1548,17 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
     return ckpt, state
 
 
+def checkpoint_config(path: str) -> dict:
+    """The resolved config saved with a checkpoint (config.json), without loading its weights or
+    optimizer state; setup() validates and loads the rest."""
+    ckpt = find_checkpoint(path)
+    try:
+        return json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete ({type(e).__name__}: {e}); "
+                         "pick another with --resume") from e
+
+
 def trainable_state(transformer, full: bool) -> dict:
     if full:
         return {}
@@ -1985,29 +2006,14 @@ def banner(run: Run) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     try:
-        args = parse_args(argv)
-        if args.resume:
-            # a resumed run keeps its own configuration; flags given now override it
-            given = vars(_given_flags(argv))
-            _, state = read_checkpoint(args.resume)
-            args = resolve_args(given, resumed=state["config"])
-        train(args)
+        given = given_flags(argv)
+        # a resumed run keeps its own configuration; flags given now override it
+        resumed = checkpoint_config(given["resume"]) if given.get("resume") else None
+        train(resolve_args(given, resumed=resumed))
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _given_flags(argv):
-    p = argparse.ArgumentParser(add_help=False)
-    for f in dataclasses.fields(Args):
-        if f.type in ("bool", bool):
-            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-        else:
-            base = str(f.type).replace("Optional[", "").rstrip("]")
-            p.add_argument(f"--{f.name}", type={"int": int, "float": float, "str": str}[base],
-                           default=argparse.SUPPRESS)
-    return p.parse_known_args(argv)[0]
 
 
 if __name__ == "__main__":
