@@ -33,11 +33,31 @@ def test_advantages_zero_mean_per_group_and_unit_std():
     torch.testing.assert_close(a[0], torch.tensor([-2.0, -1.0, 0.0, 3.0]) / math.sqrt(3.5), atol=1e-6, rtol=0)
 
 
-def test_advantages_global_std_uses_pooled_deviation():
+def test_advantages_global_std_is_flow_grpo_batch_std():
+    """Flow-GRPO's PerPromptStatTracker(global_std=True): group-mean centred, divided by
+    np.std(all rewards) + 1e-4 (around the BATCH mean, population std)."""
+    np = pytest.importorskip("numpy")
     r = torch.tensor([[0.0, 2.0], [10.0, 14.0]])
     a, _ = V.group_advantages(r, global_std=True, std_eps=0.0, clamp=100.0, eta=0.0)
-    pooled = math.sqrt((1 + 1 + 4 + 4) / 4)                     # deviations ±1, ±2 around group means
-    torch.testing.assert_close(a, torch.tensor([[-1.0, 1.0], [-2.0, 2.0]]) / pooled)
+    std = math.sqrt((6.5**2 + 4.5**2 + 3.5**2 + 7.5**2) / 4)     # batch mean 6.5
+    torch.testing.assert_close(a, torch.tensor([[-1.0, 1.0], [-2.0, 2.0]]) / std)
+    # the tracker's formula on a random batch, in float64 numpy
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(4, 6, generator=g, dtype=torch.float64) * 3 + torch.arange(4.0)[:, None]
+    ref = (r.numpy() - r.numpy().mean(1, keepdims=True)) / (np.std(r.numpy()) + 1e-4)
+    a, _ = V.group_advantages(r, global_std=True, std_eps=1e-4, clamp=100.0, eta=0.0)
+    torch.testing.assert_close(a, torch.from_numpy(ref).float(), atol=1e-5, rtol=1e-5)
+    # a non-finite reward leaves the batch statistics of the others
+    r2 = r.clone()
+    r2[0, 0] = float("nan")
+    keep = torch.isfinite(r2)
+    rr = r2.numpy()
+    std2 = np.std(rr[keep.numpy()]) + 1e-4
+    m0 = np.nanmean(rr[0])
+    a2, _ = V.group_advantages(r2, global_std=True, std_eps=1e-4, clamp=100.0, eta=0.0)
+    assert a2[0, 0] == 0
+    torch.testing.assert_close(a2[0, 1:].double(), torch.from_numpy((rr[0, 1:] - m0) / std2),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_advantages_soft_clip_bound_and_clamp():
@@ -728,15 +748,18 @@ def test_per_reward_aggregation_by_hand():
     r = torch.tensor([[[1.0, 3.0, 5.0]], [[0.0, 0.0, 9.0]]])        # K=2, P=1, G=3
     w = torch.tensor([3.0, 1.0])                                     # normalised to 0.75, 0.25
     a, _ = V.per_reward_advantages(r, w, std_eps=0.0, clamp=100.0, eta=0.0)
-    z1 = torch.tensor([-2.0, 0.0, 2.0]) / math.sqrt(8 / 3)          # mean 3, pop. std sqrt(8/3)
-    z2 = torch.tensor([-3.0, -3.0, 6.0]) / math.sqrt(18.0)          # mean 3, pop. std sqrt(18)
+    # MixGRPO's advantage_aggr uses torch.std(): the UNBIASED group std (divide by G − 1)
+    z1 = torch.tensor([-2.0, 0.0, 2.0]) / math.sqrt(8 / 2)          # mean 3, sample std 2
+    z2 = torch.tensor([-3.0, -3.0, 6.0]) / math.sqrt(54 / 2)        # mean 3, sample std sqrt(27)
     torch.testing.assert_close(a[0], 0.75 * z1 + 0.25 * z2)
     # a sample with one non-finite component is dropped from every reward's statistics
     r2 = r.clone()
     r2[1, 0, 0] = float("nan")
     a2, st = V.per_reward_advantages(r2, w, std_eps=0.0, clamp=100.0, eta=0.0)
     assert a2[0, 0] == 0 and st["frac_dropped"] == pytest.approx(1 / 3)
-    torch.testing.assert_close(a2[0, 1:], 0.75 * torch.tensor([-1.0, 1.0]) + 0.25 * torch.tensor([-1.0, 1.0]))
+    # two finite samples each: ±d / (|2d| / sqrt(2)) = ±1/sqrt(2) per reward
+    z = torch.tensor([-1.0, 1.0]) / math.sqrt(2)
+    torch.testing.assert_close(a2[0, 1:], 0.75 * z + 0.25 * z)
     # soft-clip bound holds after aggregation
     a3, _ = V.per_reward_advantages(r * 100, w, eta=0.5)
     assert a3.abs().max() <= 0.5

@@ -164,7 +164,8 @@ class Args:
                                choices=("x", "v", "eps"))
     adaptive_weighting: bool = _f(True, "divide each pair's MSE by its detached MAE", "[PAPER §1.4 (3b)]")
     mae_floor: float = _f(1e-5, "lower clamp of the MAE denominator", "[PAPER §3 item 5]")
-    global_std: bool = _f(True, "advantage std over the whole batch (else per group)", "[PAPER §3 item 3]")
+    global_std: bool = _f(True, "advantage std of all rewards of the batch around the batch mean (else "
+                          "per group)", "[PAPER §3 item 3] flow_grpo/stat_tracking.py")
     std_eps: float = _f(1e-4, "added to the advantage std", "[PAPER §3 item 3] DiffusionNFT")
     adv_clamp: float = _f(5.0, "hard clamp |A| ≤ this before soft-clip", "[PAPER §3 item 1]")
     soft_clip_eta: float = _f(3.0, "η of A ← η·tanh(A/η); 0 = off", "[PAPER §1.5] η = 3, SD3.5 Stage 1")
@@ -424,21 +425,26 @@ SOLVERS = {"euler": euler_sample, "dpmpp2m": dpmpp2m_sample}
 # §6  Group-relative advantages (pure).                       [PAPER §1.5, §3 items 1 and 3, §4 step 2]
 # ------------------------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps: float = 1e-4,
-                     clamp: float = 5.0, eta: float = 3.0):
+                     clamp: float = 5.0, eta: float = 3.0, unbiased: bool = False):
     """A = soft_clip(clamp((r − mean_group) / (std + std_eps))).
 
     Args:
         rewards: (P, G) float; non-finite entries mark dropped samples.
-        global_std: divide by the std of all finite rewards of the batch (DiffusionNFT convention,
-            PAPER §3 item 3) instead of each group's own std.
+        global_std: divide by the std of ALL finite rewards of the batch around the BATCH mean
+            (it includes the spread between prompts) instead of each group's own std. This is
+            Flow-GRPO's `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo,
+            flow_grpo/stat_tracking.py: np.std(rewards) + 1e-4, population std), which
+            DiffusionNFT's code base inherits (PAPER §3 item 3).
         std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
         clamp: hard clamp |A| ≤ clamp (PAPER §3 item 1; inert at η = 3, kept for parity).
         eta: soft-clip A ← η·tanh(A/η) (PAPER §1.5, Eq. 17 per [VRL]); 0 disables it.
+        unbiased: std divides by n − 1 (torch.std's default, MixGRPO) instead of n (np.std).
     Returns:
         adv: (P, G) fp32; 0 for dropped samples and for groups with < 2 finite rewards.
         stats: dict of detached scalars (mean, std, max |A|, fraction of dropped samples).
-    Notes: std is the population std (divide by n). |A| ≤ η < clamp after soft-clipping.
-    Reference form: for each group g: m = mean(r[g]); A[g] = (r[g] − m) / (std + std_eps).
+    Notes: |A| ≤ η < clamp after soft-clipping.
+    Reference form: for each group g: m = mean(r[g]); A[g] = (r[g] − m) / (std + std_eps),
+        std = np.std(all finite r) if global_std else np.std(r[g])  (ddof = 1 if unbiased).
     """
     r = rewards.float()
     ok = torch.isfinite(r)                                                   # (P, G)
@@ -446,10 +452,13 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
     r0 = torch.where(ok, r, torch.zeros_like(r))
     mean = r0.sum(dim=1, keepdim=True) / n.clamp(min=1)                      # (P, 1)
     dev = torch.where(ok, r - mean, torch.zeros_like(r))                     # (P, G)
-    if global_std:
-        std = (dev.square().sum() / ok.sum().clamp(min=1)).sqrt()            # () pooled around group means
+    ddof = 1 if unbiased else 0
+    if global_std:                                                           # around the batch mean
+        n_all = ok.sum()
+        dev_all = torch.where(ok, r - r0.sum() / n_all.clamp(min=1), torch.zeros_like(r))
+        std = (dev_all.square().sum() / (n_all - ddof).clamp(min=1)).sqrt()  # ()
     else:
-        std = (dev.square().sum(dim=1, keepdim=True) / n.clamp(min=1)).sqrt()   # (P, 1)
+        std = (dev.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)).sqrt()   # (P, 1)
     adv = dev / (std + std_eps)
     adv = adv.clamp(-clamp, clamp)
     if eta > 0:
@@ -481,6 +490,8 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
 
     A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w.
     rewards: (K, P, G); weights: (K,). A sample with any non-finite component is dropped.
+    std_k is the UNBIASED group std, as MixGRPO's `advantage_aggr` computes it with torch.std()
+    (Tencent-Hunyuan/MixGRPO, fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8).
     Returns (P, G) fp32 advantages and stats.
     Reference form: A = Σ_k ŵ_k · group_advantages(r_k, clamp=∞, eta=0); then clamp, soft-clip.
     """
@@ -488,7 +499,8 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
     ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
     r = torch.where(ok, r, torch.full_like(r, float("nan")))                           # drop whole sample
     w = weights.float() / weights.float().sum().clamp(min=1e-12)                        # (K,)
-    parts = [group_advantages(rk, global_std=global_std, std_eps=std_eps, clamp=math.inf, eta=0.0)[0] for rk in r]
+    parts = [group_advantages(rk, global_std=global_std, std_eps=std_eps, clamp=math.inf, eta=0.0,
+                              unbiased=True)[0] for rk in r]
     adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0).clamp(-clamp, clamp)      # (P, G)
     if eta > 0:
         adv = eta * torch.tanh(adv / eta)
