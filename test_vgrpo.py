@@ -509,7 +509,7 @@ def test_group_size_below_two(tmp_path, capsys):
 def test_empty_prompt_file(tmp_path, capsys):
     f = tmp_path / "p.txt"
     f.write_text("\n   \n")
-    _fails(TINY + ["--prompts", str(f)], tmp_path, capsys, r"holds no prompts")
+    _fails(TINY + ["--prompts", str(f)], tmp_path, capsys, r"--prompts .* holds no prompts")
 
 
 def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
@@ -546,23 +546,186 @@ def test_all_rewards_nonfinite_skips_the_step(tmp_path, monkeypatch):
     assert _metrics(tmp_path)[0]["skipped"] is True
 
 
-def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+def test_checkpoint_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    import errno
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
     real_save = torch.save
 
     def boom(obj, f, *a, **k):
         if str(f).endswith("trainer_state.pt"):
-            raise OSError("disk full")
+            raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", boom)
-    with pytest.raises(OSError):
-        V.main(["--resume", str(run), "--iterations", "2"])
+    capsys.readouterr()
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: could not write a checkpoint .*No space left.*--resume", err), err
+    assert "Traceback" not in err
     monkeypatch.setattr(torch, "save", real_save)
     assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
-    assert not (run / "checkpoints" / "iter_000002").exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "latest"]
     V.read_checkpoint(str(run))                                      # the old one is intact
+
+
+def _one_line(argv, tmp_path, capsys, pattern):
+    """_fails, and the message is a single line without a traceback."""
+    err = _fails(argv, tmp_path, capsys, pattern)
+    lines = [l for l in err.splitlines() if l.strip() and not l.startswith("V-GRPO")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("body, pattern", [
+    ("raise KeyError('no such key')", r"'badplug:fn' failed on a probe batch.*KeyError"),
+    ("return None", r"'badplug:fn' returned NoneType; return a tensor"),
+    ("return torch.zeros(len(prompts), 2)", r"'badplug:fn' returned shape \(2, 2\), expected \(2,\)"),
+    ("return torch.full((len(prompts),), float('nan'))", r"'badplug:fn' returned non-finite"),
+])
+def test_broken_plugin_fails_before_training_in_one_line(tmp_path, capsys, monkeypatch, body, pattern):
+    (tmp_path / "badplug.py").write_text(f"import torch\ndef fn(images, prompts):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "badplug", raising=False)   # a fresh import
+    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded before probe"))
+    _one_line(TINY + ["--reward", "badplug:fn"], tmp_path, capsys, pattern)
+
+
+def test_unwritable_run_dir_fails_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+    (tmp_path / "afile").write_text("x")
+    err = V.main(TINY + ["--run_dir", str(tmp_path / "afile" / "run")])
+    assert err == 2 and re.search(r"--run_dir .*afile' is a file, not a folder",
+                                  capsys.readouterr().err)
+    if os.geteuid() == 0:                    # root writes through mode bits: use a read-only fs
+        ro = Path("/sys/vgrpo-test-run")
+    else:
+        (tmp_path / "ro").mkdir(mode=0o555)
+        ro = tmp_path / "ro" / "run"
+    assert V.main(TINY + ["--run_dir", str(ro)]) == 2
+    assert re.search(r"--run_dir .*cannot write in .*pass a writable --run_dir", capsys.readouterr().err)
+    assert not ro.exists()
+
+
+def test_local_folder_without_transformer_says_so(tmp_path, capsys):
+    import shutil
+    V.build_tiny_sd3_pipeline().save_pretrained(tmp_path / "p")
+    shutil.rmtree(tmp_path / "p" / "transformer")
+    _one_line(TINY + ["--model", str(tmp_path / "p")], tmp_path, capsys,
+              r"model_index.json lists 'transformer' but there is no transformer/ folder")
+
+
+def test_reward_weight_typo_is_an_argument_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+    _one_line(TINY + ["--reward", "pickscore:abc"], tmp_path, capsys,
+              r"the weight of 'pickscore' must be a number \(got 'abc'\)")
+
+
+def test_bad_prompt_files_name_the_flag(tmp_path, capsys):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    _one_line(TINY + ["--prompts", str(f)], tmp_path, capsys, r"--prompts .*latin1.txt' is not UTF-8")
+    _one_line(TINY + ["--eval_prompts", str(tmp_path)], tmp_path, capsys,
+              r"--eval_prompts .* is a folder; pass a text file")
+
+
+@pytest.mark.parametrize("lr", ["-1", "nan", "0", "inf"])
+def test_bad_learning_rate_before_loading(tmp_path, capsys, monkeypatch, lr):
+    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+    _one_line(TINY + ["--lr", lr], tmp_path, capsys, r"--lr must be a finite number > 0")
+
+
+def test_resume_with_changed_lora_rank_is_one_line(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+    before = sorted(p.name for p in run.rglob("*"))
+    assert V.main(["--resume", str(run), "--lora_rank", "4"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"--lora_rank 4 differs from the checkpoint's 8 .*drop --lora_rank", err), err
+    assert len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in run.rglob("*")) == before
+
+
+def test_nonfinite_warning_has_its_own_line_and_eval_drops_nonfinite(tmp_path, monkeypatch, capsys):
+    class Flaky(V.JpegReward):
+        def __call__(self, images, prompts):
+            r = super().__call__(images, prompts)
+            r[0] = float("nan")
+            return r
+
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: Flaky())
+    assert V.main(TINY + ["--iterations", "1", "--eval_every", "1", "--run_dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    # tqdm.write clears the bar ("\r   \r") first: the warning starts a line of its own
+    assert re.search(r"(^|\n|\r)warning: iteration 0: 1 non-finite[^\r\n]*\n", err), err
+    ev = [m for m in _metrics(tmp_path) if "eval_reward_mean" in m]
+    assert ev and all(math.isfinite(e["eval_reward_mean"]) and e["eval_n_nonfinite"] == 1 for e in ev)
+
+
+def test_kill_and_resume_logs_each_iteration_once(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    real = V.iteration
+
+    def killed_at_3(r, it):
+        if it == 3:
+            raise SystemExit("killed")                   # not a Ctrl-C: no checkpoint on the way out
+        return real(r, it)
+
+    monkeypatch.setattr(V, "iteration", killed_at_3)
+    with pytest.raises(SystemExit):
+        V.main(TINY + ["--iterations", "4", "--save_every", "2", "--eval_every", "2",
+                       "--run_dir", str(run)])
+    monkeypatch.setattr(V, "iteration", real)
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2]   # 2 after the ckpt
+    (run / "checkpoints" / ".tmp-iter_000003-1-1").mkdir()                          # a killed save
+    assert V.main(["--resume", str(run)]) == 0
+    ms = _metrics(run)
+    assert [m["iter"] for m in ms if "reward_mean" in m] == [0, 1, 2, 3]
+    assert [m["iter"] for m in ms if "eval_reward_mean" in m] == [0, 2, 4]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("window", ["before_latest", "after_latest"])
+def test_resave_keeps_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, window):
+    """Re-saving iteration 1 (Ctrl-C right after a resume), killed inside the swap."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
+    monkeypatch.setattr(V, "iteration", lambda r, it: (_ for _ in ()).throw(KeyboardInterrupt))
+    real_replace, real_rmtree = os.replace, V.shutil.rmtree
+
+    def replace(src, dst):
+        if window == "before_latest" and str(dst).endswith("latest"):
+            raise SystemExit("killed")
+        return real_replace(src, dst)
+
+    def rmtree(p, *a, **k):
+        if window == "after_latest" and Path(p).name == "iter_000001":
+            raise SystemExit("killed")
+        return real_rmtree(p, *a, **k)
+
+    monkeypatch.setattr(V.os, "replace", replace)
+    monkeypatch.setattr(V.shutil, "rmtree", rmtree)
+    with pytest.raises(SystemExit):
+        V.main(["--resume", str(run), "--iterations", "2"])
+    monkeypatch.undo()
+    name = (run / "checkpoints" / "latest").read_text()
+    assert name == {"before_latest": "iter_000001", "after_latest": "iter_000001-b"}[window]
+    ckpt, state = V.read_checkpoint(str(run))                     # complete and readable
+    assert ckpt.name == name and state["iteration"] == 1
+
+
+def test_outputs_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path / "run")]) == 0
+    finally:
+        os.umask(old)
+    ck = tmp_path / "run" / "checkpoints" / "iter_000001"
+    assert ck.stat().st_mode & 0o777 == 0o755
+    for f in ck.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o644, f
 
 
 # ------------------------------------------------------------------------------------------------

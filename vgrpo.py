@@ -95,6 +95,11 @@ import torch.nn.functional as F
 #     Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > per-family preset
 #     (FAMILY_PRESETS: SD3 or FLUX) > default.
 # ------------------------------------------------------------------------------------------------
+class ConfigError(ValueError):
+    """A problem with the user's input or environment (a flag, a file, a model location, a plug-in):
+    main() prints it as one line and exits with status 2. Anything else is a bug and tracebacks."""
+
+
 def _f(default, help: str, src: str = "our choice", choices=None):
     return field(default=default, metadata=dict(help=help, src=src, choices=choices))
 
@@ -254,7 +259,7 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     names = {f.name for f in dataclasses.fields(Args)}
     unknown = set(values) - names
     if unknown:
-        raise ValueError(f"unknown option(s): {sorted(unknown)}")
+        raise ConfigError(f"unknown option(s): {sorted(unknown)}")
     args = Args(**values)
     check_args(args)
     # where each value comes from: the layer that set it, else the field's own source tag
@@ -280,6 +285,15 @@ def check_args(a: Args) -> None:
                         "grid point per stratum (or pass --no-stratified)")
     if a.resolution % 16:
         problems.append(f"--resolution must be a multiple of 16 (got {a.resolution})")
+    for name in ("lr", "max_grad_norm"):
+        v = getattr(a, name)
+        if not (math.isfinite(v) and v > 0):
+            problems.append(f"--{name} must be a finite number > 0 (got {v})")
+    for name in ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta",
+                 "adv_clamp"):
+        v = getattr(a, name)
+        if not (math.isfinite(v) and v >= 0) and not (name == "adv_clamp" and v == math.inf):
+            problems.append(f"--{name} must be a finite number ≥ 0 (got {v})")
     if not 0 <= a.eval_holdout < 1:
         problems.append(f"--eval_holdout must lie in [0, 1) (got {a.eval_holdout})")
     for spec in (a.reward, a.eval_rewards):
@@ -289,7 +303,7 @@ def check_args(a: Args) -> None:
             except ValueError as e:
                 problems.append(str(e))
     if problems:
-        raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
+        raise ConfigError("; ".join(problems))
 
 # ------------------------------------------------------------------------------------------------
 # §3  Flow-matching math (pure).                                          [PAPER conventions]
@@ -736,7 +750,7 @@ def resolve_model(name: str) -> str:
     parts = name.split("/")
     if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
         return name                                                  # looks like owner/name
-    raise ValueError(f"unknown model {name!r}: use an alias ({', '.join([*TINY_MODELS, *MODEL_ALIASES])}), "
+    raise ConfigError(f"unknown model {name!r}: use an alias ({', '.join([*TINY_MODELS, *MODEL_ALIASES])}), "
                      "a hub id such as stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
 
 
@@ -744,6 +758,33 @@ def _offline_hint(what: str, location: str, flag: str) -> str:
     return (f"could not load {what} from {location!r} (no network, or not in the local cache). "
             f"Download it on a machine with access, e.g. `huggingface-cli download {location} "
             f"--local-dir /path/to/dir`, then pass `{flag} /path/to/dir`.")
+
+
+def check_local_pipeline(location: str) -> tuple[str, dict]:
+    """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
+    name and {component: None} for the components saved as null in model_index.json (a documented
+    diffusers way to save SD3 without its T5 encoder: text_encoder_3 = tokenizer_3 = None)."""
+    index = Path(location, "model_index.json")
+    if not index.is_file():
+        raise ConfigError(f"--model {location!r} is not a diffusers pipeline folder (no "
+                          "model_index.json); pass the folder that holds model_index.json")
+    try:
+        spec = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {location!r}: model_index.json is unreadable ({e})") from None
+    cls_name = spec.get("_class_name")
+    if cls_name not in SUPPORTED_PIPELINES:
+        raise ConfigError(f"--model {location!r} holds a {cls_name}; supported: {SUPPORTED_PIPELINES}")
+    null = {k: None for k, v in spec.items()
+            if not k.startswith("_") and (v is None or (isinstance(v, list) and None in v))}
+    for k, v in spec.items():
+        if not k.startswith("_") and k not in null and isinstance(v, list) \
+                and not Path(location, k).is_dir():
+            raise ConfigError(f"--model {location!r}: model_index.json lists {k!r} but there is no "
+                              f"{k}/ folder; copy the complete pipeline (or set {k} to null)")
+    if "transformer" in null:
+        raise ConfigError(f"--model {location!r}: the pipeline was saved without its transformer")
+    return cls_name, null
 
 
 def load_pipeline(name: str, dtype: torch.dtype):
@@ -757,22 +798,17 @@ def load_pipeline(name: str, dtype: torch.dtype):
     elif location == "tiny-flux":
         pipe = build_tiny_flux_pipeline()
     else:
-        if os.path.isdir(location):
-            index = Path(location, "model_index.json")
-            if not index.is_file():
-                raise ValueError(f"{location!r} is not a diffusers pipeline folder (no model_index.json)")
-            cls_name = json.loads(index.read_text()).get("_class_name")
-            if cls_name not in SUPPORTED_PIPELINES:
-                raise ValueError(f"{location!r} holds a {cls_name}; supported: {SUPPORTED_PIPELINES}")
+        cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
         try:
             with warnings.catch_warnings():       # `torch_dtype` works on diffusers 0.3x–0.4x;
                 warnings.simplefilter("ignore", FutureWarning)      # 0.42 prefers `dtype`
-                cls = getattr(diffusers, cls_name) if os.path.isdir(location) else DiffusionPipeline
-                pipe = cls.from_pretrained(location, torch_dtype=dtype)
+                cls = getattr(diffusers, cls_name) if cls_name else DiffusionPipeline
+                # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
+                pipe = cls.from_pretrained(location, torch_dtype=dtype, **null)
         except (OSError, EnvironmentError) as e:
-            raise RuntimeError(_offline_hint("the model", location, "--model")) from e
+            raise ConfigError(_offline_hint("the model", location, "--model")) from e
         if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-            raise ValueError(f"{location!r} is a {type(pipe).__name__}; supported: {SUPPORTED_PIPELINES}")
+            raise ConfigError(f"{location!r} is a {type(pipe).__name__}; supported: {SUPPORTED_PIPELINES}")
     parts = [getattr(pipe, n, None) for n in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")]
     for m in parts:
         if m is not None:
@@ -964,7 +1000,7 @@ class SD3Adapter:
             return self._encode(prompts)
         missing = [p for p in prompts if p not in self._cache]
         if missing:
-            raise ValueError(f"prompt not among the cached embeddings (--offload_text_encoders): {missing[0]!r}")
+            raise ConfigError(f"prompt not among the cached embeddings (--offload_text_encoders): {missing[0]!r}")
         return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device) for k in self._cache[prompts[0]]}
 
     @torch.no_grad()
@@ -1095,12 +1131,12 @@ def _fetch(location: str, flag: str) -> str:
         return location
     parts = location.split("/")
     if len(parts) < 3:
-        raise ValueError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
+        raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
     from huggingface_hub import hf_hub_download
     try:
         return hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]))
     except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
-        raise RuntimeError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a machine "
+        raise ConfigError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a machine "
                            f"with access (`huggingface-cli download {'/'.join(parts[:2])} {'/'.join(parts[2:])}`) "
                            f"and pass `{flag} /path/to/file`.") from e
 
@@ -1157,11 +1193,11 @@ class PickScoreReward:
         try:
             proc = AutoProcessor.from_pretrained(processor)
         except (OSError, EnvironmentError) as e:
-            raise RuntimeError(_offline_hint(f"the {cls.name} processor", processor, cls.flags[1])) from e
+            raise ConfigError(_offline_hint(f"the {cls.name} processor", processor, cls.flags[1])) from e
         try:
             net = AutoModel.from_pretrained(model)
         except (OSError, EnvironmentError) as e:
-            raise RuntimeError(_offline_hint(f"the {cls.name} model", model, cls.flags[0])) from e
+            raise ConfigError(_offline_hint(f"the {cls.name} model", model, cls.flags[0])) from e
         return cls(net, proc, device, dtype)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
@@ -1278,7 +1314,7 @@ class ImageRewardReward:
         try:
             import ImageReward as RM  # noqa: N813 — the package's own name
         except ImportError as e:
-            raise RuntimeError("--reward imagereward needs the optional package `image-reward` "
+            raise ConfigError("--reward imagereward needs the optional package `image-reward` "
                                "(pip install image-reward); it is not in requirements.txt because its "
                                "pins (timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
         self.model = RM.load(location, device=str(device))
@@ -1302,16 +1338,38 @@ class PluginReward:
         try:
             mod = importlib.import_module(module)
         except ImportError as e:
-            raise ValueError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
+            raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
         if not callable(getattr(mod, fn, None)):
-            raise ValueError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
+            raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
         self.fn, self.name = getattr(mod, fn), spec
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        out = torch.as_tensor(self.fn(images, prompts)).detach().float().cpu()
+        out = self.fn(images, prompts)
+        try:
+            out = torch.as_tensor(out).detach().float().cpu()
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(f"reward {self.name!r} returned {type(out).__name__}; return a "
+                              f"tensor, array or list of {len(prompts)} numbers") from None
         if out.shape != (len(prompts),):
-            raise ValueError(f"reward {self.name!r} returned shape {tuple(out.shape)}, expected ({len(prompts)},)")
+            raise ConfigError(f"reward {self.name!r} returned shape {tuple(out.shape)}, "
+                              f"expected ({len(prompts)},)")
         return out
+
+    def probe(self, size: int, device: torch.device) -> None:
+        """Call the plug-in once on 2 random images before training, so a broken one fails in
+        one line before the model is loaded or anything is written."""
+        g = torch.Generator().manual_seed(0)
+        images = torch.rand(2, 3, size, size, generator=g).to(device)
+        try:
+            out = self(images, ["a photo of a cat", "a red apple on a table"])
+        except ConfigError as e:
+            raise ConfigError(f"{e} (probe call on 2 random {size}×{size} images)") from None
+        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
+            raise ConfigError(f"reward {self.name!r} failed on a probe batch of 2 random {size}×{size}"
+                              f" images: {type(e).__name__}: {e}") from None
+        if not torch.isfinite(out).all():
+            raise ConfigError(f"reward {self.name!r} returned non-finite values {out.tolist()} on a "
+                              "probe batch of 2 random images; return finite numbers")
 
 
 BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
@@ -1328,18 +1386,20 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         if sep:
             try:
                 weight, name = float(tail), head
-            except ValueError:
-                pass                                        # 'module:function' without a weight
+            except ValueError:                              # 'module:function' without a weight,
+                if head in BUILTIN_REWARDS or ":" in head:  # unless the head is already complete
+                    raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
+                                      f"(got {tail!r}), e.g. {head}:1") from None
         if name not in BUILTIN_REWARDS and ":" not in name:
-            raise ValueError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
+            raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
                              "module.path:function for your own")
         if not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
+            raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
         out.append((name, weight))
     if not out:
-        raise ValueError(f"--reward {spec!r} names no reward")
+        raise ConfigError(f"--reward {spec!r} names no reward")
     if len({n for n, _ in out}) != len(out):
-        raise ValueError(f"--reward {spec!r} names a reward twice")
+        raise ConfigError(f"--reward {spec!r} names a reward twice")
     return out
 
 
@@ -1447,26 +1507,34 @@ a portrait of a woman with freckles in natural light
 
 def load_prompts(args: Args) -> tuple[list[str], list[str]]:
     """(train, eval) prompt lists: --prompts / --eval_prompts files, or the built-in set."""
-    def read(path):
+    def read(path, flag):
+        if os.path.isdir(path):
+            raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt per line")
         if not os.path.isfile(path):
-            raise ValueError(f"prompt file {path!r} does not exist")
-        lines = [l.strip() for l in Path(path).read_text(encoding="utf-8").splitlines()]
-        lines = [l for l in lines if l]
+            raise ConfigError(f"{flag} {path!r}: prompt file does not exist")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}); save it as "
+                              "UTF-8, one prompt per line") from None
+        except OSError as e:
+            raise ConfigError(f"{flag} {path!r} cannot be read ({e.strerror})") from None
+        lines = [l for l in (l.strip() for l in text.splitlines()) if l]
         if not lines:
-            raise ValueError(f"prompt file {path!r} holds no prompts (one per line expected)")
+            raise ConfigError(f"{flag} {path!r}: prompt file holds no prompts (one per line expected)")
         return lines
 
     if args.prompts is None:
         allp = BUILTIN_PROMPTS.strip().splitlines()
         train, held = [p for i, p in enumerate(allp) if i % 5], [p for i, p in enumerate(allp) if not i % 5]
     else:
-        allp = read(args.prompts)
+        allp = read(args.prompts, "--prompts")
         n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
         order = torch.randperm(len(allp), generator=torch.Generator().manual_seed(1234)).tolist()
         held = [allp[i] for i in sorted(order[:n_eval])]
         train = [allp[i] for i in sorted(order[n_eval:])]
     if args.eval_prompts is not None:
-        held = read(args.eval_prompts)
+        held = read(args.eval_prompts, "--eval_prompts")
     return train, held or train[:1]
 
 
@@ -1539,7 +1607,7 @@ def find_checkpoint(path: str) -> Path:
         c = p / "checkpoints" / latest.read_text().strip()
         if (c / CKPT_STATE).is_file():
             return c
-    raise ValueError(f"--resume {path!r}: no checkpoint there (expected {CKPT_STATE} in it, or "
+    raise ConfigError(f"--resume {path!r}: no checkpoint there (expected {CKPT_STATE} in it, or "
                      "checkpoints/latest in a run folder)")
 
 
@@ -1555,9 +1623,20 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
             from safetensors.torch import load_file
             load_file(str(ckpt / LORA_FILE))
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
-        raise ValueError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
+        raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
                          f"({type(e).__name__}: {e}); pick another with --resume") from e
     return ckpt, state
+
+
+RESUME_FIXED = ("full_finetune", "lora_rank", "lora_alpha", "lora_targets")
+
+
+def check_resume_compat(args: "Args", saved: dict, ckpt) -> None:
+    """Flags that change the shape of what a checkpoint holds cannot change on --resume."""
+    for k in RESUME_FIXED:
+        if k in saved and saved[k] != getattr(args, k):
+            raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
+                              f"{saved[k]!r} ({ckpt}); drop --{k} to resume, or start a new run")
 
 
 def checkpoint_config(path: str) -> dict:
@@ -1567,7 +1646,7 @@ def checkpoint_config(path: str) -> dict:
     try:
         return json.loads((ckpt / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete ({type(e).__name__}: {e}); "
+        raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete ({type(e).__name__}: {e}); "
                          "pick another with --resume") from e
 
 
@@ -1579,26 +1658,43 @@ def trainable_state(transformer, full: bool) -> dict:
 
 
 def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optimizer) -> Path:
+    """Write checkpoints/iter_XXXXXX and point checkpoints/latest at it. At every instant `latest`
+    names a complete checkpoint: the new one is written to a temporary folder, renamed to a name
+    no folder has, `latest` is switched atomically, and only then is an older copy removed.
+    Folders and files follow the user's umask. A failed write (disk full) removes its temporary
+    folder and raises ConfigError."""
     ckdir = run_dir / "checkpoints"
     ckdir.mkdir(parents=True, exist_ok=True)
     name = f"iter_{it:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=ckdir))
-    if args.full_finetune:
-        adapter.transformer.save_pretrained(tmp / "transformer")
-    else:
-        adapter.save_lora(str(tmp), trainable_state(adapter.transformer, False), lora_cfg)
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    torch.save({"iteration": it, "config": dataclasses.asdict(args), "optimizer": optimizer.state_dict(),
-                "rng": rng}, tmp / CKPT_STATE)
-    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    final = ckdir / name
+    tmp = ckdir / f".tmp-{name}-{os.getpid()}-{time.time_ns()}"
+    tmp.mkdir()                                            # umask applies (mkdtemp would give 0700)
+    try:
+        if args.full_finetune:
+            adapter.transformer.save_pretrained(tmp / "transformer")
+        else:
+            adapter.save_lora(str(tmp), trainable_state(adapter.transformer, False), lora_cfg)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        torch.save({"iteration": it, "config": dataclasses.asdict(args),
+                    "optimizer": optimizer.state_dict(), "rng": rng}, tmp / CKPT_STATE)
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({e.strerror or e}); "
+                          f"free space there, then continue with --resume {run_dir}") from None
+    latest = ckdir / "latest"
+    current = latest.read_text().strip() if latest.is_file() else None
+    # a re-save of the same iteration goes to the other of two names, never over `latest`'s folder
+    final = next(ckdir / n for n in (name, name + "-b") if n != current)
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(final)                               # not what `latest` names: safe to remove
     os.replace(tmp, final)
     tmp_latest = ckdir / ".latest.tmp"
-    tmp_latest.write_text(name)
-    os.replace(tmp_latest, ckdir / "latest")
+    tmp_latest.write_text(final.name)
+    os.replace(tmp_latest, latest)                         # atomic switch
+    for old in (ckdir / name, ckdir / (name + "-b")):      # the replaced copy of this iteration
+        if old != final and old.exists():
+            shutil.rmtree(old)
     return final
 
 
@@ -1613,7 +1709,7 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
     sd = {k.removeprefix("transformer."): v for k, v in load_file(str(ckpt / LORA_FILE)).items()}
     res = set_peft_model_state_dict(adapter.transformer, sd)
     if getattr(res, "unexpected_keys", None):
-        raise ValueError(f"checkpoint {str(ckpt)!r} does not match this model: {res.unexpected_keys[:3]}")
+        raise ConfigError(f"checkpoint {str(ckpt)!r} does not match this model: {res.unexpected_keys[:3]}")
 
 
 def setup_device(args: Args, local_rank: int = 0) -> tuple[torch.device, torch.dtype, contextlib.AbstractContextManager]:
@@ -1695,25 +1791,33 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     check_args(args)
     train_prompts, eval_prompts = load_prompts(args)
     ckpt, ck_state = read_checkpoint(args.resume) if args.resume else (None, None)
+    if ckpt is not None:
+        check_resume_compat(args, ck_state["config"], ckpt)
+    location = resolve_model(args.model) if pipe is None else None
+    if location is not None and os.path.isdir(location):
+        check_local_pipeline(location)
     rank, world, local_rank = dist_info()
     if world > 1:
         import torch.distributed as dist
         if args.prompts_per_iter % world:
-            raise ValueError(f"--prompts_per_iter {args.prompts_per_iter} must be divisible by the "
+            raise ConfigError(f"--prompts_per_iter {args.prompts_per_iter} must be divisible by the "
                              f"{world} processes: a group is never split across ranks")
         if (args.prompts_per_iter // world * args.group_size) % args.mu:
-            raise ValueError(f"each rank's {args.prompts_per_iter // world * args.group_size} samples must "
+            raise ConfigError(f"each rank's {args.prompts_per_iter // world * args.group_size} samples must "
                              f"split into --mu {args.mu} equal minibatches")
     dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     torch.manual_seed(args.seed)                           # same LoRA init on every rank
     random.seed(args.seed)
+    rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
+    for m in rewards.models.values():                      # plug-ins fail here, in one line
+        if isinstance(m, PluginReward):
+            m.probe(min(args.resolution, 256), dev)
     pipe = pipe if pipe is not None else load_pipeline(args.model, dtype)
     pipe.to(dev)
     pipe.vae.to(torch.float32)
     adapter = make_adapter(pipe, args, dev)
-    rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
     if args.offload_text_encoders:                         # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
 
@@ -1752,14 +1856,11 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
 def train(args: Args) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
     from tqdm.auto import tqdm
+    run_dir = plan_run_dir(args)                           # checked writable, not created yet
     run = setup(args)                                      # bad input fails here, having written nothing
     main_rank = run.rank == 0
 
     # ---- output folder (rank 0 decides the name, every rank learns it) ------------------------
-    tag = "+".join(n.split(":")[-1] for n, _ in run.rewards.train)
-    run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if args.resume and args.run_dir is None:
-        run_dir = find_checkpoint(args.resume).parent.parent
     if run.world > 1:
         import torch.distributed as dist
         box = [str(run_dir)]
@@ -1771,10 +1872,11 @@ def train(args: Args) -> list[dict]:
     done_evals: set = set()
     if main_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
+            shutil.rmtree(stale, ignore_errors=True)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         if mpath.exists():
-            done_evals = {json.loads(l)["iter"] for l in mpath.read_text().splitlines()
-                          if l.strip() and "eval_reward_mean" in l}
+            done_evals = trim_metrics(mpath, run.start) if args.resume else set()
         log_f = open(mpath, "a")
         print(banner(run))
 
@@ -1825,6 +1927,46 @@ def train(args: Args) -> list[dict]:
     return history
 
 
+def plan_run_dir(args: Args) -> Path:
+    """The run folder (--run_dir, the resumed run's folder, or runs/<model>-<rewards>-<time>),
+    checked writable before anything loads; nothing is created here."""
+    if args.resume and args.run_dir is None:
+        run_dir = find_checkpoint(args.resume).parent.parent
+    else:
+        tag = "+".join(n.split(":")[-1] for n, _ in parse_reward_spec(args.reward))
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{stamp}")
+    p = run_dir.absolute()
+    top = next(q for q in (p, *p.parents) if q.exists())     # deepest part that exists
+    if not top.is_dir():
+        raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder; "
+                          "pass another --run_dir")
+    try:
+        with tempfile.TemporaryFile(dir=top):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
+                          f"({e.strerror}); pass a writable --run_dir") from None
+    return run_dir
+
+
+def trim_metrics(mpath: Path, start: int) -> set:
+    """On resume from the checkpoint after iteration `start`: drop the lines logged after it (they
+    are logged again), so each iteration appears once. Returns the iterations already evaluated."""
+    keep = []
+    for line in mpath.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue                                       # a line cut short by a kill
+        if m.get("iter", math.inf) < start or ("eval_reward_mean" in m and m["iter"] <= start):
+            keep.append(line)
+    tmp = mpath.with_name(mpath.name + ".tmp")
+    tmp.write_text("".join(l + "\n" for l in keep))
+    os.replace(tmp, mpath)
+    return {json.loads(l)["iter"] for l in keep if "eval_reward_mean" in l}
+
+
 def _barrier(world: int) -> None:
     if world > 1:
         import torch.distributed as dist
@@ -1846,10 +1988,21 @@ def evaluate(run: Run, it: int) -> dict:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
     head = run.rewards.summary(raw, run.rewards.eval)
-    ev = {"iter": it, "eval_reward_mean": head.mean().item(), "eval_reward_std": head.std(unbiased=False).item(),
-          "eval_reward_unit": run.rewards.unit(run.rewards.eval), "eval_nfe": len(run.eval_sigmas) - 1}
+
+    def finite_stats(r):                                   # non-finite rewards are dropped
+        f = r[torch.isfinite(r)]
+        return (f.mean().item(), f.std(unbiased=False).item()) if len(f) else (math.nan, math.nan)
+
+    ev = {"iter": it, "eval_reward_unit": run.rewards.unit(run.rewards.eval),
+          "eval_nfe": len(run.eval_sigmas) - 1,
+          "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
+    ev["eval_reward_mean"], ev["eval_reward_std"] = finite_stats(head)
     for n, r in raw.items():
-        ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = r.mean().item(), r.std(unbiased=False).item()
+        ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = finite_stats(r)
+    if ev["eval_n_nonfinite"]:
+        from tqdm.auto import tqdm
+        tqdm.write(f"warning: evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite "
+                   "reward(s) dropped", file=sys.stderr)
     return ev
 
 
@@ -1981,8 +2134,9 @@ def iteration(run: Run, it: int) -> dict:
     for k in ("ratio", "abs_log_ratio", "clip_frac", "approx_kl", "kl_x"):
         m.setdefault(k, float("nan") if skipped else 0.0)
     if m["n_nonfinite_reward"] and run.rank == 0:
-        print(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) dropped "
-              f"(advantage 0){'; update skipped' if skipped else ''}", file=sys.stderr)
+        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
+        tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
+                   f"dropped (advantage 0){'; update skipped' if skipped else ''}", file=sys.stderr)
     m["time_iter"] = time.perf_counter() - t0
     return m
 
@@ -2022,7 +2176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         # a resumed run keeps its own configuration; flags given now override it
         resumed = checkpoint_config(given["resume"]) if given.get("resume") else None
         train(resolve_args(given, resumed=resumed))
-    except (ValueError, RuntimeError) as e:
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
