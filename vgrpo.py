@@ -1678,6 +1678,11 @@ def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optim
         torch.save({"iteration": it, "config": dataclasses.asdict(args),
                     "optimizer": optimizer.state_dict(), "rng": rng}, tmp / CKPT_STATE)
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.rglob("*"):                           # safetensors writes files 0600
+            if f.is_file():
+                f.chmod(0o666 & ~umask)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({e.strerror or e}); "
