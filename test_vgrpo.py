@@ -1111,22 +1111,43 @@ def _torchrun(args, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
 
 
-def test_two_processes_equal_one_process_and_resume(tmp_path):
+def _smooth_reward(folder, monkeypatch=None) -> str:
+    """A plug-in reward that moves smoothly with the pixels (mean colour), for comparisons across
+    reduction orders (processes, batch splits, cached embeddings). JPEG size is a step function of
+    the pixels: a float-rounding difference can flip whole bytes, so it is never compared there."""
+    (folder / "meancolour.py").write_text(
+        "def mean_colour(images, prompts):\n    return images.float().mean(dim=(1, 2, 3))\n")
+    if monkeypatch is not None:
+        monkeypatch.syspath_prepend(str(folder))
+    return "meancolour:mean_colour"
+
+
+def test_two_processes_equal_one_process_and_resume(tmp_path, monkeypatch):
     from safetensors.torch import load_file
-    _torchrun(DDP + ["--iterations", "3", "--run_dir", str(tmp_path / "ddp")], tmp_path)
-    assert V.main(DDP + ["--iterations", "3", "--run_dir", str(tmp_path / "single")]) == 0
+    smooth = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch)]
+    _torchrun(smooth + ["--iterations", "3", "--run_dir", str(tmp_path / "ddp")], tmp_path)
+    assert V.main(smooth + ["--iterations", "3", "--run_dir", str(tmp_path / "single")]) == 0
     d, s = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "single")
     assert len(d) == len(s) == 3
     for x, y in zip(d, s):
         assert x["param_desync"] == 0.0                    # both ranks hold identical parameters
-        assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-6)
-        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
-        assert x["surrogate_cv_group"] == pytest.approx(y["surrogate_cv_group"], rel=1e-4)
+        # Each rank runs the transformer on 3 rows instead of 6 and the gradients are summed by
+        # an all-reduce: another reduction order, fp32 rounding ~1e-7 relative per operation,
+        # grown by 3 Adam steps at lr 1e-2 to ≲ 1e-5 in pixel space. Mean colour (≈ 0.5) moves
+        # by as much: 1e-4 absolute leaves a 10× margin. (Measured on a 2-core Xeon: 0.0 reward
+        # difference, 2e-6 relative on grad_norm and surrogate_cv_group, 4e-5 on the LoRA.)
+        assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-4)
+        # gradient norm and surrogate CV are smooth functions of the same numbers: 1e-3 relative
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-3)
+        assert x["surrogate_cv_group"] == pytest.approx(y["surrogate_cv_group"], rel=1e-3)
     a = load_file(str(tmp_path / "ddp/checkpoints/iter_000003/pytorch_lora_weights.safetensors"))
     b = load_file(str(tmp_path / "single/checkpoints/iter_000003/pytorch_lora_weights.safetensors"))
-    assert set(a) == set(b) and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3   # lr 1e-2: 3 Adam steps
-    # resume under torchrun: 1 iteration, then continue to 3 — same metrics as the uninterrupted run
-    _torchrun(DDP + ["--iterations", "1", "--run_dir", str(tmp_path / "part")], tmp_path)
+    # Adam's first steps move each weight by ≈ lr·sign(g) = 1e-2; an entry whose gradient is at
+    # rounding level can take another sign: allow 1e-3 on the largest difference over 3 steps
+    assert set(a) == set(b) and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3
+    # resume under torchrun: 1 iteration, then continue to 3. Same world size, same thread count
+    # (OMP_NUM_THREADS=1 in _torchrun), same shapes: the same reduction order, so exactly equal.
+    _torchrun(smooth + ["--iterations", "1", "--run_dir", str(tmp_path / "part")], tmp_path)
     _torchrun(["--resume", str(tmp_path / "part"), "--iterations", "3"], tmp_path)
     assert _strip_times(_metrics(tmp_path / "part")) == _strip_times(d)
 
@@ -1137,19 +1158,24 @@ def test_prompts_must_split_evenly_across_processes(tmp_path, capsys, monkeypatc
     _fails(TINY + ["--prompts_per_iter", "3"], tmp_path, capsys, r"must be divisible by the 2 processes")
 
 
-def test_offloaded_text_encoders_give_the_same_run(tmp_path):
+def test_offloaded_text_encoders_give_the_same_run(tmp_path, monkeypatch):
     """--offload_text_encoders embeds every prompt once and answers from the cache afterwards."""
-    assert V.main(TINY + ["--eval_every", "1", "--run_dir", str(tmp_path / "a")]) == 0
-    assert V.main(TINY + ["--eval_every", "1", "--offload_text_encoders", "--run_dir", str(tmp_path / "b")]) == 0
+    smooth = TINY + ["--reward", _smooth_reward(tmp_path, monkeypatch), "--eval_every", "1"]
+    assert V.main(smooth + ["--run_dir", str(tmp_path / "a")]) == 0
+    assert V.main(smooth + ["--offload_text_encoders", "--run_dir", str(tmp_path / "b")]) == 0
     a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
-    # the cache embeds prompts in other batch sizes than the loop does: equal up to float rounding,
-    # which JPEG quantisation can amplify a little after the first update
+    # The cache embeds prompts in other batch sizes than the loop does: the same embeddings up to
+    # fp32 rounding (~1e-7 relative), which two Adam steps at lr 1e-2 carry into the images at
+    # ≲ 1e-5. A smooth reward (mean colour ≈ 0.5) moves as little: 1e-4 absolute; the gradient
+    # norm and surrogate CV, smooth in the same numbers, 1e-3 relative.
     assert [m["iter"] for m in a] == [m["iter"] for m in b]
     for x, y in zip(a, b):
-        for k in ("reward_mean", "eval_reward_mean", "grad_norm", "surrogate_cv"):
+        for k in ("reward_mean", "eval_reward_mean"):
             if k in x:
-                assert x[k] == pytest.approx(y[k], rel=5e-3), (x["iter"], k)
-    assert a[1]["reward_mean"] == b[1]["reward_mean"] and a[1]["grad_norm"] == pytest.approx(b[1]["grad_norm"], rel=1e-5)
+                assert x[k] == pytest.approx(y[k], abs=1e-4), (x["iter"], k)
+        for k in ("grad_norm", "surrogate_cv"):
+            if k in x:
+                assert x[k] == pytest.approx(y[k], rel=1e-3), (x["iter"], k)
     ad = V.SD3Adapter(V.build_tiny_sd3_pipeline(), torch.device("cpu"), 32)
     ad.cache_prompts(["a cat", "a dog"])
     with pytest.raises(ValueError, match="not among the cached embeddings"):
