@@ -1180,3 +1180,52 @@ def test_offloaded_text_encoders_give_the_same_run(tmp_path, monkeypatch):
     ad.cache_prompts(["a cat", "a dog"])
     with pytest.raises(ValueError, match="not among the cached embeddings"):
         ad.encode(["a bird"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Conventions: presets, evaluation protocol, μ > 1 first step, FLUX LoRA targets, SD3 without T5
+# ------------------------------------------------------------------------------------------------
+def test_paper_and_stage_presets_follow_the_family():
+    s = V.parse_args(["--model", "sd3.5-medium", "--preset", "paper"])
+    f = V.parse_args(["--model", "flux.1-dev", "--preset", "paper"])
+    assert (s.prompts_per_iter, s.group_size) == (48, 24)          # SD3.5-M Stage 1
+    assert (f.prompts_per_iter, f.group_size) == (32, 12)          # MixGRPO: 32 prompts × 12
+    assert (s.eval_steps, f.eval_steps) == (40, 16)                # the peers' evaluation steps
+    g = V.parse_args(["--model", "sd3.5-medium", "--preset", "geneval-stage"])
+    assert (g.n_mc, g.mu, g.clip_eps, g.soft_clip_eta, g.kl_coef) == (10, 2, 1e-2, 0.0, 0.0)
+    o = V.parse_args(["--model", "sd3.5-medium", "--preset", "ocr-stage"])
+    assert (o.n_mc, o.mu, o.kl_coef, o.clip_eps, o.iterations) == (10, 2, 0.3, 0.0, 30)
+
+
+def test_first_step_ratio_is_one_for_mu_above_one(tmp_path):
+    """S_old is computed in the first step's own micro-batches: ρ ≡ 1 there for μ = 3 and uneven
+    micro-batches too (same rows, same shapes, same parameters: the same float operations)."""
+    assert V.main(TINY + ["--iterations", "1", "--mu", "3", "--micro_batch", "2", "--group_size", "4",
+                          "--run_dir", str(tmp_path)]) == 0
+    m = _metrics(tmp_path)[0]
+    assert m["abs_log_ratio_first"] < 1e-7                           # measured: exactly 0.0
+    assert m["abs_log_ratio"] > 1e-6                                 # later steps are off-policy
+
+
+def test_flux_lora_wraps_blocks_not_the_top_level_projection():
+    pipe = V.build_tiny_flux_pipeline()
+    V.add_lora(pipe.transformer, 4, 8, V.FLUX_LORA_TARGETS.split(","))
+    wrapped = {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A")}
+    assert "single_transformer_blocks.0.proj_out" in wrapped and "proj_out" not in wrapped
+    assert "transformer_blocks.0.ff.net.2" in wrapped and "transformer_blocks.0.attn.to_q" in wrapped
+    assert all(n.split(".")[0] in ("transformer_blocks", "single_transformer_blocks") for n in wrapped)
+
+
+def test_sd3_folder_saved_without_t5_loads_and_trains(tmp_path):
+    pipe = V.build_tiny_sd3_pipeline()
+    pipe.text_encoder_3, pipe.tokenizer_3 = None, None
+    pipe.register_modules(text_encoder_3=None, tokenizer_3=None)
+    pipe.save_pretrained(tmp_path / "no_t5")
+    index = json.loads((tmp_path / "no_t5" / "model_index.json").read_text())
+    assert index["text_encoder_3"] in (None, [None, None])           # how diffusers saves it
+    loaded = V.load_pipeline(str(tmp_path / "no_t5"), torch.float32)
+    assert loaded.text_encoder_3 is None
+    sizes = ["--resolution", "64", "--max_sequence_length", "32", "--lora_rank", "8", "--lora_alpha", "16"]
+    assert V.main(TINY + sizes + ["--model", str(tmp_path / "no_t5"), "--iterations", "1",
+                                  "--run_dir", str(tmp_path / "run")]) == 0
+    assert math.isfinite(_metrics(tmp_path / "run")[0]["grad_norm"])

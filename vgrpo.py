@@ -136,7 +136,9 @@ class Args:
     num_steps: int = _f(40, "ODE steps per rollout (K)", "[PAPER §1.7] 40-step ODE rollouts")
     solver: str = _f("euler", "deterministic ODE solver for rollouts and eval", "[PAPER §1.1, §7]",
                      choices=("euler", "dpmpp2m"))
-    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default 2 × num_steps)")
+    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default: the family's evaluation "
+                                   "protocol, SD3 40 and FLUX 16; else num_steps)",
+                                   "[PAPER §1.7] Flow-GRPO/DiffusionNFT evaluate SD3.5-M at 40 steps")
     rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, no effect on results)")
     # --- reward ----------------------------------------------------------------------------------
     reward: str = _f("pickscore", "reward(s) with weights: pickscore | hpsv2 | clipscore | aesthetic | "
@@ -186,34 +188,46 @@ class Args:
     # --- system ----------------------------------------------------------------------------------
     seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
     device: str = _f("auto", "cuda, cpu, or auto")
-    preset: Optional[str] = _f(None, "bundle of overrides", choices=("paper", "smoke"))
+    preset: Optional[str] = _f(None, "bundle of overrides (README \"Presets\")",
+                               choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
 
 
 # Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
 # minutes; its numbers are our choice, measured on a 2-core machine (README "Quickstart").
 MODEL_PRESETS: dict[str, dict] = {
-    "tiny": dict(resolution=64, num_steps=8, max_sequence_length=32, prompts_per_iter=4, group_size=8, gradient_checkpointing=False,
+    "tiny": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4, group_size=8, gradient_checkpointing=False,
                  lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
                  eval_every=10, save_every=10, n_eval=8),
-    "tiny-flux": dict(resolution=64, num_steps=8, max_sequence_length=32, prompts_per_iter=4, group_size=8,
+    "tiny-flux": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4, group_size=8,
                       lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
                       eval_every=10, save_every=10, n_eval=8, reward="jpeg", gradient_checkpointing=False),
 }
 FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"   # attention
                      "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"        # double-block FF
-                     "proj_mlp,proj_out")                                                    # single blocks
+                     "proj_mlp,proj_out")               # single blocks (add_lora: inside blocks only)
 # Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
 # baseline numbers [PAPER §3 items 1–3, 8; §7], with LoRA (use --full_finetune --lr 1e-5 for theirs).
-FAMILY_PRESET_SRC = {"sd3": "our choice: memory", "flux": "[PAPER §3 items 1–3, 8; §7] MixGRPO protocol"}
+FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation", "flux": "[PAPER §3 items 1–3, 8; §7] MixGRPO protocol"}
 FAMILY_PRESETS: dict[str, dict] = {
-    "sd3": dict(gradient_checkpointing=True),
-    "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, solver="dpmpp2m", group_size=12,
+    "sd3": dict(gradient_checkpointing=True, eval_steps=40),
+    "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, eval_steps=16,
+                 solver="dpmpp2m", group_size=12,
                  prompts_per_iter=2, mu=4, clip_eps=1e-2, soft_clip_eta=3.0, reward="hpsv2:1,pickscore:1",
                  reward_aggregation="per_reward", global_std=False, std_eps=1e-8, max_sequence_length=512,
                  lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
+# "paper" depends on the family: SD3.5-M Stage 1 is 48 prompts × 24 [PAPER §1.7]; FLUX follows
+# MixGRPO's 32 prompts × 12 per iteration [PAPER §3 items 1–3]. The stage presets are the later
+# SD3.5 stages' controls [PAPER §3 item 9] (our choice where the paper is silent); their rewards
+# (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not included").
+PAPER_PRESETS = {"sd3": dict(prompts_per_iter=48, group_size=24),
+                 "flux": dict(prompts_per_iter=32, group_size=12)}
 PRESETS: dict[str, dict] = {
-    "paper": dict(prompts_per_iter=48, group_size=24),          # [PAPER §1.7] 48 × 24 = 1,152 images
+    "paper": PAPER_PRESETS["sd3"],                              # replaced per family in resolve_args
+    "geneval-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
+                          soft_clip_eta=0.0, iterations=200),   # Stages 2 / 4 (Stage 4: 50 its)
+    "ocr-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3, clip_eps=0.0,
+                      iterations=30),                           # Stage 5
     "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1, n_eval=2),
 }
 
@@ -249,7 +263,8 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     family = model_family(model)
     layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
               (f"{model} preset (our choice)", MODEL_PRESETS.get(model, {})),
-              (f"--preset {given.get('preset')}", PRESETS.get(given.get("preset") or "", {})),
+              (f"--preset {given.get('preset')}", PAPER_PRESETS[family] if given.get("preset") == "paper"
+               else PRESETS.get(given.get("preset") or "", {})),
               ("the resumed run's config", resumed or {}),
               ("command line", given)]
     values, origin = {}, {}
@@ -1109,9 +1124,16 @@ def make_adapter(pipe, args: "Args", device: torch.device):
 
 
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
-    """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [PAPER §7]"""
+    """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [PAPER §7]
+
+    targets name module suffixes (e.g. to_q, ff.net.2, proj_out); only modules inside the numbered
+    transformer blocks match, never the model's top-level layers (FLUX's and SD3's final
+    `proj_out`, the embedders): a regex for peft's full-name match."""
+    import re
     from peft import LoraConfig
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
+    alts = "|".join(re.escape(t.strip()) for t in targets if t.strip())
+    pattern = rf"(?:.*\.)?\d+\.(?:.*\.)?(?:{alts})"             # <blocks>.<i>.[...].<target>
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=pattern)
     transformer.add_adapter(cfg)
     for n, p in transformer.named_parameters():
         if "lora_" in n:
@@ -1854,7 +1876,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     sigmas = adapter.sigmas(args.num_steps)
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params, lora_cfg=lora_cfg,
                train_prompts=train_prompts, eval_prompts=eval_prompts, dev=dev, dtype=dtype, ctx=ctx,
-               sigmas=sigmas, eval_sigmas=adapter.sigmas(args.eval_steps or 2 * args.num_steps),
+               sigmas=sigmas, eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
                D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world)
 
 
@@ -2073,8 +2095,12 @@ def iteration(run: Run, it: int) -> dict:
     want_kl = a.kl_coef > 0
     s_old = torch.empty(Nl, J, device=dev)
     x0h_old = torch.empty((Nl, J) + D, device=dev) if want_kl else None
+    # The optimizer steps' minibatches, drawn now: S_old is computed in exactly the micro-batches
+    # (rows and shapes) the first step uses, so its ratio is exactly 1 for any μ.
+    perm = torch.randperm(Nl, generator=g_perm).to(dev) if a.mu > 1 else torch.arange(Nl, device=dev)
+    minibatches = perm.tensor_split(a.mu)
     with torch.no_grad():
-        for rows in torch.arange(Nl, device=dev).split(a.micro_batch):
+        for rows in (r for mb in minibatches for r in mb.split(a.micro_batch)):
             if want_kl:
                 s_old[rows], x0h_old[rows] = surrogates(rows, True)
             else:
@@ -2087,8 +2113,7 @@ def iteration(run: Run, it: int) -> dict:
     t3 = time.perf_counter()
     stats_acc: dict[str, list] = {}
     grad_norms = []
-    perm = torch.randperm(Nl, generator=g_perm).to(dev) if a.mu > 1 else torch.arange(Nl, device=dev)
-    for mb in (perm.tensor_split(a.mu) if not skipped else []):
+    for step, mb in enumerate(minibatches if not skipped else []):
         run.opt.zero_grad(set_to_none=True)
         for rows in mb.split(a.micro_batch):
             out = surrogates(rows, want_kl)
@@ -2098,6 +2123,8 @@ def iteration(run: Run, it: int) -> dict:
             (loss * (len(rows) / len(mb))).backward()     # mean over the minibatch [PAPER §3 item 16]
             for k, v in st.items():
                 stats_acc.setdefault(k, []).append(v)
+            if step == 0:
+                stats_acc.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
         for p in run.params:                              # average gradients over ranks (DDP); a
             if p.grad is not None:                        # None grad is None on every rank (same graph)
                 _all_reduce_mean(p.grad, run.world)
@@ -2136,7 +2163,7 @@ def iteration(run: Run, it: int) -> dict:
             f = r[torch.isfinite(r)]
             m[f"reward_{n}_mean"] = f.mean().item() if len(f) else float("nan")
             m[f"reward_{n}_std"] = f.std(unbiased=False).item() if len(f) else float("nan")
-    for k in ("ratio", "abs_log_ratio", "clip_frac", "approx_kl", "kl_x"):
+    for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
         m.setdefault(k, float("nan") if skipped else 0.0)
     if m["n_nonfinite_reward"] and run.rank == 0:
         from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
