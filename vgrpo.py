@@ -1679,7 +1679,8 @@ def trainable_state(transformer, full: bool) -> dict:
     return get_peft_model_state_dict(transformer)
 
 
-def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optimizer) -> Path:
+def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optimizer,
+                    scaler=None) -> Path:
     """Write checkpoints/iter_XXXXXX and point checkpoints/latest at it. At every instant `latest`
     names a complete checkpoint: the new one is written to a temporary folder, renamed to a name
     no folder has, `latest` is switched atomically, and only then is an older copy removed.
@@ -1698,7 +1699,8 @@ def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optim
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         torch.save({"iteration": it, "config": dataclasses.asdict(args),
-                    "optimizer": optimizer.state_dict(), "rng": rng}, tmp / CKPT_STATE)
+                    "optimizer": optimizer.state_dict(), "rng": rng,
+                    "scaler": scaler.state_dict() if scaler is not None else None}, tmp / CKPT_STATE)
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         umask = os.umask(0)
         os.umask(umask)
@@ -1810,6 +1812,7 @@ class Run:
     rank: int = 0
     world: int = 1
     run_dir: Optional[Path] = None
+    scaler: Optional[object] = None  # torch.amp.GradScaler, active under --dtype fp16
 
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
@@ -1859,10 +1862,15 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
         tr.enable_gradient_checkpointing()
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
+    # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op).
+    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
     start = 0
     if ckpt is not None:
         load_trainable(adapter, ckpt, args.full_finetune)
         opt.load_state_dict(ck_state["optimizer"])
+        if ck_state.get("scaler"):
+            scaler.load_state_dict(ck_state["scaler"])
         start = ck_state["iteration"]
         rng = ck_state["rng"]
         torch.set_rng_state(rng["torch"])
@@ -1877,7 +1885,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params, lora_cfg=lora_cfg,
                train_prompts=train_prompts, eval_prompts=eval_prompts, dev=dev, dtype=dtype, ctx=ctx,
                sigmas=sigmas, eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
-               D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world)
+               D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world,
+               scaler=scaler)
 
 
 def train(args: Args) -> list[dict]:
@@ -1913,7 +1922,8 @@ def train(args: Args) -> list[dict]:
             log_f.flush()
 
     def checkpoint(done: int) -> Optional[Path]:
-        path = save_checkpoint(run_dir, done, run.adapter, args, run.lora_cfg, run.opt) if main_rank else None
+        path = save_checkpoint(run_dir, done, run.adapter, args, run.lora_cfg, run.opt,
+                               run.scaler) if main_rank else None
         _barrier(run.world)
         return path
 
@@ -2120,7 +2130,8 @@ def iteration(run: Run, it: int) -> dict:
             s_new, x0h = out if want_kl else (out, None)
             kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
             loss, st = vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=a.clip_eps, kl=kl, kl_coef=a.kl_coef)
-            (loss * (len(rows) / len(mb))).backward()     # mean over the minibatch [PAPER §3 item 16]
+            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [PAPER §3 item 16]
+            (run.scaler.scale(scaled) if run.scaler else scaled).backward()
             for k, v in st.items():
                 stats_acc.setdefault(k, []).append(v)
             if step == 0:
@@ -2128,9 +2139,13 @@ def iteration(run: Run, it: int) -> dict:
         for p in run.params:                              # average gradients over ranks (DDP); a
             if p.grad is not None:                        # None grad is None on every rank (same graph)
                 _all_reduce_mean(p.grad, run.world)
+        if run.scaler:
+            run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
         gn = torch.nn.utils.clip_grad_norm_(run.params, a.max_grad_norm)
         if torch.isfinite(gn):
-            run.opt.step()
+            run.scaler.step(run.opt) if run.scaler else run.opt.step()
+        if run.scaler:
+            run.scaler.update()                           # halve the scale after an overflow
         grad_norms.append(gn.detach().float())
     run.opt.zero_grad(set_to_none=True)
     _sync(dev)
@@ -2157,6 +2172,7 @@ def iteration(run: Run, it: int) -> dict:
          "reward_std": finite.std(unbiased=False).item() if len(finite) else float("nan"),
          "reward_unit": run.rewards.unit(run.rewards.train), "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
          "skipped": skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
+         "grad_scale": float(run.scaler.get_scale()) if run.scaler and run.scaler.is_enabled() else 1.0,
          "nfe_rollout": a.num_steps, "nfe_old": a.num_steps + J, "nfe_theta": J}
     if len(raw_all) > 1:
         for n, r in raw_all.items():
