@@ -136,9 +136,9 @@ class Args:
     num_steps: int = _f(40, "ODE steps per rollout (K)", "[PAPER §1.7] 40-step ODE rollouts")
     solver: str = _f("euler", "deterministic ODE solver for rollouts and eval", "[PAPER §1.1, §7]",
                      choices=("euler", "dpmpp2m"))
-    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default: the family's evaluation "
-                                   "protocol, SD3 40 and FLUX 16; else num_steps)",
-                                   "[PAPER §1.7] Flow-GRPO/DiffusionNFT evaluate SD3.5-M at 40 steps")
+    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default: the family's "
+                                   "evaluation protocol, SD3 40 and FLUX 16; else num_steps)",
+                                   "[PAPER §1.7] Flow-GRPO/DiffusionNFT evaluate SD3.5-M at 40")
     rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, no effect on results)")
     # --- reward ----------------------------------------------------------------------------------
     reward: str = _f("pickscore", "reward(s) with weights: pickscore | hpsv2 | clipscore | aesthetic | "
@@ -171,8 +171,8 @@ class Args:
                                choices=("x", "v", "eps"))
     adaptive_weighting: bool = _f(True, "divide each pair's MSE by its detached MAE", "[PAPER §1.4 (3b)]")
     mae_floor: float = _f(1e-5, "lower clamp of the MAE denominator", "[PAPER §3 item 5]")
-    global_std: bool = _f(True, "advantage std of all rewards of the batch around the batch mean (else "
-                          "per group)", "[PAPER §3 item 3] flow_grpo/stat_tracking.py")
+    global_std: bool = _f(True, "advantage std of all rewards of the batch around the batch mean "
+                          "(else per group)", "[PAPER §3 item 3] flow_grpo/stat_tracking.py")
     std_eps: float = _f(1e-4, "added to the advantage std", "[PAPER §3 item 3] DiffusionNFT")
     adv_clamp: float = _f(5.0, "hard clamp |A| ≤ this before soft-clip", "[PAPER §3 item 1]")
     soft_clip_eta: float = _f(3.0, "η of A ← η·tanh(A/η); 0 = off", "[PAPER §1.5] η = 3, SD3.5 Stage 1")
@@ -204,7 +204,7 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"   # attention
                      "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"        # double-block FF
-                     "proj_mlp,proj_out")               # single blocks (add_lora: inside blocks only)
+                     "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
 # Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
 # baseline numbers [PAPER §3 items 1–3, 8; §7], with LoRA (use --full_finetune --lr 1e-5 for theirs).
 FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation", "flux": "[PAPER §3 items 1–3, 8; §7] MixGRPO protocol"}
