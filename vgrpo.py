@@ -292,6 +292,8 @@ def check_args(a: Args) -> None:
                  "iterations", "reward_batch", "resolution"):
         if getattr(a, name) < 1:
             problems.append(f"--{name} must be ≥ 1 (got {getattr(a, name)})")
+    if a.eval_steps is not None and a.eval_steps < 1:
+        problems.append(f"--eval_steps must be ≥ 1 (got {a.eval_steps})")
     n = a.prompts_per_iter * a.group_size
     if a.mu > n:
         problems.append(f"--mu {a.mu} exceeds the {n} samples of an iteration")
