@@ -230,7 +230,7 @@ def evaluate(adapter, rewards, args, eval_prompts, D, dev, ctx) -> float:
     n = len(prompts)
     x1 = torch.randn((n,) + D, generator=V._gen(args.seed, 0, 9)).to(dev)
     cond = adapter.encode(prompts)
-    lat = V.rollout(adapter, x1, cond, torch.arange(n, device=dev), adapter.sigmas(args.eval_steps or 2 * args.num_steps),
+    lat = V.rollout(adapter, x1, cond, torch.arange(n, device=dev), adapter.sigmas(args.eval_steps or args.num_steps),
                     args.solver, args.rollout_batch, ctx)
     raw, _ = score_and_advantages(adapter, rewards, args, lat, prompts, 1, n, eta=0.0)
     return float(raw.mean())
