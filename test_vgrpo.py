@@ -968,3 +968,132 @@ def test_offloaded_text_encoders_give_the_same_run(tmp_path):
     ad.cache_prompts(["a cat", "a dog"])
     with pytest.raises(ValueError, match="not among the cached embeddings"):
         ad.encode(["a bird"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Throughput levers: each changes how the same numbers are computed, not what is computed
+# ------------------------------------------------------------------------------------------------
+LEVER = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--group_size", "3",
+         "--num_steps", "4", "--eval_every", "0", "--device", "cpu"]
+
+
+def _lever_run(extra, its=2):
+    """setup() on a fresh tiny pipeline with LoRA B ≠ 0 (the default init B = 0 would make a merge
+    a no-op), then `its` iterations. Returns (run, metrics)."""
+    run = V.setup(V.parse_args(LEVER + extra), pipe=V.build_tiny_sd3_pipeline())
+    g = torch.Generator().manual_seed(1)
+    for n, p in run.adapter.transformer.named_parameters():
+        if "lora_B" in n:
+            p.data = 0.05 * torch.randn(p.shape, generator=g)
+    return run, [V.iteration(run, it) for it in range(its)]
+
+
+@pytest.mark.trainer
+def test_lora_merge_restores_every_weight_bit_for_bit():
+    """lora_merged: inside, the base weights hold W + (α/r)·B·A and a forward equals the unmerged
+    one up to rounding; after, every parameter (base and LoRA) is bit-identical to before."""
+    run, _ = _lever_run([], its=0)
+    ad = run.adapter
+    tr = ad.transformer
+    before = {n: p.detach().clone() for n, p in tr.named_parameters()}
+    x = torch.randn((3,) + run.D, generator=torch.Generator().manual_seed(2))
+    t = torch.tensor([0.2, 0.5, 0.9])
+    c = ad.encode(["a cat", "a dog", "a bird"])
+    with torch.no_grad():
+        v_ref = ad.velocity(x, t, c)
+        with V.lora_merged(tr):
+            v_merged = ad.velocity(x, t, c)
+            changed = [n for n, p in tr.named_parameters() if not torch.equal(p, before[n])]
+            assert changed and all("base_layer.weight" in n for n in changed)
+    # fp32: merged W x vs W x + B(A x) differ by summation order only; |v| ~ 1 on the tiny model
+    assert torch.allclose(v_merged, v_ref, atol=1e-5, rtol=1e-5)
+    for n, p in tr.named_parameters():
+        assert torch.equal(p, before[n]), f"{n} changed"
+    with torch.no_grad():
+        assert torch.equal(ad.velocity(x, t, c), v_ref)    # peft is back in its unmerged state
+    with pytest.raises(RuntimeError, match="inside"):       # restored even when the body raises
+        with V.lora_merged(tr):
+            raise RuntimeError("inside")
+    for n, p in tr.named_parameters():
+        assert torch.equal(p, before[n]), f"{n} changed after an exception"
+
+
+@pytest.mark.trainer
+def test_merged_rollout_keeps_ratio_one_and_the_same_run():
+    """--merge_lora_rollout: ρ ≡ 1 at μ = 1 (surrogates come from the unmerged path), frozen weights
+    unchanged after two iterations, and the run equals the unmerged one up to rounding."""
+    ref, m_ref = _lever_run([])
+    run, m = _lever_run(["--merge_lora_rollout"])
+    for x in m:
+        assert x["abs_log_ratio"] == 0.0 and x["ratio"] == 1.0
+    frozen = {n: p for n, p in ref.adapter.transformer.named_parameters() if "lora_" not in n}
+    for n, p in run.adapter.transformer.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, frozen[n]), f"frozen weight {n} changed"
+    # the rollout latents differ by fp32 summation order (~1e-7); the JPEG reward is a step function
+    # of pixels, so it is compared loosely, the smooth gradient norm tightly
+    for a, b in zip(m_ref, m):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=0.05)
+    assert V.main(LEVER + ["--merge_lora_rollout", "--full_finetune"]) == 2
+
+
+@pytest.mark.trainer
+def test_attention_backends_agree_on_cpu():
+    """--attention_backend: on the CPU torch has the math and the flash SDPA kernels; one iteration
+    with each gives the same gradient norm up to fp32 rounding of a different summation order
+    (attention is one term among many in the gradient: 1e-4 relative is ~1000× the rounding seen)."""
+    _, m_math = _lever_run(["--attention_backend", "math"], its=1)
+    assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    _, m_flash = _lever_run(["--attention_backend", "flash"], its=1)
+    assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.math_sdp_enabled()
+    _, m_auto = _lever_run([], its=1)
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    for m in (m_flash, m_auto):
+        assert m[0]["grad_norm"] == pytest.approx(m_math[0]["grad_norm"], rel=1e-4)
+        assert m[0]["abs_log_ratio"] == 0.0
+
+
+@pytest.mark.trainer
+def test_regional_compile_with_lora_checkpointing_and_merge():
+    """--compile: every transformer block is compiled (not the whole model), alongside LoRA,
+    gradient checkpointing and the merged no-grad rollout, and the iteration equals the eager one.
+    The CPU test uses the aot_eager backend (dynamo graph capture + AOT autograd, no code
+    generation): inductor would need minutes of C++ compilation on a small CPU runner; the
+    inductor path is what examples/gpu_check.py times on a GPU."""
+    import torch._dynamo
+    flags = ["--gradient_checkpointing", "--merge_lora_rollout"]
+    _, m_ref = _lever_run(flags, its=1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    run, m = _lever_run(flags + ["--compile", "--compile_backend", "aot_eager"], its=1)
+    blocks = V.transformer_blocks(run.adapter.transformer)
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    assert run.adapter.transformer._compiled_call_impl is None          # regional, not whole-model
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0    # dynamo captured graphs
+    assert m[0]["abs_log_ratio"] == 0.0
+    # aot_eager decomposes some ops (e.g. layer norm) into others: fp32 rounding differences only
+    assert m[0]["grad_norm"] == pytest.approx(m_ref[0]["grad_norm"], rel=1e-4)
+    assert m[0]["reward_mean"] == pytest.approx(m_ref[0]["reward_mean"], abs=0.05)
+    V.compile_blocks(run.adapter.transformer, enabled=False)
+    assert all(b._compiled_call_impl is None for b in blocks)
+    torch._dynamo.reset()
+
+
+@pytest.mark.trainer
+def test_vae_autocast_decodes_in_the_compute_dtype():
+    """--vae_autocast: the decode runs under the autocast it is given (bf16 on the CPU here), in
+    chunks of --reward_batch; the images stay fp32 in [0, 1] and close to the fp32 decode
+    (bf16 has 8 mantissa bits: a few 1e-2 of the [0, 1] pixel range at most on the tiny VAE)."""
+    ad = V.SD3Adapter(V.build_tiny_sd3_pipeline(), torch.device("cpu"), 32)
+    lat = torch.randn(5, 16, 8, 8, generator=torch.Generator().manual_seed(3))
+    seen = []
+    real = ad.decode
+    ad.decode = lambda z: (seen.append((len(z), torch.is_autocast_enabled("cpu"))), real(z))[1]
+    rw = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
+    raw32, im32 = V.score(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16)
+    raw16, im16 = V.score(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True, ctx=ctx)
+    assert seen == [(2, False), (2, False), (1, False), (2, True), (2, True), (1, True)]
+    assert (im16.float() - im32.float()).abs().max() <= 0.05 * 255
+    assert raw16["jpeg"].shape == raw32["jpeg"].shape == (5,)
