@@ -1097,3 +1097,40 @@ def test_vae_autocast_decodes_in_the_compute_dtype():
     assert seen == [(2, False), (2, False), (1, False), (2, True), (2, True), (1, True)]
     assert (im16.float() - im32.float()).abs().max() <= 0.05 * 255
     assert raw16["jpeg"].shape == raw32["jpeg"].shape == (5,)
+
+
+@pytest.mark.examples
+def test_gpu_check_smoke_runs_every_stage(tmp_path):
+    """examples/gpu_check.py --cpu_smoke: the one-run GPU measurement, on the tiny models, writes
+    its JSON and markdown with a row per lever, memory candidate, method and FLUX configuration;
+    every lever keeps ρ = 1 at μ = 1. (The compile lever is covered above; left out for time.)"""
+    gc = _load_example("gpu_check")
+    out = tmp_path / "gc.json"
+    gc.main(["--cpu_smoke", "--levers", "merge_lora_rollout,attn_flash,attn_cudnn,vae_autocast",
+             "--flow_iterations", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    lev = {r["config"]: r for r in data["levers"]}
+    assert {"baseline", "merge_lora_rollout", "attn_flash", "vae_autocast"} <= set(lev)
+    for name in ("baseline", "merge_lora_rollout", "attn_flash", "vae_autocast"):
+        r = lev[name]
+        assert "error" not in r and r["abs_log_ratio"] == 0.0 and r["reward_finite"]
+        assert r["fwd_TFLOP_per_sample"] > 0 and r["MFU_%"] > 0 and r["rollout_MFU_%"] > 0
+    assert lev["baseline"]["iterations"] == 2 and "first_minus_steady_s" in lev["baseline"]
+    assert "CUDA-only" in lev["attn_cudnn"]["skipped"]
+    mem = data["memory"]
+    assert [r["config"] for r in mem] == [f"80 GB: {n}" for n in gc.MEMORY_CANDIDATES]
+    assert all("error" not in r and r["fits"] is None for r in mem)      # no limit on the CPU
+    flow = {r["config"]: r for r in data["flow"]}
+    if hasattr(gc.load_flow_example(), "RECIPES"):
+        v, f = flow["V-GRPO"], flow["Flow-GRPO"]
+        assert v["images_per_iter"] == f["images_per_iter"] == 4
+        assert f["nfe_rollout"] == 2 * 4                  # CFG: 2 rows per SDE step (4 in the smoke)
+        for r in (v, f):
+            assert r["s_per_1000_images"] == pytest.approx(1000 * r["time_iter"] / 4)
+            assert r["abs_log_ratio_first"] < 1e-5
+    else:
+        assert "older version" in flow["Flow-GRPO vs V-GRPO"]["skipped"]
+    flux = {r["config"]: r for r in data["flux"]}
+    assert "error" not in flux["flux_default"] and flux["flux_default"]["P×G"] == "1×4"
+    md = out.with_suffix(".md").read_text()
+    assert "## levers" in md and "## memory" in md and "## flux" in md

@@ -7,7 +7,7 @@ are those of the real models while the images and rewards are meaningless. Token
 offline ones (token ids differ, sequence lengths are the real ones).
 
     python examples/gpu_check.py                      # every stage below, ~10 min on one H100/H200
-    python examples/gpu_check.py --stages levers      # one stage (levers, memory, flow, flux, configs)
+    python examples/gpu_check.py --stages levers      # some stages: levers,memory,flow,flux,configs
     python examples/gpu_check.py --cpu_smoke          # the whole script on the tiny models, CPU
     python examples/gpu_check.py --stages configs --configs default,rb48_mb8   # single named rows
     python examples/gpu_check.py --stages configs --family flux --configs flux_default
@@ -15,13 +15,13 @@ offline ones (token ids differ, sequence lengths are the real ones).
 Stages, in this order, each skipped when the time guard (--budget_s, default 570 s after the model
 build) says it would not finish; every row is written to --out (JSON, and a markdown twin) as soon
 as it is measured, so a run cut short keeps what it measured:
-  levers  SD3.5-M single-GPU defaults (40 Euler steps, N_MC 4, μ 1, micro-batch 4, rollout batch 16,
-          checkpointing) at P×G = 1×16 — the default's per-forward shapes (rollout 16 rows, training
-          micro-batch 4 × N_MC 4 = 16 rows), a ninth of its samples — once per lever on/off:
-          --merge_lora_rollout, --attention_backend flash|efficient|cudnn, --vae_autocast,
-          --compile, then every lever that paid at once. Per row: rollout-phase MFU, whole-iteration
-          MFU, peak memory, |log ρ| (0 at μ = 1 must hold with every lever); the first iteration
-          (compile, autotuning) is reported apart from the steady-state one.
+  levers  SD3.5-M single-GPU defaults (40 Euler steps, N_MC 4, μ 1, micro-batch 4, rollout
+          batch 16, checkpointing) at P×G = 1×16 — the default's per-forward shapes (rollout 16
+          rows, training micro-batch 4 × N_MC 4 = 16 rows), a ninth of its samples — once per
+          lever on/off: --merge_lora_rollout, --attention_backend flash|efficient|cudnn,
+          --vae_autocast, --compile, then every lever that paid at once. Per row: rollout-phase
+          MFU, whole-iteration MFU, peak memory, |log ρ| (0 at μ = 1 must hold with every lever);
+          the first iteration (compile, autotuning) is reported apart from the steady-state one.
   memory  which settings train SD3.5-M LoRA on a 24, 48 and 80 GB card, emulated with
           torch.cuda.set_per_process_memory_fraction (card size − 0.75 GiB for the CUDA context):
           candidates from fastest to leanest, stopping at the first that fits.
@@ -34,12 +34,12 @@ as it is measured, so a run cut short keeps what it measured:
 
 FLOP counting: `fwd` = model FLOPs of ONE transformer forward on ONE sample, counted by
 torch.utils.flop_counter (matmuls 2·m·n·k, attention's two matmuls; elementwise ops not counted).
-V-GRPO useful FLOPs per iteration = N · fwd · (K + J + 3·J): K rollout forwards, J θ_old surrogate
-forwards, J θ forwards with backward (backward = 2 forwards); gradient-checkpointing recompute and
-LoRA's own (rank-32) matmuls are not counted as useful. Rollout MFU = N·K·fwd / rollout seconds /
-peak; iteration MFU = useful FLOPs / iteration seconds / peak (peak: --peak, 989 TFLOP/s dense bf16,
-H100/H200 SXM). Flow-GRPO: N · fwd · (rollout NFE + 3 · trained NFE + reference NFE), NFE counting
-a CFG step (2 rows) as 2.
+V-GRPO useful FLOPs per iteration = N · fwd · (K + J + 3·J): K rollout forwards, J θ_old
+surrogate forwards, J θ forwards with backward (backward = 2 forwards); gradient-checkpointing
+recompute and LoRA's own (rank-32) matmuls are not counted as useful. Rollout MFU =
+N·K·fwd / rollout seconds / peak; iteration MFU = useful FLOPs / iteration seconds / peak
+(peak: --peak, 989 TFLOP/s dense bf16, H100/H200 SXM). Flow-GRPO: fwd · (N · rollout NFE +
+trained samples · (3 · trained NFE + reference NFE)), NFE counting a CFG step (2 rows) as 2.
 """
 import argparse
 import gc
@@ -257,8 +257,8 @@ def measure(env, stage, name, extra, iters=1):
         key = (args.model, args.resolution)
         if key not in env.fwd:                         # counted on the eager model
             V.compile_blocks(run.adapter.transformer, enabled=False)
-            env.fwd[key] = forward_flops(run.adapter, run.D, run.adapter.encode(run.train_prompts[:1]),
-                                         run.ctx)
+            c1 = run.adapter.encode(run.train_prompts[:1])
+            env.fwd[key] = forward_flops(run.adapter, run.D, c1, run.ctx)
             V.compile_blocks(run.adapter.transformer, args.compile_backend, enabled=args.compile)
         fwd = env.fwd[key]
         walls, ms = [], []
@@ -272,27 +272,35 @@ def measure(env, stage, name, extra, iters=1):
         flops_roll = N * fwd * K
         peak = env.a.peak * 1e12
         row.update({
-            "P×G": f"{P}×{G}", "K": K, "micro_batch": args.micro_batch, "rollout_batch": args.rollout_batch,
-            "grad_ckpt": args.gradient_checkpointing, "iterations": iters,
+            "P×G": f"{P}×{G}", "K": K, "micro_batch": args.micro_batch,
+            "rollout_batch": args.rollout_batch, "grad_ckpt": args.gradient_checkpointing,
+            "iterations": iters,
             "time_first_iter": walls[0], "time_iter": wall,
             **{k: m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update")},
-            "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if env.cuda else float("nan"),
+            "peak_mem_GiB": (torch.cuda.max_memory_allocated() / 2 ** 30 if env.cuda
+                             else float("nan")),
             "fwd_TFLOP_per_sample": fwd / 1e12, "TFLOP/s": flops_iter / wall / 1e12,
-            "MFU_%": 100 * flops_iter / wall / peak, "rollout_MFU_%": 100 * flops_roll / m["time_rollout"] / peak,
+            "MFU_%": 100 * flops_iter / wall / peak,
+            "rollout_MFU_%": 100 * flops_roll / m["time_rollout"] / peak,
             "abs_log_ratio": max(x["abs_log_ratio"] for x in ms),
-            "reward_finite": all(x["n_nonfinite_reward"] == 0 for x in ms), "grad_norm": m["grad_norm"]})
+            "reward_finite": all(x["n_nonfinite_reward"] == 0 for x in ms),
+            "grad_norm": m["grad_norm"]})
         if iters >= 2:
-            row["first_minus_steady_s"] = walls[0] - wall     # compile, autotuning, allocator growth
+            row["first_minus_steady_s"] = walls[0] - wall  # compile, autotuning, allocator
         del run
     except torch.OutOfMemoryError as e:
         row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
-    except Exception as e:  # noqa: BLE001 — a lever that fails (e.g. a kernel) is a result, not a crash
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    except Exception as e:  # noqa: BLE001 — a lever that fails (a kernel) is a result
+        row["error"] = err(e)
     env.free()
     env.report.add(stage, row)
     brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
     print(json.dumps(brief, ensure_ascii=False), flush=True)
     return row
+
+
+def err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def ok(row) -> bool:
@@ -313,7 +321,7 @@ COMPILE_EST_S = 240          # first-iteration compile allowance (inductor, ever
 
 
 def stage_levers(env) -> list[str]:
-    """Each lever on/off at the SD3.5-M defaults (1 × 16). Returns the flags of the levers that paid."""
+    """Each lever on/off at the SD3.5-M defaults (1 × 16). Returns the flags of those that paid."""
     base = measure(env, "levers", "baseline", LEVER_BASE, iters=2)
     if not ok(base):
         return []
@@ -334,7 +342,8 @@ def stage_levers(env) -> list[str]:
         if ok(r):
             r["speedup_iter"] = step / r["time_iter"]
             r["speedup_rollout"] = base["time_rollout"] / r["time_rollout"]
-            r["peak_mem_vs_baseline"] = (r["peak_mem_GiB"] / base["peak_mem_GiB"] if env.cuda else float("nan"))
+            r["peak_mem_vs_baseline"] = (r["peak_mem_GiB"] / base["peak_mem_GiB"] if env.cuda
+                                         else float("nan"))
             env.report.write()
             # kept only where it pays: ≥ 2% faster per iteration (timing noise is ~1% on a GPU)
             if r["speedup_iter"] >= 1.02 and r["abs_log_ratio"] == 0.0:
@@ -349,7 +358,8 @@ def stage_levers(env) -> list[str]:
         if env.left() < need + env.a.reserve_s:
             skip(env, "levers", "combined", "time guard")
         else:
-            r = measure(env, "levers", "combined: " + ",".join(kept), LEVER_BASE + flags, iters=iters)
+            r = measure(env, "levers", "combined: " + ",".join(kept), LEVER_BASE + flags,
+                        iters=iters)
             if ok(r):
                 r["speedup_iter"] = step / r["time_iter"]
                 r["speedup_rollout"] = base["time_rollout"] / r["time_rollout"]
@@ -393,7 +403,8 @@ def stage_memory(env) -> None:
 
 def load_flow_example():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("flow_grpo_sd3", ROOT / "examples" / "flow_grpo_sd3.py")
+    path = ROOT / "examples" / "flow_grpo_sd3.py"
+    spec = importlib.util.spec_from_file_location("flow_grpo_sd3", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -403,12 +414,15 @@ def stage_flow(env) -> None:
     """Flow-GRPO (published SD3.5-M recipe) vs V-GRPO (paper settings), same P×G, one table."""
     flow = load_flow_example()
     if not hasattr(flow, "RECIPES"):
-        skip(env, "flow", "Flow-GRPO vs V-GRPO", "examples/flow_grpo_sd3.py has no --recipe (older version)")
+        skip(env, "flow", "Flow-GRPO vs V-GRPO",
+             "examples/flow_grpo_sd3.py has no --recipe (older version)")
         return
     P, G = (1, 4) if env.a.cpu_smoke else (1, 24)
-    argv = ["--model", env.model, "--reward", "pickscore", "--recipe", "cfg4.5", "--prompts_per_iter", str(P),
-            "--group_size", str(G), "--iterations", str(env.a.flow_iterations), "--device", str(env.dev.type),
+    argv = ["--model", env.model, "--reward", "pickscore", "--recipe", "cfg4.5",
+            "--prompts_per_iter", str(P), "--group_size", str(G),
+            "--iterations", str(env.a.flow_iterations), "--device", str(env.dev.type),
             "--n_eval", "1", "--eval_steps", "4"] + env.small
+    argv += ["--flow_steps", "4"] if env.a.cpu_smoke else []        # Flow-GRPO's 10 on the GPU
     try:
         fresh_transformer(env.pipe)
         env.free()
@@ -416,8 +430,7 @@ def stage_flow(env) -> None:
         rows, info, lines = flow.run(mine, args, log=lambda s: print(s, flush=True), pipe=env.pipe,
                                      rewards=env.reward)[:3]
     except Exception as e:  # noqa: BLE001
-        env.report.add("flow", {"stage": "flow", "config": "Flow-GRPO vs V-GRPO",
-                                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
+        env.report.add("flow", {"stage": "flow", "config": "Flow-GRPO vs V-GRPO", "error": err(e)})
         print(f"flow: {type(e).__name__}: {e}", flush=True)
         return
     finally:
@@ -426,8 +439,9 @@ def stage_flow(env) -> None:
     key = (args.model, args.resolution)
     if key not in env.fwd:
         ad = V.make_adapter(env.pipe, args, env.dev)
-        ctx = torch.autocast(env.dev.type, dtype=env.dtype) if env.cuda else torch.autocast("cpu", enabled=False)
-        env.fwd[key] = forward_flops(ad, ad.latent_shape(args.resolution), ad.encode(["a red fox"]), ctx)
+        ctx = torch.autocast(env.dev.type, dtype=env.dtype, enabled=env.cuda)
+        D = ad.latent_shape(args.resolution)
+        env.fwd[key] = forward_flops(ad, D, ad.encode(["a red fox"]), ctx)
     fwd = env.fwd[key]
     env.report.info["flow"] = info
     for method, label in (("vgrpo", "V-GRPO"), ("flow_grpo", "Flow-GRPO")):
@@ -439,28 +453,32 @@ def stage_flow(env) -> None:
         flops = fwd * (N * m["nfe_old"] + n_tr * (3 * m["nfe_theta"] + m.get("nfe_ref", 0)))
         desc = next((r["rollout"] for r in rows if r["method"] == label), "")
         row = {"stage": "flow", "config": label, "settings": desc, "images_per_iter": N,
-               "nfe_rollout": m["nfe_rollout"], "nfe_pi_old": m["nfe_old"], "nfe_theta": m["nfe_theta"],
+               "nfe_rollout": m["nfe_rollout"], "nfe_pi_old": m["nfe_old"],
+               "nfe_theta": m["nfe_theta"],
                "nfe_ref": m.get("nfe_ref", 0), "opt_steps": m.get("opt_steps"),
                "time_first_iter": its[0]["time_iter"], "time_iter": m["time_iter"],
                "gpu_s_iter": m["time_iter"] * 1, "s_per_1000_images": 1000 * m["time_iter"] / N,
                "gpu_s_per_1000_images": 1000 * m["time_iter"] / N * 1,
                **{k: m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update")},
-               "TFLOP/s": flops / m["time_iter"] / 1e12, "MFU_%": 100 * flops / m["time_iter"] / (env.a.peak * 1e12),
-               "abs_log_ratio_first": its[0].get("abs_log_ratio_first", its[0].get("abs_log_ratio"))}
+               "TFLOP/s": flops / m["time_iter"] / 1e12,
+               "MFU_%": 100 * flops / m["time_iter"] / (env.a.peak * 1e12),
+               "abs_log_ratio_first": its[0].get("abs_log_ratio_first",
+                                                 its[0].get("abs_log_ratio"))}
         env.report.add("flow", row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
                          ensure_ascii=False), flush=True)
 
 
 def stage_flux(env, lever_flags) -> None:
-    """FLUX.1-dev defaults at 1 × 12: whole-iteration MFU, with and without the levers that paid."""
+    """FLUX.1-dev defaults at 1 × 12: whole-iteration MFU, with and without the levers that paid
+    on SD3.5-M."""
     env.pipe = None
+    import torch._dynamo
+    torch._dynamo.reset()                                # compiled SD3 blocks
     env.free()
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    env.pipe = V.build_tiny_flux_pipeline() if env.a.cpu_smoke else build_flux_dev_random(env.dev, env.dtype)
-    env.pipe.vae.to(torch.float32)
-    env.model = "flux.1-dev"
+    stage_flux_build(env)
     env.report.info["flux_build_s"] = time.perf_counter() - t0
     print(f"built FLUX.1-dev-shaped pipeline in {time.perf_counter() - t0:.0f}s", flush=True)
     measure(env, "flux", "warmup", WARMUP["flux"])
@@ -471,7 +489,8 @@ def stage_flux(env, lever_flags) -> None:
         if env.left() < iters * base["time_iter"] * 1.3 + compile_extra:
             skip(env, "flux", "flux_default + levers", "time guard")
         else:
-            r = measure(env, "flux", "flux_default + levers", CONFIGS["flux_default"] + lever_flags, iters=iters)
+            r = measure(env, "flux", "flux_default + levers", CONFIGS["flux_default"] + lever_flags,
+                        iters=iters)
             if ok(r):
                 r["speedup_iter"] = base["time_iter"] / r["time_iter"]
                 env.report.write()
@@ -492,17 +511,19 @@ def stage_configs(env) -> None:
 # ------------------------------------------------------------------------------------------------
 class Report:
     COLS = {
-        "levers": ["config", "P×G", "time_first_iter", "time_iter", "time_rollout", "time_reward", "time_old",
-                   "time_update", "rollout_MFU_%", "MFU_%", "peak_mem_GiB", "speedup_iter", "speedup_rollout",
-                   "abs_log_ratio"],
-        "memory": ["config", "limit_GiB", "fits", "peak_mem_GiB", "micro_batch", "rollout_batch", "time_iter"],
-        "flow": ["config", "settings", "images_per_iter", "nfe_pi_old", "nfe_theta", "nfe_ref", "time_first_iter",
-                 "time_iter", "gpu_s_iter", "s_per_1000_images", "gpu_s_per_1000_images", "time_rollout",
-                 "time_update", "MFU_%", "abs_log_ratio_first"],
-        "flux": ["config", "P×G", "time_first_iter", "time_iter", "time_rollout", "time_update", "rollout_MFU_%",
-                 "MFU_%", "peak_mem_GiB", "speedup_iter", "abs_log_ratio"],
-        "configs": ["config", "P×G", "micro_batch", "grad_ckpt", "time_rollout", "time_reward", "time_old",
-                    "time_update", "time_iter", "peak_mem_GiB", "TFLOP/s", "MFU_%"],
+        "levers": ["config", "P×G", "time_first_iter", "time_iter", "time_rollout", "time_reward",
+                   "time_old", "time_update", "rollout_MFU_%", "MFU_%", "peak_mem_GiB",
+                   "speedup_iter", "speedup_rollout", "abs_log_ratio"],
+        "memory": ["config", "limit_GiB", "fits", "peak_mem_GiB", "micro_batch", "rollout_batch",
+                   "time_iter"],
+        "flow": ["config", "settings", "images_per_iter", "nfe_pi_old", "nfe_theta", "nfe_ref",
+                 "time_first_iter", "time_iter", "gpu_s_iter", "s_per_1000_images",
+                 "gpu_s_per_1000_images", "time_rollout", "time_update", "MFU_%",
+                 "abs_log_ratio_first"],
+        "flux": ["config", "P×G", "time_first_iter", "time_iter", "time_rollout", "time_update",
+                 "rollout_MFU_%", "MFU_%", "peak_mem_GiB", "speedup_iter", "abs_log_ratio"],
+        "configs": ["config", "P×G", "micro_batch", "grad_ckpt", "time_rollout", "time_reward",
+                    "time_old", "time_update", "time_iter", "peak_mem_GiB", "TFLOP/s", "MFU_%"],
     }
 
     def __init__(self, path, info):
@@ -516,7 +537,8 @@ class Report:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"info": self.info, **self.sections}, indent=2, ensure_ascii=False))
+        data = {"info": self.info, **self.sections}
+        self.path.write_text(json.dumps(data, indent=2, ensure_ascii=False))
         self.path.with_suffix(".md").write_text(self.markdown())
 
     def markdown(self) -> str:
@@ -524,12 +546,16 @@ class Report:
             if isinstance(v, float):
                 return "—" if math.isnan(v) else (f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}")
             return "—" if v is None else str(v)
-        out = [f"# examples/gpu_check.py: {self.info.get('device', '')}, torch {self.info.get('torch', '')}",
-               "", f"Command: `{self.info.get('command', '')}`. Times in seconds; MFU against "
-               f"{self.info.get('peak_TFLOPs')} TFLOP/s; FLOP counting in the script's docstring.", ""]
+        i = self.info
+        out = [f"# examples/gpu_check.py: {i.get('device', '')}, torch {i.get('torch', '')}", "",
+               f"Command: `{i.get('command', '')}`. Times in seconds; MFU against "
+               f"{i.get('peak_TFLOPs')} TFLOP/s; FLOP counting in the script's docstring.", ""]
         for sec, rows in self.sections.items():
+            if sec == "warmup":
+                continue
             cols = self.COLS.get(sec, ["config"])
-            out += [f"## {sec}", "", "| " + " | ".join(cols) + " | note |", "|" + "---|" * (len(cols) + 1)]
+            out += [f"## {sec}", "", "| " + " | ".join(cols) + " | note |",
+                    "|" + "---|" * (len(cols) + 1)]
             for r in rows:
                 note = r.get("error") or r.get("skipped") or ""
                 out.append("| " + " | ".join(cell(r.get(c)) for c in cols) + f" | {note} |")
@@ -541,22 +567,26 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stages", default="levers,memory,flow,flux",
                     help="comma-separated, run in this order: levers, memory, flow, flux, configs")
-    ap.add_argument("--configs", default=None, help="configs stage: names from CONFIGS (default: default,mb8_nockpt "
-                    "for sd3, flux_default for flux)")
-    ap.add_argument("--family", default="sd3", choices=("sd3", "flux"), help="configs stage: which model")
+    ap.add_argument("--configs", default=None, help="configs stage: names from CONFIGS (default: "
+                    "default,mb8_nockpt for sd3, flux_default for flux)")
+    ap.add_argument("--family", default="sd3", choices=("sd3", "flux"),
+                    help="configs stage: which model")
     ap.add_argument("--extra", default="", help="vgrpo flags appended to every configuration")
     ap.add_argument("--peak", type=float, default=BF16_PEAK_TFLOPS, help="GPU dense bf16 TFLOP/s")
     ap.add_argument("--budget_s", type=float, default=570.0,
-                    help="time guard: stages and rows that would end past this many seconds after the "
-                         "start (model build included) are skipped")
+                    help="time guard: stages and rows that would end past this many seconds "
+                         "after the start (model build included) are skipped")
     ap.add_argument("--reserve_s", type=float, default=20.0, help="seconds kept free at the end")
-    ap.add_argument("--compile_backend", default=None, help="backend for the compile lever (default: "
+    ap.add_argument("--compile_backend", default=None,
+                    help="backend for the compile lever (default: "
                     "vgrpo's, inductor; the CPU smoke uses eager)")
     ap.add_argument("--levers", default=None, help=f"levers stage: a subset of {','.join(LEVERS)}")
-    ap.add_argument("--flow_iterations", type=int, default=2, help="flow stage: iterations of each method")
+    ap.add_argument("--flow_iterations", type=int, default=2,
+                    help="flow stage: iterations of each method")
     ap.add_argument("--out", default=None, help="JSON output (a .md twin beside it); default "
                     "results/gpu/gpu_check.json on a GPU, none in --cpu_smoke")
-    ap.add_argument("--cpu_smoke", action="store_true", help="every stage on the tiny models on the CPU")
+    ap.add_argument("--cpu_smoke", action="store_true",
+                    help="every stage on the tiny models on the CPU")
     a = ap.parse_args(argv)
     V._quiet_hf()
     stages = [s.strip() for s in a.stages.split(",") if s.strip()]
@@ -573,16 +603,18 @@ def main(argv=None):
         ctx = torch.autocast("cuda", dtype=dtype)
         torch.backends.cuda.matmul.allow_tf32 = True
         a.out = a.out or str(ROOT / "results" / "gpu" / "gpu_check.json")
-    info = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke: tiny models)",
-            "torch": torch.__version__, "command": "python examples/gpu_check.py " + " ".join(argv or sys.argv[1:]),
-            "peak_TFLOPs": a.peak, "budget_s": a.budget_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke: tiny models)"
+    cmd = "python examples/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    info = {"device": name, "torch": torch.__version__, "command": cmd, "peak_TFLOPs": a.peak,
+            "budget_s": a.budget_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     env = Env(a, dev, dtype, ctx, Report(a.out, info))
     print(f"{info['device']}  torch {torch.__version__}  stages {stages}", flush=True)
     t0 = time.perf_counter()
     torch.manual_seed(0)
     if a.cpu_smoke:
         env.small = ["--num_steps", "4", "--resolution", "64", "--max_sequence_length", "32",
-                     "--lora_rank", "4", "--lora_alpha", "8", "--device", "cpu"]
+                     "--lora_rank", "4", "--lora_alpha", "8", "--device", "cpu",
+                     "--group_size", "4"]
         flux_only = stages == ["flux"] or (stages == ["configs"] and a.family == "flux")
         env.pipe = V.build_tiny_flux_pipeline() if flux_only else V.build_tiny_sd3_pipeline()
         env.reward = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
@@ -597,7 +629,8 @@ def main(argv=None):
         if env.pipe is not None:
             env.pipe.vae.to(torch.float32)
             with torch.no_grad():
-                c = V.make_adapter(env.pipe, V.parse_args(["--model", env.model]), dev).encode(["a red fox"])
+                ad = V.make_adapter(env.pipe, V.parse_args(["--model", env.model]), dev)
+                c = ad.encode(["a red fox"])
             info["text_embeddings_finite"] = all(bool(torch.isfinite(v).all()) for v in c.values())
     info["build_s"] = time.perf_counter() - t0
     if flux_only and not a.cpu_smoke:
@@ -612,16 +645,25 @@ def main(argv=None):
         stage_configs(env)
     if env.pipe is not None and not env.model.startswith("flux"):
         if "levers" in stages or "memory" in stages or "flow" in stages:
-            measure(env, "warmup", "warmup", WARMUP["sd3"])        # kernels, allocator (not reported)
+            measure(env, "warmup", "warmup", WARMUP["sd3"])    # kernels, allocator (not reported)
         if "levers" in stages:
             lever_flags = stage_levers(env)
         if "memory" in stages:
-            stage_memory(env) if env.left() > 60 else skip(env, "memory", "all", "time guard")
+            if env.left() > 60:
+                stage_memory(env)
+            else:
+                skip(env, "memory", "all", "time guard")
         if "flow" in stages:
-            stage_flow(env) if env.left() > 90 else skip(env, "flow", "all", "time guard")
+            if env.left() > 90:
+                stage_flow(env)
+            else:
+                skip(env, "flow", "all", "time guard")
     if "flux" in stages:
         need = 20 if a.cpu_smoke else 150                  # build + warm-up + one 1×12 iteration
-        stage_flux(env, lever_flags) if env.left() > need else skip(env, "flux", "all", "time guard")
+        if env.left() > need:
+            stage_flux(env, lever_flags)
+        else:
+            skip(env, "flux", "all", "time guard")
     info["total_s"] = time.perf_counter() - env.t0
     env.report.write()
     print("\n" + env.report.markdown(), flush=True)
@@ -633,7 +675,8 @@ def main(argv=None):
 def stage_flux_build(env):
     env.pipe = None
     env.free()
-    env.pipe = (V.build_tiny_flux_pipeline() if env.a.cpu_smoke else build_flux_dev_random(env.dev, env.dtype))
+    env.pipe = (V.build_tiny_flux_pipeline() if env.a.cpu_smoke
+                else build_flux_dev_random(env.dev, env.dtype))
     env.pipe.vae.to(torch.float32)
     env.model = "flux.1-dev"
 
