@@ -903,14 +903,17 @@ def test_flow_grpo_baseline_and_cost_table(tmp_path):
     held = tmp_path / "held.txt"
     held.write_text("a yellow star\na purple moon\n")
     out = tmp_path / "run"
-    lines = flow.main(FLOW_SMALL + ["--prompts", str(train), "--eval_prompts", str(held), "--out", str(out)])
+    lines = flow.main(FLOW_SMALL + ["--prompts", str(train), "--eval_prompts", str(held),
+                                    "--out", str(out)])
     mine, args = flow.parse(FLOW_SMALL + ["--prompts", str(train)])
-    assert args.prompts == str(train) and args.prompts_per_iter == 2    # --prompts is not --prompts_per_iter
-    assert mine.rec["guidance"] == 4.5 and mine.rec["beta"] == 0.04 and mine.rec["clip_range"] == 1e-4
+    assert args.prompts == str(train) and args.prompts_per_iter == 2    # not --prompts_per_iter
+    rec = mine.rec
+    assert rec["guidance"] == 4.5 and rec["beta"] == 0.04 and rec["clip_range"] == 1e-4
     its = [m for m in lines if "reward_mean" in m]
     evs = [m for m in lines if "eval_reward_mean" in m]
     assert [m["method"] for m in its] == ["vgrpo", "flow_grpo"]
-    assert [(m["method"], m["iter"]) for m in evs] == [("vgrpo", 0), ("vgrpo", 1), ("flow_grpo", 0), ("flow_grpo", 1)]
+    assert [(m["method"], m["iter"]) for m in evs] == [("vgrpo", 0), ("vgrpo", 1),
+                                                        ("flow_grpo", 0), ("flow_grpo", 1)]
     on_disk = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert on_disk == lines and len(lines) == 6
     assert all(math.isfinite(m["time_rollout"]) and m["time_update"] >= 0 for m in its)
@@ -918,14 +921,15 @@ def test_flow_grpo_baseline_and_cost_table(tmp_path):
     assert v["method"] == "V-GRPO" and f["method"] == "Flow-GRPO"
     K, J, T = 4, 4, int(0.99 * 4)
     assert (v["nfe_rollout"], v["nfe_old_extra"], v["nfe_theta"], v["nfe_ref"]) == (K, J, J, 0)
-    assert (f["nfe_rollout"], f["nfe_old_extra"], f["nfe_theta"], f["nfe_ref"]) == (2 * K, 0, 2 * T, 2 * T)
+    assert (f["nfe_rollout"], f["nfe_old_extra"], f["nfe_theta"], f["nfe_ref"]) == \
+        (2 * K, 0, 2 * T, 2 * T)                      # CFG: 2 forwards per step
     assert f["opt_steps"] == 2 and v["opt_steps"] == 1
     for row in (v, f):
-        assert row["abs_log_ratio_first"] == 0.0      # fp32, same batch shapes and code: bitwise equal
+        assert row["abs_log_ratio_first"] == 0.0      # fp32, same batch shapes and code path
         assert row["clip_frac_first_step"] == 0.0     # θ = θ_old before the first optimizer step
         assert row["lora_change"] > 0
     assert f["clip_frac"] > 0                         # the 2nd optimizer step is off-policy
-    assert f["time_old"] == 0                         # Flow-GRPO's old log-probs come with the rollout
+    assert f["time_old"] == 0                         # old log-probs come with the rollout
     assert "| Flow-GRPO |" in (out / "table.md").read_text()
     # the saved LoRAs load into a stock pipeline and change its output
     from diffusers import StableDiffusion3Pipeline
@@ -939,7 +943,8 @@ def test_flow_grpo_baseline_and_cost_table(tmp_path):
         for method in ("vgrpo", "flow_grpo"):
             pipe.load_lora_weights(str(out / f"lora_{method}"), adapter_name=method)
             pipe.set_adapters(method)
-            assert (pipe.transformer(hidden_states=x, timestep=t, **c).sample - base).abs().max() > 0
+            moved = pipe.transformer(hidden_states=x, timestep=t, **c).sample - base
+            assert moved.abs().max() > 0
 
 
 @pytest.mark.examples
@@ -953,22 +958,25 @@ def test_flow_grpo_nocfg_recipe_filters_zero_advantages(tmp_path, monkeypatch):
         "import torch\n"
         "def score(images, prompts):\n"
         "    m = images.float().mean(dim=(1, 2, 3))\n"
-        "    return torch.stack([torch.tensor(0.5) if 'flat' in p else v for p, v in zip(prompts, m)])\n")
+        "    return torch.stack([torch.tensor(0.5) if 'flat' in p else v\n"
+        "                        for p, v in zip(prompts, m)])\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.txt").write_text("a flat grey wall\na busy street market\n")
     (tmp_path / "held.txt").write_text("a quiet lake\n")
     before = (ROOT / "examples" / "flow_grpo_sd3.md").read_text()
     flow = _load_example("flow_grpo_sd3")
-    lines = flow.main(["--methods", "flow_grpo", "--recipe", "nocfg", "--reward", "flat_reward:score",
-                       "--prompts", "train.txt", "--eval_prompts", "held.txt", "--eval_holdout", "0",
+    lines = flow.main(["--methods", "flow_grpo", "--recipe", "nocfg",
+                       "--reward", "flat_reward:score", "--prompts", "train.txt",
+                       "--eval_prompts", "held.txt", "--eval_holdout", "0",
                        "--prompts_per_iter", "2", "--group_size", "4",
-                       "--iterations", "1", "--flow_steps", "6", "--num_steps", "4", "--n_eval", "1"])
+                       "--iterations", "1", "--flow_steps", "6", "--num_steps", "4",
+                       "--n_eval", "1"])
     its = [m for m in lines if "reward_mean" in m]
     assert len(its) == 1 and all(m["method"] == "flow_grpo" for m in its)
     for m in its:
-        assert m["n_zero_adv"] == 4 and m["n_trained_samples"] == 4       # the flat group is dropped
-        assert len(m["trained_steps"]) == 3 and max(m["trained_steps"]) < 3    # window in the first K/2
+        assert m["n_zero_adv"] == 4 and m["n_trained_samples"] == 4   # the flat group is dropped
+        assert len(m["trained_steps"]) == 3 and max(m["trained_steps"]) < 3  # in the first K/2
         trained = m["trained_steps"]
         assert trained == list(range(trained[0], trained[0] + 3))
         assert (m["nfe_rollout"], m["nfe_theta"], m["nfe_ref"]) == (6, 3, 0)
@@ -993,9 +1001,9 @@ def test_flow_grpo_pure_parts():
     torch.testing.assert_close(adv, expect)
     assert (adv != 0).tolist() == [True, False, False, False, True, False]
     keep = flow.keep_mask(adv, 3, torch.Generator().manual_seed(0))
-    assert keep.sum() == 3 and keep[[0, 4]].all()          # 2 non-zero + 1 re-admitted zero → 3 batches
+    assert keep.sum() == 3 and keep[[0, 4]].all()        # 2 non-zero + 1 re-admitted → 3 batches
     assert flow.keep_mask(adv, 1, torch.Generator()).tolist() == (adv != 0).tolist()
-    # "sde": the log-prob of a sampled step is the Gaussian density at that point (mean over elements)
+    # "sde": the log-prob of a sampled step is the Gaussian density there (mean over elements)
     g = torch.Generator().manual_seed(1)
     x, v, xi = (torch.randn(3, 2, 4, 4, generator=g) for _ in range(3))
     s, s2, a = 0.8, 0.6, 0.7
@@ -1004,7 +1012,7 @@ def test_flow_grpo_pure_parts():
     ref = torch.distributions.Normal(mean, step_std).log_prob(xn).flatten(1).mean(1)
     torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
     _, lp2, _, _ = flow.sde_step(x, v, s, s2, a, 0.9, x_next=xn)
-    torch.testing.assert_close(lp2, lp)                     # evaluating the stored step gives the same
+    torch.testing.assert_close(lp2, lp)                   # evaluating the stored step: the same
     # "cps": mean (1−σ')x̂0 + sqrt(σ'² − s_t²)x̂1, noise s_t = σ'·sin(aπ/2), log p = −mean (x' − μ)²
     xn, lp, mean, std_t = flow.sde_step(x, v, s, s2, 0.8, 0.9, noise=xi, sde_type="cps")
     assert std_t == pytest.approx(s2 * math.sin(0.4 * math.pi))
@@ -1030,13 +1038,15 @@ def test_flow_grpo_pure_parts():
     assert float(ad.w.grad) == pytest.approx(2 * 4.5 * 3.0)          # d/dw of w·(4.5·3) per row
     assert gd.forwards == 2 and flow.Guided(ad, {}, 1.0).forwards == 1
     # window plan
-    sde, trained = flow.step_plan(10, dict(window=3, timestep_fraction=1.0), torch.Generator().manual_seed(0))
+    g0 = torch.Generator().manual_seed(0)
+    sde, trained = flow.step_plan(10, dict(window=3, timestep_fraction=1.0), g0)
     assert sum(sde) == 3 and trained[-1] < 5 and trained == [i for i in range(10) if sde[i]]
-    assert flow.step_plan(10, dict(window=0, timestep_fraction=0.99), torch.Generator())[1] == list(range(9))
+    full = flow.step_plan(10, dict(window=0, timestep_fraction=0.99), torch.Generator())
+    assert full == ([True] * 10, list(range(9)))
     # CLI
     mine, args = flow.parse(["--prompts", "p.txt"])
     assert args.prompts == "p.txt" and mine.rec["beta"] == 0.04
-    assert flow.parse(["--reward", "pickscore"])[0].rec["beta"] == 0.01          # grpo.py pickscore_sd3
+    assert flow.parse(["--reward", "pickscore"])[0].rec["beta"] == 0.01    # grpo.py pickscore_sd3
     with pytest.raises(ValueError, match="--flow_mu"):
         flow.parse(["--prompts_per_iter", "1", "--group_size", "3", "--flow_mu", "2"])
     with pytest.raises(ValueError, match="--methods"):

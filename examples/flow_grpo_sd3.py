@@ -61,7 +61,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")            # never wait on a hub look-up for the tiny model
+os.environ.setdefault("HF_HUB_OFFLINE", "1")            # never wait on a hub look-up (tiny model)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
@@ -91,31 +91,41 @@ LABEL = {"vgrpo": "V-GRPO", "flow_grpo": "Flow-GRPO"}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     a = p.add_argument
-    a("--methods", default="vgrpo,flow_grpo", help="comma-separated: vgrpo, flow_grpo (in this order)")
-    a("--recipe", default="cfg4.5", choices=tuple(RECIPES), help="Flow-GRPO recipe (see the docstring)")
-    a("--model", default="tiny", help="vgrpo alias (tiny, sd3.5-medium, ...), hub id or local diffusers folder")
-    a("--reward", default="jpeg", help="as vgrpo.py: pickscore | jpeg | ... | module.path:function, weights a:1,b:1")
-    a("--prompts", default=None, help="training prompts file, one per line (default: vgrpo's built-in set)")
-    a("--eval_prompts", default=None, help="held-out prompts file (default: split off --prompts as vgrpo)")
+    a("--methods", default="vgrpo,flow_grpo",
+      help="comma-separated: vgrpo, flow_grpo (run in this order)")
+    a("--recipe", default="cfg4.5", choices=tuple(RECIPES),
+      help="Flow-GRPO recipe (see the docstring)")
+    a("--model", default="tiny",
+      help="vgrpo alias (tiny, sd3.5-medium, ...), hub id or local diffusers folder")
+    a("--reward", default="jpeg",
+      help="as vgrpo.py: pickscore | jpeg | ... | module.path:function; weights a:1,b:1")
+    a("--prompts", default=None,
+      help="training prompts file, one per line (default: vgrpo's built-in set)")
+    a("--eval_prompts", default=None,
+      help="held-out prompts file (default: split off --prompts, as vgrpo)")
     a("--prompts_per_iter", type=int, default=None, help="P (default: vgrpo's per-model preset)")
     a("--group_size", type=int, default=None, help="G (default: vgrpo's per-model preset)")
     a("--iterations", type=int, default=5, help="iterations of each method")
     a("--seed", type=int, default=0)
     a("--device", default="auto", help="cuda | cpu | auto")
     a("--dtype", default="auto", choices=("auto", "fp16", "bf16", "fp32"),
-      help="compute dtype of both methods; auto = Flow-GRPO fp16 and V-GRPO bf16 on CUDA, fp32 on CPU")
-    a("--lr", type=float, default=None, help="AdamW lr of both methods (default: vgrpo's per-model preset)")
-    a("--out", default=None, help="output folder (default runs/flow_grpo_sd3-<model>-<reward>-<date>)")
-    a("--flow_steps", type=int, default=10, help="Flow-GRPO's SDE steps K (grpo.py: sample.num_steps = 10); "
-      "V-GRPO's are vgrpo's --num_steps")
-    a("--batch", type=int, default=None, help="Flow-GRPO samples per rollout AND per training forward "
-      "(README FAQ: the same); default: the largest divisor of P·G/2 that is ≤ vgrpo's --micro_batch")
+      help="compute dtype; auto = Flow-GRPO fp16 and V-GRPO bf16 on CUDA, fp32 on CPU")
+    a("--lr", type=float, default=None,
+      help="AdamW lr of both methods (default: vgrpo's per-model preset)")
+    a("--out", default=None,
+      help="output folder (default runs/flow_grpo_sd3-<model>-<reward>-<date>)")
+    a("--flow_steps", type=int, default=10,
+      help="Flow-GRPO's SDE steps K (grpo.py: sample.num_steps = 10); V-GRPO's: --num_steps")
+    a("--batch", type=int, default=None,
+      help="Flow-GRPO samples per rollout AND per training forward (README FAQ: the same); "
+      "default: the largest divisor of P·G/2 that is ≤ vgrpo's --micro_batch")
     a("--flow_mu", type=int, default=2, help="Flow-GRPO optimizer steps per iteration (grpo.py: 2)")
     a("--guidance", type=float, default=None, help="override the recipe's CFG scale (1 = no CFG)")
     a("--noise_level", type=float, default=None, help="override the recipe's SDE noise level a")
     a("--clip_range", type=float, default=None, help="override the recipe's per-step ratio clip ε")
     a("--beta", type=float, default=None, help="override the recipe's KL coefficient β")
-    a("--timestep_fraction", type=float, default=None, help="override: train the first int(f·K) steps")
+    a("--timestep_fraction", type=float, default=None,
+      help="override: train the first int(f·K) steps")
     a("--no_filter_zero_adv", action="store_true", help="keep samples whose advantage is exactly 0")
     return p
 
@@ -123,13 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv=None):
     """argv → (flow options, vgrpo.Args). Raises ValueError with one line per problem."""
     mine, rest = build_parser().parse_known_args(argv)
-    given = ["--model", mine.model, "--reward", mine.reward, "--seed", str(mine.seed), "--device", mine.device]
+    given = ["--model", mine.model, "--reward", mine.reward, "--seed", str(mine.seed),
+             "--device", mine.device]
     for k in ("prompts", "eval_prompts", "prompts_per_iter", "group_size", "lr"):
         if getattr(mine, k) is not None:
             given += [f"--{k}", str(getattr(mine, k))]
     if mine.dtype != "auto":
         given += ["--dtype", mine.dtype]
-    args = V.parse_args(given + rest)                    # vgrpo.Args with the per-model presets applied
+    args = V.parse_args(given + rest)                    # vgrpo.Args, per-model presets applied
     rec = dict(RECIPES[mine.recipe])
     for k in ("guidance", "noise_level", "clip_range", "beta", "timestep_fraction"):
         if getattr(mine, k) is not None:
@@ -151,12 +162,14 @@ def parse(argv=None):
         problems.append(f"--flow_mu {mine.flow_mu} must divide the {N} samples of an iteration")
     if mine.batch is None and 1 <= mine.flow_mu <= N:
         per = N // mine.flow_mu
-        mine.batch = max(d for d in range(1, per + 1) if per % d == 0 and d <= max(1, args.micro_batch))
+        mine.batch = max(d for d in range(1, per + 1)
+                         if per % d == 0 and d <= max(1, args.micro_batch))
     if mine.batch is not None and (mine.batch < 1 or N % (mine.batch * mine.flow_mu)):
-        problems.append(f"--batch {mine.batch} × --flow_mu {mine.flow_mu} must divide the {N} samples")
+        problems.append(f"--batch {mine.batch} × --flow_mu {mine.flow_mu} must divide the {N} "
+                        "samples")
     if rec["window"] and rec["window"] > mine.flow_steps // 2:
-        problems.append(f"the nocfg recipe's SDE window of {rec['window']} steps needs --flow_steps ≥ "
-                        f"{2 * rec['window']}")
+        problems.append(f"the nocfg recipe's SDE window of {rec['window']} steps needs "
+                        f"--flow_steps ≥ {2 * rec['window']}")
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
     return mine, args
@@ -181,8 +194,9 @@ def stat_tracker_advantages(prompts: list[str], rewards: torch.Tensor, global_st
 
 
 def keep_mask(adv: torch.Tensor, num_batches: int, generator: torch.Generator) -> torch.Tensor:
-    """train_sd3.py's filter: drop samples whose advantage is exactly 0, then re-admit random dropped
-    ones until the kept count divides by the number of batches (if enough were dropped). (N,) bool."""
+    """train_sd3.py's filter: drop samples whose advantage is exactly 0, then re-admit random
+    dropped ones until the kept count divides by the number of batches (if enough were dropped).
+    Returns (N,) bool."""
     mask = adv != 0
     short = (-int(mask.sum())) % num_batches
     dropped = torch.nonzero(~mask).flatten()
@@ -197,12 +211,14 @@ def keep_mask(adv: torch.Tensor, num_batches: int, generator: torch.Generator) -
 #     μ_θ = x·(1 + s_t²Δ/(2σ)) + v_θ·(1 + s_t²(1−σ)/(2σ))·Δ,     x' = μ_θ + s_t·sqrt(−Δ)·ξ,
 #     log p = mean_elements[ −(x' − μ_θ)²/(2 s_t²(−Δ)) − log(s_t sqrt(−Δ)) − ½ log 2π ].
 #   "cps" (coefficients-preserving): s_t = σ'·sin(aπ/2), x̂0 = x − σv, x̂1 = x + (1−σ)v,
-#     μ_θ = (1−σ')·x̂0 + sqrt(σ'² − s_t²)·x̂1,   x' = μ_θ + s_t·ξ,   log p = −mean_elements (x' − μ_θ)²
+#     μ_θ = (1−σ')·x̂0 + sqrt(σ'² − s_t²)·x̂1,   x' = μ_θ + s_t·ξ,
+#     log p = −mean_elements (x' − μ_θ)²
 #     (their code drops every constant and the 1/(2 s_t²) — hence the smaller ε = 1e-5).
 #   Returned kl_std is their std_dev_t, the denominator of the KL term in train_sd3.py.
 # ------------------------------------------------------------------------------------------------
-def sde_step(x: torch.Tensor, v: torch.Tensor, s: float, s_next: float, noise_level: float, sigma_max: float,
-             x_next: torch.Tensor | None = None, noise: torch.Tensor | None = None, sde_type: str = "sde"):
+def sde_step(x: torch.Tensor, v: torch.Tensor, s: float, s_next: float, noise_level: float,
+             sigma_max: float, x_next: torch.Tensor | None = None,
+             noise: torch.Tensor | None = None, sde_type: str = "sde"):
     """One stochastic step from σ = s to σ' = s_next (< s) and its per-sample log-prob.
 
     x, v: (M, *D); the step is sampled with `noise` (M, *D) when x_next is None, else x_next is the
@@ -240,7 +256,7 @@ def flow_grpo_loss(logp_new, logp_old, adv, clip_range):
 
 
 def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, kl_std: float) -> torch.Tensor:
-    """train_sd3.py's KL term: mean over samples of mean_elements (μ_θ − μ_ref)² / (2·std_dev_t²)."""
+    """train_sd3.py's KL term: mean over samples of mean_elements (μ_θ − μ_ref)² / (2·s_t²)."""
     return ((mean - mean_ref.detach()) ** 2).flatten(1).mean(dim=1).div(2 * kl_std ** 2).mean()
 
 
@@ -299,7 +315,8 @@ def sde_rollout(guided, x1, cond, prompt_idx, sigmas, rec, sde, batch, ctx, gene
                 x, logp, _, _ = sde_step(x, v, sig[i], sig[i + 1], rec["noise_level"], sig[1],
                                          noise=noise[rows, i], sde_type=rec["sde_type"])
             else:
-                x, logp = x + v.float() * (sig[i + 1] - sig[i]), torch.zeros(len(rows), device=x.device)
+                x = x + v.float() * (sig[i + 1] - sig[i])                     # ODE step
+                logp = torch.zeros(len(rows), device=x.device)
             traj.append(x)
             lp.append(logp)
         trajs.append(torch.stack(traj, dim=1))
@@ -310,8 +327,8 @@ def sde_rollout(guided, x1, cond, prompt_idx, sigmas, rec, sde, batch, ctx, gene
 # ------------------------------------------------------------------------------------------------
 # One Flow-GRPO iteration (same prompt and x1 streams as vgrpo.iteration()).
 # ------------------------------------------------------------------------------------------------
-def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train_prompts, it, D, sigmas,
-                        dev, ctx) -> dict:
+def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train_prompts, it, D,
+                        sigmas, dev, ctx) -> dict:
     rec = mine.rec
     P, G = args.prompts_per_iter, args.group_size
     N, K = P * G, len(sigmas) - 1
@@ -329,11 +346,12 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     cond = adapter.encode(prompts)
     prompt_idx = (torch.arange(N) // G).to(dev)
     x1 = torch.randn((N,) + D, generator=g_noise).to(dev)
-    traj, logp_old = sde_rollout(guided, x1, cond, prompt_idx, sigmas, rec, sde, mine.batch, ctx, g_sde)
+    traj, logp_old = sde_rollout(guided, x1, cond, prompt_idx, sigmas, rec, sde, mine.batch, ctx,
+                                 g_sde)                          # (N, K+1, *D), (N, K)
     V._sync(dev)
     times["time_rollout"] = time.perf_counter() - t0
 
-    # 2. rewards (weighted sum, as their multi_score), stat-tracker advantages, zero-advantage filter
+    # 2. rewards (weighted sum, as their multi_score), stat-tracker advantages, zero-adv. filter
     t1 = time.perf_counter()
     names = [n for n, _ in rewards.train]
     sample_prompts = [prompts[i // G] for i in range(N)]
@@ -343,11 +361,12 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     adv = stat_tracker_advantages(sample_prompts, r)                                   # (N,) fp64
     n_zero = int((adv == 0).sum())
     num_batches = N // mine.batch
-    keep = keep_mask(adv, num_batches, g_perm) if rec["filter_zero_adv"] else torch.ones(N, dtype=torch.bool)
-    adv = adv.float().clamp(-args.adv_clamp, args.adv_clamp).to(dev)                  # adv_clip_max 5
+    keep = (keep_mask(adv, num_batches, g_perm) if rec["filter_zero_adv"]
+            else torch.ones(N, dtype=torch.bool))
+    adv = adv.float().clamp(-args.adv_clamp, args.adv_clamp).to(dev)       # adv_clip_max 5
     raw = rewards.summary(raw_all, rewards.train)
     times["time_reward"] = time.perf_counter() - t1
-    times["time_old"] = 0.0                                # old log-probs were stored by the rollout
+    times["time_old"] = 0.0                          # old log-probs were stored by the rollout
 
     # 3. training: kept samples shuffled, cut into num_batches batches (same count as the rollout's
     #    when nothing is filtered), num_batches/μ batches × T steps accumulated per optimizer step;
@@ -358,46 +377,50 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     clipped, clipped_first, abs_logr, kls, grad_norms = [], [], [], [], []
     first_abs_logr = None
     # fp16 autocast needs loss scaling (Flow-GRPO gets it from accelerate's mixed_precision="fp16")
-    scaler = torch.amp.GradScaler("cuda", enabled=dev.type == "cuda" and isinstance(ctx, torch.autocast)
-                                  and ctx.fast_dtype == torch.float16)
+    fp16 = (dev.type == "cuda" and isinstance(ctx, torch.autocast)
+            and ctx.fast_dtype == torch.float16)
+    scaler = torch.amp.GradScaler("cuda", enabled=fp16)
     if len(idx):
         for s_i, chunk_group in enumerate(idx.tensor_split(mine.flow_mu)):
             opt.zero_grad(set_to_none=True)
-            chunks = [c for c in chunk_group.tensor_split(max(1, num_batches // mine.flow_mu)) if len(c)]
+            n_chunks = max(1, num_batches // mine.flow_mu)
+            chunks = [c for c in chunk_group.tensor_split(n_chunks) if len(c)]
             for rows in chunks:
                 c = V.select(cond, prompt_idx[rows])
                 for j in trained:
                     t = torch.full((len(rows),), sig[j], device=dev)
                     with ctx:
                         v = guided.velocity(traj[rows, j], t, c)
-                    _, logp, mean, kl_std = sde_step(traj[rows, j], v, sig[j], sig[j + 1], rec["noise_level"],
-                                                     sig[1], x_next=traj[rows, j + 1], sde_type=rec["sde_type"])
-                    loss, ratio = flow_grpo_loss(logp, logp_old[rows, j], adv[rows], rec["clip_range"])
+                    step_kw = dict(x_next=traj[rows, j + 1], sde_type=rec["sde_type"])
+                    _, logp, mean, kl_std = sde_step(traj[rows, j], v, sig[j], sig[j + 1],
+                                                     rec["noise_level"], sig[1], **step_kw)
+                    loss, ratio = flow_grpo_loss(logp, logp_old[rows, j], adv[rows],
+                                                 rec["clip_range"])
                     if rec["beta"] > 0:
                         with torch.no_grad(), ctx:
-                            adapter.transformer.disable_adapters()          # the reference: LoRA off
+                            adapter.transformer.disable_adapters()   # the reference: LoRA off
                             try:
                                 v_ref = guided.velocity(traj[rows, j], t, c)
                             finally:
                                 adapter.transformer.enable_adapters()
-                        _, _, mean_ref, _ = sde_step(traj[rows, j], v_ref, sig[j], sig[j + 1], rec["noise_level"],
-                                                     sig[1], x_next=traj[rows, j + 1], sde_type=rec["sde_type"])
+                        _, _, mean_ref, _ = sde_step(traj[rows, j], v_ref, sig[j], sig[j + 1],
+                                                     rec["noise_level"], sig[1], **step_kw)
                         kl = kl_to_reference(mean, mean_ref, kl_std)
                         loss = loss + rec["beta"] * kl
                         kls.append(kl.detach())
-                    scaler.scale(loss / (len(chunks) * T)).backward()    # mean over batches and steps
+                    scaler.scale(loss / (len(chunks) * T)).backward()  # mean: batches, steps
                     logr = (logp - logp_old[rows, j]).detach().abs()
                     if first_abs_logr is None:
-                        first_abs_logr = logr.max()                # θ = θ_old here: exactly 0 expected
+                        first_abs_logr = logr.max()          # θ = θ_old here: 0 expected
                     abs_logr.append(logr.mean())
                     frac = ((ratio.detach() - 1).abs() > rec["clip_range"]).float().mean()
                     clipped.append(frac)
                     if s_i == 0:
-                        clipped_first.append(frac)                 # before the first step: 0 expected
+                        clipped_first.append(frac)           # before the 1st step: 0 expected
             scaler.unscale_(opt)
             gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if scaler.is_enabled():
-                scaler.step(opt)                                # skips the step on inf/nan gradients
+                scaler.step(opt)                          # skips the step on inf/nan grads
                 scaler.update()
             elif torch.isfinite(gn):
                 opt.step()
@@ -408,12 +431,14 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     f = guided.forwards
     mean_or = lambda xs: float(torch.stack(xs).mean()) if xs else float("nan")
     return {"method": "flow_grpo", "iter": it, "reward_mean": float(raw.mean()),
-            "reward_std": float(raw.std(unbiased=False)), **times, "time_iter": time.perf_counter() - t0,
-            "nfe_rollout": K * f, "nfe_old": K * f, "nfe_theta": T * f, "nfe_ref": T * f if rec["beta"] > 0 else 0,
+            "reward_std": float(raw.std(unbiased=False)), **times,
+            "time_iter": time.perf_counter() - t0, "nfe_rollout": K * f, "nfe_old": K * f,
+            "nfe_theta": T * f, "nfe_ref": T * f if rec["beta"] > 0 else 0,
             "trained_steps": trained, "n_trained_samples": int(len(idx)), "n_zero_adv": n_zero,
             "clip_frac": mean_or(clipped), "clip_frac_first_step": mean_or(clipped_first),
             "abs_log_ratio": mean_or(abs_logr),
-            "abs_log_ratio_first": float(first_abs_logr) if first_abs_logr is not None else float("nan"),
+            "abs_log_ratio_first": (float(first_abs_logr) if first_abs_logr is not None
+                                    else float("nan")),
             "kl_ref": mean_or(kls), "grad_norm": mean_or(grad_norms), "opt_steps": len(grad_norms)}
 
 
@@ -428,14 +453,16 @@ def evaluate(guided, rewards, args, eval_prompts, D, dev, ctx) -> float:
     lat = V.rollout(guided, x1, cond, torch.arange(n, device=dev),
                     guided.adapter.sigmas(args.eval_steps or 2 * args.num_steps), args.solver,
                     args.rollout_batch, ctx)
-    raw, _ = V.score(guided.adapter, rewards, [n_ for n_, _ in rewards.eval], lat, prompts, args.reward_batch)
+    names = [name for name, _ in rewards.eval]
+    raw, _ = V.score(guided.adapter, rewards, names, lat, prompts, args.reward_batch)
     return float(rewards.summary(raw, rewards.eval).mean())
 
 
 def setup_dtype(mine, args):
-    """Device and per-method (dtype, autocast). --dtype auto: Flow-GRPO fp16 on CUDA (its README FAQ:
-    fp16 "whenever possible", smaller log-prob errors than bf16), V-GRPO vgrpo's own default (bf16 on
-    CUDA); fp32 on CPU. Weights are held in fp32 and cast by autocast, as Flow-GRPO's LoRA training."""
+    """Device and per-method (dtype, autocast). --dtype auto: Flow-GRPO fp16 on CUDA (its README
+    FAQ: fp16 "whenever possible", smaller log-prob errors than bf16), V-GRPO vgrpo's own default
+    (bf16 on CUDA); fp32 on CPU. Weights stay fp32 and autocast casts them, as in Flow-GRPO's
+    LoRA training."""
     dev, _, _ = V.setup_device(args)
     cuda = dev.type == "cuda"
     names = {"flow_grpo": mine.dtype if mine.dtype != "auto" else ("fp16" if cuda else "fp32"),
@@ -443,7 +470,8 @@ def setup_dtype(mine, args):
     out = {}
     for method, name in names.items():
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-        ctx = torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+        ctx = (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
+               else contextlib.nullcontext())
         out[method] = (dtype, ctx)
     return dev, out
 
@@ -460,8 +488,10 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
     pipe.vae.to(torch.float32)
     adapter = V.make_adapter(pipe, args, dev)
     if not isinstance(adapter, V.SD3Adapter) or isinstance(adapter, V.FluxAdapter):
-        raise ValueError("examples/flow_grpo_sd3.py supports SD3 pipelines only (Flow-GRPO's SD3 script)")
-    lora_cfg = V.add_lora(adapter.transformer, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+        raise ValueError("examples/flow_grpo_sd3.py supports SD3 pipelines only "
+                         "(Flow-GRPO's SD3 script); --model names a FLUX pipeline")
+    lora_cfg = V.add_lora(adapter.transformer, args.lora_rank, args.lora_alpha,
+                          args.lora_targets.split(","))
     if args.gradient_checkpointing:
         adapter.transformer.enable_gradient_checkpointing()
     named = {n: p for n, p in adapter.transformer.named_parameters() if p.requires_grad}
@@ -488,54 +518,65 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
             for n, p in named.items():
                 p.copy_(init[n])
         dtype, ctx = prec[method]
-        opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+        opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999),
+                                weight_decay=args.weight_decay)
         guided = Guided(adapter, uncond, rec["guidance"] if method == "flow_grpo" else 1.0)
         before = evaluate(guided, rewards, args, eval_prompts, D, dev, ctx)
         emit({"method": method, "iter": 0, "eval_reward_mean": before})
         hist = []
-        vrun = V.Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params, lora_cfg=lora_cfg,
-                     train_prompts=train_prompts, eval_prompts=eval_prompts, dev=dev, dtype=dtype, ctx=ctx,
-                     sigmas=v_sigmas, eval_sigmas=v_sigmas, D=D)
+        vrun = V.Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
+                     lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
+                     dev=dev, dtype=dtype, ctx=ctx, sigmas=v_sigmas, eval_sigmas=v_sigmas, D=D)
         for it in range(mine.iterations):
             if method == "vgrpo":
                 m = {"method": "vgrpo", **V.iteration(vrun, it), "nfe_ref": 0, "opt_steps": args.mu}
             else:
-                m = flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train_prompts, it, D,
-                                        f_sigmas, dev, ctx)
+                m = flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params,
+                                        train_prompts, it, D, f_sigmas, dev, ctx)
             hist.append(m)
             emit(m)
-            log(f"{LABEL[method]:9s} iter {it}  reward {m['reward_mean']:.4f}  |log ρ| {m['abs_log_ratio']:.2e}  "
-                f"clip {m['clip_frac']:.2f}  grad {m['grad_norm']:.3g}  {m['time_iter']:.2f}s")
+            log(f"{LABEL[method]:9s} iter {it}  reward {m['reward_mean']:.4f}  "
+                f"|log ρ| {m['abs_log_ratio']:.2e}  clip {m['clip_frac']:.2f}  "
+                f"grad {m['grad_norm']:.3g}  {m['time_iter']:.2f}s")
         after = evaluate(guided, rewards, args, eval_prompts, D, dev, ctx)
         emit({"method": method, "iter": mine.iterations, "eval_reward_mean": after})
         if out is not None:
-            adapter.save_lora(str(out / f"lora_{method}"), V.trainable_state(adapter.transformer, False), lora_cfg)
-        moved = torch.sqrt(sum((p.detach().float() - init[n].float()).square().sum() for n, p in named.items()))
-        med = lambda k: statistics.median(h[k] for h in hist)       # robust to a first-iteration warm-up
+            adapter.save_lora(str(out / f"lora_{method}"),
+                              V.trainable_state(adapter.transformer, False), lora_cfg)
+        moved = torch.sqrt(sum((p.detach().float() - init[n].float()).square().sum()
+                               for n, p in named.items()))
+        med = lambda k: statistics.median(h[k] for h in hist)     # robust to a warm-up iteration
         K = args.num_steps if method == "vgrpo" else mine.flow_steps
         if method == "vgrpo":
             desc = f"{K}-step {args.solver} ODE, no CFG"
         else:
             noise = f"{rec['sde_type']} a = {rec['noise_level']:g}"
             desc = (f"{K}-step ODE, {rec['window']}-step {noise} window" if rec["window"]
-                    else f"{K}-step SDE ({noise})") + (f", CFG {rec['guidance']:g}" if rec["guidance"] != 1 else ", no CFG")
+                    else f"{K}-step SDE ({noise})")
+            desc += f", CFG {rec['guidance']:g}" if rec["guidance"] != 1 else ", no CFG"
         rows.append({
             "method": LABEL[method], "rollout": desc,
-            "nfe_rollout": hist[0]["nfe_rollout"], "nfe_old_extra": hist[0]["nfe_old"] - hist[0]["nfe_rollout"],
-            "nfe_pi_old": hist[0]["nfe_old"], "nfe_theta": hist[0]["nfe_theta"], "nfe_ref": hist[0]["nfe_ref"],
+            "nfe_rollout": hist[0]["nfe_rollout"],
+            "nfe_old_extra": hist[0]["nfe_old"] - hist[0]["nfe_rollout"],
+            "nfe_pi_old": hist[0]["nfe_old"], "nfe_theta": hist[0]["nfe_theta"],
+            "nfe_ref": hist[0]["nfe_ref"],
             "opt_steps": hist[0]["opt_steps"],
-            **{k: med(k) for k in ("time_rollout", "time_reward", "time_old", "time_update", "time_iter")},
+            **{k: med(k) for k in ("time_rollout", "time_reward", "time_old", "time_update",
+                                   "time_iter")},
             "clip_frac": statistics.mean(h["clip_frac"] for h in hist),
             "clip_frac_first_step": hist[0].get("clip_frac_first_step", 0.0),
             "abs_log_ratio_first": hist[0].get("abs_log_ratio_first", hist[0]["abs_log_ratio"]),
-            "train_reward_first": hist[0]["reward_mean"], "train_reward_last": hist[-1]["reward_mean"],
+            "train_reward_first": hist[0]["reward_mean"],
+            "train_reward_last": hist[-1]["reward_mean"],
             "eval_reward_before": before, "eval_reward_after": after, "lora_change": float(moved),
         })
     info = {"model": args.model, "reward": args.reward, "device": str(dev),
-            "dtype": ", ".join(f"{LABEL[m]} {str(prec[m][0]).split('.')[-1]}" for m in mine.methods),
-            "P": args.prompts_per_iter, "G": args.group_size, "K_vgrpo": args.num_steps, "K_flow": mine.flow_steps,
-            "J": args.n_mc, "resolution": args.resolution, "iterations": mine.iterations, "seed": args.seed,
-            "lr": args.lr, "micro_batch": args.micro_batch, "batch": mine.batch, "recipe": mine.recipe,
+            "dtype": ", ".join(f"{LABEL[m]} {str(prec[m][0]).split('.')[-1]}"
+                               for m in mine.methods),
+            "P": args.prompts_per_iter, "G": args.group_size, "K_vgrpo": args.num_steps,
+            "K_flow": mine.flow_steps, "J": args.n_mc, "resolution": args.resolution,
+            "iterations": mine.iterations, "seed": args.seed, "lr": args.lr,
+            "micro_batch": args.micro_batch, "batch": mine.batch, "recipe": mine.recipe,
             **{f"flow_{k}": v for k, v in rec.items()},
             "n_eval": min(args.n_eval, len(eval_prompts)), "seconds": time.perf_counter() - t_start}
     return rows, info, lines
@@ -543,31 +584,39 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
 
 def to_markdown(rows, info) -> str:
     r_ = {k.removeprefix("flow_"): v for k, v in info.items() if k.startswith("flow_")}
-    head = (f"Per-iteration cost (examples/flow_grpo_sd3.py --recipe {info['recipe']}): model `{info['model']}`, "
-            f"reward `{info['reward']}`, {info['device']} {info['dtype']}; P×G = {info['P']}×{info['G']} at "
-            f"{info['resolution']} px; V-GRPO K = {info['K_vgrpo']}, N_MC = {info['J']}; Flow-GRPO K = "
-            f"{info['K_flow']}, guidance {r_['guidance']:g}, {r_['sde_type']} a = {r_['noise_level']:g}, "
-            f"clip ε = {r_['clip_range']:g}, β = {r_['beta']:g}, batch {info['batch']} for rollout and training; "
-            f"same LoRA init, lr {info['lr']:g}, seed {info['seed']}; {info['iterations']} iterations each "
+    head = (f"Per-iteration cost (examples/flow_grpo_sd3.py --recipe {info['recipe']}): model "
+            f"`{info['model']}`, reward `{info['reward']}`, {info['device']} {info['dtype']}; "
+            f"P×G = {info['P']}×{info['G']} at {info['resolution']} px; "
+            f"V-GRPO K = {info['K_vgrpo']}, "
+            f"N_MC = {info['J']}; Flow-GRPO K = {info['K_flow']}, guidance {r_['guidance']:g}, "
+            f"{r_['sde_type']} a = {r_['noise_level']:g}, clip ε = {r_['clip_range']:g}, "
+            f"β = {r_['beta']:g}, batch {info['batch']} for rollout and training; same LoRA init, "
+            f"lr {info['lr']:g}, seed {info['seed']}; {info['iterations']} iterations each "
             f"(times: median over them); {info['seconds']:.0f} s in all.\n\n")
-    cols = ("| method | rollout | NFE rollout | NFE old (extra) | NFE π_θold | NFE π_θ (with grad) | NFE ref | "
-            "opt. steps | rollout s | reward s | old s | update s | iteration s | clip frac (1st step) | "
-            "\\|log ρ\\| at θ=θ_old | ‖Δθ_LoRA‖ | train reward first → last | eval reward before → after |\n"
+    cols = ("| method | rollout | NFE rollout | NFE old (extra) | NFE π_θold | NFE π_θ (with grad) "
+            "| NFE ref | opt. steps | rollout s | reward s | old s | update s | iteration s "
+            "| clip frac (1st step) | \\|log ρ\\| at θ=θ_old | ‖Δθ_LoRA‖ "
+            "| train reward first → last "
+            "| eval reward before → after |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-    lines = [f"| {r['method']} | {r['rollout']} | {r['nfe_rollout']} | {r['nfe_old_extra']} | {r['nfe_pi_old']} | "
-             f"{r['nfe_theta']} | {r['nfe_ref']} | {r['opt_steps']} | {r['time_rollout']:.2f} | {r['time_reward']:.2f} | "
-             f"{r['time_old']:.2f} | {r['time_update']:.2f} | {r['time_iter']:.2f} | {r['clip_frac']:.2f} "
-             f"({r['clip_frac_first_step']:.2f}) | {r['abs_log_ratio_first']:.1e} | {r['lora_change']:.3g} | "
+    lines = [f"| {r['method']} | {r['rollout']} | {r['nfe_rollout']} | {r['nfe_old_extra']} | "
+             f"{r['nfe_pi_old']} | {r['nfe_theta']} | {r['nfe_ref']} | {r['opt_steps']} | "
+             f"{r['time_rollout']:.2f} | {r['time_reward']:.2f} | {r['time_old']:.2f} | "
+             f"{r['time_update']:.2f} | {r['time_iter']:.2f} | {r['clip_frac']:.2f} "
+             f"({r['clip_frac_first_step']:.2f}) | {r['abs_log_ratio_first']:.1e} | "
+             f"{r['lora_change']:.3g} | "
              f"{r['train_reward_first']:.4f} → {r['train_reward_last']:.4f} | "
              f"{r['eval_reward_before']:.4f} → {r['eval_reward_after']:.4f} |" for r in rows]
-    foot = ("\n\nNFE per sample = transformer forwards; with CFG every step is one batched forward of 2 rows "
-            "(unconditional + conditional) and counts 2. π_θold = rollout + extra old-policy pass (the paper's "
-            "Table 1 convention, PAPER §1.6); π_θ = forwards with grad (each also one backward); ref = no-grad "
-            "forwards of the reference policy (LoRA off) for the KL. Flow-GRPO's old log-probs come with its "
-            "rollout (0 extra), V-GRPO needs N_MC extra surrogate forwards. Clip frac (1st step): fraction of "
-            "per-step ratios outside 1 ± ε before the first optimizer step (θ = θ_old: 0 expected). Train "
-            "reward: Flow-GRPO's is of its (SDE) rollouts, V-GRPO's of ODE rollouts; eval reward: deterministic "
-            f"ODE on {info['n_eval']} held-out prompts with fixed noise, at each method's own guidance.\n")
+    foot = ("\n\nNFE per sample = transformer forwards; with CFG every step is one batched forward "
+            "of 2 rows (unconditional + conditional) and counts 2. π_θold = rollout + extra "
+            "old-policy pass (the paper's Table 1 convention, PAPER §1.6); π_θ = forwards with "
+            "grad (each also one backward); ref = no-grad forwards of the reference policy (LoRA "
+            "off) for the KL. "
+            "Flow-GRPO's old log-probs come with its rollout (0 extra), V-GRPO needs N_MC extra "
+            "surrogate forwards. Clip frac (1st step): fraction of per-step ratios outside 1 ± ε "
+            "before the first optimizer step (θ = θ_old: 0 expected). Train reward: Flow-GRPO's is "
+            "of its (SDE) rollouts, V-GRPO's of ODE rollouts; eval reward: deterministic ODE on "
+            f"{info['n_eval']} held-out prompts with fixed noise, at each method's own guidance.\n")
     return head + cols + "\n".join(lines) + foot
 
 
@@ -580,7 +629,8 @@ def main(argv=None) -> list[dict]:
             sys.exit(f"error: {e}")
         raise
     tag = "+".join(n.split(":")[-1] for n, _ in V.parse_reward_spec(args.reward))
-    out = Path(mine.out or f"runs/flow_grpo_sd3-{Path(args.model).name}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(mine.out or f"runs/flow_grpo_sd3-{Path(args.model).name}-{tag}-{stamp}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").write_text("")
     rows, info, lines = run(mine, args, out=out)
