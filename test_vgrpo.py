@@ -571,6 +571,7 @@ def _load_toy_2d():
     return mod
 
 
+@pytest.mark.examples
 def test_toy_vgrpo_beats_naive():
     """End-to-end learning check on the 2-D toy (examples/toy_2d.py, its default settings:
     P = 8 × G = 16 rollouts per iteration, K = 16, μ = 1, AdamW lr 1e-3, 150 iterations).
@@ -609,6 +610,36 @@ def test_toy_vgrpo_beats_naive():
     assert mean(v, "final_reward") - mean(f, "final_reward") >= 0.05, (
         [r["final_reward"] for r in v], [r["final_reward"] for r in f])
     assert mean(v, "cv_group") <= 0.5 * mean(f, "cv_group"), ([r["cv_group"] for r in v], [r["cv_group"] for r in f])
+
+
+@pytest.mark.examples
+def test_toy_flow_grpo_schedule():
+    """The 2-D toy's Flow-GRPO row at its own schedule (examples/toy_2d.py METHODS["flow_grpo"]:
+    first 15 of 16 steps, 2 optimizer steps, ε = 1e-4, β = 0.04 KL to the pretrained model): the
+    per-step ratio is exactly 1 on the first minibatch (θ = θ_old, fp32, one thread) and the
+    second optimizer step is clipped; the aggressive row (μ = 1) never clips.
+    Measured (300 pretraining steps, seeds 0 / 1): |log ρ| on the first minibatch 0.0 / 0.0;
+    clip fraction over both minibatches 0.495 / 0.495 (≈ all of the second); aggressive 0.0."""
+    toy = _load_toy_2d()
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sd = toy.pretrain(0, 300)
+        model, ref = toy.VelocityMLP(), toy.VelocityMLP()
+        model.load_state_dict(sd)
+        ref.load_state_dict(sd)
+        ref.requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
+        g = torch.Generator().manual_seed(0)
+        cfg = toy.METHODS["flow_grpo"]
+        assert (cfg["mu"], cfg["clip_eps"], cfg["beta"], cfg["timestep_fraction"]) == (2, 1e-4, 0.04, 0.99)
+        st = toy.flowgrpo_iteration(model, opt, cfg, P=8, G=16, K=16, mu=cfg["mu"], gen=g, ref=ref)
+        agg = toy.flowgrpo_iteration(model, opt, toy.METHODS["mdp_aggr"], P=8, G=16, K=16, mu=1, gen=g)
+    finally:
+        torch.set_num_threads(n_threads)
+    assert st["abs_log_ratio_first"] < 1e-6          # one MLP, same rows: equal up to rounding
+    assert 0.3 < st["clip_frac"] <= 0.5               # the 2nd minibatch's ratios leave 1 ± 1e-4
+    assert agg["clip_frac"] == 0.0 and math.isfinite(st["grad_norm"])
 
 
 # ------------------------------------------------------------------------------------------------
