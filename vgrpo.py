@@ -188,6 +188,19 @@ class Args:
     # --- system ----------------------------------------------------------------------------------
     seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
     device: str = _f("auto", "cuda, cpu, or auto")
+    # --- throughput levers (none changes what is computed, beyond floating-point rounding) -------
+    compile: bool = _f(False, "torch.compile each transformer block (regional: seconds of "
+                       "compile, not minutes); the first iterations include compile time")
+    compile_backend: str = _f("inductor", "torch.compile backend for --compile (aot_eager, "
+                              "eager: no code generation)")
+    merge_lora_rollout: bool = _f(False, "roll out and evaluate with the LoRA merged into the base "
+                                  "weights; the base weights are restored bit-exactly after, "
+                                  "surrogates and ratios always use the unmerged training path")
+    attention_backend: str = _f("auto", "SDPA kernel; auto = torch picks (cuDNN off on CUDA); "
+                                "cudnn's backward failed on FLUX.1-dev",
+                                choices=("auto", "flash", "efficient", "math", "cudnn"))
+    vae_autocast: bool = _f(False, "decode latents under the compute-dtype autocast (bf16 on CUDA) "
+                            "instead of fp32; decoding is chunked by --reward_batch")
     preset: Optional[str] = _f(None, "bundle of overrides (README \"Presets\")",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
 
@@ -300,6 +313,8 @@ def check_args(a: Args) -> None:
     if a.stratified and a.n_mc > a.num_steps:
         problems.append(f"--n_mc {a.n_mc} > --num_steps {a.num_steps}: stratification needs one "
                         "grid point per stratum (or pass --no-stratified)")
+    if a.merge_lora_rollout and a.full_finetune:
+        problems.append("--merge_lora_rollout needs a LoRA to merge: drop it or --full_finetune")
     if a.resolution % 16:
         problems.append(f"--resolution must be a multiple of 16 (got {a.resolution})")
     for name in ("lr", "max_grad_norm"):
@@ -1144,6 +1159,60 @@ def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
     return cfg
 
 
+@contextlib.contextmanager
+def lora_merged(transformer, enabled: bool = True):
+    """Run the body (inference only: rollouts, evaluation) with every LoRA merged into its base
+    weight W ← W + (α/r)·B·A, one matmul per layer instead of three. On exit W is copied back
+    from a CPU copy taken before the merge, bit for bit — peft's unmerge subtracts B·A again,
+    which is not exact in floating point. The LoRA factors are not touched. In bf16 the merged
+    W + ΔW is rounded to bf16, so the rollout policy differs from θ by that rounding; surrogates
+    and ratios never use the merged weights (they run after the exit), so ρ = 1 at μ = 1 stays
+    exact. Cost per call: a device→host and a host→device copy of the targeted base weights
+    (≈ 1.2 GB in bf16 for SD3.5-M's default targets), no extra GPU memory.      (our choice)"""
+    from peft.tuners.lora import LoraLayer
+    layers = [m for m in transformer.modules() if isinstance(m, LoraLayer)] if enabled else []
+    saved = []
+    try:
+        with torch.no_grad():
+            for m in layers:
+                base = m.get_base_layer()
+                bias = None if base.bias is None else base.bias.detach().to("cpu", copy=True)
+                saved.append((m, base.weight.detach().to("cpu", copy=True), bias))
+                m.merge()
+        yield
+    finally:
+        with torch.no_grad():
+            for m, w, b in saved:
+                base = m.get_base_layer()
+                base.weight.copy_(w)
+                if b is not None:
+                    base.bias.copy_(b)
+                m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
+
+
+def transformer_blocks(transformer) -> list:
+    """The repeated blocks: SD3's joint blocks; FLUX's double- and single-stream blocks."""
+    single = getattr(transformer, "single_transformer_blocks", [])
+    return list(transformer.transformer_blocks) + list(single)
+
+
+def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True) -> None:
+    """Regional torch.compile: each block is compiled in place (nn.Module.compile, state-dict keys
+    unchanged), so blocks of one class share one compiled graph and compile time stays in seconds.
+    Works under peft's LoRA layers, gradient checkpointing (diffusers calls the compiled block
+    inside torch.utils.checkpoint) and no-grad rollouts (a second graph). enabled=False undoes
+    it."""
+    if not enabled:
+        for blk in transformer_blocks(transformer):
+            blk._compiled_call_impl = None        # nn.Module.compile's slot
+        return
+    import torch._dynamo
+    # grad/no-grad, merged/unmerged LoRA, block variants and batch shapes are separate graphs
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for blk in transformer_blocks(transformer):
+        blk.compile(backend=backend)
+
+
 # ---- §5 (continued) rewards: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> raw (N,) -------
 # Every reward has a `name`, the `unit` its raw value is logged in, and a `train_scale`: the value
 # the advantages see is raw · train_scale (only matters for sums of several rewards and std_eps).
@@ -1589,13 +1658,15 @@ def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: t
 
 @torch.no_grad()
 def score(adapter, rewards, names: list[str], latents: torch.Tensor, prompts: list[str], batch: int,
-          keep_images: bool = False):
-    """Decode once and score with every named reward, in chunks of `batch` images.
+          keep_images: bool = False, ctx=None):
+    """Decode once and score with every named reward, in chunks of `batch` images; the VAE decodes
+    in fp32, or under `ctx` (the compute-dtype autocast) if given.
     Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
     raw: dict[str, list] = {n: [] for n in names}
     imgs = []
     for rows in torch.arange(len(latents)).split(batch):
-        im = adapter.decode(latents[rows])
+        with ctx if ctx is not None else contextlib.nullcontext():
+            im = adapter.decode(latents[rows])
         for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
             raw[n].append(r)
         if keep_images:
@@ -1757,9 +1828,16 @@ def setup_device(args: Args, local_rank: int = 0) -> tuple[torch.device, torch.d
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = True      # fp32 matmuls (surrogate math) on tensor cores
         torch.backends.cudnn.allow_tf32 = True
-        # cuDNN's fused attention failed in the backward pass of FLUX.1-dev (head dim 128) on an H200
-        # with torch 2.11 ("mha_graph.execute(...).is_good()"); flash / mem-efficient SDPA are used instead.
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    # SDPA kernels: the process-wide switches (not a context manager), so that gradient
+    # checkpointing's recompute in backward uses the same kernel as the forward. Reset every setup.
+    b = torch.backends.cuda
+    flags = {"flash": b.enable_flash_sdp, "efficient": b.enable_mem_efficient_sdp,
+             "math": b.enable_math_sdp, "cudnn": b.enable_cudnn_sdp}
+    for name, enable in flags.items():
+        # auto: everything but cuDNN on CUDA — its fused attention failed in the backward pass of
+        # FLUX.1-dev (head dim 128) on an H200 with torch 2.11 ("mha_graph.execute(...).is_good()").
+        enable(name == args.attention_backend if args.attention_backend != "auto"
+               else not (name == "cudnn" and dev.type == "cuda"))
     ctx = torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     return dev, dtype, ctx
 
@@ -1862,6 +1940,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
         lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
     if args.gradient_checkpointing:
         tr.enable_gradient_checkpointing()
+    compile_blocks(tr, args.compile_backend, enabled=args.compile)   # after LoRA: compiles it too
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
@@ -2019,10 +2098,11 @@ def evaluate(run: Run, it: int) -> dict:
     a, ad = run.args, run.adapter
     prompts = run.eval_prompts[:a.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(a.seed, 0, 9)).to(run.dev)
-    lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev), run.eval_sigmas,
-                  a.solver, a.rollout_batch, run.ctx)
+    with lora_merged(ad.transformer, a.merge_lora_rollout):
+        lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
+                      run.eval_sigmas, a.solver, a.rollout_batch, run.ctx)
     raw, imgs = score(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts, a.reward_batch,
-                      keep_images=True)
+                      keep_images=True, ctx=run.ctx if a.vae_autocast else None)
     if run.run_dir is not None:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
@@ -2063,14 +2143,16 @@ def iteration(run: Run, it: int) -> dict:
     cond = ad.encode(prompts)                                               # Pl rows
     prompt_idx = (torch.arange(Nl) // G).to(dev)                            # (Nl,) row of cond per sample
     x1 = torch.randn((N,) + D, generator=g_noise)[lo:lo + Nl].to(dev)       # (Nl, *D) independent noise
-    x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, a.solver, a.rollout_batch, ctx)   # (Nl, *D)
+    with lora_merged(ad.transformer, a.merge_lora_rollout):     # θ_old = θ, merged or not
+        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, a.solver, a.rollout_batch, ctx)  # Nl×D
     _sync(dev)
     times["time_rollout"] = time.perf_counter() - t0
 
     # [§4 step 2] rewards (all-gathered: advantages see the global batch) and advantages.
     t1 = time.perf_counter()
     names = [n for n, _ in run.rewards.train]
-    raw_loc, _ = score(ad, run.rewards, names, x0, [prompts[i // G] for i in range(Nl)], a.reward_batch)
+    raw_loc, _ = score(ad, run.rewards, names, x0, [prompts[i // G] for i in range(Nl)],
+                       a.reward_batch, ctx=ctx if a.vae_autocast else None)
     raw_all = dict(zip(names, _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(dev),
                                               run.world).cpu()))          # {name: (N,)}
     values = run.rewards.training_values(raw_all, run.rewards.train).view(-1, P, G)   # (K, P, G)

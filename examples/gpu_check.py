@@ -1,30 +1,58 @@
-"""GPU check: one full V-GRPO iteration of vgrpo.py on the real SD3.5-Medium architecture.
+"""GPU check: V-GRPO's throughput on the real SD3.5-Medium and FLUX.1-dev architectures, in ONE run.
 
 No downloads: every network is built from its published configuration with RANDOM weights
-(transformer 2.24B params, the SD3 VAE, CLIP-L/CLIP-G/T5-XXL text encoders at full width, and a
-PickScore-shaped CLIP ViT-H/14 reward), so timings and memory are those of the real model while
-the images and rewards are meaningless. Tokenizers are the tiny offline ones (token ids differ,
-sequence lengths are the real 77 + 128).
+(SD3.5-M transformer 2.24B params, the SD3 VAE, CLIP-L/CLIP-G/T5-XXL text encoders at full width,
+FLUX.1-dev's 11.9B transformer, and a PickScore-shaped CLIP ViT-H/14 reward), so timings and memory
+are those of the real models while the images and rewards are meaningless. Tokenizers are the tiny
+offline ones (token ids differ, sequence lengths are the real ones).
 
-    python examples/gpu_check.py                      # default single-GPU settings + a variant
-    python examples/gpu_check.py --configs default    # one configuration
-    python examples/gpu_check.py --cpu_smoke          # the script itself, on the tiny model, CPU
-    python examples/gpu_check.py --family flux        # FLUX.1-dev's architecture (11.9B), random weights
+    python examples/gpu_check.py                      # every stage below, ~10 min on one H100/H200
+    python examples/gpu_check.py --stages levers      # some stages: levers,memory,flow,flux,configs
+    python examples/gpu_check.py --cpu_smoke          # the whole script on the tiny models, CPU
+    python examples/gpu_check.py --stages configs --configs default,rb48_mb8   # single named rows
+    python examples/gpu_check.py --stages configs --family flux --configs flux_default
 
-For each configuration it runs vgrpo.iteration() once after a small warm-up iteration and prints
-the wall time of each phase, peak GPU memory, NFE per sample and achieved model TFLOP/s (model
-FLOPs counted with torch.utils.flop_counter on one forward, times the forwards and backwards an
-iteration performs; gradient-checkpointing recompute is not counted as useful work).
+Stages, in this order, each skipped when the time guard (--budget_s, default 570 s after the model
+build) says it would not finish; every row is written to --out (JSON, and a markdown twin) as soon
+as it is measured, so a run cut short keeps what it measured:
+  levers  SD3.5-M single-GPU defaults (40 Euler steps, N_MC 4, μ 1, micro-batch 4, rollout
+          batch 16, checkpointing) at P×G = 1×16 — the default's per-forward shapes (rollout 16
+          rows, training micro-batch 4 × N_MC 4 = 16 rows), a ninth of its samples — once per
+          lever on/off: --merge_lora_rollout, --attention_backend flash|efficient|cudnn,
+          --vae_autocast, --compile, then every lever that paid at once. Per row: rollout-phase
+          MFU, whole-iteration MFU, peak memory, |log ρ| (0 at μ = 1 must hold with every lever);
+          the first iteration (compile, autotuning) is reported apart from the steady-state one.
+  memory  which settings train SD3.5-M LoRA on a 24, 48 and 80 GB card, emulated with
+          torch.cuda.set_per_process_memory_fraction (card size − 0.75 GiB for the CUDA context):
+          candidates from fastest to leanest, stopping at the first that fits.
+  flow    Flow-GRPO at its published SD3.5-M settings (examples/flow_grpo_sd3.py --recipe cfg4.5:
+          10 SDE steps, CFG 4.5, 9 trained steps, 2 optimizer steps, fp16) against V-GRPO at the
+          paper's (40 ODE steps, CFG-free, N_MC 4, μ 1, bf16), same P×G and initial noise: seconds
+          and GPU-seconds per iteration and per 1,000 images.
+  flux    FLUX.1-dev defaults (720 px, 16-step DPM-Solver++(2M), μ 4) at MixGRPO's per-GPU batch
+          1×12: whole-iteration MFU, with and without the levers that paid on SD3.5-M.
+
+FLOP counting: `fwd` = model FLOPs of ONE transformer forward on ONE sample, counted by
+torch.utils.flop_counter (matmuls 2·m·n·k, attention's two matmuls; elementwise ops not counted).
+V-GRPO useful FLOPs per iteration = N · fwd · (K + J + 3·J): K rollout forwards, J θ_old
+surrogate forwards, J θ forwards with backward (backward = 2 forwards); gradient-checkpointing
+recompute and LoRA's own (rank-32) matmuls are not counted as useful. Rollout MFU =
+N·K·fwd / rollout seconds / peak; iteration MFU = useful FLOPs / iteration seconds / peak
+(peak: --peak, 989 TFLOP/s dense bf16, H100/H200 SXM). Flow-GRPO: fwd · (N · rollout NFE +
+trained samples · (3 · trained NFE + reference NFE)), NFE counting a CFG step (2 rows) as 2.
 """
 import argparse
+import gc
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import torch
 
@@ -48,6 +76,29 @@ CONFIGS = {
 WARMUP = {"sd3": ["--prompts_per_iter", "1", "--group_size", "4", "--num_steps", "4"],
           "flux": ["--prompts_per_iter", "1", "--group_size", "2", "--num_steps", "4", "--resolution", "256",
                    "--mu", "1", "--no-gradient_checkpointing", "--micro_batch", "1"]}
+# levers stage: the SD3.5-M defaults at 1 × 16 images (the default's per-forward shapes)
+LEVER_BASE = ["--prompts_per_iter", "1", "--group_size", "16"]
+LEVERS = {
+    "merge_lora_rollout": ["--merge_lora_rollout"],
+    "attn_flash": ["--attention_backend", "flash"],
+    "attn_efficient": ["--attention_backend", "efficient"],
+    "attn_cudnn": ["--attention_backend", "cudnn"],
+    "vae_autocast": ["--vae_autocast"],
+    "compile": ["--compile"],
+}
+# memory stage: SD3.5-M LoRA settings from fastest to leanest; peak memory does not depend on the
+# number of steps or of prompts (activations are per forward), so each trial is a short iteration
+MEMORY_CANDIDATES = {
+    "default": [],
+    "offload_te": ["--offload_text_encoders"],
+    "offload_te_mb2_rb8": ["--offload_text_encoders", "--micro_batch", "2", "--rollout_batch", "8",
+                           "--reward_batch", "8"],
+    "offload_te_mb1_rb4": ["--offload_text_encoders", "--micro_batch", "1", "--rollout_batch", "4",
+                           "--reward_batch", "4"],
+}
+MEMORY_TRIAL = ["--prompts_per_iter", "1", "--group_size", "16", "--num_steps", "4"]
+CARDS_GIB = (80, 48, 24)
+CONTEXT_GIB = 0.75           # CUDA context + cuBLAS/cuDNN handles, outside the caching allocator
 
 
 def build_sd35m_random(device, dtype, t5_layers=24):
@@ -142,6 +193,9 @@ def build_pickscore_random(device, dtype):
     return V.Rewards.of({"pickscore": V.PickScoreReward(model, proc, device, dtype)}, [("pickscore", 1.0)])
 
 
+# ------------------------------------------------------------------------------------------------
+# Measuring one configuration
+# ------------------------------------------------------------------------------------------------
 def forward_flops(adapter, D, cond, ctx):
     """Model FLOPs of one transformer forward on one sample (matmuls + attention)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -153,105 +207,478 @@ def forward_flops(adapter, D, cond, ctx):
     return fc.get_total_flops()
 
 
-def run_config(name, extra, pipe, reward, dev, dtype, ctx, peak, model="sd3.5-medium"):
-    args = V.parse_args(["--model", model, "--reward", "pickscore", "--eval_rewards", "pickscore"] + extra)
+class Env:
+    """What every stage shares: the pipeline, reward, device, clock and report."""
+
+    def __init__(self, a, dev, dtype, ctx, report):
+        self.a, self.dev, self.dtype, self.ctx, self.report = a, dev, dtype, ctx, report
+        self.cuda = dev.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.pipe = self.reward = None
+        self.model = "sd3.5-medium"
+        self.small = []               # CPU smoke: tiny sizes appended to every configuration
+        self.fwd = {}                 # (model, resolution) → FLOPs of one forward on one sample
+
+    def left(self) -> float:
+        """Seconds of the time budget left."""
+        return self.a.budget_s - (time.perf_counter() - self.t0)
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def fresh_transformer(pipe) -> None:
+    """No LoRA, no compiled blocks, before the next configuration attaches its own."""
     tr = pipe.transformer
-    if hasattr(tr, "peft_config"):                      # fresh LoRA per configuration
+    if getattr(tr, "peft_config", None):
         tr.delete_adapters(list(tr.peft_config))
-    if not args.gradient_checkpointing:
-        tr.disable_gradient_checkpointing()
-    run = V.setup(args, pipe=pipe, rewards=reward)      # the trainer's own setup (LoRA, optimizer, grid)
-    adapter, D = run.adapter, run.D
-    P, G, J = args.prompts_per_iter, args.group_size, args.n_mc
-    N = P * G
-    fwd = forward_flops(adapter, D, adapter.encode(run.train_prompts[:1]), ctx)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    m = V.iteration(run, 0)
-    wall = time.perf_counter() - t0
-    # useful model FLOPs: rollout K fwd + old J fwd + θ J × (fwd + 2·fwd backward)
-    flops = N * fwd * (args.num_steps + J + 3 * J)
-    row = {"config": name, "P×G": f"{P}×{G}", "micro_batch": args.micro_batch,
-           "grad_ckpt": args.gradient_checkpointing, "time_rollout": m["time_rollout"],
-           "time_reward": m["time_reward"], "time_old": m["time_old"], "time_update": m["time_update"],
-           "time_iter": wall,
-           "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if dev.type == "cuda" else float("nan"),
-           "fwd_TFLOP_per_sample": fwd / 1e12, "TFLOP/s": flops / wall / 1e12,
-           "MFU_%": 100 * flops / wall / 1e12 / peak, "abs_log_ratio": m["abs_log_ratio"],
-           "reward_finite": m["n_nonfinite_reward"] == 0, "grad_norm": m["grad_norm"]}
-    print(json.dumps(row), flush=True)
+    V.compile_blocks(tr, enabled=False)
+
+
+def measure(env, stage, name, extra, iters=1):
+    """setup() + `iters` iterations of one configuration. Returns a row (also on failure: with
+    'error'). Time and phases are those of the LAST iteration (steady state when iters ≥ 2)."""
+    argv = ["--model", env.model, "--reward", "pickscore", "--eval_rewards", "pickscore"] + extra
+    argv += env.small + env.a.extra.split()
+    row = {"stage": stage, "config": name, "flags": " ".join(extra)}
+    try:
+        args = V.parse_args(argv)
+        if env.a.compile_backend and args.compile:
+            args.compile_backend = env.a.compile_backend
+        fresh_transformer(env.pipe)
+        if not args.gradient_checkpointing:
+            env.pipe.transformer.disable_gradient_checkpointing()
+        env.free()
+        if env.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        run = V.setup(args, pipe=env.pipe, rewards=env.reward)
+        key = (args.model, args.resolution)
+        if key not in env.fwd:                         # counted on the eager model
+            V.compile_blocks(run.adapter.transformer, enabled=False)
+            c1 = run.adapter.encode(run.train_prompts[:1])
+            env.fwd[key] = forward_flops(run.adapter, run.D, c1, run.ctx)
+            V.compile_blocks(run.adapter.transformer, args.compile_backend, enabled=args.compile)
+        fwd = env.fwd[key]
+        walls, ms = [], []
+        for it in range(iters):
+            t0 = time.perf_counter()
+            ms.append(V.iteration(run, it))
+            walls.append(time.perf_counter() - t0)
+        P, G, J, K = args.prompts_per_iter, args.group_size, args.n_mc, args.num_steps
+        N, m, wall = P * G, ms[-1], walls[-1]
+        flops_iter = N * fwd * (K + J + 3 * J)
+        flops_roll = N * fwd * K
+        peak = env.a.peak * 1e12
+        row.update({
+            "P×G": f"{P}×{G}", "K": K, "micro_batch": args.micro_batch,
+            "rollout_batch": args.rollout_batch, "grad_ckpt": args.gradient_checkpointing,
+            "iterations": iters,
+            "time_first_iter": walls[0], "time_iter": wall,
+            **{k: m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update")},
+            "peak_mem_GiB": (torch.cuda.max_memory_allocated() / 2 ** 30 if env.cuda
+                             else float("nan")),
+            "fwd_TFLOP_per_sample": fwd / 1e12, "TFLOP/s": flops_iter / wall / 1e12,
+            "MFU_%": 100 * flops_iter / wall / peak,
+            "rollout_MFU_%": 100 * flops_roll / m["time_rollout"] / peak,
+            "abs_log_ratio": max(x["abs_log_ratio"] for x in ms),
+            "reward_finite": all(x["n_nonfinite_reward"] == 0 for x in ms),
+            "grad_norm": m["grad_norm"]})
+        if iters >= 2:
+            row["first_minus_steady_s"] = walls[0] - wall  # compile, autotuning, allocator
+        del run
+    except torch.OutOfMemoryError as e:
+        row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
+    except Exception as e:  # noqa: BLE001 — a lever that fails (a kernel) is a result
+        row["error"] = err(e)
+    env.free()
+    env.report.add(stage, row)
+    brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
+    print(json.dumps(brief, ensure_ascii=False), flush=True)
     return row
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default=None, help="default: default,mb8_nockpt (sd3) or flux_default (flux)")
-    ap.add_argument("--family", default="sd3", choices=("sd3", "flux"))
-    ap.add_argument("--extra", default="", help="flags appended to every configuration, warm-up included")
-    ap.add_argument("--peak", type=float, default=BF16_PEAK_TFLOPS, help="GPU dense bf16 TFLOP/s")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--cpu_smoke", action="store_true", help="run the script on the tiny model on the CPU")
-    a = ap.parse_args()
-    V._quiet_hf()
-    a.configs = a.configs or ("flux_default" if a.family == "flux" else "default,mb8_nockpt")
-    extra = a.extra.split()
-    for k in CONFIGS:
-        CONFIGS[k] = CONFIGS[k] + extra
-    WARMUP[a.family] = WARMUP[a.family] + extra
-    model = "flux.1-dev" if a.family == "flux" else "sd3.5-medium"
-    if a.cpu_smoke:
-        dev = torch.device("cpu")
-        pipe = V.build_tiny_flux_pipeline() if a.family == "flux" else V.build_tiny_sd3_pipeline()
-        reward = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
-        small = ["--prompts_per_iter", "2", "--group_size", "3", "--num_steps", "4", "--resolution", "64",
-                 "--max_sequence_length", "32", "--lora_rank", "4", "--lora_alpha", "8"]
-        rows = [run_config(n, small + CONFIGS[n] + ["--prompts_per_iter", "2", "--resolution", "64"], pipe, reward,
-                           dev, torch.float32, torch.autocast("cpu", enabled=False), a.peak, model=model)
-                for n in a.configs.split(",") if n in CONFIGS]
-        print_table(rows)
+def err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def ok(row) -> bool:
+    return "error" not in row and "skipped" not in row
+
+
+def skip(env, stage, name, why):
+    row = {"stage": stage, "config": name, "skipped": why}
+    env.report.add(stage, row)
+    print(f"{stage}/{name}: skipped ({why})", flush=True)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# Stages
+# ------------------------------------------------------------------------------------------------
+COMPILE_EST_S = 240          # first-iteration compile allowance (inductor, every graph variant)
+
+
+def stage_levers(env) -> list[str]:
+    """Each lever on/off at the SD3.5-M defaults (1 × 16). Returns the flags of those that paid."""
+    base = measure(env, "levers", "baseline", LEVER_BASE, iters=2)
+    if not ok(base):
+        return []
+    step = base["time_iter"]
+    paid = {}
+    for name, flags in LEVERS.items():
+        if env.a.levers and name not in env.a.levers.split(","):
+            continue
+        if env.a.cpu_smoke and name in ("attn_efficient", "attn_cudnn"):
+            skip(env, "levers", name, "CUDA-only SDPA kernel")
+            continue
+        iters = 2 if name == "compile" else 1
+        need = iters * step * 1.5 + (COMPILE_EST_S if name == "compile" and env.cuda else 0)
+        if env.left() < need + env.a.reserve_s:
+            skip(env, "levers", name, f"time guard: {env.left():.0f} s left, ~{need:.0f} s needed")
+            continue
+        r = measure(env, "levers", name, LEVER_BASE + flags, iters=iters)
+        if ok(r):
+            r["speedup_iter"] = step / r["time_iter"]
+            r["speedup_rollout"] = base["time_rollout"] / r["time_rollout"]
+            r["peak_mem_vs_baseline"] = (r["peak_mem_GiB"] / base["peak_mem_GiB"] if env.cuda
+                                         else float("nan"))
+            env.report.write()
+            # kept only where it pays: ≥ 2% faster per iteration (timing noise is ~1% on a GPU)
+            if r["speedup_iter"] >= 1.02 and r["abs_log_ratio"] == 0.0:
+                paid[name] = (r["speedup_iter"], flags)
+    attn = sorted((v[0], k) for k, v in paid.items() if k.startswith("attn_"))
+    kept = [k for k in paid if not k.startswith("attn_")] + ([attn[-1][1]] if attn else [])
+    flags = [f for k in kept for f in paid[k][1]]
+    env.report.info["levers_kept"] = kept
+    if len(kept) >= 2:
+        iters = 2 if "compile" in kept else 1
+        need = iters * step * 1.5 + (COMPILE_EST_S if "compile" in kept and env.cuda else 0)
+        if env.left() < need + env.a.reserve_s:
+            skip(env, "levers", "combined", "time guard")
+        else:
+            r = measure(env, "levers", "combined: " + ",".join(kept), LEVER_BASE + flags,
+                        iters=iters)
+            if ok(r):
+                r["speedup_iter"] = step / r["time_iter"]
+                r["speedup_rollout"] = base["time_rollout"] / r["time_rollout"]
+                env.report.write()
+    return flags
+
+
+def stage_memory(env) -> None:
+    """Which settings fit a 24 / 48 / 80 GB card (largest card first; a setting that does not fit a
+    larger card is not tried on a smaller one)."""
+    total = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if env.cuda else float("nan")
+    too_big = set()
+    for card in (CARDS_GIB if env.cuda else CARDS_GIB[:1]):      # CPU smoke: every candidate once
+        if env.cuda and card - CONTEXT_GIB > total:
+            skip(env, "memory", f"{card} GB", f"larger than this GPU ({total:.0f} GiB)")
+            continue
+        for name, flags in MEMORY_CANDIDATES.items():
+            label = f"{card} GB: {name}"
+            if name in too_big:
+                skip(env, "memory", label, "did not fit a larger card")
+                continue
+            if env.left() < 30 + env.a.reserve_s:
+                skip(env, "memory", label, "time guard")
+                return
+            if env.cuda:
+                env.free()
+                torch.cuda.set_per_process_memory_fraction((card - CONTEXT_GIB) / total)
+            try:
+                r = measure(env, "memory", label, MEMORY_TRIAL + flags)
+            finally:
+                if env.cuda:
+                    torch.cuda.set_per_process_memory_fraction(1.0)
+            r["card_GiB"], r["limit_GiB"] = card, card - CONTEXT_GIB
+            r["fits"] = ok(r) if env.cuda else None            # no limit on the CPU
+            env.report.write()
+            if r["fits"]:
+                break
+            if "out of memory" in r.get("error", ""):
+                too_big.add(name)
+
+
+def load_flow_example():
+    import importlib.util
+    path = ROOT / "examples" / "flow_grpo_sd3.py"
+    spec = importlib.util.spec_from_file_location("flow_grpo_sd3", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def stage_flow(env) -> None:
+    """Flow-GRPO (published SD3.5-M recipe) vs V-GRPO (paper settings), same P×G, one table."""
+    flow = load_flow_example()
+    if not hasattr(flow, "RECIPES"):
+        skip(env, "flow", "Flow-GRPO vs V-GRPO",
+             "examples/flow_grpo_sd3.py has no --recipe (older version)")
         return
-    assert torch.cuda.is_available(), "this check needs a CUDA GPU (or pass --cpu_smoke)"
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    ctx = torch.autocast("cuda", dtype=dtype)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cuda.enable_cudnn_sdp(False)          # as vgrpo.setup_device: cuDNN SDPA backward fails on FLUX
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    P, G = (1, 4) if env.a.cpu_smoke else (1, 24)
+    argv = ["--model", env.model, "--reward", "pickscore", "--recipe", "cfg4.5",
+            "--prompts_per_iter", str(P), "--group_size", str(G),
+            "--iterations", str(env.a.flow_iterations), "--device", str(env.dev.type),
+            "--n_eval", "1", "--eval_steps", "4"] + env.small
+    argv += ["--flow_steps", "4"] if env.a.cpu_smoke else []        # Flow-GRPO's 10 on the GPU
+    try:
+        fresh_transformer(env.pipe)
+        env.free()
+        mine, args = flow.parse(argv)
+        rows, info, lines = flow.run(mine, args, log=lambda s: print(s, flush=True), pipe=env.pipe,
+                                     rewards=env.reward)[:3]
+    except Exception as e:  # noqa: BLE001
+        env.report.add("flow", {"stage": "flow", "config": "Flow-GRPO vs V-GRPO", "error": err(e)})
+        print(f"flow: {type(e).__name__}: {e}", flush=True)
+        return
+    finally:
+        fresh_transformer(env.pipe)
+        env.free()
+    key = (args.model, args.resolution)
+    if key not in env.fwd:
+        ad = V.make_adapter(env.pipe, args, env.dev)
+        ctx = torch.autocast(env.dev.type, dtype=env.dtype, enabled=env.cuda)
+        D = ad.latent_shape(args.resolution)
+        env.fwd[key] = forward_flops(ad, D, ad.encode(["a red fox"]), ctx)
+    fwd = env.fwd[key]
+    env.report.info["flow"] = info
+    for method, label in (("vgrpo", "V-GRPO"), ("flow_grpo", "Flow-GRPO")):
+        its = [m for m in lines if m.get("method") == method and "time_iter" in m]
+        if not its:
+            continue
+        m, N = its[-1], P * G
+        n_tr = m.get("n_trained_samples", N)
+        flops = fwd * (N * m["nfe_old"] + n_tr * (3 * m["nfe_theta"] + m.get("nfe_ref", 0)))
+        desc = next((r["rollout"] for r in rows if r["method"] == label), "")
+        row = {"stage": "flow", "config": label, "settings": desc, "images_per_iter": N,
+               "nfe_rollout": m["nfe_rollout"], "nfe_pi_old": m["nfe_old"],
+               "nfe_theta": m["nfe_theta"],
+               "nfe_ref": m.get("nfe_ref", 0), "opt_steps": m.get("opt_steps"),
+               "time_first_iter": its[0]["time_iter"], "time_iter": m["time_iter"],
+               "gpu_s_iter": m["time_iter"] * 1, "s_per_1000_images": 1000 * m["time_iter"] / N,
+               "gpu_s_per_1000_images": 1000 * m["time_iter"] / N * 1,
+               **{k: m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update")},
+               "TFLOP/s": flops / m["time_iter"] / 1e12,
+               "MFU_%": 100 * flops / m["time_iter"] / (env.a.peak * 1e12),
+               "abs_log_ratio_first": its[0].get("abs_log_ratio_first",
+                                                 its[0].get("abs_log_ratio"))}
+        env.report.add("flow", row)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
+                         ensure_ascii=False), flush=True)
+
+
+def stage_flux(env, lever_flags) -> None:
+    """FLUX.1-dev defaults at 1 × 12: whole-iteration MFU, with and without the levers that paid
+    on SD3.5-M."""
+    env.pipe = None
+    import torch._dynamo
+    torch._dynamo.reset()                                # compiled SD3 blocks
+    env.free()
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    pipe = build_flux_dev_random(dev, dtype) if a.family == "flux" else build_sd35m_random(dev, dtype)
-    pipe.vae.to(torch.float32)
-    reward = build_pickscore_random(dev, dtype)
-    with torch.no_grad():
-        c = V.make_adapter(pipe, V.parse_args(["--model", model]), dev).encode(["a red fox in the snow"])
-    print("text embeddings finite:", all(bool(torch.isfinite(v).all()) for v in c.values()), flush=True)
-    n_tr = sum(p.numel() for p in pipe.transformer.parameters())
-    print(f"built random {model} pipeline (transformer {n_tr / 1e9:.3f}B params) and PickScore-shaped "
-          f"reward in {time.perf_counter() - t0:.0f}s; memory {torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB",
-          flush=True)
-    # warm-up: kernels, allocator, autotuning (not reported)
-    run_config("warmup", WARMUP[a.family], pipe, reward, dev, dtype, ctx, a.peak, model=model)
-    rows = []
-    for n in [c for c in a.configs.split(",") if c in CONFIGS]:
-        try:
-            rows.append(run_config(n, CONFIGS[n], pipe, reward, dev, dtype, ctx, a.peak, model=model))
-        except torch.OutOfMemoryError as e:
-            print(f"{n}: out of memory ({str(e).splitlines()[0]})", flush=True)
-            torch.cuda.empty_cache()
-    print_table(rows)
+    stage_flux_build(env)
+    env.report.info["flux_build_s"] = time.perf_counter() - t0
+    print(f"built FLUX.1-dev-shaped pipeline in {time.perf_counter() - t0:.0f}s", flush=True)
+    measure(env, "flux", "warmup", WARMUP["flux"])
+    base = measure(env, "flux", "flux_default", CONFIGS["flux_default"])
+    if lever_flags and ok(base):
+        compile_extra = COMPILE_EST_S if "--compile" in lever_flags and env.cuda else 0
+        iters = 2 if "--compile" in lever_flags else 1
+        if env.left() < iters * base["time_iter"] * 1.3 + compile_extra:
+            skip(env, "flux", "flux_default + levers", "time guard")
+        else:
+            r = measure(env, "flux", "flux_default + levers", CONFIGS["flux_default"] + lever_flags,
+                        iters=iters)
+            if ok(r):
+                r["speedup_iter"] = base["time_iter"] / r["time_iter"]
+                env.report.write()
+
+
+def stage_configs(env) -> None:
+    """The named CONFIGS, one iteration each after a warm-up (the README's earlier rows)."""
+    fam = "flux" if env.model.startswith("flux") else "sd3"
+    measure(env, "configs", "warmup", WARMUP[fam])
+    default = "flux_default" if fam == "flux" else "default,mb8_nockpt"
+    for n in (env.a.configs or default).split(","):
+        if n in CONFIGS:
+            measure(env, "configs", n, CONFIGS[n])
+
+
+# ------------------------------------------------------------------------------------------------
+# Output: one JSON and its markdown twin, rewritten after every row
+# ------------------------------------------------------------------------------------------------
+class Report:
+    COLS = {
+        "levers": ["config", "P×G", "time_first_iter", "time_iter", "time_rollout", "time_reward",
+                   "time_old", "time_update", "rollout_MFU_%", "MFU_%", "peak_mem_GiB",
+                   "speedup_iter", "speedup_rollout", "abs_log_ratio"],
+        "memory": ["config", "limit_GiB", "fits", "peak_mem_GiB", "micro_batch", "rollout_batch",
+                   "time_iter"],
+        "flow": ["config", "settings", "images_per_iter", "nfe_pi_old", "nfe_theta", "nfe_ref",
+                 "time_first_iter", "time_iter", "gpu_s_iter", "s_per_1000_images",
+                 "gpu_s_per_1000_images", "time_rollout", "time_update", "MFU_%",
+                 "abs_log_ratio_first"],
+        "flux": ["config", "P×G", "time_first_iter", "time_iter", "time_rollout", "time_update",
+                 "rollout_MFU_%", "MFU_%", "peak_mem_GiB", "speedup_iter", "abs_log_ratio"],
+        "configs": ["config", "P×G", "micro_batch", "grad_ckpt", "time_rollout", "time_reward",
+                    "time_old", "time_update", "time_iter", "peak_mem_GiB", "TFLOP/s", "MFU_%"],
+    }
+
+    def __init__(self, path, info):
+        self.path, self.info, self.sections = (Path(path) if path else None), info, {}
+
+    def add(self, section, row):
+        self.sections.setdefault(section, []).append(row)
+        self.write()
+
+    def write(self):
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"info": self.info, **self.sections}
+        self.path.write_text(json.dumps(data, indent=2, ensure_ascii=False))
+        self.path.with_suffix(".md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        def cell(v):
+            if isinstance(v, float):
+                return "—" if math.isnan(v) else (f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}")
+            return "—" if v is None else str(v)
+        i = self.info
+        out = [f"# examples/gpu_check.py: {i.get('device', '')}, torch {i.get('torch', '')}", "",
+               f"Command: `{i.get('command', '')}`. Times in seconds; MFU against "
+               f"{i.get('peak_TFLOPs')} TFLOP/s; FLOP counting in the script's docstring.", ""]
+        for sec, rows in self.sections.items():
+            if sec == "warmup":
+                continue
+            cols = self.COLS.get(sec, ["config"])
+            out += [f"## {sec}", "", "| " + " | ".join(cols) + " | note |",
+                    "|" + "---|" * (len(cols) + 1)]
+            for r in rows:
+                note = r.get("error") or r.get("skipped") or ""
+                out.append("| " + " | ".join(cell(r.get(c)) for c in cols) + f" | {note} |")
+            out.append("")
+        return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stages", default="levers,memory,flow,flux",
+                    help="comma-separated, run in this order: levers, memory, flow, flux, configs")
+    ap.add_argument("--configs", default=None, help="configs stage: names from CONFIGS (default: "
+                    "default,mb8_nockpt for sd3, flux_default for flux)")
+    ap.add_argument("--family", default="sd3", choices=("sd3", "flux"),
+                    help="configs stage: which model")
+    ap.add_argument("--extra", default="", help="vgrpo flags appended to every configuration")
+    ap.add_argument("--peak", type=float, default=BF16_PEAK_TFLOPS, help="GPU dense bf16 TFLOP/s")
+    ap.add_argument("--budget_s", type=float, default=570.0,
+                    help="time guard: stages and rows that would end past this many seconds "
+                         "after the start (model build included) are skipped")
+    ap.add_argument("--reserve_s", type=float, default=20.0, help="seconds kept free at the end")
+    ap.add_argument("--compile_backend", default=None,
+                    help="backend for the compile lever (default: "
+                    "vgrpo's, inductor; the CPU smoke uses eager)")
+    ap.add_argument("--levers", default=None, help=f"levers stage: a subset of {','.join(LEVERS)}")
+    ap.add_argument("--flow_iterations", type=int, default=2,
+                    help="flow stage: iterations of each method")
+    ap.add_argument("--out", default=None, help="JSON output (a .md twin beside it); default "
+                    "results/gpu/gpu_check.json on a GPU, none in --cpu_smoke")
+    ap.add_argument("--cpu_smoke", action="store_true",
+                    help="every stage on the tiny models on the CPU")
+    a = ap.parse_args(argv)
+    V._quiet_hf()
+    stages = [s.strip() for s in a.stages.split(",") if s.strip()]
+    bad = set(stages) - {"levers", "memory", "flow", "flux", "configs"}
+    if bad:
+        ap.error(f"unknown stage(s) {sorted(bad)}")
+    if a.cpu_smoke:
+        dev, dtype, ctx = torch.device("cpu"), torch.float32, torch.autocast("cpu", enabled=False)
+        a.compile_backend = a.compile_backend or "eager"
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("error: this check needs a CUDA GPU (or pass --cpu_smoke)")
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+        ctx = torch.autocast("cuda", dtype=dtype)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        a.out = a.out or str(ROOT / "results" / "gpu" / "gpu_check.json")
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke: tiny models)"
+    cmd = "python examples/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    info = {"device": name, "torch": torch.__version__, "command": cmd, "peak_TFLOPs": a.peak,
+            "budget_s": a.budget_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    env = Env(a, dev, dtype, ctx, Report(a.out, info))
+    print(f"{info['device']}  torch {torch.__version__}  stages {stages}", flush=True)
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    if a.cpu_smoke:
+        env.small = ["--num_steps", "4", "--resolution", "64", "--max_sequence_length", "32",
+                     "--lora_rank", "4", "--lora_alpha", "8", "--device", "cpu",
+                     "--group_size", "4"]
+        flux_only = stages == ["flux"] or (stages == ["configs"] and a.family == "flux")
+        env.pipe = V.build_tiny_flux_pipeline() if flux_only else V.build_tiny_sd3_pipeline()
+        env.reward = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
+        global LEVER_BASE, MEMORY_TRIAL
+        LEVER_BASE = ["--prompts_per_iter", "1", "--group_size", "4"]
+        MEMORY_TRIAL = ["--prompts_per_iter", "1", "--group_size", "4"]
+    else:
+        flux_only = stages == ["flux"] or (stages == ["configs"] and a.family == "flux")
+        if not flux_only:
+            env.pipe = build_sd35m_random(dev, dtype)
+        env.reward = build_pickscore_random(dev, dtype)
+        if env.pipe is not None:
+            env.pipe.vae.to(torch.float32)
+            with torch.no_grad():
+                ad = V.make_adapter(env.pipe, V.parse_args(["--model", env.model]), dev)
+                c = ad.encode(["a red fox"])
+            info["text_embeddings_finite"] = all(bool(torch.isfinite(v).all()) for v in c.values())
+    info["build_s"] = time.perf_counter() - t0
+    if flux_only and not a.cpu_smoke:
+        env.pipe = None
+    if a.cpu_smoke and flux_only:
+        env.model = "flux.1-dev"
+    print(f"built in {info['build_s']:.0f}s", flush=True)
+    lever_flags = []
+    if "configs" in stages:
+        if a.family == "flux" and not env.model.startswith("flux"):
+            stage_flux_build(env)
+        stage_configs(env)
+    if env.pipe is not None and not env.model.startswith("flux"):
+        if "levers" in stages or "memory" in stages or "flow" in stages:
+            measure(env, "warmup", "warmup", WARMUP["sd3"])    # kernels, allocator (not reported)
+        if "levers" in stages:
+            lever_flags = stage_levers(env)
+        if "memory" in stages:
+            if env.left() > 60:
+                stage_memory(env)
+            else:
+                skip(env, "memory", "all", "time guard")
+        if "flow" in stages:
+            if env.left() > 90:
+                stage_flow(env)
+            else:
+                skip(env, "flow", "all", "time guard")
+    if "flux" in stages:
+        need = 20 if a.cpu_smoke else 150                  # build + warm-up + one 1×12 iteration
+        if env.left() > need:
+            stage_flux(env, lever_flags)
+        else:
+            skip(env, "flux", "all", "time guard")
+    info["total_s"] = time.perf_counter() - env.t0
+    env.report.write()
+    print("\n" + env.report.markdown(), flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps(rows, indent=2))
+        print(f"wrote {a.out} and {Path(a.out).with_suffix('.md')}", flush=True)
+    return env.report
 
 
-def print_table(rows):
-    print("\n| config | P×G | micro-batch | grad ckpt | rollout s | reward s | old s | update s | "
-          "iteration s | peak GiB | TFLOP/s | MFU % |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['config']} | {r['P×G']} | {r['micro_batch']} | {r['grad_ckpt']} | {r['time_rollout']:.1f} | "
-              f"{r['time_reward']:.1f} | {r['time_old']:.1f} | {r['time_update']:.1f} | {r['time_iter']:.1f} | "
-              f"{r['peak_mem_GiB']:.1f} | {r['TFLOP/s']:.0f} | {r['MFU_%']:.0f} |")
+def stage_flux_build(env):
+    env.pipe = None
+    env.free()
+    env.pipe = (V.build_tiny_flux_pipeline() if env.a.cpu_smoke
+                else build_flux_dev_random(env.dev, env.dtype))
+    env.pipe.vae.to(torch.float32)
+    env.model = "flux.1-dev"
 
 
 if __name__ == "__main__":
