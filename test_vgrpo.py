@@ -1067,6 +1067,10 @@ def test_flow_grpo_pure_parts():
     torch.testing.assert_close(out.detach(), torch.full((2, 1), 2.0 + 4.5 * (6.0 - 2.0)))
     out.sum().backward()
     assert float(ad.w.grad) == pytest.approx(2 * 4.5 * 3.0)          # d/dw of w·(4.5·3) per row
+    ad.w.grad = None                                                  # --cfg_grad both:
+    both = flow.Guided(ad, {"e": torch.tensor([[1.0]])}, 4.5, detach_uncond=False)
+    both.velocity(xx, torch.zeros(2), {"e": torch.tensor([[3.0], [3.0]])}).sum().backward()
+    assert float(ad.w.grad) == pytest.approx(2 * (4.5 * 3.0 - 3.5 * 1.0))  # (1 − w)·v_u counts too
     assert gd.forwards == 2 and flow.Guided(ad, {}, 1.0).forwards == 1
     # window plan
     g0 = torch.Generator().manual_seed(0)

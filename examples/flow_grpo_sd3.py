@@ -26,8 +26,10 @@ scripts/train_sd3.py, flow_grpo/stat_tracking.py, flow_grpo/diffusers_patch/sd3_
 README FAQ):
   cfg4.5  the paper's SD3.5-M recipe (grpo.py: pickscore_sd3 / geneval_sd3 / general_ocr_sd3):
           10 SDE steps ("sde", noise level a = 0.7), CFG 4.5 with the empty prompt as negative in
-          rollouts AND in the recomputed log-probs (one batched [uncond; cond] forward, the
-          unconditional half detached in training as train_sd3.py's compute_log_prob), trains
+          rollouts AND in the recomputed log-probs (one batched [uncond; cond] forward; the
+          unconditional half detached in training as train_sd3.py's compute_log_prob did in
+          July 2025 — its later versions let the gradient through both halves: --cfg_grad both),
+          trains
           the first int(0.99·K) steps, clip ε = 1e-4, KL to the reference (LoRA off) with
           β = 0.01 (pickscore), 0.02 (clipscore), 0.04 (geneval, ocr; used for any other reward).
   nocfg   their no-CFG "fast" recipe (grpo.py: pickscore_sd3_fast_nocfg / geneval_sd3_fast_nocfg):
@@ -127,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--timestep_fraction", type=float, default=None,
       help="override: train the first int(f·K) steps")
     a("--no_filter_zero_adv", action="store_true", help="keep samples whose advantage is exactly 0")
+    a("--cfg_grad", default="detached", choices=("detached", "both"),
+      help="with CFG, gradient through the conditional half only (train_sd3.py, July 2025) or "
+      "through both halves (its later versions)")
     return p
 
 
@@ -262,11 +267,13 @@ def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, kl_std: float) -
 
 class Guided:
     """Velocity with classifier-free guidance, Flow-GRPO's layout: one forward on [uncond; cond],
-    v = v_u + w·(v_c − v_u) with the unconditional half detached (train_sd3.py compute_log_prob).
-    w = 1 is plain conditional velocity (their guidance 1: no unconditional forward)."""
+    v = v_u + w·(v_c − v_u), the unconditional half detached if detach_uncond (train_sd3.py
+    compute_log_prob, July 2025; later versions keep its gradient). w = 1 is the plain
+    conditional velocity (their guidance 1: no unconditional forward)."""
 
-    def __init__(self, adapter, uncond: dict, scale: float):
+    def __init__(self, adapter, uncond: dict, scale: float, detach_uncond: bool = True):
         self.adapter, self.uncond, self.scale = adapter, uncond, scale
+        self.detach_uncond = detach_uncond
 
     @property
     def forwards(self) -> int:
@@ -279,7 +286,8 @@ class Guided:
         m = len(x)
         cc = {k: torch.cat([self.uncond[k].expand(m, *self.uncond[k].shape[1:]), c[k]]) for k in c}
         vu, vc = self.adapter.velocity(torch.cat([x, x]), torch.cat([t, t]), cc).float().chunk(2)
-        vu = vu.detach()
+        if self.detach_uncond:
+            vu = vu.detach()
         return vu + self.scale * (vc - vu)
 
 
@@ -520,7 +528,8 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
         dtype, ctx = prec[method]
         opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999),
                                 weight_decay=args.weight_decay)
-        guided = Guided(adapter, uncond, rec["guidance"] if method == "flow_grpo" else 1.0)
+        guided = Guided(adapter, uncond, rec["guidance"] if method == "flow_grpo" else 1.0,
+                        detach_uncond=mine.cfg_grad == "detached")
         before = evaluate(guided, rewards, args, eval_prompts, D, dev, ctx)
         emit({"method": method, "iter": 0, "eval_reward_mean": before})
         hist = []
