@@ -120,7 +120,7 @@ def test_surrogate_matches_official_x_prediction_form():
     x0, eps, v = torch.randn(5, 4, 3, 3), torch.randn(5, 4, 3, 3), torch.randn(5, 4, 3, 3)
     t = torch.rand(5)
     z = V.interpolate(x0, eps, t)
-    x0_pred = z - V.bcast(t, z) * v                                        # PAPER §1.4 code form
+    x0_pred = z - V.bcast(t, z) * v                                        # paper P7
     ref = -((x0_pred - x0) ** 2).flatten(1).mean(1) / (x0_pred - x0).abs().flatten(1).mean(1)
     s = V.surrogate_from_velocity(v, x0, eps, t)
     torch.testing.assert_close(s, ref, atol=1e-5, rtol=1e-5)
@@ -175,7 +175,7 @@ def test_ratio_is_one_when_theta_equals_theta_old():
     loss, st = V.vgrpo_loss(s_new, s_old, adv, clip_eps=0.01)
     assert st["ratio"] == 1.0 and st["abs_log_ratio"] == 0.0 and st["clip_frac"] == 0.0
     assert torch.isclose(loss, -adv.mean().float())
-    # antisymmetry with θ = θ_old and β = 0 (PAPER §4 unit check ii)
+    # antisymmetry with θ = θ_old and β = 0 (ours C18)
     loss_neg, _ = V.vgrpo_loss(s_new, s_old, -adv, clip_eps=0.01)
     assert torch.isclose(loss, -loss_neg)
 
@@ -441,7 +441,7 @@ def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     ti = proc(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
     with torch.no_grad():
         ref = model(input_ids=ti.input_ids, attention_mask=ti.attention_mask, pixel_values=px).logits_per_image.diag()
-    # torch preprocessing vs the processor's own (its backends differ by ≤ 0.04 [FACTS (g) 3])
+    # torch preprocessing vs the processor's own (its backends differ by ≤ 0.04 [ours C19])
     torch.testing.assert_close(rw.preprocess(imgs), px, atol=0.05, rtol=0)
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0)
 
@@ -577,9 +577,9 @@ def test_toy_vgrpo_beats_naive():
 
     V-GRPO as shipped must raise the reward from ≈ 0.2 (pretrained model, 1 of 4 modes rewarded)
     to ≥ 0.8 on both seeds; the naive FPO-style surrogate (v-space CFM loss, per-sample pairs, no
-    stratification, no soft-clip; PAPER §5.3) learns fast at first and then collapses on most
+    stratification, no soft-clip; peer X3) learns fast at first and then collapses on most
     seeds, so on the mean over seeds V-GRPO ends well above it. The within-group CV of the
-    surrogate (PAPER §1.4) must be clearly lower for V-GRPO.
+    surrogate (paper P4–P8) must be clearly lower for V-GRPO.
 
     Measured (2-core CPU, torch 2.x, 1 thread, seeds 0 and 1; final = ODE eval reward at it 150):
         V-GRPO  start 0.182 / 0.196   final 0.915 / 0.908   CV(it 1–20) 0.254 / 0.208
@@ -802,8 +802,8 @@ def test_flux_defaults_follow_the_paper_protocol():
     s = V.parse_args(["--model", "sd3.5-medium"])
     assert (s.num_steps, s.solver, s.mu, s.clip_eps) == (40, "euler", 1, 0.0)
     # every value says where it comes from
-    assert a.origin["clip_eps"].startswith("flux preset") and "PAPER" in a.origin["clip_eps"]
-    assert s.origin["num_steps"] == "[PAPER §1.7] 40-step ODE rollouts" and s.origin["model"] == "command line"
+    assert a.origin["clip_eps"].startswith("flux preset") and "[ours C" in a.origin["clip_eps"]
+    assert s.origin["num_steps"] == "[paper P11] 40-step ODE rollouts" and s.origin["model"] == "command line"
     assert V.parse_args(["--model", "tiny"]).origin["lr"] == "tiny preset (our choice)"
 
 
@@ -842,7 +842,7 @@ def _load_example(name):
 
 
 def test_sd3_diagnostics_variance_reduction(tmp_path):
-    """Each variance-reduction technique lowers the statistic it targets (PAPER §1.4), on one fixed
+    """Each variance-reduction technique lowers the statistic it targets (paper P4–P8), on one fixed
     rollout batch of the tiny SD3 pipeline (P×G = 2×4, K = 8, N_MC = 4, 4 pair draws, per-sample
     gradients on 2 of them).
 

@@ -1,11 +1,11 @@
 """Flow-GRPO (the MDP baseline) next to V-GRPO on the SD3 path: one update each, and what it costs.
 
-Flow-GRPO (Liu et al. 2025; PAPER §5.1) turns the sampler into an MDP: rollouts are SDE solves
+Flow-GRPO (Liu et al. 2025; peer X1) turns the sampler into an MDP: rollouts are SDE solves
 (Euler–Maruyama, noise level a = 0.7) whose every step is a Gaussian policy π_θ(x_{i+1} | x_i),
 the per-step log-probs are stored during the rollout, and training recomputes the log-prob of
 every stored step with gradients and applies a PPO-clipped per-step ratio (ε = 1e-4).
 V-GRPO (vgrpo.py) treats the whole generation as ONE action: deterministic ODE rollouts, then
-N_MC surrogate forwards for θ_old and N_MC forwards with grad for θ (PAPER §1.6).
+N_MC surrogate forwards for θ_old and N_MC forwards with grad for θ (paper P10).
 
 This script runs a few iterations of each on the same model, batch (P prompts × G images), prompts
 and initial noises, from the same LoRA initialisation, and prints the per-iteration cost side by
@@ -21,7 +21,7 @@ methods use the same LoRA, optimizer, learning rate, grad-norm clip and micro-ba
 markdown table on stdout and in --out (default examples/flow_grpo_sd3.md); `main(argv)` returns
 the rows (used by the tests).
 
-What is Flow-GRPO here, and what is not (PAPER §5.1; flow_grpo scripts/train_sd3.py):
+What is Flow-GRPO here, and what is not (peer X1; flow_grpo scripts/train_sd3.py):
   * SDE step, log-prob as a MEAN over latent elements, σ = 1 replaced by sigmas[1] in the
     denominator of the noise scale — as in flow_grpo's sd3_sde_with_logprob.py.
   * old log-probs are the ones stored by the rollout (no extra old-policy pass); the training pass
@@ -31,7 +31,7 @@ What is Flow-GRPO here, and what is not (PAPER §5.1; flow_grpo scripts/train_sd
     half the samples × all trained steps), as Flow-GRPO's default config.
   * CFG-free (Flow-GRPO uses CFG 4.5 in rollout and training, which doubles every NFE below) and
     no KL to the reference (β > 0 would add one no-grad forward per trained step); both left out
-    to compare like with like against CFG-free, KL-free V-GRPO (SD3.5 Stage 1, PAPER §1.7).
+    to compare like with like against CFG-free, KL-free V-GRPO (SD3.5 Stage 1, paper P11).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def parse(argv):
 
 
 # ------------------------------------------------------------------------------------------------
-# Rewards → advantages, as vgrpo.iteration() computes them (step 2 of PAPER §4).
+# Rewards → advantages, as vgrpo.iteration() computes them (Alg. step 2).
 # ------------------------------------------------------------------------------------------------
 def score_and_advantages(adapter, rewards, args, x0, sample_prompts, P, G, eta):
     """Decode + score N latents, group-relative advantages (soft-clip η; 0 = off). Returns raw, A (N,)."""
@@ -96,7 +96,7 @@ def score_and_advantages(adapter, rewards, args, x0, sample_prompts, P, G, eta):
 
 
 # ------------------------------------------------------------------------------------------------
-# Flow-GRPO's SDE step and log-prob (pure).                                       [PAPER §5.1]
+# Flow-GRPO's SDE step and log-prob (pure).                                       [peer X1]
 #   s_t = a·sqrt(σ/(1−σ)),  Δ = σ' − σ < 0,
 #   μ_θ = x·(1 + s_t²Δ/(2σ)) + v_θ·(1 + s_t²(1−σ)/(2σ))·Δ,     x' = μ_θ + s_t·sqrt(−Δ)·ξ,
 #   log p_θ(x' | x) = mean_elements[ −(x' − μ_θ)²/(2 s_t²(−Δ)) − log(s_t sqrt(−Δ)) − ½ log 2π ].
@@ -321,7 +321,7 @@ def to_markdown(rows, info) -> str:
              f"{r['abs_log_ratio_first']:.1e} | {r['lora_change']:.3g} | {r['train_reward_first']:.4f} → {r['train_reward_last']:.4f} | "
              f"{r['eval_reward_before']:.4f} → {r['eval_reward_after']:.4f} |" for r in rows]
     foot = ("\n\nNFE per sample (transformer forwards; CFG-free): π_θold = rollout + extra old-policy pass "
-            "(the paper's Table 1 convention, PAPER §1.6); π_θ = forwards with grad (each also one backward). "
+            "(the paper's Table 1 convention, paper P10); π_θ = forwards with grad (each also one backward). "
             "Flow-GRPO's old log-probs come with its SDE rollout (0 extra), V-GRPO needs N_MC extra "
             "surrogate forwards. Train reward: Flow-GRPO's is of SDE samples, V-GRPO's of ODE samples; eval "
             f"reward: deterministic ODE on {info['n_eval']} held-out prompts with fixed noise, same for both.\n")
