@@ -30,6 +30,7 @@ import torch
 
 import vgrpo as V
 
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "gpu"   # raw rows land here
 BF16_PEAK_TFLOPS = 989.0     # H100/H200 SXM dense bf16 spec; pass --peak for another GPU
 
 CONFIGS = {
@@ -191,7 +192,8 @@ def main():
     ap.add_argument("--family", default="sd3", choices=("sd3", "flux"))
     ap.add_argument("--extra", default="", help="flags appended to every configuration, warm-up included")
     ap.add_argument("--peak", type=float, default=BF16_PEAK_TFLOPS, help="GPU dense bf16 TFLOP/s")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here (default "
+                    "results/gpu/gpu_check_<gpu>_<family>.json; '' = do not write)")
     ap.add_argument("--cpu_smoke", action="store_true", help="run the script on the tiny model on the CPU")
     a = ap.parse_args()
     V._quiet_hf()
@@ -240,8 +242,13 @@ def main():
             print(f"{n}: out of memory ({str(e).splitlines()[0]})", flush=True)
             torch.cuda.empty_cache()
     print_table(rows)
+    if a.out is None:
+        gpu = "".join(ch if ch.isalnum() else "_" for ch in torch.cuda.get_device_name().lower())
+        a.out = str(RESULTS / f"gpu_check_{gpu}_{a.family}.json")
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(rows, indent=2))
+        print(f"rows written to {a.out}", flush=True)
 
 
 def print_table(rows):
