@@ -300,6 +300,7 @@ def check_args(a: Args) -> None:
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
 
+# === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
 # ------------------------------------------------------------------------------------------------
 # §3  Flow-matching math (pure).                                          [peer X8]
 #     Rectified flow: x_t = (1 − t)·x0 + t·ε,  v = dx_t/dt = ε − x0,  t = 1 noise → t = 0 data.
@@ -691,6 +692,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *, c
              "kl_x": kl_mean.detach()}
     return loss, stats
 
+# === pure math: end === (§3–§8 above run with torch alone; test_vgrpo.py lifts them out)
 # ------------------------------------------------------------------------------------------------
 # §9  Models: pipelines, the model adapter, LoRA, rewards. Everything here talks to diffusers,
 #     transformers or peft; nothing here is part of the algorithm.
