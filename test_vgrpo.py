@@ -1,8 +1,9 @@
 """Tests for vgrpo.py. CPU only, offline: `python -m pytest -q`.
 
-Tiers: (1) pure math against closed forms and slow reference loops, in float64 where it matters;
-(2) analytic velocity fields for the samplers; (3) gradient-direction tests of the loss;
-(4) end to end on a tiny randomly initialised SD3 pipeline; (5) bad input.
+Every test carries one tier marker (registered in pytest.ini; `python -m pytest -q -m math`):
+math — pure math against closed forms, analytic velocity fields and slow reference loops;
+trainer — end to end on tiny randomly initialised SD3/FLUX pipelines, rewards, CLI, bad input;
+examples — the scripts in examples/; multiprocess — data parallelism under torchrun.
 """
 import ast
 import builtins
@@ -28,6 +29,7 @@ ROOT = Path(__file__).parent
 # ------------------------------------------------------------------------------------------------
 # (1) advantages
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.math
 def test_advantages_zero_mean_per_group_and_unit_std():
     r = torch.tensor([[1.0, 2.0, 3.0, 6.0], [10.0, 10.5, 9.0, 8.0]], dtype=torch.float64)
     a, _ = V.group_advantages(r, global_std=False, std_eps=0.0, clamp=100.0, eta=0.0)
@@ -37,6 +39,7 @@ def test_advantages_zero_mean_per_group_and_unit_std():
     torch.testing.assert_close(a[0], torch.tensor([-2.0, -1.0, 0.0, 3.0]) / math.sqrt(3.5), atol=1e-6, rtol=0)
 
 
+@pytest.mark.math
 def test_advantages_global_std_uses_pooled_deviation():
     r = torch.tensor([[0.0, 2.0], [10.0, 14.0]])
     a, _ = V.group_advantages(r, global_std=True, std_eps=0.0, clamp=100.0, eta=0.0)
@@ -44,6 +47,7 @@ def test_advantages_global_std_uses_pooled_deviation():
     torch.testing.assert_close(a, torch.tensor([[-1.0, 1.0], [-2.0, 2.0]]) / pooled)
 
 
+@pytest.mark.math
 def test_advantages_soft_clip_bound_and_clamp():
     r = torch.tensor([[0.0] * 15 + [1000.0]])
     a, _ = V.group_advantages(r, global_std=False, clamp=5.0, eta=3.0)
@@ -54,6 +58,7 @@ def test_advantages_soft_clip_bound_and_clamp():
     assert a2.max() == pytest.approx(2.0)
 
 
+@pytest.mark.math
 def test_constant_group_gives_zeros_not_nan():
     r = torch.tensor([[3.0, 3.0, 3.0], [1.0, 2.0, 3.0]])
     for g in (True, False):
@@ -64,6 +69,7 @@ def test_constant_group_gives_zeros_not_nan():
     assert (a == 0).all()
 
 
+@pytest.mark.math
 def test_nonfinite_rewards_are_dropped():
     r = torch.tensor([[1.0, float("nan"), 3.0, 5.0], [float("inf"), 2.0, float("nan"), float("nan")]])
     a, st = V.group_advantages(r, global_std=False, std_eps=0.0, clamp=100.0, eta=0.0)
@@ -78,6 +84,7 @@ def test_nonfinite_rewards_are_dropped():
 # ------------------------------------------------------------------------------------------------
 # (1) pairs
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.math
 def test_stratified_pairs_one_t_per_stratum():
     grid = V.sigma_grid(40, 3.0)[:-1]                           # 40 points, no terminal 0
     chunks = torch.tensor_split(grid, 4)
@@ -93,6 +100,7 @@ def test_stratified_pairs_one_t_per_stratum():
     assert len(seen) == len(chunks[0])
 
 
+@pytest.mark.math
 def test_pair_sharing_scopes():
     N, G = 12, 4
     grid = V.sigma_grid(10)[:-1]
@@ -110,6 +118,7 @@ def test_pair_sharing_scopes():
     assert not torch.equal(e[0], e[1])
 
 
+@pytest.mark.math
 def test_unstratified_pairs_cover_grid():
     grid = V.sigma_grid(8)[:-1]
     p = V.draw_pairs(grid, 4, (1,), torch.arange(500), stratified=False, generator=torch.Generator().manual_seed(0))
@@ -119,6 +128,7 @@ def test_unstratified_pairs_cover_grid():
 # ------------------------------------------------------------------------------------------------
 # (1) surrogate, ratio and loss
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.math
 def test_surrogate_matches_official_x_prediction_form():
     torch.manual_seed(0)
     x0, eps, v = torch.randn(5, 4, 3, 3), torch.randn(5, 4, 3, 3), torch.randn(5, 4, 3, 3)
@@ -136,6 +146,7 @@ def test_surrogate_matches_official_x_prediction_form():
                                ref_e, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.math
 def test_adaptive_weighting_gradient_is_mse_over_detached_mae():
     torch.manual_seed(0)
     x0, eps, t = torch.randn(2, 8), torch.randn(2, 8), torch.tensor([0.3, 0.8])
@@ -170,6 +181,7 @@ def _toy_batch(m=4, d=6, J=4, seed=0):
     return model, x0, torch.arange(m), t.double(), e.double()
 
 
+@pytest.mark.math
 def test_ratio_is_one_when_theta_equals_theta_old():
     model, x0, c, t, e = _toy_batch()
     with torch.no_grad():
@@ -184,6 +196,7 @@ def test_ratio_is_one_when_theta_equals_theta_old():
     assert torch.isclose(loss, -loss_neg)
 
 
+@pytest.mark.math
 @pytest.mark.parametrize("sign", [+1.0, -1.0])
 def test_one_step_follows_advantage_sign(sign):
     model, x0, c, t, e = _toy_batch()
@@ -203,6 +216,7 @@ def test_one_step_follows_advantage_sign(sign):
     torch.testing.assert_close(s_after[1:], s_old[1:])          # A = 0 samples are untouched
 
 
+@pytest.mark.math
 def test_loss_equals_slow_reference_loop():
     torch.manual_seed(1)
     m, J = 6, 4
@@ -228,6 +242,7 @@ def test_loss_equals_slow_reference_loop():
     assert dead.any() and (s_new.grad[dead] == 0).all()
 
 
+@pytest.mark.math
 def test_pair_surrogates_equals_per_pair_loop():
     model, x0, c, t, e = _toy_batch(m=3, J=5)
     s, x0h = V.pair_surrogates(model, x0, c, t, e, return_x0_hat=True)
@@ -241,6 +256,7 @@ def test_pair_surrogates_equals_per_pair_loop():
             torch.testing.assert_close(x0h[n, j], xh.float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.math
 def test_surrogate_cv():
     S = torch.tensor([[-1.0, -3.0], [-2.0, -2.0]])
     cv = V.surrogate_cv(S)
@@ -261,6 +277,7 @@ def gaussian_velocity(x, t, cond):
     return -MU + (-(1 - t) * SD ** 2 + t) / sig ** 2 * (x - m)
 
 
+@pytest.mark.math
 @pytest.mark.parametrize("solver,order", [("euler", 1), ("dpmpp2m", 2)])
 def test_sampler_reaches_closed_form_endpoint(solver, order):
     x1 = torch.linspace(-3, 3, 61, dtype=torch.float64)[:, None]
@@ -273,6 +290,7 @@ def test_sampler_reaches_closed_form_endpoint(solver, order):
     assert err[1] / err[2] > (1.8 if order == 1 else 3.2), err
 
 
+@pytest.mark.math
 def test_samplers_exact_for_point_mass():
     # data = a point μ: v = (x − μ)/t is linear in t along trajectories, every solver is exact
     mu = torch.tensor([[0.5, -2.0]], dtype=torch.float64)
@@ -282,6 +300,7 @@ def test_samplers_exact_for_point_mass():
         torch.testing.assert_close(solver(f, x1, V.sigma_grid(7, 3.0)), mu.expand(3, 2))
 
 
+@pytest.mark.math
 def test_sigma_grid_matches_diffusers_scheduler():
     from diffusers import FlowMatchEulerDiscreteScheduler
     for K in (8, 10, 40):
@@ -307,6 +326,7 @@ def _strip_times(ms):
     return [{k: v for k, v in m.items() if not k.startswith("time")} for m in ms if "reward_mean" in m]
 
 
+@pytest.mark.trainer
 def test_two_iterations_change_lora_and_nothing_else(tmp_path, monkeypatch):
     captured = {}
     real_add_lora = V.add_lora
@@ -336,6 +356,7 @@ def test_two_iterations_change_lora_and_nothing_else(tmp_path, monkeypatch):
     assert all(after[n].requires_grad for n in lora)
 
 
+@pytest.mark.trainer
 def test_tiny_pipeline_roundtrips_through_the_hub_loading_path(tmp_path):
     pipe = V.build_tiny_sd3_pipeline()
     pipe.save_pretrained(tmp_path / "tiny")
@@ -353,6 +374,7 @@ def test_tiny_pipeline_roundtrips_through_the_hub_loading_path(tmp_path):
                                   "--run_dir", str(tmp_path / "run")]) == 0
 
 
+@pytest.mark.trainer
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     full = tmp_path / "full"
     assert V.main(TINY + ["--iterations", "3", "--run_dir", str(full)]) == 0
@@ -365,6 +387,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert Path(part, "checkpoints", "latest").read_text() == "iter_000003"
 
 
+@pytest.mark.trainer
 def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     run = tmp_path / "run"
     assert V.main(TINY + ["--run_dir", str(run)]) == 0
@@ -388,6 +411,7 @@ def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     assert not torch.allclose(v_f, v_0)                              # the LoRA does something
 
 
+@pytest.mark.trainer
 def test_metrics_line_has_every_documented_field(tmp_path):
     assert V.main(TINY + ["--iterations", "1", "--eval_every", "1", "--run_dir", str(tmp_path)]) == 0
     ms = _metrics(tmp_path)
@@ -402,6 +426,7 @@ def test_metrics_line_has_every_documented_field(tmp_path):
     assert Path(tmp_path, "eval", "iter_000000.png").is_file() and Path(tmp_path, "eval", "iter_000001.png").is_file()
 
 
+@pytest.mark.trainer
 def test_off_policy_controls_run(tmp_path):
     """μ = 2 with ratio clip and x-space KL: the second step is off-policy, so ρ ≠ 1 there."""
     assert V.main(TINY + ["--iterations", "1", "--mu", "2", "--clip_eps", "1e-4", "--kl_coef", "0.3",
@@ -430,6 +455,7 @@ def _tiny_pickscore(folder):
     CLIPProcessor(image_processor=ip, tokenizer=tok).save_pretrained(folder)
 
 
+@pytest.mark.trainer
 def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     from transformers import AutoModel, AutoProcessor
     _tiny_pickscore(tmp_path / "ps")
@@ -450,6 +476,7 @@ def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0)
 
 
+@pytest.mark.trainer
 def test_pickscore_end_to_end_on_tiny_models(tmp_path):
     _tiny_pickscore(tmp_path / "ps")
     assert V.main(TINY + ["--reward", "pickscore", "--pickscore_model", str(tmp_path / "ps"),
@@ -472,30 +499,36 @@ def _fails(argv, tmp_path, capsys, pattern):
     return err
 
 
+@pytest.mark.trainer
 def test_unknown_alias(tmp_path, capsys):
     _fails(["--model", "sd9-ultra", "--reward", "jpeg"], tmp_path, capsys, r"unknown model 'sd9-ultra'.*alias")
 
 
+@pytest.mark.trainer
 def test_hub_id_offline_says_how_to_use_local_files(tmp_path, capsys):
     err = _fails(["--model", "stabilityai/stable-diffusion-3.5-medium", "--reward", "jpeg"], tmp_path, capsys,
                  r"could not load the model")
     assert "--model /path/to/dir" in err and "huggingface-cli download" in err
 
 
+@pytest.mark.trainer
 def test_pickscore_offline_names_the_flag(tmp_path, capsys):
     _fails(TINY[:-2] + ["--reward", "pickscore"], tmp_path, capsys, r"--pickscore_(processor|model) /path/to/dir")
 
 
+@pytest.mark.trainer
 def test_group_size_below_two(tmp_path, capsys):
     _fails(TINY + ["--group_size", "1"], tmp_path, capsys, r"--group_size must be ≥ 2")
 
 
+@pytest.mark.trainer
 def test_empty_prompt_file(tmp_path, capsys):
     f = tmp_path / "p.txt"
     f.write_text("\n   \n")
     _fails(TINY + ["--prompts", str(f)], tmp_path, capsys, r"holds no prompts")
 
 
+@pytest.mark.trainer
 def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(tmp_path / "nope")], tmp_path, capsys, r"no checkpoint there")
     run = tmp_path / "run"
@@ -506,6 +539,7 @@ def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(run)], tmp_path, capsys, r"unreadable or incomplete")
 
 
+@pytest.mark.trainer
 def test_nonfinite_reward_is_dropped_and_logged(tmp_path, monkeypatch, capsys):
     class Flaky(V.JpegReward):
         def __call__(self, images, prompts):
@@ -520,6 +554,7 @@ def test_nonfinite_reward_is_dropped_and_logged(tmp_path, monkeypatch, capsys):
     assert not m["skipped"] and "non-finite reward" in capsys.readouterr().err
 
 
+@pytest.mark.trainer
 def test_all_rewards_nonfinite_skips_the_step(tmp_path, monkeypatch):
     class Broken(V.JpegReward):
         def __call__(self, images, prompts):
@@ -530,6 +565,7 @@ def test_all_rewards_nonfinite_skips_the_step(tmp_path, monkeypatch):
     assert _metrics(tmp_path)[0]["skipped"] is True
 
 
+@pytest.mark.trainer
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
@@ -552,6 +588,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # README: the "Use the loss in your own trainer" snippet runs as written
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.math
 def test_readme_loss_snippet_runs():
     text = (ROOT / "README.md").read_text()
     section = text.split("## Use the loss in your own trainer", 1)[1]
@@ -569,6 +606,7 @@ def _readme_block(after: str, nth: int = 0) -> str:
     return re.findall(r"```python\n(.*?)```", section, re.S)[nth]
 
 
+@pytest.mark.math
 def test_math_block_runs_alone(monkeypatch):
     """The pure math (§3–§8, between the `# === pure math: begin/end ===` markers) lifts out:
     executed from the file text with only the imports the README lists, it runs the README's
@@ -614,6 +652,25 @@ def test_math_block_runs_alone(monkeypatch):
     assert torch.equal(results["lifted"][1], results["vgrpo"][1])
 
 
+TIERS = ("math", "trainer", "examples", "multiprocess")      # registered in pytest.ini
+
+
+@pytest.mark.math
+def test_every_test_has_one_tier():
+    """Each test carries exactly one tier marker, so `pytest -m <tier>` partitions the suite."""
+    tree = ast.parse(Path(__file__).read_text())
+    bad = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            tiers = [d.attr for d in node.decorator_list if isinstance(d, ast.Attribute)
+                     and ast.unparse(d.value) == "pytest.mark" and d.attr in TIERS]
+            if len(tiers) != 1:
+                bad.append(f"{node.name}: {tiers}")
+    assert not bad, "mark each with exactly one of @pytest.mark." + "/".join(TIERS) + ": " + str(bad)
+    ini = (ROOT / "pytest.ini").read_text()
+    assert all(re.search(rf"^\s+{t}:", ini, re.M) for t in TIERS)
+
+
 # ------------------------------------------------------------------------------------------------
 # examples/toy_2d.py: V-GRPO learns on a 2-D toy and beats the naive FPO-style surrogate
 # ------------------------------------------------------------------------------------------------
@@ -626,6 +683,7 @@ def _load_toy_2d():
     return mod
 
 
+@pytest.mark.examples
 def test_toy_vgrpo_beats_naive():
     """End-to-end learning check on the 2-D toy (examples/toy_2d.py, its default settings:
     P = 8 × G = 16 rollouts per iteration, K = 16, μ = 1, AdamW lr 1e-3, 150 iterations).
@@ -685,6 +743,7 @@ def _tiny_open_clip(folder):
     return cfg, folder / "hps.pt", model
 
 
+@pytest.mark.trainer
 def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
     import open_clip
     from PIL import Image
@@ -708,6 +767,7 @@ def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
     torch.testing.assert_close(got, ref, atol=0.02, rtol=0)
 
 
+@pytest.mark.trainer
 def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
     from transformers import AutoModel, AutoProcessor
     _tiny_pickscore(tmp_path / "clip")
@@ -722,6 +782,7 @@ def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
     torch.testing.assert_close(got, out.logits_per_image.diag() / model.logit_scale.exp(), atol=2e-3, rtol=0)
 
 
+@pytest.mark.trainer
 def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
     d = tmp_path / "clip"
@@ -751,6 +812,7 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
         f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))   # the original's key names
 
 
+@pytest.mark.trainer
 def test_imagereward_without_package_says_how_to_install(tmp_path, capsys):
     try:
         import ImageReward  # noqa: F401
@@ -760,6 +822,7 @@ def test_imagereward_without_package_says_how_to_install(tmp_path, capsys):
     _fails(TINY + ["--reward", "imagereward"], tmp_path, capsys, r"pip install image-reward")
 
 
+@pytest.mark.trainer
 def test_reward_spec_parsing():
     assert V.parse_reward_spec("pickscore") == [("pickscore", 1.0)]
     assert V.parse_reward_spec("pickscore:1,hpsv2:0.5") == [("pickscore", 1.0), ("hpsv2", 0.5)]
@@ -771,6 +834,7 @@ def test_reward_spec_parsing():
             V.parse_reward_spec(bad)
 
 
+@pytest.mark.math
 def test_weighted_sum_aggregation_by_hand():
     r = torch.tensor([[[1.0, 3.0]], [[10.0, 0.0]]])                 # K=2 rewards, P=1, G=2
     w = torch.tensor([1.0, 0.5])
@@ -779,6 +843,7 @@ def test_weighted_sum_aggregation_by_hand():
     torch.testing.assert_close(a, torch.tensor([[1.0, -1.0]]))
 
 
+@pytest.mark.math
 def test_per_reward_aggregation_by_hand():
     r = torch.tensor([[[1.0, 3.0, 5.0]], [[0.0, 0.0, 9.0]]])        # K=2, P=1, G=3
     w = torch.tensor([3.0, 1.0])                                     # normalised to 0.75, 0.25
@@ -797,6 +862,7 @@ def test_per_reward_aggregation_by_hand():
     assert a3.abs().max() <= 0.5
 
 
+@pytest.mark.trainer
 def test_plugin_reward_loading_and_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     rw = V.PluginReward("examples.custom_reward:colour_match")
@@ -814,6 +880,7 @@ def test_plugin_reward_loading_and_errors(tmp_path, monkeypatch):
         V.PluginReward("badreward:two")(imgs, ["a", "b", "c"])
 
 
+@pytest.mark.trainer
 def test_multi_reward_run_logs_each_reward_and_eval_rewards(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     _tiny_pickscore(tmp_path / "clip")
@@ -832,6 +899,7 @@ def test_multi_reward_run_logs_each_reward_and_eval_rewards(tmp_path, monkeypatc
 # ------------------------------------------------------------------------------------------------
 # FLUX: packing, the tiny pipeline end to end, the local loading path
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.math
 def test_flux_packing_roundtrips_and_matches_diffusers():
     from diffusers import FluxPipeline
     lat = torch.randn(2, 16, 6, 10, dtype=torch.float64)
@@ -842,6 +910,7 @@ def test_flux_packing_roundtrips_and_matches_diffusers():
     assert torch.equal(V.unpack_latents(packed, 6, 10), FluxPipeline._unpack_latents(packed, 48, 80, 8))
 
 
+@pytest.mark.trainer
 def test_flux_image_ids_match_diffusers():
     from diffusers import FluxPipeline
     ad = V.FluxAdapter(V.build_tiny_flux_pipeline(), torch.device("cpu"), 32)
@@ -849,6 +918,7 @@ def test_flux_image_ids_match_diffusers():
                                FluxPipeline._prepare_latent_image_ids(1, 4, 4, "cpu", torch.float32))
 
 
+@pytest.mark.trainer
 def test_flux_defaults_follow_the_paper_protocol():
     a = V.parse_args(["--model", "flux.1-dev"])
     assert (a.num_steps, a.solver, a.n_mc, a.clip_eps, a.soft_clip_eta, a.guidance) == (16, "dpmpp2m", 4, 1e-2, 3.0, 3.5)
@@ -862,6 +932,7 @@ def test_flux_defaults_follow_the_paper_protocol():
     assert V.parse_args(["--model", "tiny"]).origin["lr"] == "tiny preset (our choice)"
 
 
+@pytest.mark.trainer
 def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
     pipe = V.build_tiny_flux_pipeline()
     pipe.save_pretrained(tmp_path / "flux")
@@ -896,6 +967,7 @@ def _load_example(name):
     return mod
 
 
+@pytest.mark.examples
 def test_sd3_diagnostics_variance_reduction(tmp_path):
     """Each variance-reduction technique lowers the statistic it targets (paper P4–P8), on one fixed
     rollout batch of the tiny SD3 pipeline (P×G = 2×4, K = 8, N_MC = 4, 4 pair draws, per-sample
@@ -934,6 +1006,7 @@ def test_sd3_diagnostics_variance_reduction(tmp_path):
     assert "| V-GRPO (all on) |" in text and "CV group" in text
 
 
+@pytest.mark.examples
 def test_flow_grpo_baseline_and_cost_table(tmp_path):
     """examples/flow_grpo_sd3.py: both update code paths run on the tiny SD3 pipeline (P×G = 2×4,
     K = 8, 2 iterations each) and the per-sample NFE accounting is the documented one.
@@ -980,6 +1053,7 @@ def _torchrun(args, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+@pytest.mark.multiprocess
 def test_two_processes_equal_one_process_and_resume(tmp_path):
     from safetensors.torch import load_file
     _torchrun(DDP + ["--iterations", "3", "--run_dir", str(tmp_path / "ddp")], tmp_path)
@@ -1000,12 +1074,14 @@ def test_two_processes_equal_one_process_and_resume(tmp_path):
     assert _strip_times(_metrics(tmp_path / "part")) == _strip_times(d)
 
 
+@pytest.mark.multiprocess
 def test_prompts_must_split_evenly_across_processes(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     _fails(TINY + ["--prompts_per_iter", "3"], tmp_path, capsys, r"must be divisible by the 2 processes")
 
 
+@pytest.mark.trainer
 def test_offloaded_text_encoders_give_the_same_run(tmp_path):
     """--offload_text_encoders embeds every prompt once and answers from the cache afterwards."""
     assert V.main(TINY + ["--eval_every", "1", "--run_dir", str(tmp_path / "a")]) == 0
