@@ -627,12 +627,11 @@ def test_math_block_runs_alone(monkeypatch):
     exec(compile(imports + block, "vgrpo.py[pure math]", "exec"), mod.__dict__)
     defined = {k for k in mod.__dict__ if not k.startswith("__")}
     # statically too: every name the block reads is its own, an import above, or a builtin
-    local = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)} | {
-        n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | {
-        n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
-        c.id for n in ast.walk(tree) if isinstance(n, ast.comprehension) for c in ast.walk(n.target)
-        if isinstance(c, ast.Name)}
-    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    nodes = list(ast.walk(tree))
+    local = {a.arg for a in nodes if isinstance(a, ast.arg)} | {
+        n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | {
+        n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    read = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     assert read - local - defined - set(dir(builtins)) == set()
     listed = set(re.findall(r"`(\w+)`", (ROOT / "README.md").read_text().split(
         "It defines ", 1)[1].split("The snippet above", 1)[0]))
@@ -666,7 +665,7 @@ def test_every_test_has_one_tier():
                      and ast.unparse(d.value) == "pytest.mark" and d.attr in TIERS]
             if len(tiers) != 1:
                 bad.append(f"{node.name}: {tiers}")
-    assert not bad, "mark each with exactly one of @pytest.mark." + "/".join(TIERS) + ": " + str(bad)
+    assert not bad, f"mark each with exactly one of @pytest.mark.{'/'.join(TIERS)}: {bad}"
     ini = (ROOT / "pytest.ini").read_text()
     assert all(re.search(rf"^\s+{t}:", ini, re.M) for t in TIERS)
 

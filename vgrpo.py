@@ -98,7 +98,8 @@ import torch.nn.functional as F
 
 # ------------------------------------------------------------------------------------------------
 # §2  Configuration. One dataclass is the single source of truth: every field is a CLI flag of
-#     the same name, and its `src` says where the default comes from (a METHOD.md label, or "our choice").
+#     the same name, and its `src` says where the default comes from (a METHOD.md label, or
+#     "our choice").
 #     Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > per-family preset
 #     (FAMILY_PRESETS: SD3 or FLUX) > default.
 # ------------------------------------------------------------------------------------------------
@@ -223,9 +224,9 @@ def given_flags(argv: Optional[list[str]] = None) -> dict:
     """The flags given on the command line (and only those). Flag name == field name; bools get
     --name / --no-name."""
     p = argparse.ArgumentParser(description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
-                                epilog="Sources in brackets are items of METHOD.md: [paper Pk] stated "
-                                "by the paper, [peer Xk] a convention of another codebase, [ours Ck] "
-                                "this project's choice.",
+                                epilog="Sources in brackets are items of METHOD.md: [paper Pk] "
+                                "stated by the paper, [peer Xk] a convention of another codebase, "
+                                "[ours Ck] this project's choice.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Args):
         kw = dict(default=argparse.SUPPRESS, help=f"{f.metadata['help']} [default {f.default!r}; "
@@ -1397,7 +1398,7 @@ class Rewards:
 
 
 # ------------------------------------------------------------------------------------------------
-# §10  Training loop: the algorithm box of §0 line by line, with logging, evaluation and checkpoints.
+# §10  Training loop: the algorithm box (§0) line by line, with logging, evaluation, checkpoints.
 # ------------------------------------------------------------------------------------------------
 # A small built-in prompt set, written for this project: varied subjects, styles and compositions,
 # so a run works out of the box. Every 5th prompt is held out for evaluation.
