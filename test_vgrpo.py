@@ -1,14 +1,19 @@
 """Tests for vgrpo.py. CPU only, offline: `python -m pytest -q`.
 
-Tiers: (1) pure math against closed forms and slow reference loops, in float64 where it matters;
-(2) analytic velocity fields for the samplers; (3) gradient-direction tests of the loss;
-(4) end to end on a tiny randomly initialised SD3 pipeline; (5) bad input.
+Every test carries one tier marker (registered in pytest.ini; `python -m pytest -q -m math`):
+math — pure math against closed forms, analytic velocity fields and slow reference loops;
+trainer — end to end on tiny randomly initialised SD3/FLUX pipelines, rewards, CLI, bad input;
+examples — the scripts in examples/; multiprocess — data parallelism under torchrun.
 """
+import ast
+import builtins
 import importlib.util
 import json
 import math
 import os
 import re
+import sys
+import types
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")      # never wait on a hub look-up (20–50 s each)
@@ -24,6 +29,7 @@ ROOT = Path(__file__).parent
 # ------------------------------------------------------------------------------------------------
 # (1) advantages
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.math
 def test_advantages_zero_mean_per_group_and_unit_std():
     r = torch.tensor([[1.0, 2.0, 3.0, 6.0], [10.0, 10.5, 9.0, 8.0]], dtype=torch.float64)
     a, _ = V.group_advantages(r, global_std=False, std_eps=0.0, clamp=100.0, eta=0.0)
@@ -33,6 +39,7 @@ def test_advantages_zero_mean_per_group_and_unit_std():
     torch.testing.assert_close(a[0], torch.tensor([-2.0, -1.0, 0.0, 3.0]) / math.sqrt(3.5), atol=1e-6, rtol=0)
 
 
+@pytest.mark.math
 def test_advantages_global_std_is_flow_grpo_batch_std():
     """Flow-GRPO's PerPromptStatTracker(global_std=True): group-mean centred, divided by
     np.std(all rewards) + 1e-4 (around the BATCH mean, population std)."""
@@ -60,6 +67,7 @@ def test_advantages_global_std_is_flow_grpo_batch_std():
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.math
 def test_advantages_soft_clip_bound_and_clamp():
     r = torch.tensor([[0.0] * 15 + [1000.0]])
     a, _ = V.group_advantages(r, global_std=False, clamp=5.0, eta=3.0)
@@ -70,6 +78,7 @@ def test_advantages_soft_clip_bound_and_clamp():
     assert a2.max() == pytest.approx(2.0)
 
 
+@pytest.mark.math
 def test_constant_group_gives_zeros_not_nan():
     r = torch.tensor([[3.0, 3.0, 3.0], [1.0, 2.0, 3.0]])
     for g in (True, False):
@@ -80,6 +89,7 @@ def test_constant_group_gives_zeros_not_nan():
     assert (a == 0).all()
 
 
+@pytest.mark.math
 def test_nonfinite_rewards_are_dropped():
     r = torch.tensor([[1.0, float("nan"), 3.0, 5.0], [float("inf"), 2.0, float("nan"), float("nan")]])
     a, st = V.group_advantages(r, global_std=False, std_eps=0.0, clamp=100.0, eta=0.0)
@@ -94,6 +104,7 @@ def test_nonfinite_rewards_are_dropped():
 # ------------------------------------------------------------------------------------------------
 # (1) pairs
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.math
 def test_stratified_pairs_one_t_per_stratum():
     grid = V.sigma_grid(40, 3.0)[:-1]                           # 40 points, no terminal 0
     chunks = torch.tensor_split(grid, 4)
@@ -109,6 +120,7 @@ def test_stratified_pairs_one_t_per_stratum():
     assert len(seen) == len(chunks[0])
 
 
+@pytest.mark.math
 def test_pair_sharing_scopes():
     N, G = 12, 4
     grid = V.sigma_grid(10)[:-1]
@@ -126,6 +138,7 @@ def test_pair_sharing_scopes():
     assert not torch.equal(e[0], e[1])
 
 
+@pytest.mark.math
 def test_unstratified_pairs_cover_grid():
     grid = V.sigma_grid(8)[:-1]
     p = V.draw_pairs(grid, 4, (1,), torch.arange(500), stratified=False, generator=torch.Generator().manual_seed(0))
@@ -135,12 +148,13 @@ def test_unstratified_pairs_cover_grid():
 # ------------------------------------------------------------------------------------------------
 # (1) surrogate, ratio and loss
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.math
 def test_surrogate_matches_official_x_prediction_form():
     torch.manual_seed(0)
     x0, eps, v = torch.randn(5, 4, 3, 3), torch.randn(5, 4, 3, 3), torch.randn(5, 4, 3, 3)
     t = torch.rand(5)
     z = V.interpolate(x0, eps, t)
-    x0_pred = z - V.bcast(t, z) * v                                        # PAPER §1.4 code form
+    x0_pred = z - V.bcast(t, z) * v                                        # paper P7
     ref = -((x0_pred - x0) ** 2).flatten(1).mean(1) / (x0_pred - x0).abs().flatten(1).mean(1)
     s = V.surrogate_from_velocity(v, x0, eps, t)
     torch.testing.assert_close(s, ref, atol=1e-5, rtol=1e-5)
@@ -152,6 +166,7 @@ def test_surrogate_matches_official_x_prediction_form():
                                ref_e, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.math
 def test_adaptive_weighting_gradient_is_mse_over_detached_mae():
     torch.manual_seed(0)
     x0, eps, t = torch.randn(2, 8), torch.randn(2, 8), torch.tensor([0.3, 0.8])
@@ -186,6 +201,7 @@ def _toy_batch(m=4, d=6, J=4, seed=0):
     return model, x0, torch.arange(m), t.double(), e.double()
 
 
+@pytest.mark.math
 def test_ratio_is_one_when_theta_equals_theta_old():
     model, x0, c, t, e = _toy_batch()
     with torch.no_grad():
@@ -195,11 +211,12 @@ def test_ratio_is_one_when_theta_equals_theta_old():
     loss, st = V.vgrpo_loss(s_new, s_old, adv, clip_eps=0.01)
     assert st["ratio"] == 1.0 and st["abs_log_ratio"] == 0.0 and st["clip_frac"] == 0.0
     assert torch.isclose(loss, -adv.mean().float())
-    # antisymmetry with θ = θ_old and β = 0 (PAPER §4 unit check ii)
+    # antisymmetry with θ = θ_old and β = 0 (ours C18)
     loss_neg, _ = V.vgrpo_loss(s_new, s_old, -adv, clip_eps=0.01)
     assert torch.isclose(loss, -loss_neg)
 
 
+@pytest.mark.math
 @pytest.mark.parametrize("sign", [+1.0, -1.0])
 def test_one_step_follows_advantage_sign(sign):
     model, x0, c, t, e = _toy_batch()
@@ -219,6 +236,7 @@ def test_one_step_follows_advantage_sign(sign):
     torch.testing.assert_close(s_after[1:], s_old[1:])          # A = 0 samples are untouched
 
 
+@pytest.mark.math
 def test_loss_equals_slow_reference_loop():
     torch.manual_seed(1)
     m, J = 6, 4
@@ -244,6 +262,7 @@ def test_loss_equals_slow_reference_loop():
     assert dead.any() and (s_new.grad[dead] == 0).all()
 
 
+@pytest.mark.math
 def test_pair_surrogates_equals_per_pair_loop():
     model, x0, c, t, e = _toy_batch(m=3, J=5)
     s, x0h = V.pair_surrogates(model, x0, c, t, e, return_x0_hat=True)
@@ -257,6 +276,7 @@ def test_pair_surrogates_equals_per_pair_loop():
             torch.testing.assert_close(x0h[n, j], xh.float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.math
 def test_surrogate_cv():
     S = torch.tensor([[-1.0, -3.0], [-2.0, -2.0]])
     cv = V.surrogate_cv(S)
@@ -277,6 +297,7 @@ def gaussian_velocity(x, t, cond):
     return -MU + (-(1 - t) * SD ** 2 + t) / sig ** 2 * (x - m)
 
 
+@pytest.mark.math
 @pytest.mark.parametrize("solver,order", [("euler", 1), ("dpmpp2m", 2)])
 def test_sampler_reaches_closed_form_endpoint(solver, order):
     x1 = torch.linspace(-3, 3, 61, dtype=torch.float64)[:, None]
@@ -289,6 +310,7 @@ def test_sampler_reaches_closed_form_endpoint(solver, order):
     assert err[1] / err[2] > (1.8 if order == 1 else 3.2), err
 
 
+@pytest.mark.math
 def test_samplers_exact_for_point_mass():
     # data = a point μ: v = (x − μ)/t is linear in t along trajectories, every solver is exact
     mu = torch.tensor([[0.5, -2.0]], dtype=torch.float64)
@@ -298,6 +320,7 @@ def test_samplers_exact_for_point_mass():
         torch.testing.assert_close(solver(f, x1, V.sigma_grid(7, 3.0)), mu.expand(3, 2))
 
 
+@pytest.mark.math
 def test_sigma_grid_matches_diffusers_scheduler():
     from diffusers import FlowMatchEulerDiscreteScheduler
     for K in (8, 10, 40):
@@ -323,6 +346,7 @@ def _strip_times(ms):
     return [{k: v for k, v in m.items() if not k.startswith("time")} for m in ms if "reward_mean" in m]
 
 
+@pytest.mark.trainer
 def test_two_iterations_change_lora_and_nothing_else(tmp_path, monkeypatch):
     captured = {}
     real_add_lora = V.add_lora
@@ -352,6 +376,7 @@ def test_two_iterations_change_lora_and_nothing_else(tmp_path, monkeypatch):
     assert all(after[n].requires_grad for n in lora)
 
 
+@pytest.mark.trainer
 def test_tiny_pipeline_roundtrips_through_the_hub_loading_path(tmp_path):
     pipe = V.build_tiny_sd3_pipeline()
     pipe.save_pretrained(tmp_path / "tiny")
@@ -369,6 +394,7 @@ def test_tiny_pipeline_roundtrips_through_the_hub_loading_path(tmp_path):
                                   "--run_dir", str(tmp_path / "run")]) == 0
 
 
+@pytest.mark.trainer
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     full = tmp_path / "full"
     assert V.main(TINY + ["--iterations", "3", "--run_dir", str(full)]) == 0
@@ -381,6 +407,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert Path(part, "checkpoints", "latest").read_text() == "iter_000003"
 
 
+@pytest.mark.trainer
 def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     run = tmp_path / "run"
     assert V.main(TINY + ["--run_dir", str(run)]) == 0
@@ -404,6 +431,7 @@ def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     assert not torch.allclose(v_f, v_0)                              # the LoRA does something
 
 
+@pytest.mark.trainer
 def test_metrics_line_has_every_documented_field(tmp_path):
     assert V.main(TINY + ["--iterations", "1", "--eval_every", "1", "--run_dir", str(tmp_path)]) == 0
     ms = _metrics(tmp_path)
@@ -418,6 +446,7 @@ def test_metrics_line_has_every_documented_field(tmp_path):
     assert Path(tmp_path, "eval", "iter_000000.png").is_file() and Path(tmp_path, "eval", "iter_000001.png").is_file()
 
 
+@pytest.mark.trainer
 def test_off_policy_controls_run(tmp_path):
     """μ = 2 with ratio clip and x-space KL: the second step is off-policy, so ρ ≠ 1 there."""
     assert V.main(TINY + ["--iterations", "1", "--mu", "2", "--clip_eps", "1e-4", "--kl_coef", "0.3",
@@ -446,6 +475,7 @@ def _tiny_pickscore(folder):
     CLIPProcessor(image_processor=ip, tokenizer=tok).save_pretrained(folder)
 
 
+@pytest.mark.trainer
 def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     from transformers import AutoModel, AutoProcessor
     _tiny_pickscore(tmp_path / "ps")
@@ -461,11 +491,12 @@ def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     ti = proc(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
     with torch.no_grad():
         ref = model(input_ids=ti.input_ids, attention_mask=ti.attention_mask, pixel_values=px).logits_per_image.diag()
-    # torch preprocessing vs the processor's own (its backends differ by ≤ 0.04 [FACTS (g) 3])
+    # torch preprocessing vs the processor's own (its backends differ by ≤ 0.04 [ours C19])
     torch.testing.assert_close(rw.preprocess(imgs), px, atol=0.05, rtol=0)
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0)
 
 
+@pytest.mark.trainer
 def test_pickscore_end_to_end_on_tiny_models(tmp_path):
     _tiny_pickscore(tmp_path / "ps")
     assert V.main(TINY + ["--reward", "pickscore", "--pickscore_model", str(tmp_path / "ps"),
@@ -488,30 +519,36 @@ def _fails(argv, tmp_path, capsys, pattern):
     return err
 
 
+@pytest.mark.trainer
 def test_unknown_alias(tmp_path, capsys):
     _fails(["--model", "sd9-ultra", "--reward", "jpeg"], tmp_path, capsys, r"unknown model 'sd9-ultra'.*alias")
 
 
+@pytest.mark.trainer
 def test_hub_id_offline_says_how_to_use_local_files(tmp_path, capsys):
     err = _fails(["--model", "stabilityai/stable-diffusion-3.5-medium", "--reward", "jpeg"], tmp_path, capsys,
                  r"could not load the model")
     assert "--model /path/to/dir" in err and "huggingface-cli download" in err
 
 
+@pytest.mark.trainer
 def test_pickscore_offline_names_the_flag(tmp_path, capsys):
     _fails(TINY[:-2] + ["--reward", "pickscore"], tmp_path, capsys, r"--pickscore_(processor|model) /path/to/dir")
 
 
+@pytest.mark.trainer
 def test_group_size_below_two(tmp_path, capsys):
     _fails(TINY + ["--group_size", "1"], tmp_path, capsys, r"--group_size must be ≥ 2")
 
 
+@pytest.mark.trainer
 def test_empty_prompt_file(tmp_path, capsys):
     f = tmp_path / "p.txt"
     f.write_text("\n   \n")
     _fails(TINY + ["--prompts", str(f)], tmp_path, capsys, r"--prompts .* holds no prompts")
 
 
+@pytest.mark.trainer
 def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(tmp_path / "nope")], tmp_path, capsys, r"no checkpoint there")
     run = tmp_path / "run"
@@ -522,6 +559,7 @@ def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(run)], tmp_path, capsys, r"unreadable or incomplete")
 
 
+@pytest.mark.trainer
 def test_nonfinite_reward_is_dropped_and_logged(tmp_path, monkeypatch, capsys):
     class Flaky(V.JpegReward):
         def __call__(self, images, prompts):
@@ -536,6 +574,7 @@ def test_nonfinite_reward_is_dropped_and_logged(tmp_path, monkeypatch, capsys):
     assert not m["skipped"] and "non-finite reward" in capsys.readouterr().err
 
 
+@pytest.mark.trainer
 def test_all_rewards_nonfinite_skips_the_step(tmp_path, monkeypatch):
     class Broken(V.JpegReward):
         def __call__(self, images, prompts):
@@ -546,6 +585,7 @@ def test_all_rewards_nonfinite_skips_the_step(tmp_path, monkeypatch):
     assert _metrics(tmp_path)[0]["skipped"] is True
 
 
+@pytest.mark.trainer
 def test_checkpoint_disk_full_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
     import errno
     run = tmp_path / "run"
@@ -584,6 +624,7 @@ def _one_line(argv, tmp_path, capsys, pattern):
      r"'badplug:fn' returned shape \(2, 2\), expected \(2,\)"),
     ("return torch.full((len(prompts),), float('nan'))", r"'badplug:fn' returned non-finite"),
 ])
+@pytest.mark.trainer
 def test_broken_plugin_fails_before_training_in_one_line(tmp_path, capsys, monkeypatch, body,
                                                          pattern):
     (tmp_path / "badplug.py").write_text(f"import torch\ndef fn(images, prompts):\n    {body}\n")
@@ -593,6 +634,7 @@ def test_broken_plugin_fails_before_training_in_one_line(tmp_path, capsys, monke
     _one_line(TINY + ["--reward", "badplug:fn"], tmp_path, capsys, pattern)
 
 
+@pytest.mark.trainer
 def test_unwritable_run_dir_fails_before_loading(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
     (tmp_path / "afile").write_text("x")
@@ -610,6 +652,7 @@ def test_unwritable_run_dir_fails_before_loading(tmp_path, capsys, monkeypatch):
     assert not ro.exists()
 
 
+@pytest.mark.trainer
 def test_local_folder_without_transformer_says_so(tmp_path, capsys):
     import shutil
     V.build_tiny_sd3_pipeline().save_pretrained(tmp_path / "p")
@@ -618,12 +661,14 @@ def test_local_folder_without_transformer_says_so(tmp_path, capsys):
               r"model_index.json lists 'transformer' but there is no transformer/ folder")
 
 
+@pytest.mark.trainer
 def test_reward_weight_typo_is_an_argument_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
     _one_line(TINY + ["--reward", "pickscore:abc"], tmp_path, capsys,
               r"the weight of 'pickscore' must be a number \(got 'abc'\)")
 
 
+@pytest.mark.trainer
 def test_bad_prompt_files_name_the_flag(tmp_path, capsys):
     f = tmp_path / "latin1.txt"
     f.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
@@ -634,11 +679,13 @@ def test_bad_prompt_files_name_the_flag(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("lr", ["-1", "nan", "0", "inf"])
+@pytest.mark.trainer
 def test_bad_learning_rate_before_loading(tmp_path, capsys, monkeypatch, lr):
     monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
     _one_line(TINY + ["--lr", lr], tmp_path, capsys, r"--lr must be a finite number > 0")
 
 
+@pytest.mark.trainer
 def test_resume_with_changed_lora_rank_is_one_line(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
@@ -652,6 +699,7 @@ def test_resume_with_changed_lora_rank_is_one_line(tmp_path, capsys, monkeypatch
     assert sorted(p.name for p in run.rglob("*")) == before
 
 
+@pytest.mark.trainer
 def test_nonfinite_warning_has_its_own_line_and_eval_drops_nonfinite(tmp_path, monkeypatch, capsys):
     class Flaky(V.JpegReward):
         def __call__(self, images, prompts):
@@ -670,6 +718,7 @@ def test_nonfinite_warning_has_its_own_line_and_eval_drops_nonfinite(tmp_path, m
     assert all(e["eval_n_nonfinite"] == 1 for e in ev)
 
 
+@pytest.mark.trainer
 def test_kill_and_resume_logs_each_iteration_once(tmp_path, monkeypatch):
     run = tmp_path / "run"
     real = V.iteration
@@ -694,6 +743,7 @@ def test_kill_and_resume_logs_each_iteration_once(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("window", ["before_latest", "after_latest"])
+@pytest.mark.trainer
 def test_resave_keeps_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, window):
     """Re-saving iteration 1 (Ctrl-C right after a resume), killed inside the swap."""
     run = tmp_path / "run"
@@ -722,6 +772,7 @@ def test_resave_keeps_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, win
     assert ckpt.name == name and state["iteration"] == 1
 
 
+@pytest.mark.trainer
 def test_outputs_follow_the_umask(tmp_path):
     old = os.umask(0o022)
     try:
@@ -737,6 +788,7 @@ def test_outputs_follow_the_umask(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # README: the "Use the loss in your own trainer" snippet runs as written
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.math
 def test_readme_loss_snippet_runs():
     text = (ROOT / "README.md").read_text()
     section = text.split("## Use the loss in your own trainer", 1)[1]
@@ -746,6 +798,76 @@ def test_readme_loss_snippet_runs():
     assert torch.isfinite(ns["loss"])
     assert ns["net"].weight.grad is not None and ns["net"].weight.grad.abs().sum() > 0
     assert ns["stats"]["ratio"].item() == pytest.approx(1.0)
+
+
+def _readme_block(after: str, nth: int = 0) -> str:
+    """The nth ```python block of README.md after the heading/text `after`."""
+    section = (ROOT / "README.md").read_text().split(after, 1)[1]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[nth]
+
+
+@pytest.mark.math
+def test_math_block_runs_alone(monkeypatch):
+    """The pure math (§3–§8, between the `# === pure math: begin/end ===` markers) lifts out:
+    executed from the file text with only the imports the README lists, it runs the README's
+    "Use the loss in your own trainer" snippet, with the same loss as `import vgrpo`."""
+    text = (ROOT / "vgrpo.py").read_text()
+    begin, end = "# === pure math: begin ===", "# === pure math: end ==="
+    assert text.count(begin) == 1 and text.count(end) == 1
+    block = text[text.index(begin):text.index(end)]
+    assert "# §3" in block and "# §8" in block and "# §9" not in block
+    tree = ast.parse(block)
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    heading = "## Use the loss in your own trainer"
+    imports = _readme_block(heading, 1)                       # the README's list of imports
+    assert set(re.findall(r"^(?:import|from)\s+(\S+)", imports, re.M)) <= {
+        "__future__", "math", "dataclasses", "typing", "torch"}
+    mod = types.ModuleType("vgrpo_math_only")
+    monkeypatch.setitem(sys.modules, "vgrpo_math_only", mod)
+    exec(compile(imports + block, "vgrpo.py[pure math]", "exec"), mod.__dict__)
+    defined = {k for k in mod.__dict__ if not k.startswith("__")}
+    # statically too: every name the block reads is its own, an import above, or a builtin
+    nodes = list(ast.walk(tree))
+    local = {a.arg for a in nodes if isinstance(a, ast.arg)} | {
+        n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | {
+        n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    read = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    assert read - local - defined - set(dir(builtins)) == set()
+    listed = set(re.findall(r"`(\w+)`", (ROOT / "README.md").read_text().split(
+        "It defines ", 1)[1].split("The snippet above", 1)[0]))
+    assert listed == defined - {"annotations", "math", "dataclass", "Callable", "Optional", "torch"}
+
+    snippet = _readme_block(heading, 0)
+    results = {}
+    for name, module in (("lifted", mod), ("vgrpo", V)):
+        monkeypatch.setitem(sys.modules, "vgrpo", module)
+        torch.manual_seed(0)
+        ns = {}
+        exec(compile(snippet, "README.md", "exec"), ns)
+        assert torch.isfinite(ns["loss"]) and ns["net"].weight.grad.abs().sum() > 0
+        results[name] = (ns["loss"].detach(), ns["net"].weight.grad.clone())
+    # same process, same ops in the same order: the two runs agree bit for bit
+    assert torch.equal(results["lifted"][0], results["vgrpo"][0])
+    assert torch.equal(results["lifted"][1], results["vgrpo"][1])
+
+
+TIERS = ("math", "trainer", "examples", "multiprocess")      # registered in pytest.ini
+
+
+@pytest.mark.math
+def test_every_test_has_one_tier():
+    """Each test carries exactly one tier marker, so `pytest -m <tier>` partitions the suite."""
+    tree = ast.parse(Path(__file__).read_text())
+    bad = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            tiers = [d.attr for d in node.decorator_list if isinstance(d, ast.Attribute)
+                     and ast.unparse(d.value) == "pytest.mark" and d.attr in TIERS]
+            if len(tiers) != 1:
+                bad.append(f"{node.name}: {tiers}")
+    assert not bad, f"mark each with exactly one of @pytest.mark.{'/'.join(TIERS)}: {bad}"
+    ini = (ROOT / "pytest.ini").read_text()
+    assert all(re.search(rf"^\s+{t}:", ini, re.M) for t in TIERS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -767,9 +889,9 @@ def test_toy_vgrpo_beats_naive():
 
     V-GRPO as shipped must raise the reward from ≈ 0.2 (pretrained model, 1 of 4 modes rewarded)
     to ≥ 0.8 on both seeds; the naive FPO-style surrogate (v-space CFM loss, per-sample pairs, no
-    stratification, no soft-clip; PAPER §5.3) learns fast at first and then collapses on most
+    stratification, no soft-clip; peer X3) learns fast at first and then collapses on most
     seeds, so on the mean over seeds V-GRPO ends well above it. The within-group CV of the
-    surrogate (PAPER §1.4) must be clearly lower for V-GRPO.
+    surrogate (paper P4–P8) must be clearly lower for V-GRPO.
 
     Measured (2-core CPU, torch 2.x, 1 thread, seeds 0 and 1; final = ODE eval reward at it 150):
         V-GRPO  start 0.182 / 0.196   final 0.915 / 0.908   CV(it 1–20) 0.254 / 0.208
@@ -850,6 +972,7 @@ def _tiny_open_clip(folder):
     return cfg, folder / "hps.pt", model
 
 
+@pytest.mark.trainer
 def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
     import open_clip
     from PIL import Image
@@ -873,6 +996,7 @@ def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
     torch.testing.assert_close(got, ref, atol=0.02, rtol=0)
 
 
+@pytest.mark.trainer
 def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
     from transformers import AutoModel, AutoProcessor
     _tiny_pickscore(tmp_path / "clip")
@@ -887,6 +1011,7 @@ def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
     torch.testing.assert_close(got, out.logits_per_image.diag() / model.logit_scale.exp(), atol=2e-3, rtol=0)
 
 
+@pytest.mark.trainer
 def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
     d = tmp_path / "clip"
@@ -916,6 +1041,7 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
         f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))   # the original's key names
 
 
+@pytest.mark.trainer
 def test_imagereward_without_package_says_how_to_install(tmp_path, capsys):
     try:
         import ImageReward  # noqa: F401
@@ -925,6 +1051,7 @@ def test_imagereward_without_package_says_how_to_install(tmp_path, capsys):
     _fails(TINY + ["--reward", "imagereward"], tmp_path, capsys, r"pip install image-reward")
 
 
+@pytest.mark.trainer
 def test_reward_spec_parsing():
     assert V.parse_reward_spec("pickscore") == [("pickscore", 1.0)]
     assert V.parse_reward_spec("pickscore:1,hpsv2:0.5") == [("pickscore", 1.0), ("hpsv2", 0.5)]
@@ -936,6 +1063,7 @@ def test_reward_spec_parsing():
             V.parse_reward_spec(bad)
 
 
+@pytest.mark.math
 def test_weighted_sum_aggregation_by_hand():
     r = torch.tensor([[[1.0, 3.0]], [[10.0, 0.0]]])                 # K=2 rewards, P=1, G=2
     w = torch.tensor([1.0, 0.5])
@@ -944,6 +1072,7 @@ def test_weighted_sum_aggregation_by_hand():
     torch.testing.assert_close(a, torch.tensor([[1.0, -1.0]]))
 
 
+@pytest.mark.math
 def test_per_reward_aggregation_by_hand():
     r = torch.tensor([[[1.0, 3.0, 5.0]], [[0.0, 0.0, 9.0]]])        # K=2, P=1, G=3
     w = torch.tensor([3.0, 1.0])                                     # normalised to 0.75, 0.25
@@ -965,6 +1094,7 @@ def test_per_reward_aggregation_by_hand():
     assert a3.abs().max() <= 0.5
 
 
+@pytest.mark.trainer
 def test_plugin_reward_loading_and_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     rw = V.PluginReward("examples.custom_reward:colour_match")
@@ -982,6 +1112,7 @@ def test_plugin_reward_loading_and_errors(tmp_path, monkeypatch):
         V.PluginReward("badreward:two")(imgs, ["a", "b", "c"])
 
 
+@pytest.mark.trainer
 def test_multi_reward_run_logs_each_reward_and_eval_rewards(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     _tiny_pickscore(tmp_path / "clip")
@@ -1000,6 +1131,7 @@ def test_multi_reward_run_logs_each_reward_and_eval_rewards(tmp_path, monkeypatc
 # ------------------------------------------------------------------------------------------------
 # FLUX: packing, the tiny pipeline end to end, the local loading path
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.math
 def test_flux_packing_roundtrips_and_matches_diffusers():
     from diffusers import FluxPipeline
     lat = torch.randn(2, 16, 6, 10, dtype=torch.float64)
@@ -1010,6 +1142,7 @@ def test_flux_packing_roundtrips_and_matches_diffusers():
     assert torch.equal(V.unpack_latents(packed, 6, 10), FluxPipeline._unpack_latents(packed, 48, 80, 8))
 
 
+@pytest.mark.trainer
 def test_flux_image_ids_match_diffusers():
     from diffusers import FluxPipeline
     ad = V.FluxAdapter(V.build_tiny_flux_pipeline(), torch.device("cpu"), 32)
@@ -1017,6 +1150,7 @@ def test_flux_image_ids_match_diffusers():
                                FluxPipeline._prepare_latent_image_ids(1, 4, 4, "cpu", torch.float32))
 
 
+@pytest.mark.trainer
 def test_flux_defaults_follow_the_paper_protocol():
     a = V.parse_args(["--model", "flux.1-dev"])
     assert (a.num_steps, a.solver, a.n_mc, a.clip_eps, a.soft_clip_eta, a.guidance) == (16, "dpmpp2m", 4, 1e-2, 3.0, 3.5)
@@ -1025,11 +1159,12 @@ def test_flux_defaults_follow_the_paper_protocol():
     s = V.parse_args(["--model", "sd3.5-medium"])
     assert (s.num_steps, s.solver, s.mu, s.clip_eps) == (40, "euler", 1, 0.0)
     # every value says where it comes from
-    assert a.origin["clip_eps"].startswith("flux preset") and "PAPER" in a.origin["clip_eps"]
-    assert s.origin["num_steps"] == "[PAPER §1.7] 40-step ODE rollouts" and s.origin["model"] == "command line"
+    assert a.origin["clip_eps"].startswith("flux preset") and "[ours C" in a.origin["clip_eps"]
+    assert s.origin["num_steps"] == "[paper P11] 40-step ODE rollouts" and s.origin["model"] == "command line"
     assert V.parse_args(["--model", "tiny"]).origin["lr"] == "tiny preset (our choice)"
 
 
+@pytest.mark.trainer
 def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
     pipe = V.build_tiny_flux_pipeline()
     pipe.save_pretrained(tmp_path / "flux")
@@ -1064,8 +1199,9 @@ def _load_example(name):
     return mod
 
 
+@pytest.mark.examples
 def test_sd3_diagnostics_variance_reduction(tmp_path):
-    """Each variance-reduction technique lowers the statistic it targets (PAPER §1.4), on one fixed
+    """Each variance-reduction technique lowers the statistic it targets (paper P4–P8), on one fixed
     rollout batch of the tiny SD3 pipeline (P×G = 2×4, K = 8, N_MC = 4, 4 pair draws, per-sample
     gradients on 2 of them).
 
@@ -1327,6 +1463,7 @@ def _smooth_reward(folder, monkeypatch=None) -> str:
     return "meancolour:mean_colour"
 
 
+@pytest.mark.multiprocess
 def test_two_processes_equal_one_process_and_resume(tmp_path, monkeypatch):
     from safetensors.torch import load_file
     smooth = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch)]
@@ -1357,12 +1494,14 @@ def test_two_processes_equal_one_process_and_resume(tmp_path, monkeypatch):
     assert _strip_times(_metrics(tmp_path / "part")) == _strip_times(d)
 
 
+@pytest.mark.multiprocess
 def test_prompts_must_split_evenly_across_processes(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     _fails(TINY + ["--prompts_per_iter", "3"], tmp_path, capsys, r"must be divisible by the 2 processes")
 
 
+@pytest.mark.trainer
 def test_offloaded_text_encoders_give_the_same_run(tmp_path, monkeypatch):
     """--offload_text_encoders embeds every prompt once and answers from the cache afterwards."""
     smooth = TINY + ["--reward", _smooth_reward(tmp_path, monkeypatch), "--eval_every", "1"]
@@ -1390,6 +1529,7 @@ def test_offloaded_text_encoders_give_the_same_run(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # Conventions: presets, evaluation protocol, μ > 1 first step, FLUX LoRA targets, SD3 without T5
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.trainer
 def test_paper_and_stage_presets_follow_the_family():
     s = V.parse_args(["--model", "sd3.5-medium", "--preset", "paper"])
     f = V.parse_args(["--model", "flux.1-dev", "--preset", "paper"])
@@ -1402,6 +1542,7 @@ def test_paper_and_stage_presets_follow_the_family():
     assert (o.n_mc, o.mu, o.kl_coef, o.clip_eps, o.iterations) == (10, 2, 0.3, 0.0, 30)
 
 
+@pytest.mark.trainer
 def test_first_step_ratio_is_one_for_mu_above_one(tmp_path):
     """S_old is computed in the first step's own micro-batches: ρ ≡ 1 there for μ = 3 and uneven
     micro-batches too (same rows, same shapes, same parameters: the same float operations)."""
@@ -1412,6 +1553,7 @@ def test_first_step_ratio_is_one_for_mu_above_one(tmp_path):
     assert m["abs_log_ratio"] > 1e-6                                 # later steps are off-policy
 
 
+@pytest.mark.trainer
 def test_flux_lora_wraps_blocks_not_the_top_level_projection():
     pipe = V.build_tiny_flux_pipeline()
     V.add_lora(pipe.transformer, 4, 8, V.FLUX_LORA_TARGETS.split(","))
@@ -1422,6 +1564,7 @@ def test_flux_lora_wraps_blocks_not_the_top_level_projection():
     assert all(n.split(".")[0] in blocks for n in wrapped)
 
 
+@pytest.mark.trainer
 def test_sd3_folder_saved_without_t5_loads_and_trains(tmp_path):
     pipe = V.build_tiny_sd3_pipeline()
     pipe.text_encoder_3, pipe.tokenizer_3 = None, None
@@ -1438,6 +1581,7 @@ def test_sd3_folder_saved_without_t5_loads_and_trains(tmp_path):
     assert math.isfinite(_metrics(tmp_path / "run")[0]["grad_norm"])
 
 
+@pytest.mark.trainer
 def test_fp16_trains_with_loss_scaling(tmp_path):
     """--dtype fp16 uses a GradScaler: the loss is scaled before backward (initial scale 2^16) and
     gradients unscaled before the clip, so the LoRA still moves and the logged grad norm is the

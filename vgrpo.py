@@ -4,8 +4,15 @@ model's own (variance-reduced) flow-matching loss stands in for log π_θ(image 
 
 Paper: "V-GRPO: Online Reinforcement Learning for Denoising Generative Models Is Easier than
 You Think", Tang et al., 2026, arXiv 2604.23380. Equation numbers of the paper are not quoted
-here (the full text was not available to us); tags such as [PAPER §1.4] point into the
-project's method spec PAPER.md, whose sections carry the sources ([CY], [VRL], ...).
+(the full text could not be checked end to end). Tags point into METHOD.md, beside this file,
+and say what kind of statement they are: [paper P3] a fact stated by the paper, with its source
+named in the item; [peer X5] a convention taken from another codebase (repository and file
+named); [ours C4] this project's choice where the paper is silent; [Alg. step 4] a step of
+the algorithm box below. A bare "§k" is a section of this file.
+
+See it work: examples/toy_2d.py (+ toy_2d.md) trains V-GRPO, its ablations and an MDP baseline
+on a 2-D toy in minutes on a CPU; examples/digits.py (+ digits.md) is a small image benchmark
+on scikit-learn's 8×8 digits; measurements of the full models on a GPU are in results/.
 
 What this file IS: a readable reference of the algorithm plus a working trainer for Stable
 Diffusion 3 / 3.5 and FLUX.1 (diffusers) with human-preference rewards (PickScore, HPSv2.1,
@@ -21,7 +28,7 @@ Quickstart
     python vgrpo.py --model flux.1-dev --reward hpsv2:1,pickscore:1
     torchrun --nproc_per_node=8 vgrpo.py --model sd3.5-medium --preset paper
 
-ALGORITHM (one iteration; "→ §k" points into this file)            [PAPER §4]
+ALGORITHM (one iteration; "→ §k" points into this file)            [METHOD.md: Algorithm]
     0. θ_old ← θ  (nothing to copy: everything θ_old is needed for is cached in steps 1 and 4)
     1. rollout: for each of P prompts, G images by a deterministic ODE solve of v_θold  → §4, §9
     2. rewards r (N = P·G), group-relative advantages A, clamp ±5, soft-clip η·tanh(A/η) → §5, §6
@@ -91,7 +98,8 @@ import torch.nn.functional as F
 
 # ------------------------------------------------------------------------------------------------
 # §2  Configuration. One dataclass is the single source of truth: every field is a CLI flag of
-#     the same name, and its `src` says where the default comes from ([PAPER §x] or "our choice").
+#     the same name, and its `src` says where the default comes from (a METHOD.md label, or
+#     "our choice").
 #     Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > per-family preset
 #     (FAMILY_PRESETS: SD3 or FLUX) > default.
 # ------------------------------------------------------------------------------------------------
@@ -118,73 +126,73 @@ class Args:
     # --- model -----------------------------------------------------------------------------------
     model: str = _f("sd3.5-medium", "alias (tiny, tiny-flux, sd3.5-medium, sd3.5-large, sd3-medium, "
                     "flux.1-dev), hub id or local dir")
-    resolution: int = _f(512, "image side in pixels", "[PAPER §3 item 7] DiffusionNFT's 512")
-    max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [FACTS (d)]")
-    guidance: float = _f(3.5, "FLUX: distilled guidance embedding (no true CFG)", "[PAPER §3 item 1] [FACTS (d)]")
-    flux_shift: float = _f(3.0, "FLUX: time shift of the rollout grid", "[PAPER §3 item 8] MixGRPO")
-    lora_rank: int = _f(32, "LoRA rank r", "[PAPER §1.7] SD3.5-M Stage 1")
-    lora_alpha: int = _f(64, "LoRA alpha", "[PAPER §1.7] SD3.5-M Stage 1")
+    resolution: int = _f(512, "image side in pixels", "[ours C7] DiffusionNFT's 512")
+    max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
+    guidance: float = _f(3.5, "FLUX: distilled guidance embedding (no true CFG)", "[ours C1] [peer X9]")
+    flux_shift: float = _f(3.0, "FLUX: time shift of the rollout grid", "[ours C8] MixGRPO")
+    lora_rank: int = _f(32, "LoRA rank r", "[paper P11] SD3.5-M Stage 1")
+    lora_alpha: int = _f(64, "LoRA alpha", "[paper P11] SD3.5-M Stage 1")
     lora_targets: str = _f("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out",
-                           "comma-separated module names that get LoRA (attn and attn2)", "[PAPER §7]")
+                           "comma-separated module names that get LoRA (attn and attn2)", "[ours C17]")
     full_finetune: bool = _f(False, "train all transformer weights instead of LoRA")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (less memory)")
     offload_text_encoders: bool = _f(False, "embed all prompts once at start, then move the text encoders "
                                      "to the CPU (saves ~10 GB with T5-XXL; prompts are then fixed)")
-    dtype: str = _f("auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", "[PAPER §3 item 10]",
+    dtype: str = _f("auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", "[ours C10]",
                     choices=("auto", "bf16", "fp16", "fp32"))
     # --- sampler ---------------------------------------------------------------------------------
-    num_steps: int = _f(40, "ODE steps per rollout (K)", "[PAPER §1.7] 40-step ODE rollouts")
-    solver: str = _f("euler", "deterministic ODE solver for rollouts and eval", "[PAPER §1.1, §7]",
+    num_steps: int = _f(40, "ODE steps per rollout (K)", "[paper P11] 40-step ODE rollouts")
+    solver: str = _f("euler", "deterministic ODE solver for rollouts and eval", "[paper P1; ours C17]",
                      choices=("euler", "dpmpp2m"))
     eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default: the family's "
                                    "evaluation protocol, SD3 40 and FLUX 16; else num_steps)",
-                                   "[PAPER §1.7] Flow-GRPO/DiffusionNFT evaluate SD3.5-M at 40")
+                                   "[paper P11] Flow-GRPO/DiffusionNFT evaluate SD3.5-M at 40")
     rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, no effect on results)")
     # --- reward ----------------------------------------------------------------------------------
     reward: str = _f("pickscore", "reward(s) with weights: pickscore | hpsv2 | clipscore | aesthetic | "
                      "imagereward | jpeg | module.path:function, e.g. pickscore:1,hpsv2:1")
     reward_aggregation: str = _f("sum", "several rewards: weighted sum then group-normalise (sum), or "
-                                 "group-normalise each then weighted sum (per_reward)", "[PAPER §3 item 3]",
+                                 "group-normalise each then weighted sum (per_reward)", "[ours C3]",
                                  choices=("sum", "per_reward"))
     eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: the training ones)")
     pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore weights: hub id or local dir",
-                              "[FACTS (e)]")
+                              "[peer X10]")
     pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-                                  "PickScore processor: hub id or local dir", "[FACTS (e)]")
-    hpsv2_arch: str = _f("ViT-H-14", "open_clip architecture of HPSv2 (name or JSON config path)", "[FACTS (e)]")
+                                  "PickScore processor: hub id or local dir", "[peer X10]")
+    hpsv2_arch: str = _f("ViT-H-14", "open_clip architecture of HPSv2 (name or JSON config path)", "[peer X10]")
     hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt", "HPSv2.1 weights: file or owner/repo/file",
-                               "[FACTS (e)]")
+                               "[peer X10]")
     clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP for clipscore and aesthetic: hub id or dir",
-                         "[FACTS (e)]")
+                         "[peer X10]")
     aesthetic_weights: str = _f("trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
-                                "LAION aesthetic MLP weights: file or owner/repo/file", "[FACTS (e)]")
+                                "LAION aesthetic MLP weights: file or owner/repo/file", "[peer X10]")
     imagereward_model: str = _f("ImageReward-v1.0", "ImageReward checkpoint name or path (optional package)")
     reward_batch: int = _f(32, "images per reward-model call (memory knob)")
     # --- objective -------------------------------------------------------------------------------
     prompts_per_iter: int = _f(6, "P: prompts per iteration (paper: 48; 6 = one GPU's share of 8)")
-    group_size: int = _f(24, "G: images per prompt", "[PAPER §1.7] group 24")
-    n_mc: int = _f(4, "N_MC: (t, eps) pairs per sample", "[PAPER §1.7] N_MC = 4")
-    pair_sharing: str = _f("batch", "scope of shared (t, eps) pairs", "[PAPER §1.4, §3 item 4]",
+    group_size: int = _f(24, "G: images per prompt", "[paper P11] group 24")
+    n_mc: int = _f(4, "N_MC: (t, eps) pairs per sample", "[paper P11] N_MC = 4")
+    pair_sharing: str = _f("batch", "scope of shared (t, eps) pairs", "[paper P4, P5; ours C4]",
                            choices=("batch", "group", "none"))
-    stratified: bool = _f(True, "one t per stratum of the rollout sigma grid", "[PAPER §1.4 (2)]")
-    parameterization: str = _f("x", "space of the surrogate's error", "[PAPER §1.4 (3a), §1.8]",
+    stratified: bool = _f(True, "one t per stratum of the rollout sigma grid", "[paper P5]")
+    parameterization: str = _f("x", "space of the surrogate's error", "[paper P6, P12]",
                                choices=("x", "v", "eps"))
-    adaptive_weighting: bool = _f(True, "divide each pair's MSE by its detached MAE", "[PAPER §1.4 (3b)]")
-    mae_floor: float = _f(1e-5, "lower clamp of the MAE denominator", "[PAPER §3 item 5]")
+    adaptive_weighting: bool = _f(True, "divide each pair's MSE by its detached MAE", "[paper P7]")
+    mae_floor: float = _f(1e-5, "lower clamp of the MAE denominator", "[ours C5]")
     global_std: bool = _f(True, "advantage std of all rewards of the batch around the batch mean "
-                          "(else per group)", "[PAPER §3 item 3] flow_grpo/stat_tracking.py")
-    std_eps: float = _f(1e-4, "added to the advantage std", "[PAPER §3 item 3] DiffusionNFT")
-    adv_clamp: float = _f(5.0, "hard clamp |A| ≤ this before soft-clip", "[PAPER §3 item 1]")
-    soft_clip_eta: float = _f(3.0, "η of A ← η·tanh(A/η); 0 = off", "[PAPER §1.5] η = 3, SD3.5 Stage 1")
-    clip_eps: float = _f(0.0, "ratio clip ε; 0 = off", "[PAPER §1.5] SD3.5 Stage 1: no clip")
-    kl_coef: float = _f(0.0, "β of the x-space KL to θ_old; 0 = off", "[PAPER §1.5] Stage 1: no KL")
-    mu: int = _f(1, "optimizer steps per iteration (disjoint minibatches)", "[PAPER §1.7] 1 step")
+                          "(else per group)", "[ours C3] flow_grpo/stat_tracking.py")
+    std_eps: float = _f(1e-4, "added to the advantage std", "[ours C3] DiffusionNFT")
+    adv_clamp: float = _f(5.0, "hard clamp |A| ≤ this before soft-clip", "[ours C1]")
+    soft_clip_eta: float = _f(3.0, "η of A ← η·tanh(A/η); 0 = off", "[paper P9] η = 3, SD3.5 Stage 1")
+    clip_eps: float = _f(0.0, "ratio clip ε; 0 = off", "[paper P9] SD3.5 Stage 1: no clip")
+    kl_coef: float = _f(0.0, "β of the x-space KL to θ_old; 0 = off", "[paper P9] Stage 1: no KL")
+    mu: int = _f(1, "optimizer steps per iteration (disjoint minibatches)", "[paper P11] 1 step")
     micro_batch: int = _f(4, "samples per forward/backward (× n_mc forwards; memory knob)")
     # --- optimisation ----------------------------------------------------------------------------
-    iterations: int = _f(150, "rollout-and-update iterations", "[PAPER §1.7] Stage 1: 150")
-    lr: float = _f(3e-4, "AdamW learning rate", "[PAPER §1.7]")
-    weight_decay: float = _f(1e-4, "AdamW weight decay", "[PAPER §3 item 10]")
-    max_grad_norm: float = _f(1.0, "gradient-norm clip", "[PAPER §3 item 10]")
+    iterations: int = _f(150, "rollout-and-update iterations", "[paper P11] Stage 1: 150")
+    lr: float = _f(3e-4, "AdamW learning rate", "[paper P11]")
+    weight_decay: float = _f(1e-4, "AdamW weight decay", "[ours C10]")
+    max_grad_norm: float = _f(1.0, "gradient-norm clip", "[ours C10]")
     # --- system ----------------------------------------------------------------------------------
     seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
     device: str = _f("auto", "cuda, cpu, or auto")
@@ -219,8 +227,8 @@ FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,t
                      "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"        # double-block FF
                      "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
 # Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
-# baseline numbers [PAPER §3 items 1–3, 8; §7], with LoRA (use --full_finetune --lr 1e-5 for theirs).
-FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation", "flux": "[PAPER §3 items 1–3, 8; §7] MixGRPO protocol"}
+# baseline numbers [ours C1–C3, C8, C17], with LoRA (use --full_finetune --lr 1e-5 for theirs).
+FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation", "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
 FAMILY_PRESETS: dict[str, dict] = {
     "sd3": dict(gradient_checkpointing=True, eval_steps=40),
     "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, eval_steps=16,
@@ -229,14 +237,14 @@ FAMILY_PRESETS: dict[str, dict] = {
                  reward_aggregation="per_reward", global_std=False, std_eps=1e-8, max_sequence_length=512,
                  lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
-# "paper" depends on the family: SD3.5-M Stage 1 is 48 prompts × 24 [PAPER §1.7]; FLUX follows
-# MixGRPO's 32 prompts × 12 per iteration [PAPER §3 items 1–3]. The stage presets are the later
-# SD3.5 stages' controls [PAPER §3 item 9] (our choice where the paper is silent); their rewards
+# "paper" depends on the family: SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
+# MixGRPO's 32 prompts × 12 per iteration [ours C1–C3]. The stage presets are the later
+# SD3.5 stages' controls [ours C9] (our choice where the paper is silent); their rewards
 # (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not included").
-PAPER_PRESETS = {"sd3": dict(prompts_per_iter=48, group_size=24),
+STAGE1_BATCH = {"sd3": dict(prompts_per_iter=48, group_size=24),
                  "flux": dict(prompts_per_iter=32, group_size=12)}
 PRESETS: dict[str, dict] = {
-    "paper": PAPER_PRESETS["sd3"],                              # replaced per family in resolve_args
+    "paper": STAGE1_BATCH["sd3"],                              # replaced per family in resolve_args
     "geneval-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
                           soft_clip_eta=0.0, iterations=200),   # Stages 2 / 4 (Stage 4: 50 its)
     "ocr-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3, clip_eps=0.0,
@@ -249,6 +257,9 @@ def given_flags(argv: Optional[list[str]] = None) -> dict:
     """The flags given on the command line (and only those). Flag name == field name; bools get
     --name / --no-name."""
     p = argparse.ArgumentParser(description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
+                                epilog="Sources in brackets are items of METHOD.md: [paper Pk] "
+                                "stated by the paper, [peer Xk] a convention of another codebase, "
+                                "[ours Ck] this project's choice.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Args):
         kw = dict(default=argparse.SUPPRESS, help=f"{f.metadata['help']} [default {f.default!r}; "
@@ -276,7 +287,7 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     family = model_family(model)
     layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
               (f"{model} preset (our choice)", MODEL_PRESETS.get(model, {})),
-              (f"--preset {given.get('preset')}", PAPER_PRESETS[family] if given.get("preset") == "paper"
+              (f"--preset {given.get('preset')}", STAGE1_BATCH[family] if given.get("preset") == "paper"
                else PRESETS.get(given.get("preset") or "", {})),
               ("the resumed run's config", resumed or {}),
               ("command line", given)]
@@ -337,12 +348,13 @@ def check_args(a: Args) -> None:
     if problems:
         raise ConfigError("; ".join(problems))
 
+# === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
 # ------------------------------------------------------------------------------------------------
-# §3  Flow-matching math (pure).                                          [PAPER conventions]
+# §3  Flow-matching math (pure).                                          [peer X8]
 #     Rectified flow: x_t = (1 − t)·x0 + t·ε,  v = dx_t/dt = ε − x0,  t = 1 noise → t = 0 data.
-#     The three "parameterisations" of PAPER §1.8 are the same prediction seen in three spaces:
+#     The three "parameterisations" of paper P12 are the same prediction seen in three spaces:
 #         x̂0 − x0 = −t·(v̂ − v)      ε̂ − ε = (1 − t)·(v̂ − v)      (v̂ − v) itself
-#     so an error in x-, ε- or v-space is the v-error times t, (1 − t) or 1.        [PAPER §5.6]
+#     so an error in x-, ε- or v-space is the v-error times t, (1 − t) or 1.        [peer X6]
 # ------------------------------------------------------------------------------------------------
 def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reshape per-sample t (M,) to (M, 1, 1, ...) so it broadcasts against `like` (M, *D)."""
@@ -356,15 +368,15 @@ def interpolate(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.T
 
 
 def x0_from_v(x_t: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x̂0 = x_t − t·v̂ (the x-prediction reparameterisation of PAPER §1.4 (3a)). Shapes (M, *D), t (M,)."""
+    """x̂0 = x_t − t·v̂ (the x-prediction reparameterisation of paper P6). Shapes (M, *D), t (M,)."""
     return x_t - bcast(t, x_t) * v
 
 
 PARAM_SCALE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     # error in space p = PARAM_SCALE[p](t) · (v̂ − v), up to sign (squared and |·| drop the sign)
-    "x": lambda t: t,                       # x̂0 − x0 = −t (v̂ − v)          [PAPER §1.4 (3a)]
-    "eps": lambda t: 1 - t,                 # ε̂ − ε  = (1 − t)(v̂ − v)       [PAPER §1.8 ablation]
-    "v": lambda t: torch.ones_like(t),      # plain flow-matching error       [PAPER §1.8 ablation]
+    "x": lambda t: t,                       # x̂0 − x0 = −t (v̂ − v)          [paper P6]
+    "eps": lambda t: 1 - t,                 # ε̂ − ε  = (1 − t)(v̂ − v)       [paper P12]
+    "v": lambda t: torch.ones_like(t),      # plain flow-matching error       [paper P12]
 }
 
 
@@ -402,7 +414,7 @@ def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# §4  Deterministic ODE samplers (pure, given a velocity function).        [PAPER §1.1, §3 item 8]
+# §4  Deterministic ODE samplers (pure, given a velocity function).        [paper P1; ours C8]
 #     V-GRPO never needs per-step log-probs: the generation is ONE action whose log-likelihood is
 #     replaced by the surrogate of §7, so any deterministic solver works for rollouts.
 #     `velocity_fn(x, t, cond) -> v` with x (M, *D), t (M,) — the model or an analytic field.
@@ -468,7 +480,7 @@ SOLVERS = {"euler": euler_sample, "dpmpp2m": dpmpp2m_sample}
 # ------------------------------------------------------------------------------------------------
 
 # ------------------------------------------------------------------------------------------------
-# §6  Group-relative advantages (pure).                       [PAPER §1.5, §3 items 1 and 3, §4 step 2]
+# §6  Group-relative advantages (pure).                       [paper P9; ours C1, C3; Alg. step 2]
 # ------------------------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps: float = 1e-4,
                      clamp: float = 5.0, eta: float = 3.0, unbiased: bool = False):
@@ -480,10 +492,10 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
             (it includes the spread between prompts) instead of each group's own std. This is
             Flow-GRPO's `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo,
             flow_grpo/stat_tracking.py: np.std(rewards) + 1e-4, population std), which
-            DiffusionNFT's code base inherits (PAPER §3 item 3).
+            DiffusionNFT's code base inherits (ours C3).
         std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
-        clamp: hard clamp |A| ≤ clamp (PAPER §3 item 1; inert at η = 3, kept for parity).
-        eta: soft-clip A ← η·tanh(A/η) (PAPER §1.5, Eq. 17 per [VRL]); 0 disables it.
+        clamp: hard clamp |A| ≤ clamp (ours C1; inert at η = 3, kept for parity).
+        eta: soft-clip A ← η·tanh(A/η) (paper P9, Eq. 17 per [source S6]); 0 disables it.
         unbiased: std divides by n − 1 (torch.std's default, MixGRPO) instead of n (np.std).
     Returns:
         adv: (P, G) fp32; 0 for dropped samples and for groups with < 2 finite rewards.
@@ -520,7 +532,7 @@ def _adv_stats(adv: torch.Tensor, ok: torch.Tensor) -> dict:
 
 
 def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
-    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [PAPER §3 item 3].
+    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3].
 
     rewards: (K, P, G) training-scaled rewards; weights: (K,). A sample with any non-finite
     component is dropped. kw: as group_advantages (global_std, std_eps, clamp, eta).
@@ -532,7 +544,7 @@ def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
 
 def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, global_std: bool = False,
                           std_eps: float = 1e-8, clamp: float = 5.0, eta: float = 3.0):
-    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [PAPER §3 item 3].
+    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3].
 
     A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w.
     rewards: (K, P, G); weights: (K,). A sample with any non-finite component is dropped.
@@ -555,7 +567,7 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
 
 
 # ------------------------------------------------------------------------------------------------
-# §7  Shared, stratified (t, ε) pairs and the ELBO surrogate (pure).          [PAPER §1.2–§1.4]
+# §7  Shared, stratified (t, ε) pairs and the ELBO surrogate (pure).          [paper P2–P8]
 #
 #   log π_θ(o | c)  ←  S_θ(o) = (1/J) Σ_j s_θ(o; t_j, ε_j)
 #   s_θ(o; t, ε)    = − mean_d (x̂0 − o)²  /  sg( max(mean_d |x̂0 − o|, floor) ),
@@ -570,7 +582,7 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Pairs:
-    """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [PAPER §3 item 4].
+    """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4].
 
     t:     (S, J) times, S = number of independent pair sets (1 = batch-wide sharing).
     eps:   (S, J, *D) noises.
@@ -592,7 +604,7 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
 
     Args:
         grid: (K,) candidate times — the rollout sigma grid WITHOUT its terminal 0 (at t = 0 the
-            error vanishes and the MAE normalisation is 0/0)                 [PAPER §3 item 5].
+            error vanishes and the MAE normalisation is 0/0)                 [ours C5].
         n_mc: J, pairs per sample (N_MC).
         latent_shape: D = (C, H, W) of one latent.
         index: (N,) long, the scope of each sample: zeros = batch-wide sharing (the paper's code,
@@ -620,11 +632,11 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
 def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor, *,
                             parameterization: str = "x", adaptive: bool = True,
                             mae_floor: float = 1e-5) -> torch.Tensor:
-    """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)).   [PAPER §1.4 (3)]
+    """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)).   [paper P6, P7]
 
     e is the prediction error in the chosen space (§3): with x-prediction e = x̂0 − x0 =
     −t·(v̂ − (ε − x0)). The official code: `x0_pred = z − σ·pred; s = −mean((x0_pred − x0)²);
-    s = s / mean(|x0_pred.detach() − x0|)` [PAPER §1.4, CY]. adaptive=False returns −‖e‖²_mean.
+    s = s / mean(|x0_pred.detach() − x0|)` [paper P7]. adaptive=False returns −‖e‖²_mean.
     Args:
         v_pred: (M, *D) network velocity at z = (1 − t)·x0 + t·ε (any dtype).
         x0: (M, *D) rollout latents; eps: (M, *D) pair noises; t: (M,) pair times.
@@ -653,7 +665,7 @@ def _repeat_rows(tree, J: int):
 def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor, eps: torch.Tensor, *,
                     parameterization: str = "x", adaptive: bool = True, mae_floor: float = 1e-5,
                     return_x0_hat: bool = False):
-    """s[m, j] for m samples × J pairs in ONE batched network call of m·J rows.   [PAPER §4 step 4/5]
+    """s[m, j] for m samples × J pairs in ONE batched network call of m·J rows.   [Alg. steps 4, 5]
 
     Args:
         velocity_fn: (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D).
@@ -678,7 +690,7 @@ def surrogate_cv(S: torch.Tensor) -> dict:
     """Coefficient of variation of the surrogate S (P, G): over the batch and within groups.
 
     CV = std / |mean| (population std). The paper reports 0.230 → 0.128 (batch) and 0.170 → 0.038
-    (within group) when the three techniques are switched on [PAPER §1.4]. Returns detached scalars.
+    (within group) when the three techniques are switched on [paper P8]. Returns detached scalars.
     """
     S = S.float()
     cv_all = S.std(unbiased=False) / S.mean().abs().clamp(min=1e-12)
@@ -687,13 +699,13 @@ def surrogate_cv(S: torch.Tensor) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# §8  The V-GRPO loss (pure).                                       [PAPER §1.3, §1.5, §4 step 5]
+# §8  The V-GRPO loss (pure).                                       [paper P3, P9; Alg. step 5]
 #   ρ = exp(S_θ − S_old), ONE ratio per sample: the mean over pairs sits inside the exp (the
-#   official code's `exp(new.mean(1) − old.mean(1))`, GSPO-like).                  [PAPER §1.3]
-#   loss_n = max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) + β·mean_j ‖x̂θ − x̂θold‖²_mean    [PAPER §1.5]
+#   official code's `exp(new.mean(1) − old.mean(1))`, GSPO-like).                  [paper P3]
+#   loss_n = max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) + β·mean_j ‖x̂θ − x̂θold‖²_mean    [paper P9]
 # ------------------------------------------------------------------------------------------------
 def xspace_kl(x0_hat: torch.Tensor, x0_hat_old: torch.Tensor) -> torch.Tensor:
-    """"Simple" KL of PAPER §1.5 (Eq. 16 per [VRL]): mean_d (x̂θ − x̂θold)² per pair.
+    """"Simple" KL of paper P9 (Eq. 16 per [source S6]): mean_d (x̂θ − x̂θold)² per pair.
 
     x0_hat, x0_hat_old: (m, J, *D). Returns (m, J) fp32, differentiable through x0_hat only.
     """
@@ -713,9 +725,9 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *, c
     Returns:
         loss: () fp32.
         stats: detached scalars — ratio mean, mean |log ρ|, clip fraction, approx KL
-            k2 = ½(log ρ)² [PAPER §5.7], and the x-space KL.
+            k2 = ½(log ρ)² [peer X7], and the x-space KL.
     Notes: with θ = θ_old, ρ ≡ 1 and ∇loss = −A·∇S: REINFORCE with a group baseline on the
-        surrogate (PAPER §4 notes), which is the whole update when μ = 1.
+        surrogate (ours C18), which is the whole update when μ = 1.
     Reference form:
         for n: r = exp(mean_j s_new[n] − mean_j s_old[n]); pg = −A[n]·r
                if ε: pg = max(pg, −A[n]·clamp(r, 1−ε, 1+ε));  loss += (pg + β·mean_j kl[n]) / m
@@ -739,6 +751,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *, c
              "kl_x": kl_mean.detach()}
     return loss, stats
 
+# === pure math: end === (§3–§8 above run with torch alone; test_vgrpo.py lifts them out)
 # ------------------------------------------------------------------------------------------------
 # §9  Models: pipelines, the model adapter, LoRA, rewards. Everything here talks to diffusers,
 #     transformers or peft; nothing here is part of the algorithm.
@@ -847,7 +860,7 @@ def load_pipeline(name: str, dtype: torch.dtype):
             m.requires_grad_(False).eval()
     # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs band).
     # Explicit casts also work around a diffusers loading bug that can leave the transformer in
-    # fp32 when a bf16 dtype is requested [FACTS (g) 8.5].
+    # fp32 when a bf16 dtype is requested [peer X11].
     for m in parts:
         want = torch.float32 if m is pipe.vae else dtype
         if m is not None and m.dtype != want:
@@ -875,7 +888,7 @@ def tiny_clip_tokenizer(folder: str):
     vocab = ch + [c + "</w>" for c in ch] + ["<|startoftext|>", "<|endoftext|>"]       # 514 tokens
     Path(folder, "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab)}))
     Path(folder, "merges.txt").write_text("#version: 0.2\n")
-    # model_max_length=77: the SD3 pipeline takes its CLIP length from it [FACTS (g) 8.6]
+    # model_max_length=77: the SD3 pipeline takes its CLIP length from it [peer X11]
     return CLIPTokenizer(str(Path(folder, "vocab.json")), str(Path(folder, "merges.txt")), model_max_length=77)
 
 
@@ -900,7 +913,7 @@ def build_tiny_sd3_pipeline(seed: int = 0):
     """A randomly initialised StableDiffusion3Pipeline with SD3.5-Medium's architecture in
     miniature (MMDiT-X dual attention in block 0, qk RMSNorm, three text encoders), ~0.3M params,
     its VAE decoder made latent-sensitive (_smooth_decoder). No network: tokenizers and configs
-    are built here [FACTS (g) 2]."""
+    are built here [ours C19]."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -970,7 +983,7 @@ def _smooth_decoder(vae) -> None:
 def build_tiny_flux_pipeline(seed: int = 0):
     """A randomly initialised FluxPipeline in miniature (one double- and one single-stream block,
     guidance embedding like FLUX.1-dev, CLIP-L pooled + T5 text), ~0.1M params, offline
-    [FACTS (g) 4]. Same latent-sensitive VAE decoder as the tiny SD3 pipeline."""
+    [ours C19]. Same latent-sensitive VAE decoder as the tiny SD3 pipeline."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
     torch.manual_seed(seed)
@@ -1002,17 +1015,17 @@ def build_tiny_flux_pipeline(seed: int = 0):
 
 
 # The seam between the algorithm and a pipeline: the loop, samplers, surrogate and loss only call
-# encode / latent_shape / velocity / decode / sigmas. The two models differ exactly here [FACTS (d)]:
+# encode / latent_shape / velocity / decode / sigmas. The two models differ exactly here [peer X9]:
 #
 #                    SD3 / SD3.5                          FLUX.1-dev
 #   text             CLIP-L + CLIP-G (+ T5) → 77 + L      CLIP-L pooled + T5 → L tokens, txt_ids
 #   latent in ODE    (16, H/8, W/8)                       packed 2×2: ((H/16)(W/16), 64), img_ids
 #   timestep         1000·t                               t (the transformer scales it by 1000)
 #   guidance         none (CFG-free)                      distilled guidance embedding, 3.5
-#   rollout grid     the scheduler's (shift 3)            linspace shifted by 3 (MixGRPO) [PAPER §3 item 8]
+#   rollout grid     the scheduler's (shift 3)            linspace shifted by 3 (MixGRPO) [ours C8]
 #   VAE factors      1.5305 / 0.0609                      0.3611 / 0.1159 (read from vae.config)
 class SD3Adapter:
-    """The seam between the algorithm and a diffusers SD3 pipeline [FACTS (d)]: text encoding,
+    """The seam between the algorithm and a diffusers SD3 pipeline [peer X9]: text encoding,
     latent shape, the velocity call, decoding and the rollout grid. The loop sees only these."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int):
@@ -1054,14 +1067,14 @@ class SD3Adapter:
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
-        """CFG-free conditioning [PAPER §1.7]: prompt_embeds (B, 77 + L, 4096), pooled (B, 2048)."""
+        """CFG-free conditioning [paper P11]: prompt_embeds (B, 77 + L, 4096), pooled (B, 2048)."""
         pe, _, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None,
                                                    device=self.device, do_classifier_free_guidance=False,
                                                    max_sequence_length=self.L)
         return {"prompt_embeds": pe, "pooled": pooled}
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        """v_θ(x, t, c); SD3 takes the timestep as 1000·t [FACTS (d)]. x (M, C, H, W), t (M,)."""
+        """v_θ(x, t, c); SD3 takes the timestep as 1000·t [peer X9]. x (M, C, H, W), t (M,)."""
         dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
         return self.transformer(hidden_states=x.to(dt), timestep=(t * 1000).to(dt),
                                 encoder_hidden_states=cond["prompt_embeds"],
@@ -1141,7 +1154,7 @@ def make_adapter(pipe, args: "Args", device: torch.device):
 
 
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
-    """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [PAPER §7]
+    """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [ours C17]
 
     targets name module suffixes (e.g. to_q, ff.net.2, proj_out); only modules inside the numbered
     transformer blocks match, never the model's top-level layers (FLUX's and SD3's final
@@ -1235,12 +1248,12 @@ def _fetch(location: str, flag: str) -> str:
 
 
 def _features(out) -> torch.Tensor:
-    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling [FACTS (e)]."""
+    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling [peer X10]."""
     return out if torch.is_tensor(out) else out.pooler_output
 
 
 class JpegReward:
-    """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [FACTS (e)].
+    """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [peer X10].
     Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
     name, train_scale, unit = "jpeg", 1.0, "-kB"
 
@@ -1257,7 +1270,7 @@ class JpegReward:
 
 class PickScoreReward:
     """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
-    [FACTS (e)]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [PAPER §7].
+    [peer X10]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [ours C17].
     Preprocessing runs in torch on the device: resize shortest edge (bicubic, antialias),
     centre-crop, normalise — the processor's own sizes and mean/std, no PIL round trip."""
     name, train_scale, unit = "pickscore", 1 / 26, "raw"
@@ -1317,7 +1330,7 @@ class PickScoreReward:
 
 
 class CLIPScoreReward(PickScoreReward):
-    """CLIPScore: cosine of CLIP ViT-L/14 image and text embeddings (logits/100) [FACTS (e)]."""
+    """CLIPScore: cosine of CLIP ViT-L/14 image and text embeddings (logits/100) [peer X10]."""
     name, train_scale, unit = "clipscore", 1.0, "cos"
     use_logit_scale = False
     flags = ("--clip_model", "--clip_model")
@@ -1325,7 +1338,7 @@ class CLIPScoreReward(PickScoreReward):
 
 class AestheticReward(PickScoreReward):
     """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
-    output on its ≈ 1–10 scale [FACTS (e)]. Weights: sac+logos+ava1-l14-linearMSE."""
+    output on its ≈ 1–10 scale [peer X10]. Weights: sac+logos+ava1-l14-linearMSE."""
     name, train_scale, unit = "aesthetic", 1.0, "1-10"
     flags = ("--clip_model", "--clip_model")
 
@@ -1358,7 +1371,7 @@ class AestheticReward(PickScoreReward):
 
 class HPSv2Reward:
     """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
-    HPS_v2.1_compressed.pt); score = cos(image, text) [FACTS (e)]. HPS preprocessing: longest side
+    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10]. HPS preprocessing: longest side
     → 224 (bicubic), zero-pad to square, OpenAI CLIP mean/std — here in torch on the device."""
     name, train_scale, unit = "hpsv2", 1.0, "cos"
 
@@ -1550,7 +1563,7 @@ class Rewards:
 
 
 # ------------------------------------------------------------------------------------------------
-# §10  Training loop: PAPER §4 line by line, with logging, evaluation and checkpoints.
+# §10  Training loop: the algorithm box (§0) line by line, with logging, evaluation, checkpoints.
 # ------------------------------------------------------------------------------------------------
 # A small built-in prompt set, written for this project: varied subjects, styles and compositions,
 # so a run works out of the box. Every 5th prompt is held out for evaluation.
@@ -2126,7 +2139,7 @@ def evaluate(run: Run, it: int) -> dict:
 
 
 def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration, PAPER §4 steps 1–5. Returns host-side metrics (one sync at the end)."""
+    """One V-GRPO iteration, Alg. steps 1–5. Returns host-side metrics (one sync at the end)."""
     a, ad, dev, ctx = run.args, run.adapter, run.dev, run.ctx
     P, G, J, D = a.prompts_per_iter, a.group_size, a.n_mc, run.D
     N = P * G
@@ -2136,7 +2149,7 @@ def iteration(run: Run, it: int) -> dict:
     t0 = time.perf_counter()
     g_prompt, g_noise, g_pairs, g_perm = (_gen(a.seed, it, s) for s in range(4))
 
-    # [§4 step 1] P prompts, G images each, by a deterministic ODE solve of the current policy θ_old.
+    # [Alg. step 1] P prompts, G images each, by a deterministic ODE solve of the current policy θ_old.
     n_tr = len(run.train_prompts)
     pick = torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr else torch.randint(n_tr, (P,), generator=g_prompt)
     prompts = [run.train_prompts[i] for i in pick.tolist()][run.rank * Pl:(run.rank + 1) * Pl]
@@ -2148,7 +2161,7 @@ def iteration(run: Run, it: int) -> dict:
     _sync(dev)
     times["time_rollout"] = time.perf_counter() - t0
 
-    # [§4 step 2] rewards (all-gathered: advantages see the global batch) and advantages.
+    # [Alg. step 2] rewards (all-gathered: advantages see the global batch) and advantages.
     t1 = time.perf_counter()
     names = [n for n, _ in run.rewards.train]
     raw_loc, _ = score(ad, run.rewards, names, x0, [prompts[i // G] for i in range(Nl)],
@@ -2165,9 +2178,9 @@ def iteration(run: Run, it: int) -> dict:
     raw = run.rewards.summary(raw_all, run.rewards.train)                   # (N,) headline reward
     times["time_reward"] = time.perf_counter() - t1
 
-    # [§4 step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ step;
+    # [Alg. step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ step;
     # drawn from the same generator on every rank, then broadcast from rank 0 to be safe.
-    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [PAPER §3 item 4]
+    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [ours C4]
              "group": torch.arange(N) // G, "none": torch.arange(N)}[a.pair_sharing]
     pairs = draw_pairs(run.sigmas[:-1], J, D, scope, stratified=a.stratified, generator=g_pairs)
     pairs = Pairs(t=pairs.t.to(dev), eps=pairs.eps.to(dev), index=pairs.index.to(dev))
@@ -2184,7 +2197,7 @@ def iteration(run: Run, it: int) -> dict:
             return pair_surrogates(ad.velocity, x0[rows], select(cond, prompt_idx[rows]), t_r, e_r,
                                    return_x0_hat=want_x0_hat, **sur_kw)
 
-    # [§4 step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
+    # [Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
     t2 = time.perf_counter()
     want_kl = a.kl_coef > 0
     s_old = torch.empty(Nl, J, device=dev)
@@ -2203,7 +2216,7 @@ def iteration(run: Run, it: int) -> dict:
     _sync(dev)
     times["time_old"] = time.perf_counter() - t2
 
-    # [§4 step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
+    # [Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
     t3 = time.perf_counter()
     stats_acc: dict[str, list] = {}
     grad_norms = []
@@ -2214,7 +2227,7 @@ def iteration(run: Run, it: int) -> dict:
             s_new, x0h = out if want_kl else (out, None)
             kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
             loss, st = vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=a.clip_eps, kl=kl, kl_coef=a.kl_coef)
-            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [PAPER §3 item 16]
+            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [ours C16]
             (run.scaler.scale(scaled) if run.scaler else scaled).backward()
             for k, v in st.items():
                 stats_acc.setdefault(k, []).append(v)

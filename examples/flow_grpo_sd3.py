@@ -1,6 +1,6 @@
 """Flow-GRPO (the MDP baseline) at its own published settings, next to V-GRPO, on the SD3 path.
 
-Flow-GRPO (Liu et al. 2025; PAPER §5.1) turns the sampler into an MDP: rollouts are SDE solves
+Flow-GRPO (Liu et al. 2025; peer X1) turns the sampler into an MDP: rollouts are SDE solves
 whose every step is a Gaussian policy π_θ(x_{i+1} | x_i); the per-step log-probs are stored during
 the rollout, and training recomputes the log-prob of every trained step with gradients and applies
 a PPO-clipped per-step ratio. V-GRPO (vgrpo.py) treats the whole generation as ONE action:
@@ -664,7 +664,7 @@ def to_markdown(rows, info) -> str:
                 if r.get("eval_reward_after_raw") is not None else "") + " |" for r in rows]
     foot = ("\n\nNFE per sample = transformer forwards; with CFG every step is one batched forward "
             "of 2 rows (unconditional + conditional) and counts 2. π_θold = rollout + extra "
-            "old-policy pass (the paper's Table 1 convention, PAPER §1.6); π_θ = forwards with "
+            "old-policy pass (the paper's Table 1 convention, paper P10); π_θ = forwards with "
             "grad (each also one backward); ref = no-grad forwards of the reference policy (LoRA "
             "off) for the KL. "
             "Flow-GRPO's old log-probs come with its rollout (0 extra), V-GRPO needs N_MC extra "

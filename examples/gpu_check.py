@@ -68,7 +68,7 @@ CONFIGS = {
     # the default batch with bigger rollout and training micro-batches (throughput)
     "rb48_mb8": ["--rollout_batch", "48", "--micro_batch", "8"],
     # FLUX defaults (720 px, 16-step DPM-Solver++(2M), μ = 4, clip 1e-2) at MixGRPO's per-GPU batch:
-    # one prompt × 12 images [PAPER §3 item 1]
+    # one prompt × 12 images [ours C1]
     "flux_default": ["--prompts_per_iter", "1"],
     "flux_g4": ["--prompts_per_iter", "1", "--group_size", "4"],
     "flux_nockpt_mb1": ["--prompts_per_iter", "1", "--no-gradient_checkpointing", "--micro_batch", "1"],
@@ -112,7 +112,7 @@ def build_sd35m_random(device, dtype, t5_layers=24):
     tok3 = V.tiny_t5_tokenizer()
     n = len(tok1)
     with torch.device(device):
-        transformer = SD3Transformer2DModel(   # [FACTS (g) 2] SD3.5-Medium config
+        transformer = SD3Transformer2DModel(   # [ours C19] SD3.5-Medium config
             sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
             attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
             caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,

@@ -1,10 +1,10 @@
-"""Surrogate-variance diagnostics of V-GRPO on the SD3 path (PAPER §1.4), technique by technique.
+"""Surrogate-variance diagnostics of V-GRPO on the SD3 path (paper P8), technique by technique.
 
 V-GRPO replaces log π_θ(o | c) by the surrogate S_n = mean_j s(o_n; t_j, ε_j), a Monte-Carlo
 estimate of (minus) a weighted flow-matching loss. The paper's diagnosis is that this surrogate
 failed in earlier work because of its VARIANCE, and it adds three techniques against it:
 (1) (t, ε) pairs shared across the batch, (2) stratified t, (3) x-prediction with adaptive
-(self-normalised) weighting. It reports, on FLUX.1-dev, all off → all on [PAPER §1.4, CY]:
+(self-normalised) weighting. It reports, on FLUX.1-dev, all off → all on [paper P8]:
 
     surrogate coefficient of variation over the batch   0.230 → 0.128
     within-group coefficient of variation               0.170 → 0.038
@@ -34,7 +34,7 @@ Columns (all measured at the LoRA initialisation, i.e. the gradient of iteration
                 samples of one draw (the samples one update mixes), averaged over draws;
                 "pooled": over all samples of all gradient draws.
     cos(g, g')  cosine between the batch policy gradients g_d = (1/N) Σ_n A_n ∇θ S_n of two
-                independent pair draws (the V-GRPO update direction at ρ ≡ 1, PAPER §4 notes),
+                independent pair draws (the V-GRPO update direction at ρ ≡ 1, ours C18),
                 averaged over draw pairs: 1 = the update is fixed by the images, 0 = by the dice.
 
 The tiny pipeline is randomly initialised (only its VAE decoder is made latent-sensitive), so
@@ -66,7 +66,7 @@ import torch
 import vgrpo as V
 
 # The variants measured: (label, pair_sharing, stratified, parameterization, adaptive_weighting).
-# Technique (3) of PAPER §1.4 has two parts — x-prediction (3a) and self-normalisation (3b) — so
+# Technique (3) (paper P6, P7) has two parts — x-prediction (3a) and self-normalisation (3b) — so
 # "adaptive off" is shown both ways: plain x-space MSE, and plain v-space MSE (the naive baseline's).
 VARIANTS = [
     ("V-GRPO (all on)", "batch", True, "x", True),
@@ -106,7 +106,7 @@ def parse(argv):
 
 
 # ------------------------------------------------------------------------------------------------
-# Rewards → advantages, as vgrpo.iteration() computes them (step 2 of PAPER §4).
+# Rewards → advantages, as vgrpo.iteration() computes them (Alg. step 2).
 # ------------------------------------------------------------------------------------------------
 def score_and_advantages(adapter, rewards, args, x0, sample_prompts, P, G):
     """Decode + score the N latents, then group-relative advantages. Returns raw (N,), A (N,)."""
@@ -294,7 +294,7 @@ def to_markdown(rows, info) -> str:
             "‖∇θ S_n‖ against |S_n| over one draw's batch (averaged) or pooled over gradient draws; "
             "cos(g, g') = cosine of the batch policy gradients (1/N) Σ A_n ∇θ S_n of two independent "
             "draws. Paper (FLUX.1-dev, naive → V-GRPO): CV 0.230 → 0.128, within-group CV 0.170 → 0.038, "
-            "R² 0.406 → 0.328 [PAPER §1.4].\n")
+            "R² 0.406 → 0.328 [paper P8].\n")
     return head + cols + "\n".join(lines) + foot
 
 

@@ -18,16 +18,16 @@ What it does
              pairs, η = 3, N_MC = 4)
          (b) − group/batch sharing of the (t, ε) pairs          (c) − stratified t
          (d) − adaptive weighting                              (e) v-param   (e') ε-param
-         (f) naive FPO-style surrogate (PAPER §5.3): plain v-space flow-matching loss, independent
+         (f) naive FPO-style surrogate (peer X3): plain v-space flow-matching loss, independent
              pairs per sample, no stratification, no advantage soft-clip
-         (g) Flow-GRPO, the MDP baseline (PAPER §5.1): SDE rollouts, per-step Gaussian log-probs,
+         (g) Flow-GRPO, the MDP baseline (peer X1): SDE rollouts, per-step Gaussian log-probs,
              per-step clipped ratio — implemented HERE, because vgrpo.py deliberately has no
              per-step log-probs — at its own published schedule: first 99 % of the steps
              trained, 2 optimizer steps, ε = 1e-4, KL to the pretrained model (β = 0.04)
          (h) the same MDP update at aggressive settings: all steps, μ = 1, no KL
     4. Reports reward after N iterations, iterations / wall time to a reward threshold, distance of
        samples to the nearest data mode (does the policy stay on the data?), and the within-group
-       coefficient of variation of the surrogate (PAPER §1.4), as a markdown table and a PNG.
+       coefficient of variation of the surrogate (paper P8), as a markdown table and a PNG.
 
 Everything V-GRPO-specific is imported from vgrpo.py (sigma_grid, euler_sample, draw_pairs,
 Pairs.take, pair_surrogates, group_advantages, vgrpo_loss, surrogate_cv); this file only adds the
@@ -161,10 +161,10 @@ METHODS: dict[str, dict] = {
     "no_adapt":   dict(VGRPO_DEFAULTS, label="(d) − adaptive weighting", adaptive=False),
     "v_param":    dict(VGRPO_DEFAULTS, label="(e) v-param", parameterization="v"),
     "eps_param":  dict(VGRPO_DEFAULTS, label="(e') ε-param", parameterization="eps"),
-    # PAPER §5.3: FPO's plain CFM loss, pairs drawn per sample, no stratification, no soft-clip.
+    # peer X3: FPO's plain CFM loss, pairs drawn per sample, no stratification, no soft-clip.
     "naive":      dict(VGRPO_DEFAULTS, label="(f) naive FPO-style", parameterization="v", adaptive=False,
                        stratified=False, pair_sharing="none", eta=0.0),
-    # PAPER §5.1: Flow-GRPO's SDE/MDP formulation (own code below, §5), at its own published
+    # peer X1: Flow-GRPO's SDE/MDP formulation (own code below, §5), at its own published
     # schedule (yifan123/flow_grpo config/grpo.py, geneval_sd3 / general_ocr_sd3; train_sd3.py;
     # stat_tracking.py): train the first int(0.99·K) steps, 2 optimizer steps per iteration,
     # per-step clip ε = 1e-4, KL to the pretrained model β = 0.04 (their pickscore config: 0.01),
@@ -180,7 +180,7 @@ METHODS: dict[str, dict] = {
 
 # Shared by every method, chosen once before the comparison and not tuned afterwards:
 #   P = 8 prompts (each condition twice) × G = 16 samples = 128 rollouts per iteration,
-#   K = 16 Euler steps (the FLUX setting of PAPER §1.7), μ = 1 optimizer step per iteration
+#   K = 16 Euler steps (the FLUX setting of paper P11), μ = 1 optimizer step per iteration
 #   (except (g), which takes Flow-GRPO's own 2), AdamW(lr 1e-3, weight decay 1e-4) and
 #   grad-norm clip 1.0 as in vgrpo.py, no KL penalty (except (g): Flow-GRPO's β = 0.04).
 #   The budget of 150 iterations was set after one 200-iteration look at (a), (f) and the
@@ -190,7 +190,7 @@ METHODS: dict[str, dict] = {
 
 
 # ------------------------------------------------------------------------------------------------
-# §4  One V-GRPO iteration — PAPER §4 step by step, using vgrpo.py's pure functions.
+# §4  One V-GRPO iteration — Alg. steps 1–5 in order, using vgrpo.py's pure functions.
 # ------------------------------------------------------------------------------------------------
 def prompt_conditions(P: int, G: int):
     """The P prompts of an iteration (each condition in turn) and the N = P·G per-sample conditions."""
@@ -206,17 +206,17 @@ def vgrpo_iteration(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, *, 
     sigmas = V.sigma_grid(K)                                                   # (K+1,) 1 → 0
     _, cond = prompt_conditions(P, G)                                          # (N,)
 
-    # [§4 step 1] rollout by the deterministic ODE of θ_old (= θ now), no grad, no log-probs.
+    # [Alg. step 1] rollout by the deterministic ODE of θ_old (= θ now), no grad, no log-probs.
     with torch.no_grad():
         x1 = torch.randn(N, 2, generator=gen)                                  # (N, 2) independent noise
         x0 = V.euler_sample(vel, x1, sigmas, cond)                             # (N, 2) the "actions" o
     r = reward_fn(x0, cond)                                                    # (N,)
 
-    # [§4 step 2] group-relative advantages (global std, clamp ±5, soft-clip η·tanh(A/η) if η > 0).
+    # [Alg. step 2] group-relative advantages (global std, clamp ±5, soft-clip η·tanh(A/η) if η > 0).
     adv, _ = V.group_advantages(r.view(P, G), eta=cfg["eta"])                  # (P, G)
     adv = adv.flatten()                                                        # (N,)
 
-    # [§4 step 3] N_MC (t, ε) pairs, drawn ONCE per iteration; `index` says who shares them.
+    # [Alg. step 3] N_MC (t, ε) pairs, drawn ONCE per iteration; `index` says who shares them.
     index = {"batch": torch.zeros(N, dtype=torch.long),                        # one set for all (paper code)
              "group": torch.arange(N) // G,                                    # one set per group (paper text)
              "none": torch.arange(N)}[cfg["pair_sharing"]]                     # one set per sample (FPO)
@@ -224,13 +224,13 @@ def vgrpo_iteration(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, *, 
                          stratified=cfg["stratified"], generator=gen)
     surr = dict(parameterization=cfg["parameterization"], adaptive=cfg["adaptive"])
 
-    # [§4 step 4] S_old with θ_old, no grad, on the stored pairs.
+    # [Alg. step 4] S_old with θ_old, no grad, on the stored pairs.
     with torch.no_grad():
         t_all, eps_all = pairs.take(torch.arange(N))                           # (N, J), (N, J, 2)
         s_old = V.pair_surrogates(vel, x0, cond, t_all, eps_all, **surr)       # (N, J)
-    cv = V.surrogate_cv(s_old.mean(dim=1).view(P, G))                          # PAPER §1.4 diagnostic
+    cv = V.surrogate_cv(s_old.mean(dim=1).view(P, G))                          # paper P8 diagnostic
 
-    # [§4 step 5] μ optimizer steps over disjoint minibatches (μ = 1: the whole batch, ρ ≡ 1).
+    # [Alg. step 5] μ optimizer steps over disjoint minibatches (μ = 1: the whole batch, ρ ≡ 1).
     perm = torch.randperm(N, generator=gen)
     log_ratio = []
     for rows in perm.chunk(mu):                                                # (m,) each
@@ -249,13 +249,13 @@ def vgrpo_iteration(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, *, 
 
 
 # ------------------------------------------------------------------------------------------------
-# §5  Flow-GRPO-style MDP baseline (PAPER §5.1), written here because V-GRPO needs none of it.
+# §5  Flow-GRPO-style MDP baseline (peer X1), written here because V-GRPO needs none of it.
 #     Every denoising step is an action with a Gaussian policy; the rollout is an SDE with the
 #     same marginals as the ODE; the loss is a per-step clipped ratio times the sample's advantage.
 # ------------------------------------------------------------------------------------------------
 def sde_step_gaussian(model: nn.Module, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
                       cond: torch.Tensor, *, noise_level: float, sigma_max: float):
-    """Mean and std of the Euler–Maruyama step σ → σ' of Flow-GRPO's reverse SDE.   [PAPER §5.1]
+    """Mean and std of the Euler–Maruyama step σ → σ' of Flow-GRPO's reverse SDE.   [peer X1]
 
         s_t = a·sqrt(σ / (1 − σ))      with σ = 1 replaced by sigma_max (= sigmas[1]) in the denominator
         μ_θ = x·(1 + s_t²·Δ/(2σ)) + v_θ·(1 + s_t²·(1 − σ)/(2σ))·Δ,   Δ = σ' − σ < 0
