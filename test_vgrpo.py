@@ -265,7 +265,7 @@ def test_loss_equals_slow_reference_loop():
 @pytest.mark.math
 def test_pair_surrogates_equals_per_pair_loop():
     model, x0, c, t, e = _toy_batch(m=3, J=5)
-    s, x0h = V.pair_surrogates(model, x0, c, t, e, return_x0_hat=True)
+    s, x0h = V.pair_surrogates_with_x0(model, x0, c, t, e)
     for n in range(3):
         for j in range(5):
             z = (1 - t[n, j]) * x0[n] + t[n, j] * e[n, j]
@@ -1718,9 +1718,9 @@ def test_vae_autocast_decodes_in_the_compute_dtype():
     real = ad.decode
     ad.decode = lambda z: (seen.append((len(z), torch.is_autocast_enabled("cpu"))), real(z))[1]
     rw = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
-    raw32, im32 = V.score(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True)
+    raw32, im32 = V.decode_and_reward(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16)
-    raw16, im16 = V.score(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True, ctx=ctx)
+    raw16, im16 = V.decode_and_reward(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True, ctx=ctx)
     assert seen == [(2, False), (2, False), (1, False), (2, True), (2, True), (1, True)]
     assert (im16.float() - im32.float()).abs().max() <= 0.05 * 255
     assert raw16["jpeg"].shape == raw32["jpeg"].shape == (5,)

@@ -662,16 +662,17 @@ def _repeat_rows(tree, J: int):
     return tree
 
 
-def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor, eps: torch.Tensor, *,
-                    parameterization: str = "x", adaptive: bool = True, mae_floor: float = 1e-5,
-                    return_x0_hat: bool = False):
-    """s[m, j] for m samples × J pairs in ONE batched network call of m·J rows.   [Alg. steps 4, 5]
+def pair_surrogates_with_x0(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
+                            eps: torch.Tensor, *, parameterization: str = "x",
+                            adaptive: bool = True, mae_floor: float = 1e-5):
+    """s[m, j] for m samples × J pairs in ONE batched network call of m·J rows, and the
+    x-prediction x̂0 the KL term needs.                                      [Alg. steps 4, 5]
 
     Args:
         velocity_fn: (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D).
         x0: (m, *D) latents; cond: batch-first tensors (or dict/tuple of them) with m rows.
         t: (m, J) times; eps: (m, J, *D) noises (from Pairs.take).
-    Returns: s (m, J) fp32, and if return_x0_hat the x-prediction (m, J, *D) fp32 (for the KL).
+    Returns: (s (m, J) fp32, x̂0 (m, J, *D) fp32).
     """
     m, J = t.shape
     D = x0.shape[1:]
@@ -681,9 +682,13 @@ def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tens
     v = velocity_fn(z, tr, _repeat_rows(cond, J))                            # (m·J, *D)
     s = surrogate_from_velocity(v, x0r, er, tr, parameterization=parameterization,
                                 adaptive=adaptive, mae_floor=mae_floor).reshape(m, J)
-    if return_x0_hat:
-        return s, x0_from_v(z.float(), v.float(), tr.float()).reshape(m, J, *D)
-    return s
+    return s, x0_from_v(z.float(), v.float(), tr.float()).reshape(m, J, *D)
+
+
+def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
+                    eps: torch.Tensor, **kw) -> torch.Tensor:
+    """s (m, J) fp32 alone: pair_surrogates_with_x0 without x̂0 (same arguments)."""
+    return pair_surrogates_with_x0(velocity_fn, x0, cond, t, eps, **kw)[0]
 
 
 def surrogate_cv(S: torch.Tensor) -> dict:
@@ -1670,7 +1675,7 @@ def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: t
 
 
 @torch.no_grad()
-def score(adapter, rewards, names: list[str], latents: torch.Tensor, prompts: list[str], batch: int,
+def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor, prompts: list[str], batch: int,
           keep_images: bool = False, ctx=None):
     """Decode once and score with every named reward, in chunks of `batch` images; the VAE decodes
     in fp32, or under `ctx` (the compute-dtype autocast) if given.
@@ -1884,6 +1889,44 @@ def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
     return x
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This rank's share of the global batch of N = P·G samples: whole groups, contiguous. Every
+    rank draws the same global prompts, noise and pairs; this is the one place that slices them."""
+    rank: int
+    world: int
+    P: int                        # prompts per iteration, all ranks
+    G: int                        # group size
+
+    @property
+    def N(self) -> int:
+        return self.P * self.G
+
+    @property
+    def Pl(self) -> int:          # prompts of this rank
+        return self.P // self.world
+
+    @property
+    def Nl(self) -> int:          # samples of this rank
+        return self.N // self.world
+
+    @property
+    def lo(self) -> int:          # first global sample index of this rank
+        return self.rank * self.Nl
+
+    def local(self, x):
+        """This rank's rows of a global batch-first tensor (N, ...)."""
+        return x[self.lo:self.lo + self.Nl]
+
+    def local_prompts(self, prompts: list) -> list:
+        """This rank's prompts of the P global ones."""
+        return prompts[self.rank * self.Pl:(self.rank + 1) * self.Pl]
+
+    def global_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Global sample indices of local rows."""
+        return rows + self.lo
+
+
 @dataclass
 class Run:
     """Everything an iteration needs, built once by `setup` (the loop's state, no globals)."""
@@ -1907,6 +1950,52 @@ class Run:
     run_dir: Optional[Path] = None
     scaler: Optional[object] = None  # torch.amp.GradScaler, active under --dtype fp16
 
+    @property
+    def shard(self) -> Shard:
+        return Shard(self.rank, self.world, self.args.prompts_per_iter, self.args.group_size)
+
+
+def check_world(args: Args, world: int) -> None:
+    """Under torchrun, every rank must hold whole groups and split them into μ equal minibatches."""
+    if world == 1:
+        return
+    if args.prompts_per_iter % world:
+        raise ConfigError(f"--prompts_per_iter {args.prompts_per_iter} must be divisible by the "
+                          f"{world} processes: a group is never split across ranks")
+    if (args.prompts_per_iter // world * args.group_size) % args.mu:
+        raise ConfigError(f"each rank's {args.prompts_per_iter // world * args.group_size} samples "
+                          f"must split into --mu {args.mu} equal minibatches")
+
+
+def make_trainable(tr, args: Args) -> tuple:
+    """Trainable parameters, LoRA (default) or the whole transformer, and their AdamW.
+    Returns (lora_cfg or None, params, optimizer)."""
+    lora_cfg = None
+    if args.full_finetune:
+        tr.to(torch.float32).requires_grad_(True)         # fp32 master weights, bf16 autocast compute
+    else:
+        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+    if args.gradient_checkpointing:
+        tr.enable_gradient_checkpointing()
+    compile_blocks(tr, args.compile_backend, enabled=args.compile)   # after LoRA: compiles it too
+    params = [p for p in tr.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    return lora_cfg, params, opt
+
+
+def restore_checkpoint(adapter, ckpt: Path, state: dict, args: Args, opt, scaler) -> int:
+    """Load weights, optimizer, loss scale and RNG states of a checkpoint; returns its iteration."""
+    load_trainable(adapter, ckpt, args.full_finetune)
+    opt.load_state_dict(state["optimizer"])
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["iteration"]
+
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     """Validate, load the model and rewards, attach LoRA, build the optimizer, restore a checkpoint.
@@ -1920,17 +2009,12 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     if location is not None and os.path.isdir(location):
         check_local_pipeline(location)
     rank, world, local_rank = dist_info()
+    check_world(args, world)
+    dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
     if world > 1:
         import torch.distributed as dist
-        if args.prompts_per_iter % world:
-            raise ConfigError(f"--prompts_per_iter {args.prompts_per_iter} must be divisible by the "
-                             f"{world} processes: a group is never split across ranks")
-        if (args.prompts_per_iter // world * args.group_size) % args.mu:
-            raise ConfigError(f"each rank's {args.prompts_per_iter // world * args.group_size} samples must "
-                             f"split into --mu {args.mu} equal minibatches")
-    dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     torch.manual_seed(args.seed)                           # same LoRA init on every rank
     random.seed(args.seed)
     rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
@@ -1944,33 +2028,13 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     if args.offload_text_encoders:                         # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
 
-    # ---- trainable parameters: LoRA (default) or the whole transformer -----------------------
-    tr = adapter.transformer
-    lora_cfg = None
-    if args.full_finetune:
-        tr.to(torch.float32).requires_grad_(True)          # fp32 master weights, bf16 autocast compute
-    else:
-        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
-    if args.gradient_checkpointing:
-        tr.enable_gradient_checkpointing()
-    compile_blocks(tr, args.compile_backend, enabled=args.compile)   # after LoRA: compiles it too
-    params = [p for p in tr.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    lora_cfg, params, opt = make_trainable(adapter.transformer, args)
     # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
     # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op).
     scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
     start = 0
     if ckpt is not None:
-        load_trainable(adapter, ckpt, args.full_finetune)
-        opt.load_state_dict(ck_state["optimizer"])
-        if ck_state.get("scaler"):
-            scaler.load_state_dict(ck_state["scaler"])
-        start = ck_state["iteration"]
-        rng = ck_state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        start = restore_checkpoint(adapter, ckpt, ck_state, args, opt, scaler)
     if world > 1:
         import torch.distributed as dist
         for p in params:                                   # identical start on every rank
@@ -1983,6 +2047,34 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
                scaler=scaler)
 
 
+def open_run_dir(run: Run, run_dir: Path) -> Path:
+    """Rank 0 decides the output folder's name, every rank learns it (sets run.run_dir)."""
+    if run.world > 1:
+        import torch.distributed as dist
+        box = [str(run_dir)]
+        dist.broadcast_object_list(box, src=0)
+        run_dir = Path(box[0])
+    run.run_dir = run_dir
+    return run_dir
+
+
+def start_log(run: Run) -> tuple:
+    """Rank 0: create the run folder, clear half-written checkpoints, write config.json, trim
+    metrics.jsonl on resume, print the banner. Returns (open log file, iterations evaluated)."""
+    args, run_dir = run.args, run.run_dir
+    mpath = run_dir / "metrics.jsonl"
+    done_evals: set = set()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
+        shutil.rmtree(stale, ignore_errors=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    if mpath.exists():
+        done_evals = trim_metrics(mpath, run.start) if args.resume else set()
+    log_f = open(mpath, "a")
+    print(banner(run))
+    return log_f, done_evals
+
+
 def train(args: Args) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
     from tqdm.auto import tqdm
@@ -1990,25 +2082,10 @@ def train(args: Args) -> list[dict]:
     run = setup(args)                                      # bad input fails here, having written nothing
     main_rank = run.rank == 0
 
-    # ---- output folder (rank 0 decides the name, every rank learns it) ------------------------
-    if run.world > 1:
-        import torch.distributed as dist
-        box = [str(run_dir)]
-        dist.broadcast_object_list(box, src=0)
-        run_dir = Path(box[0])
-    run.run_dir = run_dir
-    mpath = run_dir / "metrics.jsonl"
-    log_f = None
-    done_evals: set = set()
+    run_dir = open_run_dir(run, run_dir)
+    log_f, done_evals = None, set()
     if main_rank:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
-            shutil.rmtree(stale, ignore_errors=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-        if mpath.exists():
-            done_evals = trim_metrics(mpath, run.start) if args.resume else set()
-        log_f = open(mpath, "a")
-        print(banner(run))
+        log_f, done_evals = start_log(run)
 
     def log(m: dict) -> None:
         if log_f is not None:
@@ -2114,7 +2191,7 @@ def evaluate(run: Run, it: int) -> dict:
     with lora_merged(ad.transformer, a.merge_lora_rollout):
         lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
                       run.eval_sigmas, a.solver, a.rollout_batch, run.ctx)
-    raw, imgs = score(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts, a.reward_batch,
+    raw, imgs = decode_and_reward(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts, a.reward_batch,
                       keep_images=True, ctx=run.ctx if a.vae_autocast else None)
     if run.run_dir is not None:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
@@ -2138,158 +2215,244 @@ def evaluate(run: Run, it: int) -> dict:
     return ev
 
 
-def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration, Alg. steps 1–5. Returns host-side metrics (one sync at the end)."""
-    a, ad, dev, ctx = run.args, run.adapter, run.dev, run.ctx
-    P, G, J, D = a.prompts_per_iter, a.group_size, a.n_mc, run.D
-    N = P * G
-    Pl, Nl = P // run.world, N // run.world                  # this rank's share: whole groups
-    lo = run.rank * Nl                                       # first global sample index of this rank
-    times = {}
-    t0 = time.perf_counter()
-    g_prompt, g_noise, g_pairs, g_perm = (_gen(a.seed, it, s) for s in range(4))
+class PhaseTimer:
+    """Wall-clock seconds per phase, `with timer("time_old"): ...`; syncs the GPU before reading
+    the clock (sync=False for host-bound phases). `timer.times` holds {key: seconds}."""
 
-    # [Alg. step 1] P prompts, G images each, by a deterministic ODE solve of the current policy θ_old.
-    n_tr = len(run.train_prompts)
-    pick = torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr else torch.randint(n_tr, (P,), generator=g_prompt)
-    prompts = [run.train_prompts[i] for i in pick.tolist()][run.rank * Pl:(run.rank + 1) * Pl]
-    cond = ad.encode(prompts)                                               # Pl rows
-    prompt_idx = (torch.arange(Nl) // G).to(dev)                            # (Nl,) row of cond per sample
-    x1 = torch.randn((N,) + D, generator=g_noise)[lo:lo + Nl].to(dev)       # (Nl, *D) independent noise
-    with lora_merged(ad.transformer, a.merge_lora_rollout):     # θ_old = θ, merged or not
-        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, a.solver, a.rollout_batch, ctx)  # Nl×D
-    _sync(dev)
-    times["time_rollout"] = time.perf_counter() - t0
+    def __init__(self, dev: torch.device):
+        self.dev, self.times, self.t0 = dev, {}, time.perf_counter()
 
-    # [Alg. step 2] rewards (all-gathered: advantages see the global batch) and advantages.
-    t1 = time.perf_counter()
-    names = [n for n, _ in run.rewards.train]
-    raw_loc, _ = score(ad, run.rewards, names, x0, [prompts[i // G] for i in range(Nl)],
-                       a.reward_batch, ctx=ctx if a.vae_autocast else None)
-    raw_all = dict(zip(names, _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(dev),
-                                              run.world).cpu()))          # {name: (N,)}
-    values = run.rewards.training_values(raw_all, run.rewards.train).view(-1, P, G)   # (K, P, G)
-    weights = torch.tensor([w for _, w in run.rewards.train])
-    aggregate = per_reward_advantages if a.reward_aggregation == "per_reward" else weighted_sum_advantages
-    adv, adv_stats = aggregate(values, weights, global_std=a.global_std, std_eps=a.std_eps,
-                               clamp=a.adv_clamp, eta=a.soft_clip_eta)
-    skipped = bool((adv == 0).all())                     # nothing to learn (e.g. every reward dropped)
-    adv = adv.flatten()[lo:lo + Nl].to(dev)                                 # (Nl,)
-    raw = run.rewards.summary(raw_all, run.rewards.train)                   # (N,) headline reward
-    times["time_reward"] = time.perf_counter() - t1
+    @contextlib.contextmanager
+    def __call__(self, key: str, sync: bool = True):
+        t = time.perf_counter()
+        yield
+        if sync:
+            _sync(self.dev)
+        self.times[key] = time.perf_counter() - t
 
-    # [Alg. step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ step;
-    # drawn from the same generator on every rank, then broadcast from rank 0 to be safe.
-    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [ours C4]
-             "group": torch.arange(N) // G, "none": torch.arange(N)}[a.pair_sharing]
-    pairs = draw_pairs(run.sigmas[:-1], J, D, scope, stratified=a.stratified, generator=g_pairs)
-    pairs = Pairs(t=pairs.t.to(dev), eps=pairs.eps.to(dev), index=pairs.index.to(dev))
-    if run.world > 1:
-        import torch.distributed as dist
-        dist.broadcast(pairs.t, src=0)
-        dist.broadcast(pairs.eps, src=0)
-    sur_kw = dict(parameterization=a.parameterization, adaptive=a.adaptive_weighting, mae_floor=a.mae_floor)
-
-    def surrogates(rows: torch.Tensor, want_x0_hat: bool):
-        """s (m, J) [and x̂0 (m, J, *D)] of local samples `rows` with the current parameters."""
-        t_r, e_r = pairs.take(rows + lo)                                    # pairs are indexed globally
-        with ctx:
-            return pair_surrogates(ad.velocity, x0[rows], select(cond, prompt_idx[rows]), t_r, e_r,
-                                   return_x0_hat=want_x0_hat, **sur_kw)
-
-    # [Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
-    t2 = time.perf_counter()
-    want_kl = a.kl_coef > 0
-    s_old = torch.empty(Nl, J, device=dev)
-    x0h_old = torch.empty((Nl, J) + D, device=dev) if want_kl else None
-    # The optimizer steps' minibatches, drawn now: S_old is computed in exactly the micro-batches
-    # (rows and shapes) the first step uses, so its ratio is exactly 1 for any μ.
-    perm = torch.randperm(Nl, generator=g_perm).to(dev) if a.mu > 1 else torch.arange(Nl, device=dev)
-    minibatches = perm.tensor_split(a.mu)
-    with torch.no_grad():
-        for rows in (r for mb in minibatches for r in mb.split(a.micro_batch)):
-            if want_kl:
-                s_old[rows], x0h_old[rows] = surrogates(rows, True)
-            else:
-                s_old[rows] = surrogates(rows, False)
-    cv = surrogate_cv(_all_gather_cat(s_old.mean(dim=1), run.world).view(P, G))
-    _sync(dev)
-    times["time_old"] = time.perf_counter() - t2
-
-    # [Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
-    t3 = time.perf_counter()
-    stats_acc: dict[str, list] = {}
-    grad_norms = []
-    for step, mb in enumerate(minibatches if not skipped else []):
-        run.opt.zero_grad(set_to_none=True)
-        for rows in mb.split(a.micro_batch):
-            out = surrogates(rows, want_kl)
-            s_new, x0h = out if want_kl else (out, None)
-            kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
-            loss, st = vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=a.clip_eps, kl=kl, kl_coef=a.kl_coef)
-            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [ours C16]
-            (run.scaler.scale(scaled) if run.scaler else scaled).backward()
-            for k, v in st.items():
-                stats_acc.setdefault(k, []).append(v)
-            if step == 0:
-                stats_acc.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
-        for p in run.params:                              # average gradients over ranks (DDP); a
-            if p.grad is not None:                        # None grad is None on every rank (same graph)
-                _all_reduce_mean(p.grad, run.world)
-        if run.scaler:
-            run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
-        gn = torch.nn.utils.clip_grad_norm_(run.params, a.max_grad_norm)
-        if torch.isfinite(gn):
-            run.scaler.step(run.opt) if run.scaler else run.opt.step()
-        if run.scaler:
-            run.scaler.update()                           # halve the scale after an overflow
-        grad_norms.append(gn.detach().float())
-    run.opt.zero_grad(set_to_none=True)
-    _sync(dev)
-    times["time_update"] = time.perf_counter() - t3
-
-    # one host sync for everything logged; local stats averaged over ranks
-    scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
-    scal["grad_norm"] = torch.stack(grad_norms).mean() if grad_norms else torch.tensor(0.0, device=dev)
-    scal["nonfinite_grad_steps"] = ((~torch.isfinite(torch.stack(grad_norms))).sum().float() if grad_norms
-                                    else torch.tensor(0.0, device=dev))
-    if scal:
-        keys = list(scal)
-        vec = _all_reduce_mean(torch.stack([scal[k].float().to(dev) for k in keys]), run.world)
-        scal = dict(zip(keys, vec))
-    scal.update(adv_stats)
-    scal.update(cv)
-    if run.world > 1:                                     # all ranks must hold the same parameters
-        fp = torch.stack([p.detach().double().sum() for p in run.params]).sum().reshape(1)
-        fps = _all_gather_cat(fp, run.world)
-        scal["param_desync"] = (fps.max() - fps.min()).float()
-    host = {k: float(v) for k, v in zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist())}
-    finite = raw[torch.isfinite(raw)]
-    m = {"iter": it, "reward_mean": finite.mean().item() if len(finite) else float("nan"),
-         "reward_std": finite.std(unbiased=False).item() if len(finite) else float("nan"),
-         "reward_unit": run.rewards.unit(run.rewards.train), "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
-         "skipped": skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": float(run.scaler.get_scale()) if run.scaler and run.scaler.is_enabled() else 1.0,
-         "nfe_rollout": a.num_steps, "nfe_old": a.num_steps + J, "nfe_theta": J}
-    if len(raw_all) > 1:
-        for n, r in raw_all.items():
-            f = r[torch.isfinite(r)]
-            m[f"reward_{n}_mean"] = f.mean().item() if len(f) else float("nan")
-            m[f"reward_{n}_std"] = f.std(unbiased=False).item() if len(f) else float("nan")
-    for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, float("nan") if skipped else 0.0)
-    if m["n_nonfinite_reward"] and run.rank == 0:
-        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
-        tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
-                   f"dropped (advantage 0){'; update skipped' if skipped else ''}", file=sys.stderr)
-    m["time_iter"] = time.perf_counter() - t0
-    return m
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
 
 
 def _sync(dev: torch.device) -> None:
     """Wait for the GPU before reading a wall clock (phase timings only)."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+@dataclass
+class Rollouts:
+    """This rank's share of one iteration's rollout batch (Alg. steps 1–2); Nl = N / world rows."""
+    prompts: list                  # Pl prompts of this rank
+    cond: object                   # their encodings, Pl rows
+    prompt_idx: torch.Tensor       # (Nl,) row of cond per sample
+    x0: torch.Tensor               # (Nl, *D) fp32 actions o
+    raw_all: dict = None           # {reward name: (N,) raw, all ranks}, CPU
+    raw: torch.Tensor = None       # (N,) headline reward
+    adv: torch.Tensor = None       # (Nl,) advantages on dev
+    adv_stats: dict = None
+    skipped: bool = False          # every advantage is 0: nothing to learn
+
+
+def collect_rollouts(run: Run, it: int) -> Rollouts:
+    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (this rank's
+    whole groups only)."""
+    args, ad, sh = run.args, run.adapter, run.shard
+    P, n_tr = args.prompts_per_iter, len(run.train_prompts)
+    g_prompt, g_noise = _gen(args.seed, it, 0), _gen(args.seed, it, 1)
+    pick = (torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr
+            else torch.randint(n_tr, (P,), generator=g_prompt))
+    prompts = sh.local_prompts([run.train_prompts[i] for i in pick.tolist()])
+    cond = ad.encode(prompts)                                               # Pl rows
+    prompt_idx = (torch.arange(sh.Nl) // args.group_size).to(run.dev)       # (Nl,)
+    x1 = sh.local(torch.randn((sh.N,) + run.D, generator=g_noise)).to(run.dev)   # (Nl, *D)
+    with lora_merged(ad.transformer, args.merge_lora_rollout):     # θ_old = θ, merged or not
+        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
+    return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)
+
+
+def reward_and_advantages(run: Run, b: Rollouts) -> None:
+    """[Alg. step 2] rewards (all-gathered: advantages see the global batch) and advantages;
+    fills b.raw_all, b.raw, b.adv, b.adv_stats, b.skipped."""
+    args, sh, G = run.args, run.shard, run.args.group_size
+    names = [n for n, _ in run.rewards.train]
+    raw_loc, _ = decode_and_reward(run.adapter, run.rewards, names, b.x0,
+                                   [b.prompts[i // G] for i in range(sh.Nl)], args.reward_batch,
+                                   ctx=run.ctx if args.vae_autocast else None)
+    gathered = _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(run.dev), run.world)
+    b.raw_all = dict(zip(names, gathered.cpu()))                            # {name: (N,)}
+    values = run.rewards.training_values(b.raw_all, run.rewards.train)
+    values = values.view(-1, args.prompts_per_iter, G)                      # (R, P, G)
+    weights = torch.tensor([w for _, w in run.rewards.train])
+    aggregate = (per_reward_advantages if args.reward_aggregation == "per_reward"
+                 else weighted_sum_advantages)
+    adv, b.adv_stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
+                                 clamp=args.adv_clamp, eta=args.soft_clip_eta)
+    b.skipped = bool((adv == 0).all())           # nothing to learn (e.g. every reward dropped)
+    b.adv = sh.local(adv.flatten()).to(run.dev)                             # (Nl,)
+    b.raw = run.rewards.summary(b.raw_all, run.rewards.train)               # (N,) headline reward
+
+
+def draw_iteration_pairs(run: Run, it: int) -> Pairs:
+    """[Alg. step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ
+    step; drawn from the same generator on every rank, then broadcast from rank 0 to be safe."""
+    args, N, G = run.args, run.shard.N, run.args.group_size
+    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [ours C4]
+             "group": torch.arange(N) // G, "none": torch.arange(N)}[args.pair_sharing]
+    pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
+                       generator=_gen(args.seed, it, 2))
+    pairs = Pairs(t=pairs.t.to(run.dev), eps=pairs.eps.to(run.dev), index=pairs.index.to(run.dev))
+    if run.world > 1:
+        import torch.distributed as dist
+        dist.broadcast(pairs.t, src=0)
+        dist.broadcast(pairs.eps, src=0)
+    return pairs
+
+
+def minibatches(run: Run, it: int) -> tuple:
+    """The μ optimizer steps' disjoint minibatches of local rows, drawn before Alg. step 4 so that
+    S_old is computed in exactly the micro-batches (rows and shapes) the first step uses: its
+    ratio is then exactly 1 for any μ."""
+    args, Nl, dev = run.args, run.shard.Nl, run.dev
+    perm = (torch.randperm(Nl, generator=_gen(args.seed, it, 3)).to(dev) if args.mu > 1
+            else torch.arange(Nl, device=dev))
+    return perm.tensor_split(args.mu)
+
+
+def local_surrogates(run: Run, b: Rollouts, pairs: Pairs, rows: torch.Tensor, want_x0_hat: bool):
+    """(s (m, J), x̂0 (m, J, *D) or None) of local samples `rows` with the current parameters."""
+    args = run.args
+    t_r, e_r = pairs.take(run.shard.global_rows(rows))             # pairs are indexed globally
+    with run.ctx:
+        call = (run.adapter.velocity, b.x0[rows], select(b.cond, b.prompt_idx[rows]), t_r, e_r)
+        kw = dict(parameterization=args.parameterization, adaptive=args.adaptive_weighting,
+                  mae_floor=args.mae_floor)
+        if want_x0_hat:
+            return pair_surrogates_with_x0(*call, **kw)
+        return pair_surrogates(*call, **kw), None
+
+
+@torch.no_grad()
+def old_surrogates(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple):
+    """[Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
+    Returns s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only with the KL), surrogate-CV stats."""
+    args, Nl, J = run.args, run.shard.Nl, run.args.n_mc
+    want_kl = args.kl_coef > 0
+    s_old = torch.empty(Nl, J, device=run.dev)
+    x0h_old = torch.empty((Nl, J) + run.D, device=run.dev) if want_kl else None
+    for rows in (r for mb in mbs for r in mb.split(args.micro_batch)):
+        s, x0h = local_surrogates(run, b, pairs, rows, want_kl)
+        s_old[rows] = s
+        if want_kl:
+            x0h_old[rows] = x0h
+    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)            # (N,)
+    cv = surrogate_cv(S_all.view(args.prompts_per_iter, args.group_size))
+    return s_old, x0h_old, cv
+
+
+def update_steps(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple, s_old, x0h_old):
+    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
+    Returns ({stat: [per micro-batch tensors]}, [grad norm per step])."""
+    args, want_kl = run.args, run.args.kl_coef > 0
+    stats_acc: dict[str, list] = {}
+    grad_norms = []
+    for step, mb in enumerate(mbs if not b.skipped else []):
+        run.opt.zero_grad(set_to_none=True)
+        for rows in mb.split(args.micro_batch):
+            s_new, x0h = local_surrogates(run, b, pairs, rows, want_kl)
+            kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
+            loss, st = vgrpo_loss(s_new, s_old[rows], b.adv[rows], clip_eps=args.clip_eps, kl=kl,
+                                  kl_coef=args.kl_coef)
+            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [ours C16]
+            (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+            for k, v in st.items():
+                stats_acc.setdefault(k, []).append(v)
+            if step == 0:
+                stats_acc.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
+        grad_norms.append(optimizer_step(run))
+    run.opt.zero_grad(set_to_none=True)
+    return stats_acc, grad_norms
+
+
+def optimizer_step(run: Run) -> torch.Tensor:
+    """Average gradients over ranks, unscale (fp16), clip, step unless the norm is non-finite.
+    Returns the pre-clip gradient norm (fp32 tensor)."""
+    for p in run.params:                              # average gradients over ranks (DDP); a
+        if p.grad is not None:                        # None grad is None on every rank (same graph)
+            _all_reduce_mean(p.grad, run.world)
+    if run.scaler:
+        run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
+    gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
+    if torch.isfinite(gn):
+        run.scaler.step(run.opt) if run.scaler else run.opt.step()
+    if run.scaler:
+        run.scaler.update()                           # halve the scale after an overflow
+    return gn.detach().float()
+
+
+def iteration(run: Run, it: int) -> dict:
+    """One V-GRPO iteration: the algorithm box in §0, Alg. steps 1–5. Returns host-side metrics
+    (one sync at the end)."""
+    timer = PhaseTimer(run.dev)
+    with timer("time_rollout"):
+        batch = collect_rollouts(run, it)                                   # step 1
+    with timer("time_reward", sync=False):
+        reward_and_advantages(run, batch)                                   # step 2
+    pairs = draw_iteration_pairs(run, it)                                   # step 3
+    mbs = minibatches(run, it)
+    with timer("time_old"):
+        s_old, x0h_old, cv = old_surrogates(run, batch, pairs, mbs)         # step 4
+    with timer("time_update"):
+        stats_acc, grad_norms = update_steps(run, batch, pairs, mbs, s_old, x0h_old)   # step 5
+    return iteration_metrics(run, it, batch, cv, stats_acc, grad_norms, timer)
+
+
+def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
+    f = r[torch.isfinite(r)]
+    return ((f.mean().item(), f.std(unbiased=False).item()) if len(f)
+            else (float("nan"), float("nan")))
+
+
+def iteration_metrics(run: Run, it: int, b: Rollouts, cv: dict, stats_acc: dict,
+                      grad_norms: list, timer: PhaseTimer) -> dict:
+    """One host sync for everything logged; local stats averaged over ranks."""
+    args, dev, world = run.args, run.dev, run.world
+    scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
+    zero = torch.tensor(0.0, device=dev)
+    scal["grad_norm"] = torch.stack(grad_norms).mean() if grad_norms else zero
+    scal["nonfinite_grad_steps"] = ((~torch.isfinite(torch.stack(grad_norms))).sum().float()
+                                    if grad_norms else zero)
+    keys = list(scal)
+    vec = _all_reduce_mean(torch.stack([scal[k].float().to(dev) for k in keys]), world)
+    scal = dict(zip(keys, vec))
+    scal.update(b.adv_stats)
+    scal.update(cv)
+    if world > 1:                                         # all ranks must hold the same parameters
+        fp = torch.stack([p.detach().double().sum() for p in run.params]).sum().reshape(1)
+        fps = _all_gather_cat(fp, world)
+        scal["param_desync"] = (fps.max() - fps.min()).float()
+    vals = torch.stack([v.float().cpu() for v in scal.values()]).tolist()
+    host = {k: float(v) for k, v in zip(scal, vals)}
+    raw, skipped = b.raw, b.skipped
+    m = {"iter": it, "reward_mean": _finite_mean_std(raw)[0], "reward_std": _finite_mean_std(raw)[1],
+         "reward_unit": run.rewards.unit(run.rewards.train),
+         "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
+         "skipped": skipped, **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
+         "grad_scale": (float(run.scaler.get_scale()) if run.scaler and run.scaler.is_enabled()
+                        else 1.0),
+         "nfe_rollout": args.num_steps, "nfe_old": args.num_steps + args.n_mc,
+         "nfe_theta": args.n_mc}
+    if len(b.raw_all) > 1:
+        for n, r in b.raw_all.items():
+            m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
+    for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
+        m.setdefault(k, float("nan") if skipped else 0.0)
+    if m["n_nonfinite_reward"] and run.rank == 0:
+        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
+        tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
+                   f"dropped (advantage 0){'; update skipped' if skipped else ''}", file=sys.stderr)
+    m["time_iter"] = timer.total()
+    return m
 
 
 def banner(run: Run) -> str:
