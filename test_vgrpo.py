@@ -808,14 +808,14 @@ def _readme_block(after: str, nth: int = 0) -> str:
 
 @pytest.mark.math
 def test_math_block_runs_alone(monkeypatch):
-    """The pure math (§3–§8, between the `# === pure math: begin/end ===` markers) lifts out:
+    """The pure math (§2–§6, between the `# === pure math: begin/end ===` markers) lifts out:
     executed from the file text with only the imports the README lists, it runs the README's
     "Use the loss in your own trainer" snippet, with the same loss as `import vgrpo`."""
     text = (ROOT / "vgrpo.py").read_text()
     begin, end = "# === pure math: begin ===", "# === pure math: end ==="
     assert text.count(begin) == 1 and text.count(end) == 1
     block = text[text.index(begin):text.index(end)]
-    assert "# §3" in block and "# §8" in block and "# §9" not in block
+    assert "# §2" in block and "# §6" in block and "# §7" not in block
     tree = ast.parse(block)
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     heading = "## Use the loss in your own trainer"

@@ -18,7 +18,7 @@ What this file IS: a readable reference of the algorithm plus a working trainer 
 Diffusion 3 / 3.5 and FLUX.1 (diffusers) with human-preference rewards (PickScore, HPSv2.1,
 CLIPScore, aesthetic, ImageReward, your own), on one GPU or data-parallel under torchrun, and
 offline tiny models so everything runs on a laptop CPU. What it is NOT: a framework. The math
-(§3–§8) is pure torch and knows nothing of models, rewards or processes, so the loss can be
+(§2–§6) is pure torch and knows nothing of models, rewards or processes, so the loss can be
 copied into any trainer.
 
 Quickstart
@@ -30,12 +30,12 @@ Quickstart
 
 ALGORITHM (one iteration; "→ §k" points into this file)            [METHOD.md: Algorithm]
     0. θ_old ← θ  (nothing to copy: everything θ_old is needed for is cached in steps 1 and 4)
-    1. rollout: for each of P prompts, G images by a deterministic ODE solve of v_θold  → §4, §9
-    2. rewards r (N = P·G), group-relative advantages A, clamp ±5, soft-clip η·tanh(A/η) → §5, §6
-    3. draw N_MC stratified (t, ε) pairs, shared across the batch (or per group)        → §7
-    4. S_old[n] = mean_j s_θold(o_n; t_j, ε_j), s = −MSE_x / sg(MAE_x)   (no grad)      → §7
+    1. rollout: for each of P prompts, G images by a deterministic ODE solve of v_θold  → §3, §9
+    2. rewards r (N = P·G), group-relative advantages A, clamp ±5, soft-clip η·tanh(A/η) → §7, §4
+    3. draw N_MC stratified (t, ε) pairs, shared across the batch (or per group)        → §5
+    4. S_old[n] = mean_j s_θold(o_n; t_j, ε_j), s = −MSE_x / sg(MAE_x)   (no grad)      → §5
     5. μ optimizer steps over disjoint minibatches:
-          ρ_n = exp(S_θ[n] − S_old[n]);  loss = mean_n max(−A ρ, −A clip(ρ, 1±ε)) + β KL_x → §8
+          ρ_n = exp(S_θ[n] − S_old[n]);  loss = mean_n max(−A ρ, −A clip(ρ, 1±ε)) + β KL_x → §6
     Rollouts carry no per-step log-probs: the whole generation is one atomic action.
 
 NOTATION
@@ -60,14 +60,14 @@ CONVENTIONS
     * Losses are minimised; loss = −objective. Reductions over latent elements are MEANS (the
       paper's code does this; a sum would only rescale log ρ by d = C·H·W).
     * All surrogate, ratio and loss arithmetic is fp32, even under bf16 autocast.
-    * Math functions (§3–§8) are pure: tensors in, tensors out, no globals, no .item().
+    * Math functions (§2–§6) are pure: tensors in, tensors out, no globals, no .item().
 
-CONTENTS
-    §1  imports                      §6  group-relative advantages
-    §2  configuration (Args, CLI)    §7  shared stratified pairs + ELBO surrogate
-    §3  flow-matching math           §8  GRPO loss and diagnostics
-    §4  ODE samplers                 §9  models: loading, tiny SD3/FLUX, adapters, LoRA, rewards
-    §5  rewards (interface)          §10 setup, iteration, evaluation, checkpoints, torchrun, main()
+CONTENTS (top-down, as the algorithm box reads; §2–§6 are the pure math)
+    §1  imports, ConfigError         §6  GRPO loss and diagnostics
+    §2  flow-matching math           §7  rewards: the contract, the models, the aggregate
+    §3  ODE samplers                 §8  models: loading, tiny SD3/FLUX, adapters, LoRA
+    §4  group-relative advantages    §9  the loop: setup, iteration, evaluation, checkpoints, torchrun
+    §5  stratified pairs + surrogate §10 configuration (Args, presets, CLI), banner, main()
 """
 
 # ------------------------------------------------------------------------------------------------
@@ -96,261 +96,15 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-# ------------------------------------------------------------------------------------------------
-# §2  Configuration. One dataclass is the single source of truth: every field is a CLI flag of
-#     the same name, and its `src` says where the default comes from (a METHOD.md label, or
-#     "our choice").
-#     Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > per-family preset
-#     (FAMILY_PRESETS: SD3 or FLUX) > default.
-# ------------------------------------------------------------------------------------------------
+
 class ConfigError(ValueError):
     """A problem with the user's input or environment (a flag, a file, a model location, a plug-in):
     main() prints it as one line and exits with status 2. Anything else is a bug and tracebacks."""
 
 
-def _f(default, help: str, src: str = "our choice", choices=None):
-    return field(default=default, metadata=dict(help=help, src=src, choices=choices))
-
-
-@dataclass
-class Args:
-    # --- io --------------------------------------------------------------------------------------
-    run_dir: Optional[str] = _f(None, "output folder (default runs/<model>-<reward>-<date>)")
-    prompts: Optional[str] = _f(None, "training prompts, one per line (default: built-in list)")
-    eval_prompts: Optional[str] = _f(None, "held-out prompts (default: split off --prompts)")
-    eval_holdout: float = _f(0.1, "fraction of --prompts held out for evaluation if no --eval_prompts")
-    resume: Optional[str] = _f(None, "checkpoint folder, or a run folder (takes its latest checkpoint)")
-    save_every: int = _f(10, "checkpoint every k iterations (and at the end / on Ctrl-C)")
-    eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
-    n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
-    # --- model -----------------------------------------------------------------------------------
-    model: str = _f("sd3.5-medium", "alias (tiny, tiny-flux, sd3.5-medium, sd3.5-large, sd3-medium, "
-                    "flux.1-dev), hub id or local dir")
-    resolution: int = _f(512, "image side in pixels", "[ours C7] DiffusionNFT's 512")
-    max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
-    guidance: float = _f(3.5, "FLUX: distilled guidance embedding (no true CFG)", "[ours C1] [peer X9]")
-    flux_shift: float = _f(3.0, "FLUX: time shift of the rollout grid", "[ours C8] MixGRPO")
-    lora_rank: int = _f(32, "LoRA rank r", "[paper P11] SD3.5-M Stage 1")
-    lora_alpha: int = _f(64, "LoRA alpha", "[paper P11] SD3.5-M Stage 1")
-    lora_targets: str = _f("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out",
-                           "comma-separated module names that get LoRA (attn and attn2)", "[ours C17]")
-    full_finetune: bool = _f(False, "train all transformer weights instead of LoRA")
-    gradient_checkpointing: bool = _f(False, "recompute activations in backward (less memory)")
-    offload_text_encoders: bool = _f(False, "embed all prompts once at start, then move the text encoders "
-                                     "to the CPU (saves ~10 GB with T5-XXL; prompts are then fixed)")
-    dtype: str = _f("auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", "[ours C10]",
-                    choices=("auto", "bf16", "fp16", "fp32"))
-    # --- sampler ---------------------------------------------------------------------------------
-    num_steps: int = _f(40, "ODE steps per rollout (K)", "[paper P11] 40-step ODE rollouts")
-    solver: str = _f("euler", "deterministic ODE solver for rollouts and eval", "[paper P1; ours C17]",
-                     choices=("euler", "dpmpp2m"))
-    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default: the family's "
-                                   "evaluation protocol, SD3 40 and FLUX 16; else num_steps)",
-                                   "[paper P11] Flow-GRPO/DiffusionNFT evaluate SD3.5-M at 40")
-    rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, no effect on results)")
-    # --- reward ----------------------------------------------------------------------------------
-    reward: str = _f("pickscore", "reward(s) with weights: pickscore | hpsv2 | clipscore | aesthetic | "
-                     "imagereward | jpeg | module.path:function, e.g. pickscore:1,hpsv2:1")
-    reward_aggregation: str = _f("sum", "several rewards: weighted sum then group-normalise (sum), or "
-                                 "group-normalise each then weighted sum (per_reward)", "[ours C3]",
-                                 choices=("sum", "per_reward"))
-    eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: the training ones)")
-    pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore weights: hub id or local dir",
-                              "[peer X10]")
-    pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-                                  "PickScore processor: hub id or local dir", "[peer X10]")
-    hpsv2_arch: str = _f("ViT-H-14", "open_clip architecture of HPSv2 (name or JSON config path)", "[peer X10]")
-    hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt", "HPSv2.1 weights: file or owner/repo/file",
-                               "[peer X10]")
-    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP for clipscore and aesthetic: hub id or dir",
-                         "[peer X10]")
-    aesthetic_weights: str = _f("trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
-                                "LAION aesthetic MLP weights: file or owner/repo/file", "[peer X10]")
-    imagereward_model: str = _f("ImageReward-v1.0", "ImageReward checkpoint name or path (optional package)")
-    reward_batch: int = _f(32, "images per reward-model call (memory knob)")
-    # --- objective -------------------------------------------------------------------------------
-    prompts_per_iter: int = _f(6, "P: prompts per iteration (paper: 48; 6 = one GPU's share of 8)")
-    group_size: int = _f(24, "G: images per prompt", "[paper P11] group 24")
-    n_mc: int = _f(4, "N_MC: (t, eps) pairs per sample", "[paper P11] N_MC = 4")
-    pair_sharing: str = _f("batch", "scope of shared (t, eps) pairs", "[paper P4, P5; ours C4]",
-                           choices=("batch", "group", "none"))
-    stratified: bool = _f(True, "one t per stratum of the rollout sigma grid", "[paper P5]")
-    parameterization: str = _f("x", "space of the surrogate's error", "[paper P6, P12]",
-                               choices=("x", "v", "eps"))
-    adaptive_weighting: bool = _f(True, "divide each pair's MSE by its detached MAE", "[paper P7]")
-    mae_floor: float = _f(1e-5, "lower clamp of the MAE denominator", "[ours C5]")
-    global_std: bool = _f(True, "advantage std of all rewards of the batch around the batch mean "
-                          "(else per group)", "[ours C3] flow_grpo/stat_tracking.py")
-    std_eps: float = _f(1e-4, "added to the advantage std", "[ours C3] DiffusionNFT")
-    adv_clamp: float = _f(5.0, "hard clamp |A| ≤ this before soft-clip", "[ours C1]")
-    soft_clip_eta: float = _f(3.0, "η of A ← η·tanh(A/η); 0 = off", "[paper P9] η = 3, SD3.5 Stage 1")
-    clip_eps: float = _f(0.0, "ratio clip ε; 0 = off", "[paper P9] SD3.5 Stage 1: no clip")
-    kl_coef: float = _f(0.0, "β of the x-space KL to θ_old; 0 = off", "[paper P9] Stage 1: no KL")
-    mu: int = _f(1, "optimizer steps per iteration (disjoint minibatches)", "[paper P11] 1 step")
-    micro_batch: int = _f(4, "samples per forward/backward (× n_mc forwards; memory knob)")
-    # --- optimisation ----------------------------------------------------------------------------
-    iterations: int = _f(150, "rollout-and-update iterations", "[paper P11] Stage 1: 150")
-    lr: float = _f(3e-4, "AdamW learning rate", "[paper P11]")
-    weight_decay: float = _f(1e-4, "AdamW weight decay", "[ours C10]")
-    max_grad_norm: float = _f(1.0, "gradient-norm clip", "[ours C10]")
-    # --- system ----------------------------------------------------------------------------------
-    seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
-    device: str = _f("auto", "cuda, cpu, or auto")
-    # --- throughput levers (none changes what is computed, beyond floating-point rounding) -------
-    compile: bool = _f(False, "torch.compile each transformer block (regional: seconds of "
-                       "compile, not minutes); the first iterations include compile time")
-    compile_backend: str = _f("inductor", "torch.compile backend for --compile (aot_eager, "
-                              "eager: no code generation)")
-    merge_lora_rollout: bool = _f(False, "roll out and evaluate with the LoRA merged into the base "
-                                  "weights; the base weights are restored bit-exactly after, "
-                                  "surrogates and ratios always use the unmerged training path")
-    attention_backend: str = _f("auto", "SDPA kernel; auto = torch picks (cuDNN off on CUDA); "
-                                "cudnn's backward failed on FLUX.1-dev",
-                                choices=("auto", "flash", "efficient", "math", "cudnn"))
-    vae_autocast: bool = _f(False, "decode latents under the compute-dtype autocast (bf16 on CUDA) "
-                            "instead of fp32; decoding is chunked by --reward_batch")
-    preset: Optional[str] = _f(None, "bundle of overrides (README \"Presets\")",
-                               choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
-
-
-# Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
-# minutes; its numbers are our choice, measured on a 2-core machine (README "Quickstart").
-MODEL_PRESETS: dict[str, dict] = {
-    "tiny": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4, group_size=8, gradient_checkpointing=False,
-                 lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
-                 eval_every=10, save_every=10, n_eval=8),
-    "tiny-flux": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4, group_size=8,
-                      lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
-                      eval_every=10, save_every=10, n_eval=8, reward="jpeg", gradient_checkpointing=False),
-}
-FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"   # attention
-                     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"        # double-block FF
-                     "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
-# Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
-# baseline numbers [ours C1–C3, C8, C17], with LoRA (use --full_finetune --lr 1e-5 for theirs).
-FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation", "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
-FAMILY_PRESETS: dict[str, dict] = {
-    "sd3": dict(gradient_checkpointing=True, eval_steps=40),
-    "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, eval_steps=16,
-                 solver="dpmpp2m", group_size=12,
-                 prompts_per_iter=2, mu=4, clip_eps=1e-2, soft_clip_eta=3.0, reward="hpsv2:1,pickscore:1",
-                 reward_aggregation="per_reward", global_std=False, std_eps=1e-8, max_sequence_length=512,
-                 lora_targets=FLUX_LORA_TARGETS, iterations=300),
-}
-# "paper" depends on the family: SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
-# MixGRPO's 32 prompts × 12 per iteration [ours C1–C3]. The stage presets are the later
-# SD3.5 stages' controls [ours C9] (our choice where the paper is silent); their rewards
-# (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not included").
-STAGE1_BATCH = {"sd3": dict(prompts_per_iter=48, group_size=24),
-                 "flux": dict(prompts_per_iter=32, group_size=12)}
-PRESETS: dict[str, dict] = {
-    "paper": STAGE1_BATCH["sd3"],                              # replaced per family in resolve_args
-    "geneval-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
-                          soft_clip_eta=0.0, iterations=200),   # Stages 2 / 4 (Stage 4: 50 its)
-    "ocr-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3, clip_eps=0.0,
-                      iterations=30),                           # Stage 5
-    "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1, n_eval=2),
-}
-
-
-def given_flags(argv: Optional[list[str]] = None) -> dict:
-    """The flags given on the command line (and only those). Flag name == field name; bools get
-    --name / --no-name."""
-    p = argparse.ArgumentParser(description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
-                                epilog="Sources in brackets are items of METHOD.md: [paper Pk] "
-                                "stated by the paper, [peer Xk] a convention of another codebase, "
-                                "[ours Ck] this project's choice.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Args):
-        kw = dict(default=argparse.SUPPRESS, help=f"{f.metadata['help']} [default {f.default!r}; "
-                                                   f"{f.metadata['src']}]")
-        if f.type in ("bool", bool):
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            base = str(f.type).replace("Optional[", "").rstrip("]")
-            kw["type"] = {"int": int, "float": float, "str": str}[base]
-            if f.metadata["choices"]:
-                kw["choices"] = f.metadata["choices"]
-        p.add_argument(f"--{f.name}", **kw)
-    return vars(p.parse_args(argv))
-
-
-def parse_args(argv: Optional[list[str]] = None) -> Args:
-    """CLI → Args (presets applied, validated)."""
-    return resolve_args(given_flags(argv))
-
-
-def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
-    """Apply per-model and named presets (and a resumed run's saved config) under the explicitly
-    given values; validate."""
-    model = given.get("model", (resumed or {}).get("model", Args.model))
-    family = model_family(model)
-    layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
-              (f"{model} preset (our choice)", MODEL_PRESETS.get(model, {})),
-              (f"--preset {given.get('preset')}", STAGE1_BATCH[family] if given.get("preset") == "paper"
-               else PRESETS.get(given.get("preset") or "", {})),
-              ("the resumed run's config", resumed or {}),
-              ("command line", given)]
-    values, origin = {}, {}
-    for where, layer in layers:
-        values.update(layer)
-        origin.update({k: where for k in layer})
-    names = {f.name for f in dataclasses.fields(Args)}
-    unknown = set(values) - names
-    if unknown:
-        raise ConfigError(f"unknown option(s): {sorted(unknown)}")
-    args = Args(**values)
-    check_args(args)
-    # where each value comes from: the layer that set it, else the field's own source tag
-    args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in dataclasses.fields(Args)}
-    return args
-
-
-def check_args(a: Args) -> None:
-    """One clear message per bad combination, before anything is loaded or written."""
-    problems = []
-    if a.group_size < 2:
-        problems.append(f"--group_size must be ≥ 2 (got {a.group_size}): a group-relative advantage "
-                        "needs at least two images per prompt")
-    for name in ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
-                 "iterations", "reward_batch", "resolution"):
-        if getattr(a, name) < 1:
-            problems.append(f"--{name} must be ≥ 1 (got {getattr(a, name)})")
-    if a.eval_steps is not None and a.eval_steps < 1:
-        problems.append(f"--eval_steps must be ≥ 1 (got {a.eval_steps})")
-    n = a.prompts_per_iter * a.group_size
-    if a.mu > n:
-        problems.append(f"--mu {a.mu} exceeds the {n} samples of an iteration")
-    if a.stratified and a.n_mc > a.num_steps:
-        problems.append(f"--n_mc {a.n_mc} > --num_steps {a.num_steps}: stratification needs one "
-                        "grid point per stratum (or pass --no-stratified)")
-    if a.merge_lora_rollout and a.full_finetune:
-        problems.append("--merge_lora_rollout needs a LoRA to merge: drop it or --full_finetune")
-    if a.resolution % 16:
-        problems.append(f"--resolution must be a multiple of 16 (got {a.resolution})")
-    for name in ("lr", "max_grad_norm"):
-        v = getattr(a, name)
-        if not (math.isfinite(v) and v > 0):
-            problems.append(f"--{name} must be a finite number > 0 (got {v})")
-    for name in ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta",
-                 "adv_clamp"):
-        v = getattr(a, name)
-        if not (math.isfinite(v) and v >= 0) and not (name == "adv_clamp" and v == math.inf):
-            problems.append(f"--{name} must be a finite number ≥ 0 (got {v})")
-    if not 0 <= a.eval_holdout < 1:
-        problems.append(f"--eval_holdout must lie in [0, 1) (got {a.eval_holdout})")
-    for spec in (a.reward, a.eval_rewards):
-        if spec is not None:
-            try:
-                parse_reward_spec(spec)
-            except ValueError as e:
-                problems.append(str(e))
-    if problems:
-        raise ConfigError("; ".join(problems))
-
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
 # ------------------------------------------------------------------------------------------------
-# §3  Flow-matching math (pure).                                          [peer X8]
+# §2  Flow-matching math (pure).                                          [peer X8]
 #     Rectified flow: x_t = (1 − t)·x0 + t·ε,  v = dx_t/dt = ε − x0,  t = 1 noise → t = 0 data.
 #     The three "parameterisations" of paper P12 are the same prediction seen in three spaces:
 #         x̂0 − x0 = −t·(v̂ − v)      ε̂ − ε = (1 − t)·(v̂ − v)      (v̂ − v) itself
@@ -414,9 +168,9 @@ def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# §4  Deterministic ODE samplers (pure, given a velocity function).        [paper P1; ours C8]
+# §3  Deterministic ODE samplers (pure, given a velocity function).        [paper P1; ours C8]
 #     V-GRPO never needs per-step log-probs: the generation is ONE action whose log-likelihood is
-#     replaced by the surrogate of §7, so any deterministic solver works for rollouts.
+#     replaced by the surrogate of §5, so any deterministic solver works for rollouts.
 #     `velocity_fn(x, t, cond) -> v` with x (M, *D), t (M,) — the model or an analytic field.
 # ------------------------------------------------------------------------------------------------
 def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor, cond=None) -> torch.Tensor:
@@ -475,12 +229,7 @@ SOLVERS = {"euler": euler_sample, "dpmpp2m": dpmpp2m_sample}
 
 
 # ------------------------------------------------------------------------------------------------
-# §5  Rewards live with the models (§9): they need weights. The math below only sees a tensor of
-#     rewards (P, G). Non-finite rewards are masked, never allowed to poison a group.
-# ------------------------------------------------------------------------------------------------
-
-# ------------------------------------------------------------------------------------------------
-# §6  Group-relative advantages (pure).                       [paper P9; ours C1, C3; Alg. step 2]
+# §4  Group-relative advantages (pure).                       [paper P9; ours C1, C3; Alg. step 2]
 # ------------------------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps: float = 1e-4,
                      clamp: float = 5.0, eta: float = 3.0, unbiased: bool = False):
@@ -567,7 +316,7 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
 
 
 # ------------------------------------------------------------------------------------------------
-# §7  Shared, stratified (t, ε) pairs and the ELBO surrogate (pure).          [paper P2–P8]
+# §5  Shared, stratified (t, ε) pairs and the ELBO surrogate (pure).          [paper P2–P8]
 #
 #   log π_θ(o | c)  ←  S_θ(o) = (1/J) Σ_j s_θ(o; t_j, ε_j)
 #   s_θ(o; t, ε)    = − mean_d (x̂0 − o)²  /  sg( max(mean_d |x̂0 − o|, floor) ),
@@ -634,7 +383,7 @@ def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.T
                             mae_floor: float = 1e-5) -> torch.Tensor:
     """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)).   [paper P6, P7]
 
-    e is the prediction error in the chosen space (§3): with x-prediction e = x̂0 − x0 =
+    e is the prediction error in the chosen space (§2): with x-prediction e = x̂0 − x0 =
     −t·(v̂ − (ε − x0)). The official code: `x0_pred = z − σ·pred; s = −mean((x0_pred − x0)²);
     s = s / mean(|x0_pred.detach() − x0|)` [paper P7]. adaptive=False returns −‖e‖²_mean.
     Args:
@@ -704,7 +453,7 @@ def surrogate_cv(S: torch.Tensor) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# §8  The V-GRPO loss (pure).                                       [paper P3, P9; Alg. step 5]
+# §6  The V-GRPO loss (pure).                                       [paper P3, P9; Alg. step 5]
 #   ρ = exp(S_θ − S_old), ONE ratio per sample: the mean over pairs sits inside the exp (the
 #   official code's `exp(new.mean(1) − old.mean(1))`, GSPO-like).                  [paper P3]
 #   loss_n = max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) + β·mean_j ‖x̂θ − x̂θold‖²_mean    [paper P9]
@@ -724,7 +473,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *, c
     Args:
         s_new: (m, J) surrogate of the current θ (with grad).
         s_old: (m, J) surrogate of θ_old on the SAME pairs (no grad; stored with the rollout).
-        adv:   (m,) advantages (already normalised / clipped, §6).
+        adv:   (m,) advantages (already normalised / clipped, §4).
         clip_eps: ratio clip ε; 0 disables the clip (then loss = −A·ρ).
         kl: (m, J) per-pair x-space KL to θ_old (xspace_kl), used when kl_coef > 0.
     Returns:
@@ -756,9 +505,350 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *, c
              "kl_x": kl_mean.detach()}
     return loss, stats
 
-# === pure math: end === (§3–§8 above run with torch alone; test_vgrpo.py lifts them out)
+# === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
 # ------------------------------------------------------------------------------------------------
-# §9  Models: pipelines, the model adapter, LoRA, rewards. Everything here talks to diffusers,
+# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> raw (N,).
+#     They need weights, so they live outside the pure math, which only sees a tensor of rewards
+#     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
+# ------------------------------------------------------------------------------------------------
+# Every reward has a `name`, the `unit` its raw value is logged in, and a `train_scale`: the value
+# the advantages see is raw · train_scale (only matters for sums of several rewards and std_eps).
+# Frozen reward models run in the compute dtype (bf16 on CUDA); images never leave the device:
+# preprocessing is torch (resize, crop/pad, normalise), no PIL round trip, except JPEG/ImageReward.
+def _fetch(location: str, flag: str) -> str:
+    """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
+    if os.path.isfile(location):
+        return location
+    parts = location.split("/")
+    if len(parts) < 3:
+        raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
+    from huggingface_hub import hf_hub_download
+    try:
+        return hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]))
+    except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
+        raise ConfigError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a machine "
+                           f"with access (`huggingface-cli download {'/'.join(parts[:2])} {'/'.join(parts[2:])}`) "
+                           f"and pass `{flag} /path/to/file`.") from e
+
+
+def _features(out) -> torch.Tensor:
+    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling [peer X10]."""
+    return out if torch.is_tensor(out) else out.pooler_output
+
+
+class JpegReward:
+    """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [peer X10].
+    Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
+    name, train_scale, unit = "jpeg", 1.0, "-kB"
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        from PIL import Image
+        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+        out = []
+        for im in u8.permute(0, 2, 3, 1).numpy():
+            buf = io.BytesIO()
+            Image.fromarray(im).save(buf, format="JPEG", quality=95)
+            out.append(-buf.tell() / 1000.0)
+        return torch.tensor(out, dtype=torch.float32)
+
+
+class PickScoreReward:
+    """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
+    [peer X10]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [ours C17].
+    Preprocessing runs in torch on the device: resize shortest edge (bicubic, antialias),
+    centre-crop, normalise — the processor's own sizes and mean/std, no PIL round trip."""
+    name, train_scale, unit = "pickscore", 1 / 26, "raw"
+    use_logit_scale = True
+    flags = ("--pickscore_model", "--pickscore_processor")
+
+    def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
+        """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
+        self.processor = processor
+        self.model = model.eval().requires_grad_(False).to(device, dtype)
+        ip = processor.image_processor
+        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x
+        get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
+        size = get(ip.size, "shortest_edge") or get(ip.size, "height")
+        crop = ip.crop_size if not isinstance(ip.crop_size, int) else {"height": ip.crop_size, "width": ip.crop_size}
+        self.size, self.crop = int(size), (int(get(crop, "height")), int(get(crop, "width")))
+        self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
+        self.device, self.dtype = device, dtype
+
+    @classmethod
+    def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype):
+        """From hub ids or local folders; offline failures say which flag points at local files."""
+        from transformers import AutoModel, AutoProcessor
+        _quiet_hf()
+        try:
+            proc = AutoProcessor.from_pretrained(processor)
+        except (OSError, EnvironmentError) as e:
+            raise ConfigError(_offline_hint(f"the {cls.name} processor", processor, cls.flags[1])) from e
+        try:
+            net = AutoModel.from_pretrained(model)
+        except (OSError, EnvironmentError) as e:
+            raise ConfigError(_offline_hint(f"the {cls.name} model", model, cls.flags[0])) from e
+        return cls(net, proc, device, dtype)
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        """(N, 3, H, W) in [0, 1] → normalised (N, 3, crop_h, crop_w) pixel values."""
+        x = images.to(self.device, torch.float32)
+        h, w = x.shape[-2:]
+        scale = self.size / min(h, w)
+        nh, nw = max(self.size, int(h * scale)), max(self.size, int(w * scale))     # HF floors the long side
+        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+        top, left = (nh - self.crop[0]) // 2, (nw - self.crop[1]) // 2
+        x = x[..., top:top + self.crop[0], left:left + self.crop[1]]
+        return ((x - self.mean) / self.std).to(self.dtype)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        text = self.processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
+                                        return_tensors="pt").to(self.device)
+        out = self.model(input_ids=text.input_ids, attention_mask=text.attention_mask,
+                         pixel_values=self.preprocess(images))
+        img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
+        txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
+        cos = (img * txt).sum(-1)                                    # (N,)
+        return ((self.model.logit_scale.exp().float() * cos) if self.use_logit_scale else cos).cpu()
+
+
+class CLIPScoreReward(PickScoreReward):
+    """CLIPScore: cosine of CLIP ViT-L/14 image and text embeddings (logits/100) [peer X10]."""
+    name, train_scale, unit = "clipscore", 1.0, "cos"
+    use_logit_scale = False
+    flags = ("--clip_model", "--clip_model")
+
+
+class AestheticReward(PickScoreReward):
+    """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
+    output on its ≈ 1–10 scale [peer X10]. Weights: sac+logos+ava1-l14-linearMSE."""
+    name, train_scale, unit = "aesthetic", 1.0, "1-10"
+    flags = ("--clip_model", "--clip_model")
+
+    def __init__(self, model, processor, device, dtype, head: torch.nn.Module):
+        super().__init__(model, processor, device, dtype)
+        self.head = head.eval().requires_grad_(False).to(device, torch.float32)
+
+    @staticmethod
+    def make_head() -> torch.nn.Module:
+        """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
+        m = torch.nn.Module()
+        m.layers = torch.nn.Sequential(torch.nn.Linear(768, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128),
+                                       torch.nn.Dropout(0.2), torch.nn.Linear(128, 64), torch.nn.Dropout(0.1),
+                                       torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
+        m.forward = m.layers.forward
+        return m
+
+    @classmethod
+    def load(cls, model: str, processor: str, device, dtype, weights: str = ""):
+        base = PickScoreReward.load.__func__(CLIPScoreReward, model, processor, device, dtype)
+        head = cls.make_head()
+        head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
+        return cls(base.model, base.processor, device, dtype, head)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        f = _features(self.model.get_image_features(pixel_values=self.preprocess(images)))
+        return self.head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
+
+
+class HPSv2Reward:
+    """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
+    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10]. HPS preprocessing: longest side
+    → 224 (bicubic), zero-pad to square, OpenAI CLIP mean/std — here in torch on the device."""
+    name, train_scale, unit = "hpsv2", 1.0, "cos"
+
+    def __init__(self, model, tokenizer, device, dtype, size: int = 224):
+        import open_clip
+        self.model = model.eval().requires_grad_(False).to(device, dtype)
+        self.tokenizer, self.size, self.device, self.dtype = tokenizer, size, device, dtype
+        self.mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(open_clip.OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1)
+
+    @classmethod
+    def load(cls, arch: str, checkpoint: str, device, dtype):
+        """arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config."""
+        import open_clip
+        if arch.endswith(".json"):
+            open_clip.add_model_config(arch)
+            arch = Path(arch).stem
+        ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu", weights_only=False)
+        model = open_clip.create_model(arch, pretrained=None)
+        model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
+        size = model.visual.image_size
+        return cls(model, open_clip.get_tokenizer(arch), device, dtype, size if isinstance(size, int) else size[0])
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.to(self.device, torch.float32)
+        h, w = x.shape[-2:]
+        scale = self.size / max(h, w)
+        nh, nw = round(h * scale), round(w * scale)
+        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+        top, left = (self.size - nh) // 2, (self.size - nw) // 2
+        x = F.pad(x, (left, self.size - nw - left, top, self.size - nh - top), value=0.0)   # black bars
+        return ((x - self.mean) / self.std).to(self.dtype)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        img = self.model.encode_image(self.preprocess(images), normalize=True).float()
+        txt = self.model.encode_text(self.tokenizer(prompts).to(self.device), normalize=True).float()
+        return (img * txt).sum(-1).cpu()
+
+
+class ImageRewardReward:
+    """ImageReward (THUDM), only when the optional `image-reward` package is importable."""
+    name, train_scale, unit = "imagereward", 1.0, "raw"
+
+    def __init__(self, location: str, device):
+        try:
+            import ImageReward as RM  # noqa: N813 — the package's own name
+        except ImportError as e:
+            raise ConfigError("--reward imagereward needs the optional package `image-reward` "
+                               "(pip install image-reward); it is not in requirements.txt because its "
+                               "pins (timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
+        self.model = RM.load(location, device=str(device))
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        from PIL import Image
+        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+        return torch.tensor([float(self.model.score(p, Image.fromarray(im.numpy()))) for p, im in zip(prompts, u8)])
+
+
+class PluginReward:
+    """A user's `module.path:function` with signature (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
+    train_scale, unit = 1.0, "raw"
+
+    def __init__(self, spec: str):
+        import importlib
+        module, _, fn = spec.partition(":")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())             # so `examples.custom_reward:fn` works from the repo
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
+        if not callable(getattr(mod, fn, None)):
+            raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
+        self.fn, self.name = getattr(mod, fn), spec
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        out = self.fn(images, prompts)
+        try:
+            out = torch.as_tensor(out).detach().float().cpu()
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(f"reward {self.name!r} returned {type(out).__name__}; return a "
+                              f"tensor, array or list of {len(prompts)} numbers") from None
+        if out.shape != (len(prompts),):
+            raise ConfigError(f"reward {self.name!r} returned shape {tuple(out.shape)}, "
+                              f"expected ({len(prompts)},)")
+        return out
+
+    def probe(self, size: int, device: torch.device) -> None:
+        """Call the plug-in once on 2 random images before training, so a broken one fails in
+        one line before the model is loaded or anything is written."""
+        g = torch.Generator().manual_seed(0)
+        images = torch.rand(2, 3, size, size, generator=g).to(device)
+        try:
+            out = self(images, ["a photo of a cat", "a red apple on a table"])
+        except ConfigError as e:
+            raise ConfigError(f"{e} (probe call on 2 random {size}×{size} images)") from None
+        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
+            raise ConfigError(f"reward {self.name!r} failed on a probe batch of 2 random {size}×{size}"
+                              f" images: {type(e).__name__}: {e}") from None
+        if not torch.isfinite(out).all():
+            raise ConfigError(f"reward {self.name!r} returned non-finite values {out.tolist()} on a "
+                              "probe batch of 2 random images; return finite numbers")
+
+
+BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ValueError."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        name, weight = item, 1.0
+        head, sep, tail = item.rpartition(":")
+        if sep:
+            try:
+                weight, name = float(tail), head
+            except ValueError:                              # 'module:function' without a weight,
+                if head in BUILTIN_REWARDS or ":" in head:  # unless the head is already complete
+                    raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
+                                      f"(got {tail!r}), e.g. {head}:1") from None
+        if name not in BUILTIN_REWARDS and ":" not in name:
+            raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
+                             "module.path:function for your own")
+        if not math.isfinite(weight) or weight < 0:
+            raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
+        out.append((name, weight))
+    if not out:
+        raise ConfigError(f"--reward {spec!r} names no reward")
+    if len({n for n, _ in out}) != len(out):
+        raise ConfigError(f"--reward {spec!r} names a reward twice")
+    return out
+
+
+def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype):
+    """One reward model by name (built-in or plug-in), loaded from the locations in args."""
+    if name == "jpeg":
+        return JpegReward()
+    if name == "pickscore":
+        return PickScoreReward.load(args.pickscore_model, args.pickscore_processor, device, dtype)
+    if name == "clipscore":
+        return CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype)
+    if name == "aesthetic":
+        return AestheticReward.load(args.clip_model, args.clip_model, device, dtype, args.aesthetic_weights)
+    if name == "hpsv2":
+        return HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
+    if name == "imagereward":
+        return ImageRewardReward(args.imagereward_model, device)
+    return PluginReward(name)
+
+
+class Rewards:
+    """The rewards of a run, each model loaded once and shared by training and evaluation."""
+
+    def __init__(self, args: Args, device: torch.device, dtype: torch.dtype):
+        self.train = parse_reward_spec(args.reward)
+        self.eval = parse_reward_spec(args.eval_rewards) if args.eval_rewards else self.train
+        self.models: dict = {}
+        for n, _ in self.train + self.eval:
+            if n not in self.models:
+                self.models[n] = build_reward(n, args, device, dtype)
+
+    @classmethod
+    def of(cls, models: dict, train: list, eval: Optional[list] = None) -> "Rewards":
+        """Wrap already-built reward objects, e.g. {"pickscore": PickScoreReward(...)}."""
+        self = cls.__new__(cls)
+        self.models, self.train, self.eval = dict(models), train, eval or train
+        return self
+
+    def unit(self, terms) -> str:
+        return self.models[terms[0][0]].unit if len(terms) == 1 else "weighted sum of training-scaled rewards"
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
+        return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
+
+    def training_values(self, raw: dict, terms) -> torch.Tensor:
+        """raw per reward → (K, N) values the advantages see (raw · train_scale)."""
+        return torch.stack([raw[n] * self.models[n].train_scale for n, _ in terms])
+
+    def summary(self, raw: dict, terms) -> torch.Tensor:
+        """The headline number: the raw reward when there is one, else Σ_k w_k·raw_k·train_scale_k."""
+        if len(terms) == 1:
+            return raw[terms[0][0]]
+        w = torch.tensor([wt for _, wt in terms])
+        return (self.training_values(raw, terms) * w[:, None]).sum(0)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# §8  Models: pipelines, the model adapter, LoRA. Everything here talks to diffusers,
 #     transformers or peft; nothing here is part of the algorithm.
 # ------------------------------------------------------------------------------------------------
 MODEL_ALIASES = {
@@ -1231,344 +1321,9 @@ def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True)
         blk.compile(backend=backend)
 
 
-# ---- §5 (continued) rewards: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> raw (N,) -------
-# Every reward has a `name`, the `unit` its raw value is logged in, and a `train_scale`: the value
-# the advantages see is raw · train_scale (only matters for sums of several rewards and std_eps).
-# Frozen reward models run in the compute dtype (bf16 on CUDA); images never leave the device:
-# preprocessing is torch (resize, crop/pad, normalise), no PIL round trip, except JPEG/ImageReward.
-def _fetch(location: str, flag: str) -> str:
-    """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
-    if os.path.isfile(location):
-        return location
-    parts = location.split("/")
-    if len(parts) < 3:
-        raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
-    from huggingface_hub import hf_hub_download
-    try:
-        return hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]))
-    except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
-        raise ConfigError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a machine "
-                           f"with access (`huggingface-cli download {'/'.join(parts[:2])} {'/'.join(parts[2:])}`) "
-                           f"and pass `{flag} /path/to/file`.") from e
-
-
-def _features(out) -> torch.Tensor:
-    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling [peer X10]."""
-    return out if torch.is_tensor(out) else out.pooler_output
-
-
-class JpegReward:
-    """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [peer X10].
-    Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
-    name, train_scale, unit = "jpeg", 1.0, "-kB"
-
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-        out = []
-        for im in u8.permute(0, 2, 3, 1).numpy():
-            buf = io.BytesIO()
-            Image.fromarray(im).save(buf, format="JPEG", quality=95)
-            out.append(-buf.tell() / 1000.0)
-        return torch.tensor(out, dtype=torch.float32)
-
-
-class PickScoreReward:
-    """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
-    [peer X10]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [ours C17].
-    Preprocessing runs in torch on the device: resize shortest edge (bicubic, antialias),
-    centre-crop, normalise — the processor's own sizes and mean/std, no PIL round trip."""
-    name, train_scale, unit = "pickscore", 1 / 26, "raw"
-    use_logit_scale = True
-    flags = ("--pickscore_model", "--pickscore_processor")
-
-    def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
-        """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
-        self.processor = processor
-        self.model = model.eval().requires_grad_(False).to(device, dtype)
-        ip = processor.image_processor
-        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x
-        get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
-        size = get(ip.size, "shortest_edge") or get(ip.size, "height")
-        crop = ip.crop_size if not isinstance(ip.crop_size, int) else {"height": ip.crop_size, "width": ip.crop_size}
-        self.size, self.crop = int(size), (int(get(crop, "height")), int(get(crop, "width")))
-        self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
-        self.device, self.dtype = device, dtype
-
-    @classmethod
-    def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype):
-        """From hub ids or local folders; offline failures say which flag points at local files."""
-        from transformers import AutoModel, AutoProcessor
-        _quiet_hf()
-        try:
-            proc = AutoProcessor.from_pretrained(processor)
-        except (OSError, EnvironmentError) as e:
-            raise ConfigError(_offline_hint(f"the {cls.name} processor", processor, cls.flags[1])) from e
-        try:
-            net = AutoModel.from_pretrained(model)
-        except (OSError, EnvironmentError) as e:
-            raise ConfigError(_offline_hint(f"the {cls.name} model", model, cls.flags[0])) from e
-        return cls(net, proc, device, dtype)
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """(N, 3, H, W) in [0, 1] → normalised (N, 3, crop_h, crop_w) pixel values."""
-        x = images.to(self.device, torch.float32)
-        h, w = x.shape[-2:]
-        scale = self.size / min(h, w)
-        nh, nw = max(self.size, int(h * scale)), max(self.size, int(w * scale))     # HF floors the long side
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        top, left = (nh - self.crop[0]) // 2, (nw - self.crop[1]) // 2
-        x = x[..., top:top + self.crop[0], left:left + self.crop[1]]
-        return ((x - self.mean) / self.std).to(self.dtype)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        text = self.processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
-                                        return_tensors="pt").to(self.device)
-        out = self.model(input_ids=text.input_ids, attention_mask=text.attention_mask,
-                         pixel_values=self.preprocess(images))
-        img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
-        txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
-        cos = (img * txt).sum(-1)                                    # (N,)
-        return ((self.model.logit_scale.exp().float() * cos) if self.use_logit_scale else cos).cpu()
-
-
-class CLIPScoreReward(PickScoreReward):
-    """CLIPScore: cosine of CLIP ViT-L/14 image and text embeddings (logits/100) [peer X10]."""
-    name, train_scale, unit = "clipscore", 1.0, "cos"
-    use_logit_scale = False
-    flags = ("--clip_model", "--clip_model")
-
-
-class AestheticReward(PickScoreReward):
-    """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
-    output on its ≈ 1–10 scale [peer X10]. Weights: sac+logos+ava1-l14-linearMSE."""
-    name, train_scale, unit = "aesthetic", 1.0, "1-10"
-    flags = ("--clip_model", "--clip_model")
-
-    def __init__(self, model, processor, device, dtype, head: torch.nn.Module):
-        super().__init__(model, processor, device, dtype)
-        self.head = head.eval().requires_grad_(False).to(device, torch.float32)
-
-    @staticmethod
-    def make_head() -> torch.nn.Module:
-        """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
-        m = torch.nn.Module()
-        m.layers = torch.nn.Sequential(torch.nn.Linear(768, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128),
-                                       torch.nn.Dropout(0.2), torch.nn.Linear(128, 64), torch.nn.Dropout(0.1),
-                                       torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
-        m.forward = m.layers.forward
-        return m
-
-    @classmethod
-    def load(cls, model: str, processor: str, device, dtype, weights: str = ""):
-        base = PickScoreReward.load.__func__(CLIPScoreReward, model, processor, device, dtype)
-        head = cls.make_head()
-        head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
-        return cls(base.model, base.processor, device, dtype, head)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        f = _features(self.model.get_image_features(pixel_values=self.preprocess(images)))
-        return self.head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
-
-
-class HPSv2Reward:
-    """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
-    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10]. HPS preprocessing: longest side
-    → 224 (bicubic), zero-pad to square, OpenAI CLIP mean/std — here in torch on the device."""
-    name, train_scale, unit = "hpsv2", 1.0, "cos"
-
-    def __init__(self, model, tokenizer, device, dtype, size: int = 224):
-        import open_clip
-        self.model = model.eval().requires_grad_(False).to(device, dtype)
-        self.tokenizer, self.size, self.device, self.dtype = tokenizer, size, device, dtype
-        self.mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(open_clip.OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1)
-
-    @classmethod
-    def load(cls, arch: str, checkpoint: str, device, dtype):
-        """arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config."""
-        import open_clip
-        if arch.endswith(".json"):
-            open_clip.add_model_config(arch)
-            arch = Path(arch).stem
-        ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu", weights_only=False)
-        model = open_clip.create_model(arch, pretrained=None)
-        model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
-        size = model.visual.image_size
-        return cls(model, open_clip.get_tokenizer(arch), device, dtype, size if isinstance(size, int) else size[0])
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.to(self.device, torch.float32)
-        h, w = x.shape[-2:]
-        scale = self.size / max(h, w)
-        nh, nw = round(h * scale), round(w * scale)
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        top, left = (self.size - nh) // 2, (self.size - nw) // 2
-        x = F.pad(x, (left, self.size - nw - left, top, self.size - nh - top), value=0.0)   # black bars
-        return ((x - self.mean) / self.std).to(self.dtype)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        img = self.model.encode_image(self.preprocess(images), normalize=True).float()
-        txt = self.model.encode_text(self.tokenizer(prompts).to(self.device), normalize=True).float()
-        return (img * txt).sum(-1).cpu()
-
-
-class ImageRewardReward:
-    """ImageReward (THUDM), only when the optional `image-reward` package is importable."""
-    name, train_scale, unit = "imagereward", 1.0, "raw"
-
-    def __init__(self, location: str, device):
-        try:
-            import ImageReward as RM  # noqa: N813 — the package's own name
-        except ImportError as e:
-            raise ConfigError("--reward imagereward needs the optional package `image-reward` "
-                               "(pip install image-reward); it is not in requirements.txt because its "
-                               "pins (timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
-        self.model = RM.load(location, device=str(device))
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-        return torch.tensor([float(self.model.score(p, Image.fromarray(im.numpy()))) for p, im in zip(prompts, u8)])
-
-
-class PluginReward:
-    """A user's `module.path:function` with signature (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
-    train_scale, unit = 1.0, "raw"
-
-    def __init__(self, spec: str):
-        import importlib
-        module, _, fn = spec.partition(":")
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())             # so `examples.custom_reward:fn` works from the repo
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:
-            raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
-        if not callable(getattr(mod, fn, None)):
-            raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
-        self.fn, self.name = getattr(mod, fn), spec
-
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        out = self.fn(images, prompts)
-        try:
-            out = torch.as_tensor(out).detach().float().cpu()
-        except (TypeError, ValueError, RuntimeError):
-            raise ConfigError(f"reward {self.name!r} returned {type(out).__name__}; return a "
-                              f"tensor, array or list of {len(prompts)} numbers") from None
-        if out.shape != (len(prompts),):
-            raise ConfigError(f"reward {self.name!r} returned shape {tuple(out.shape)}, "
-                              f"expected ({len(prompts)},)")
-        return out
-
-    def probe(self, size: int, device: torch.device) -> None:
-        """Call the plug-in once on 2 random images before training, so a broken one fails in
-        one line before the model is loaded or anything is written."""
-        g = torch.Generator().manual_seed(0)
-        images = torch.rand(2, 3, size, size, generator=g).to(device)
-        try:
-            out = self(images, ["a photo of a cat", "a red apple on a table"])
-        except ConfigError as e:
-            raise ConfigError(f"{e} (probe call on 2 random {size}×{size} images)") from None
-        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
-            raise ConfigError(f"reward {self.name!r} failed on a probe batch of 2 random {size}×{size}"
-                              f" images: {type(e).__name__}: {e}") from None
-        if not torch.isfinite(out).all():
-            raise ConfigError(f"reward {self.name!r} returned non-finite values {out.tolist()} on a "
-                              "probe batch of 2 random images; return finite numbers")
-
-
-BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
-
-
-def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ValueError."""
-    out = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        name, weight = item, 1.0
-        head, sep, tail = item.rpartition(":")
-        if sep:
-            try:
-                weight, name = float(tail), head
-            except ValueError:                              # 'module:function' without a weight,
-                if head in BUILTIN_REWARDS or ":" in head:  # unless the head is already complete
-                    raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
-                                      f"(got {tail!r}), e.g. {head}:1") from None
-        if name not in BUILTIN_REWARDS and ":" not in name:
-            raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
-                             "module.path:function for your own")
-        if not math.isfinite(weight) or weight < 0:
-            raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
-        out.append((name, weight))
-    if not out:
-        raise ConfigError(f"--reward {spec!r} names no reward")
-    if len({n for n, _ in out}) != len(out):
-        raise ConfigError(f"--reward {spec!r} names a reward twice")
-    return out
-
-
-def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype):
-    """One reward model by name (built-in or plug-in), loaded from the locations in args."""
-    if name == "jpeg":
-        return JpegReward()
-    if name == "pickscore":
-        return PickScoreReward.load(args.pickscore_model, args.pickscore_processor, device, dtype)
-    if name == "clipscore":
-        return CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype)
-    if name == "aesthetic":
-        return AestheticReward.load(args.clip_model, args.clip_model, device, dtype, args.aesthetic_weights)
-    if name == "hpsv2":
-        return HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
-    if name == "imagereward":
-        return ImageRewardReward(args.imagereward_model, device)
-    return PluginReward(name)
-
-
-class Rewards:
-    """The rewards of a run, each model loaded once and shared by training and evaluation."""
-
-    def __init__(self, args: Args, device: torch.device, dtype: torch.dtype):
-        self.train = parse_reward_spec(args.reward)
-        self.eval = parse_reward_spec(args.eval_rewards) if args.eval_rewards else self.train
-        self.models: dict = {}
-        for n, _ in self.train + self.eval:
-            if n not in self.models:
-                self.models[n] = build_reward(n, args, device, dtype)
-
-    @classmethod
-    def of(cls, models: dict, train: list, eval: Optional[list] = None) -> "Rewards":
-        """Wrap already-built reward objects, e.g. {"pickscore": PickScoreReward(...)}."""
-        self = cls.__new__(cls)
-        self.models, self.train, self.eval = dict(models), train, eval or train
-        return self
-
-    def unit(self, terms) -> str:
-        return self.models[terms[0][0]].unit if len(terms) == 1 else "weighted sum of training-scaled rewards"
-
-    def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
-        return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
-
-    def training_values(self, raw: dict, terms) -> torch.Tensor:
-        """raw per reward → (K, N) values the advantages see (raw · train_scale)."""
-        return torch.stack([raw[n] * self.models[n].train_scale for n, _ in terms])
-
-    def summary(self, raw: dict, terms) -> torch.Tensor:
-        """The headline number: the raw reward when there is one, else Σ_k w_k·raw_k·train_scale_k."""
-        if len(terms) == 1:
-            return raw[terms[0][0]]
-        w = torch.tensor([wt for _, wt in terms])
-        return (self.training_values(raw, terms) * w[:, None]).sum(0)
-
 
 # ------------------------------------------------------------------------------------------------
-# §10  Training loop: the algorithm box (§0) line by line, with logging, evaluation, checkpoints.
+# §9  Training loop: the algorithm box (§0) line by line, with logging, evaluation, checkpoints.
 # ------------------------------------------------------------------------------------------------
 # A small built-in prompt set, written for this project: varied subjects, styles and compositions,
 # so a run works out of the box. Every 5th prompt is held out for evaluation.
@@ -2453,6 +2208,255 @@ def iteration_metrics(run: Run, it: int, b: Rollouts, cv: dict, stats_acc: dict,
                    f"dropped (advantage 0){'; update skipped' if skipped else ''}", file=sys.stderr)
     m["time_iter"] = timer.total()
     return m
+
+
+
+# ------------------------------------------------------------------------------------------------
+# §10  Configuration and command line. One dataclass is the single source of truth: every field
+#      is a CLI flag of the same name, and its `src` says where the default comes from (a
+#      METHOD.md label, or "our choice").
+#      Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > per-family
+#      preset (FAMILY_PRESETS: SD3 or FLUX) > default. Then the start-up banner and main().
+# ------------------------------------------------------------------------------------------------
+def _f(default, help: str, src: str = "our choice", choices=None):
+    return field(default=default, metadata=dict(help=help, src=src, choices=choices))
+
+
+@dataclass
+class Args:
+    # --- io --------------------------------------------------------------------------------------
+    run_dir: Optional[str] = _f(None, "output folder (default runs/<model>-<reward>-<date>)")
+    prompts: Optional[str] = _f(None, "training prompts, one per line (default: built-in list)")
+    eval_prompts: Optional[str] = _f(None, "held-out prompts (default: split off --prompts)")
+    eval_holdout: float = _f(0.1, "fraction of --prompts held out for evaluation if no --eval_prompts")
+    resume: Optional[str] = _f(None, "checkpoint folder, or a run folder (takes its latest checkpoint)")
+    save_every: int = _f(10, "checkpoint every k iterations (and at the end / on Ctrl-C)")
+    eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
+    n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
+    # --- model -----------------------------------------------------------------------------------
+    model: str = _f("sd3.5-medium", "alias (tiny, tiny-flux, sd3.5-medium, sd3.5-large, sd3-medium, "
+                    "flux.1-dev), hub id or local dir")
+    resolution: int = _f(512, "image side in pixels", "[ours C7] DiffusionNFT's 512")
+    max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
+    guidance: float = _f(3.5, "FLUX: distilled guidance embedding (no true CFG)", "[ours C1] [peer X9]")
+    flux_shift: float = _f(3.0, "FLUX: time shift of the rollout grid", "[ours C8] MixGRPO")
+    lora_rank: int = _f(32, "LoRA rank r", "[paper P11] SD3.5-M Stage 1")
+    lora_alpha: int = _f(64, "LoRA alpha", "[paper P11] SD3.5-M Stage 1")
+    lora_targets: str = _f("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out",
+                           "comma-separated module names that get LoRA (attn and attn2)", "[ours C17]")
+    full_finetune: bool = _f(False, "train all transformer weights instead of LoRA")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward (less memory)")
+    offload_text_encoders: bool = _f(False, "embed all prompts once at start, then move the text encoders "
+                                     "to the CPU (saves ~10 GB with T5-XXL; prompts are then fixed)")
+    dtype: str = _f("auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", "[ours C10]",
+                    choices=("auto", "bf16", "fp16", "fp32"))
+    # --- sampler ---------------------------------------------------------------------------------
+    num_steps: int = _f(40, "ODE steps per rollout (K)", "[paper P11] 40-step ODE rollouts")
+    solver: str = _f("euler", "deterministic ODE solver for rollouts and eval", "[paper P1; ours C17]",
+                     choices=("euler", "dpmpp2m"))
+    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default: the family's "
+                                   "evaluation protocol, SD3 40 and FLUX 16; else num_steps)",
+                                   "[paper P11] Flow-GRPO/DiffusionNFT evaluate SD3.5-M at 40")
+    rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, no effect on results)")
+    # --- reward ----------------------------------------------------------------------------------
+    reward: str = _f("pickscore", "reward(s) with weights: pickscore | hpsv2 | clipscore | aesthetic | "
+                     "imagereward | jpeg | module.path:function, e.g. pickscore:1,hpsv2:1")
+    reward_aggregation: str = _f("sum", "several rewards: weighted sum then group-normalise (sum), or "
+                                 "group-normalise each then weighted sum (per_reward)", "[ours C3]",
+                                 choices=("sum", "per_reward"))
+    eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: the training ones)")
+    pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore weights: hub id or local dir",
+                              "[peer X10]")
+    pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+                                  "PickScore processor: hub id or local dir", "[peer X10]")
+    hpsv2_arch: str = _f("ViT-H-14", "open_clip architecture of HPSv2 (name or JSON config path)", "[peer X10]")
+    hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt", "HPSv2.1 weights: file or owner/repo/file",
+                               "[peer X10]")
+    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP for clipscore and aesthetic: hub id or dir",
+                         "[peer X10]")
+    aesthetic_weights: str = _f("trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
+                                "LAION aesthetic MLP weights: file or owner/repo/file", "[peer X10]")
+    imagereward_model: str = _f("ImageReward-v1.0", "ImageReward checkpoint name or path (optional package)")
+    reward_batch: int = _f(32, "images per reward-model call (memory knob)")
+    # --- objective -------------------------------------------------------------------------------
+    prompts_per_iter: int = _f(6, "P: prompts per iteration (paper: 48; 6 = one GPU's share of 8)")
+    group_size: int = _f(24, "G: images per prompt", "[paper P11] group 24")
+    n_mc: int = _f(4, "N_MC: (t, eps) pairs per sample", "[paper P11] N_MC = 4")
+    pair_sharing: str = _f("batch", "scope of shared (t, eps) pairs", "[paper P4, P5; ours C4]",
+                           choices=("batch", "group", "none"))
+    stratified: bool = _f(True, "one t per stratum of the rollout sigma grid", "[paper P5]")
+    parameterization: str = _f("x", "space of the surrogate's error", "[paper P6, P12]",
+                               choices=("x", "v", "eps"))
+    adaptive_weighting: bool = _f(True, "divide each pair's MSE by its detached MAE", "[paper P7]")
+    mae_floor: float = _f(1e-5, "lower clamp of the MAE denominator", "[ours C5]")
+    global_std: bool = _f(True, "advantage std of all rewards of the batch around the batch mean "
+                          "(else per group)", "[ours C3] flow_grpo/stat_tracking.py")
+    std_eps: float = _f(1e-4, "added to the advantage std", "[ours C3] DiffusionNFT")
+    adv_clamp: float = _f(5.0, "hard clamp |A| ≤ this before soft-clip", "[ours C1]")
+    soft_clip_eta: float = _f(3.0, "η of A ← η·tanh(A/η); 0 = off", "[paper P9] η = 3, SD3.5 Stage 1")
+    clip_eps: float = _f(0.0, "ratio clip ε; 0 = off", "[paper P9] SD3.5 Stage 1: no clip")
+    kl_coef: float = _f(0.0, "β of the x-space KL to θ_old; 0 = off", "[paper P9] Stage 1: no KL")
+    mu: int = _f(1, "optimizer steps per iteration (disjoint minibatches)", "[paper P11] 1 step")
+    micro_batch: int = _f(4, "samples per forward/backward (× n_mc forwards; memory knob)")
+    # --- optimisation ----------------------------------------------------------------------------
+    iterations: int = _f(150, "rollout-and-update iterations", "[paper P11] Stage 1: 150")
+    lr: float = _f(3e-4, "AdamW learning rate", "[paper P11]")
+    weight_decay: float = _f(1e-4, "AdamW weight decay", "[ours C10]")
+    max_grad_norm: float = _f(1.0, "gradient-norm clip", "[ours C10]")
+    # --- system ----------------------------------------------------------------------------------
+    seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
+    device: str = _f("auto", "cuda, cpu, or auto")
+    # --- throughput levers (none changes what is computed, beyond floating-point rounding) -------
+    compile: bool = _f(False, "torch.compile each transformer block (regional: seconds of "
+                       "compile, not minutes); the first iterations include compile time")
+    compile_backend: str = _f("inductor", "torch.compile backend for --compile (aot_eager, "
+                              "eager: no code generation)")
+    merge_lora_rollout: bool = _f(False, "roll out and evaluate with the LoRA merged into the base "
+                                  "weights; the base weights are restored bit-exactly after, "
+                                  "surrogates and ratios always use the unmerged training path")
+    attention_backend: str = _f("auto", "SDPA kernel; auto = torch picks (cuDNN off on CUDA); "
+                                "cudnn's backward failed on FLUX.1-dev",
+                                choices=("auto", "flash", "efficient", "math", "cudnn"))
+    vae_autocast: bool = _f(False, "decode latents under the compute-dtype autocast (bf16 on CUDA) "
+                            "instead of fp32; decoding is chunked by --reward_batch")
+    preset: Optional[str] = _f(None, "bundle of overrides (README \"Presets\")",
+                               choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
+
+
+# Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
+# minutes; its numbers are our choice, measured on a 2-core machine (README "Quickstart").
+MODEL_PRESETS: dict[str, dict] = {
+    "tiny": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4, group_size=8, gradient_checkpointing=False,
+                 lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
+                 eval_every=10, save_every=10, n_eval=8),
+    "tiny-flux": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4, group_size=8,
+                      lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
+                      eval_every=10, save_every=10, n_eval=8, reward="jpeg", gradient_checkpointing=False),
+}
+FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"   # attention
+                     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"        # double-block FF
+                     "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
+# Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
+# baseline numbers [ours C1–C3, C8, C17], with LoRA (use --full_finetune --lr 1e-5 for theirs).
+FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation", "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
+FAMILY_PRESETS: dict[str, dict] = {
+    "sd3": dict(gradient_checkpointing=True, eval_steps=40),
+    "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, eval_steps=16,
+                 solver="dpmpp2m", group_size=12,
+                 prompts_per_iter=2, mu=4, clip_eps=1e-2, soft_clip_eta=3.0, reward="hpsv2:1,pickscore:1",
+                 reward_aggregation="per_reward", global_std=False, std_eps=1e-8, max_sequence_length=512,
+                 lora_targets=FLUX_LORA_TARGETS, iterations=300),
+}
+# "paper" depends on the family: SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
+# MixGRPO's 32 prompts × 12 per iteration [ours C1–C3]. The stage presets are the later
+# SD3.5 stages' controls [ours C9] (our choice where the paper is silent); their rewards
+# (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not included").
+STAGE1_BATCH = {"sd3": dict(prompts_per_iter=48, group_size=24),
+                 "flux": dict(prompts_per_iter=32, group_size=12)}
+PRESETS: dict[str, dict] = {
+    "paper": STAGE1_BATCH["sd3"],                              # replaced per family in resolve_args
+    "geneval-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
+                          soft_clip_eta=0.0, iterations=200),   # Stages 2 / 4 (Stage 4: 50 its)
+    "ocr-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3, clip_eps=0.0,
+                      iterations=30),                           # Stage 5
+    "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1, n_eval=2),
+}
+
+
+def given_flags(argv: Optional[list[str]] = None) -> dict:
+    """The flags given on the command line (and only those). Flag name == field name; bools get
+    --name / --no-name."""
+    p = argparse.ArgumentParser(description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
+                                epilog="Sources in brackets are items of METHOD.md: [paper Pk] "
+                                "stated by the paper, [peer Xk] a convention of another codebase, "
+                                "[ours Ck] this project's choice.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Args):
+        kw = dict(default=argparse.SUPPRESS, help=f"{f.metadata['help']} [default {f.default!r}; "
+                                                   f"{f.metadata['src']}]")
+        if f.type in ("bool", bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            base = str(f.type).replace("Optional[", "").rstrip("]")
+            kw["type"] = {"int": int, "float": float, "str": str}[base]
+            if f.metadata["choices"]:
+                kw["choices"] = f.metadata["choices"]
+        p.add_argument(f"--{f.name}", **kw)
+    return vars(p.parse_args(argv))
+
+
+def parse_args(argv: Optional[list[str]] = None) -> Args:
+    """CLI → Args (presets applied, validated)."""
+    return resolve_args(given_flags(argv))
+
+
+def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
+    """Apply per-model and named presets (and a resumed run's saved config) under the explicitly
+    given values; validate."""
+    model = given.get("model", (resumed or {}).get("model", Args.model))
+    family = model_family(model)
+    layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
+              (f"{model} preset (our choice)", MODEL_PRESETS.get(model, {})),
+              (f"--preset {given.get('preset')}", STAGE1_BATCH[family] if given.get("preset") == "paper"
+               else PRESETS.get(given.get("preset") or "", {})),
+              ("the resumed run's config", resumed or {}),
+              ("command line", given)]
+    values, origin = {}, {}
+    for where, layer in layers:
+        values.update(layer)
+        origin.update({k: where for k in layer})
+    names = {f.name for f in dataclasses.fields(Args)}
+    unknown = set(values) - names
+    if unknown:
+        raise ConfigError(f"unknown option(s): {sorted(unknown)}")
+    args = Args(**values)
+    check_args(args)
+    # where each value comes from: the layer that set it, else the field's own source tag
+    args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in dataclasses.fields(Args)}
+    return args
+
+
+def check_args(a: Args) -> None:
+    """One clear message per bad combination, before anything is loaded or written."""
+    problems = []
+    if a.group_size < 2:
+        problems.append(f"--group_size must be ≥ 2 (got {a.group_size}): a group-relative advantage "
+                        "needs at least two images per prompt")
+    for name in ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
+                 "iterations", "reward_batch", "resolution"):
+        if getattr(a, name) < 1:
+            problems.append(f"--{name} must be ≥ 1 (got {getattr(a, name)})")
+    if a.eval_steps is not None and a.eval_steps < 1:
+        problems.append(f"--eval_steps must be ≥ 1 (got {a.eval_steps})")
+    n = a.prompts_per_iter * a.group_size
+    if a.mu > n:
+        problems.append(f"--mu {a.mu} exceeds the {n} samples of an iteration")
+    if a.stratified and a.n_mc > a.num_steps:
+        problems.append(f"--n_mc {a.n_mc} > --num_steps {a.num_steps}: stratification needs one "
+                        "grid point per stratum (or pass --no-stratified)")
+    if a.merge_lora_rollout and a.full_finetune:
+        problems.append("--merge_lora_rollout needs a LoRA to merge: drop it or --full_finetune")
+    if a.resolution % 16:
+        problems.append(f"--resolution must be a multiple of 16 (got {a.resolution})")
+    for name in ("lr", "max_grad_norm"):
+        v = getattr(a, name)
+        if not (math.isfinite(v) and v > 0):
+            problems.append(f"--{name} must be a finite number > 0 (got {v})")
+    for name in ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta",
+                 "adv_clamp"):
+        v = getattr(a, name)
+        if not (math.isfinite(v) and v >= 0) and not (name == "adv_clamp" and v == math.inf):
+            problems.append(f"--{name} must be a finite number ≥ 0 (got {v})")
+    if not 0 <= a.eval_holdout < 1:
+        problems.append(f"--eval_holdout must lie in [0, 1) (got {a.eval_holdout})")
+    for spec in (a.reward, a.eval_rewards):
+        if spec is not None:
+            try:
+                parse_reward_spec(spec)
+            except ValueError as e:
+                problems.append(str(e))
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def banner(run: Run) -> str:
