@@ -44,6 +44,9 @@ NOTATION
     G             G              int              group size (images per prompt)
     N             —              int              P·G samples per iteration
     J / n_mc      N_MC           int              (t, ε) pairs per sample
+    K / num_steps —              int              ODE steps per rollout (grid of K + 1 times)
+    R             —              int              number of rewards (a weighted list, §7)
+    n_scopes      —              int              independent (t, ε) pair sets (1 = batch-shared)
     x0 / o        o              (N, C, H, W)     rollout result, a clean latent (the "action")
     x1            x_1 / ε        (N, C, H, W)     initial noise of the rollout
     t             t = σ          (...,)           time; 1 = noise, 0 = data
@@ -53,6 +56,7 @@ NOTATION
     S             −L̂(θ | o, c)   (N,)             mean_j s; the stand-in for log π_θ(o | c)
     A             A_i            (N,)             advantage
     ρ / ratio     ρ_i            (N,)             exp(S_θ − S_old), one per sample
+    args          —              Args             the run's configuration (§10); `adv` = A
 
 CONVENTIONS
     * Time: t = σ ∈ [0, 1], t = 1 is pure noise, t = 0 is data; x_t = (1 − t)·x0 + t·ε; the
@@ -212,15 +216,15 @@ def dpmpp2m_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor
         if s_next == 0.0:                               # final step: e^{-h} = 0, first order
             x = x0_hat
             break
-        a, a_next = 1.0 - s, 1.0 - s_next
-        exp_neg_h = (s_next * a) / (s * a_next)
-        h = math.inf if a == 0.0 else math.log(a_next / s_next) - math.log(a / s)
+        alpha, alpha_next = 1.0 - s, 1.0 - s_next
+        exp_neg_h = (s_next * alpha) / (s * alpha_next)
+        h = math.inf if alpha == 0.0 else math.log(alpha_next / s_next) - math.log(alpha / s)
         if prev_x0 is None or math.isinf(prev_h):       # no usable history → first order
             d = x0_hat
         else:
             r = prev_h / h
             d = (1 + 1 / (2 * r)) * x0_hat - (1 / (2 * r)) * prev_x0
-        x = (s_next / s) * x + a_next * (1 - exp_neg_h) * d
+        x = (s_next / s) * x + alpha_next * (1 - exp_neg_h) * d
         prev_x0, prev_h = x0_hat, h
     return x.to(x1.dtype)
 
@@ -283,7 +287,7 @@ def _adv_stats(adv: torch.Tensor, ok: torch.Tensor) -> dict:
 def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
     """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3].
 
-    rewards: (K, P, G) training-scaled rewards; weights: (K,). A sample with any non-finite
+    rewards: (R, P, G) training-scaled rewards of R rewards; weights: (R,). A sample with any non-finite
     component is dropped. kw: as group_advantages (global_std, std_eps, clamp, eta).
     Returns group_advantages(Σ_k w_k r_k): (P, G) and stats.
     """
@@ -296,7 +300,7 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
     """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3].
 
     A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w.
-    rewards: (K, P, G); weights: (K,). A sample with any non-finite component is dropped.
+    rewards: (R, P, G); weights: (R,). A sample with any non-finite component is dropped.
     std_k is the UNBIASED group std, as MixGRPO's `advantage_aggr` computes it with torch.std()
     (Tencent-Hunyuan/MixGRPO, fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8).
     Returns (P, G) fp32 advantages and stats.
@@ -305,7 +309,7 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
     r = rewards.float()
     ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
     r = torch.where(ok, r, torch.full_like(r, float("nan")))                           # drop whole sample
-    w = weights.float() / weights.float().sum().clamp(min=1e-12)                        # (K,)
+    w = weights.float() / weights.float().sum().clamp(min=1e-12)                        # (R,)
     parts = [group_advantages(rk, global_std=global_std, std_eps=std_eps, clamp=math.inf, eta=0.0,
                               unbiased=True)[0] for rk in r]
     adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0).clamp(-clamp, clamp)      # (P, G)
@@ -333,8 +337,8 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
 class Pairs:
     """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4].
 
-    t:     (S, J) times, S = number of independent pair sets (1 = batch-wide sharing).
-    eps:   (S, J, *D) noises.
+    t:     (n_scopes, J) times, n_scopes = number of independent pair sets (1 = batch-wide).
+    eps:   (n_scopes, J, *D) noises.
     index: (N,) long, which set each of the N samples uses.
     """
     t: torch.Tensor
@@ -349,7 +353,8 @@ class Pairs:
 
 def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.Tensor, *,
                stratified: bool = True, generator: Optional[torch.Generator] = None) -> Pairs:
-    """Draw J = n_mc (t, ε) pairs for each of S = index.max() + 1 sharing scopes.
+    """Draw J = n_mc (t, ε) pairs for each of n_scopes = index.max() + 1
+    sharing scopes.
 
     Args:
         grid: (K,) candidate times — the rollout sigma grid WITHOUT its terminal 0 (at t = 0 the
@@ -361,20 +366,20 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
         stratified: split the grid into J contiguous, (near-)equal chunks (torch.tensor_split) and
             pick one grid point uniformly inside each; else J uniform picks from the whole grid.
         generator: CPU generator; the pairs are drawn on the CPU so they do not depend on device.
-    Returns: Pairs with t (S, J) float32 and eps (S, J, *D) float32, on the CPU.
+    Returns: Pairs with t (n_scopes, J) float32 and eps (n_scopes, J, *D) float32, on the CPU.
     """
     grid = torch.as_tensor(grid, dtype=torch.float64).flatten()
-    S = int(index.max()) + 1
+    n_scopes = int(index.max()) + 1
     if stratified:
         chunks = torch.tensor_split(torch.arange(len(grid)), n_mc)          # J chunks of indices
         lo = torch.tensor([int(c[0]) for c in chunks])                      # (J,) first index
         size = torch.tensor([len(c) for c in chunks])                       # (J,) chunk length
-        u = torch.rand(S, n_mc, generator=generator, dtype=torch.float64)   # (S, J)
-        idx = lo + (u * size).long().clamp(max=size - 1)                    # (S, J)
+        u = torch.rand(n_scopes, n_mc, generator=generator, dtype=torch.float64)   # (n_scopes, J)
+        idx = lo + (u * size).long().clamp(max=size - 1)                    # (n_scopes, J)
     else:
-        idx = torch.randint(len(grid), (S, n_mc), generator=generator)      # (S, J)
-    t = grid[idx].float()                                                   # (S, J)
-    eps = torch.randn((S, n_mc) + tuple(latent_shape), generator=generator)  # (S, J, *D)
+        idx = torch.randint(len(grid), (n_scopes, n_mc), generator=generator)      # (n_scopes, J)
+    t = grid[idx].float()                                                   # (n_scopes, J)
+    eps = torch.randn((n_scopes, n_mc) + tuple(latent_shape), generator=generator)  # (n_scopes, J, *D)
     return Pairs(t=t, eps=eps, index=index.cpu().long())
 
 
@@ -488,10 +493,10 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *, c
     """
     log_ratio = s_new.float().mean(dim=1) - s_old.detach().float().mean(dim=1)   # (m,)
     ratio = torch.exp(log_ratio)                                                 # (m,)
-    a = adv.detach().float()
-    pg = -a * ratio                                                              # (m,)
+    A = adv.detach().float()
+    pg = -A * ratio                                                              # (m,)
     if clip_eps > 0:
-        pg = torch.maximum(pg, -a * ratio.clamp(1 - clip_eps, 1 + clip_eps))
+        pg = torch.maximum(pg, -A * ratio.clamp(1 - clip_eps, 1 + clip_eps))
         clipped = ((ratio - 1).abs() > clip_eps).float()
     else:
         clipped = torch.zeros_like(ratio)
@@ -835,7 +840,7 @@ class Rewards:
         return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
 
     def training_values(self, raw: dict, terms) -> torch.Tensor:
-        """raw per reward → (K, N) values the advantages see (raw · train_scale)."""
+        """raw per reward → (R, N) values the advantages see (raw · train_scale)."""
         return torch.stack([raw[n] * self.models[n].train_scale for n, _ in terms])
 
     def summary(self, raw: dict, terms) -> torch.Tensor:
@@ -1940,14 +1945,14 @@ def _barrier(world: int) -> None:
 def evaluate(run: Run, it: int) -> dict:
     """Held-out prompts, one image each from noise that is the same at every evaluation, sampled with
     eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png and scores every --eval_rewards."""
-    a, ad = run.args, run.adapter
-    prompts = run.eval_prompts[:a.n_eval]
-    x1 = torch.randn((len(prompts),) + run.D, generator=_gen(a.seed, 0, 9)).to(run.dev)
-    with lora_merged(ad.transformer, a.merge_lora_rollout):
+    args, ad = run.args, run.adapter
+    prompts = run.eval_prompts[:args.n_eval]
+    x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
+    with lora_merged(ad.transformer, args.merge_lora_rollout):
         lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
-                      run.eval_sigmas, a.solver, a.rollout_batch, run.ctx)
-    raw, imgs = decode_and_reward(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts, a.reward_batch,
-                      keep_images=True, ctx=run.ctx if a.vae_autocast else None)
+                      run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
+    raw, imgs = decode_and_reward(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts, args.reward_batch,
+                      keep_images=True, ctx=run.ctx if args.vae_autocast else None)
     if run.run_dir is not None:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
@@ -2416,40 +2421,40 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     return args
 
 
-def check_args(a: Args) -> None:
+def check_args(args: Args) -> None:
     """One clear message per bad combination, before anything is loaded or written."""
     problems = []
-    if a.group_size < 2:
-        problems.append(f"--group_size must be ≥ 2 (got {a.group_size}): a group-relative advantage "
+    if args.group_size < 2:
+        problems.append(f"--group_size must be ≥ 2 (got {args.group_size}): a group-relative advantage "
                         "needs at least two images per prompt")
     for name in ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
                  "iterations", "reward_batch", "resolution"):
-        if getattr(a, name) < 1:
-            problems.append(f"--{name} must be ≥ 1 (got {getattr(a, name)})")
-    if a.eval_steps is not None and a.eval_steps < 1:
-        problems.append(f"--eval_steps must be ≥ 1 (got {a.eval_steps})")
-    n = a.prompts_per_iter * a.group_size
-    if a.mu > n:
-        problems.append(f"--mu {a.mu} exceeds the {n} samples of an iteration")
-    if a.stratified and a.n_mc > a.num_steps:
-        problems.append(f"--n_mc {a.n_mc} > --num_steps {a.num_steps}: stratification needs one "
+        if getattr(args, name) < 1:
+            problems.append(f"--{name} must be ≥ 1 (got {getattr(args, name)})")
+    if args.eval_steps is not None and args.eval_steps < 1:
+        problems.append(f"--eval_steps must be ≥ 1 (got {args.eval_steps})")
+    n = args.prompts_per_iter * args.group_size
+    if args.mu > n:
+        problems.append(f"--mu {args.mu} exceeds the {n} samples of an iteration")
+    if args.stratified and args.n_mc > args.num_steps:
+        problems.append(f"--n_mc {args.n_mc} > --num_steps {args.num_steps}: stratification needs one "
                         "grid point per stratum (or pass --no-stratified)")
-    if a.merge_lora_rollout and a.full_finetune:
+    if args.merge_lora_rollout and args.full_finetune:
         problems.append("--merge_lora_rollout needs a LoRA to merge: drop it or --full_finetune")
-    if a.resolution % 16:
-        problems.append(f"--resolution must be a multiple of 16 (got {a.resolution})")
+    if args.resolution % 16:
+        problems.append(f"--resolution must be a multiple of 16 (got {args.resolution})")
     for name in ("lr", "max_grad_norm"):
-        v = getattr(a, name)
+        v = getattr(args, name)
         if not (math.isfinite(v) and v > 0):
             problems.append(f"--{name} must be a finite number > 0 (got {v})")
     for name in ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta",
                  "adv_clamp"):
-        v = getattr(a, name)
+        v = getattr(args, name)
         if not (math.isfinite(v) and v >= 0) and not (name == "adv_clamp" and v == math.inf):
             problems.append(f"--{name} must be a finite number ≥ 0 (got {v})")
-    if not 0 <= a.eval_holdout < 1:
-        problems.append(f"--eval_holdout must lie in [0, 1) (got {a.eval_holdout})")
-    for spec in (a.reward, a.eval_rewards):
+    if not 0 <= args.eval_holdout < 1:
+        problems.append(f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})")
+    for spec in (args.reward, args.eval_rewards):
         if spec is not None:
             try:
                 parse_reward_spec(spec)
@@ -2460,25 +2465,25 @@ def check_args(a: Args) -> None:
 
 
 def banner(run: Run) -> str:
-    a = run.args
-    P, G = a.prompts_per_iter, a.group_size
+    args = run.args
+    P, G = args.prompts_per_iter, args.group_size
     N = P * G
-    lines = [f"V-GRPO  model={a.model}  reward={a.reward}  device={run.dev}  dtype={run.dtype}  "
+    lines = [f"V-GRPO  model={args.model}  reward={args.reward}  device={run.dev}  dtype={run.dtype}  "
              f"processes={run.world}  run_dir={run.run_dir}",
              f"  batch: {P} prompts × {G} images = {N} rollouts/iteration ({N // run.world} per process); "
-             f"{a.mu} optimizer step(s) of {N // a.mu} samples; micro-batch {a.micro_batch} × {a.n_mc} pairs",
-             f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {[round(float(s), 4) for s in run.sigmas[:3]]}…"
-             f"; NFE/sample old {a.num_steps}+{a.n_mc}, θ {a.n_mc}",
-             f"  surrogate: {a.parameterization}-pred, adaptive={a.adaptive_weighting}, "
-             f"stratified={a.stratified}, sharing={a.pair_sharing}",
-             f"  controls: clip ε={a.clip_eps or 'off'}, KL β={a.kl_coef or 'off'}, "
-             f"soft-clip η={a.soft_clip_eta or 'off'}; prompts {len(run.train_prompts)} train / "
+             f"{args.mu} optimizer step(s) of {N // args.mu} samples; micro-batch {args.micro_batch} × {args.n_mc} pairs",
+             f"  rollout: {args.num_steps}-step {args.solver} ODE, grid {[round(float(s), 4) for s in run.sigmas[:3]]}…"
+             f"; NFE/sample old {args.num_steps}+{args.n_mc}, θ {args.n_mc}",
+             f"  surrogate: {args.parameterization}-pred, adaptive={args.adaptive_weighting}, "
+             f"stratified={args.stratified}, sharing={args.pair_sharing}",
+             f"  controls: clip ε={args.clip_eps or 'off'}, KL β={args.kl_coef or 'off'}, "
+             f"soft-clip η={args.soft_clip_eta or 'off'}; prompts {len(run.train_prompts)} train / "
              f"{len(run.eval_prompts)} eval"]
-    origin = getattr(a, "origin", {})
-    changed = [f for f in dataclasses.fields(Args) if getattr(a, f.name) != f.default and f.name in origin]
+    origin = getattr(args, "origin", {})
+    changed = [f for f in dataclasses.fields(Args) if getattr(args, f.name) != f.default and f.name in origin]
     if changed:
         lines.append("  set by presets or flags (others: `--help` shows each default and its source):")
-        lines += [f"    {f.name} = {getattr(a, f.name)!r}  ← {origin[f.name]}" for f in changed]
+        lines += [f"    {f.name} = {getattr(args, f.name)!r}  ← {origin[f.name]}" for f in changed]
     return "\n".join(lines)
 
 
