@@ -70,7 +70,8 @@ CONTENTS (top-down, as the algorithm box reads; §2–§6 are the pure math)
     §1  imports, ConfigError         §6  GRPO loss and diagnostics
     §2  flow-matching math           §7  rewards: the contract, the models, the aggregate
     §3  ODE samplers                 §8  models: loading, SD3/FLUX adapters, LoRA
-    §4  group-relative advantages    §9  the loop: setup, iteration, evaluation, checkpoints, torchrun
+    §4  group-relative advantages    §9  the loop: setup, iteration, evaluation, checkpoints,
+                                         torchrun
     §5  stratified pairs + surrogate §10 configuration (Args, presets, CLI), banner, main()
 """
 
@@ -126,7 +127,7 @@ def interpolate(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.T
 
 
 def x0_from_v(x_t: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x̂0 = x_t − t·v̂ (the x-prediction reparameterisation of paper P6). Shapes (M, *D), t (M,)."""
+    """x̂0 = x_t − t·v̂ (the x-prediction reparameterisation of paper P6). (M, *D), t (M,)."""
     return x_t - bcast(t, x_t) * v
 
 
@@ -143,7 +144,8 @@ def time_shift(s: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * s / (1 + (shift - 1) * s)
 
 
-def sigma_grid(num_steps: int, shift: float = 1.0, sigma_min: Optional[float] = None) -> torch.Tensor:
+def sigma_grid(num_steps: int, shift: float = 1.0,
+               sigma_min: Optional[float] = None) -> torch.Tensor:
     """A rollout grid: K + 1 decreasing times from 1 to exactly 0 (float64, CPU).
 
     sigma_min=None: K equal steps of the unshifted time, linspace(1, 0, K + 1), then time-shifted.
@@ -162,13 +164,15 @@ def pack_latents(lat: torch.Tensor) -> torch.Tensor:
     """FLUX's 2×2 patch packing: (B, C, H, W) → (B, (H/2)·(W/2), 4C), row-major over patches.
     A pure permutation, so Gaussian noise and per-element means are the same in both layouts."""
     B, C, H, W = lat.shape
-    return lat.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // 2) * (W // 2), 4 * C)
+    patches = lat.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5)  # B, H/2, W/2, C, 2, 2
+    return patches.reshape(B, (H // 2) * (W // 2), 4 * C)
 
 
 def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
     """Inverse of pack_latents: (B, (H/2)·(W/2), 4C) → (B, C, H, W)."""
     B, _, C4 = x.shape
-    return x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, C4 // 4, H, W)
+    patches = x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # B, C, H/2, 2, W/2, 2
+    return patches.reshape(B, C4 // 4, H, W)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,7 +181,8 @@ def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
 #     replaced by the surrogate of §5, so any deterministic solver works for rollouts.
 #     `velocity_fn(x, t, cond) -> v` with x (M, *D), t (M,) — the model or an analytic field.
 # ------------------------------------------------------------------------------------------------
-def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor, cond=None) -> torch.Tensor:
+def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
+                 cond=None) -> torch.Tensor:
     """Euler solve of dx/dt = v(x, t) from t = sigmas[0] (= 1) down to sigmas[-1] (= 0).
 
     Args:
@@ -196,7 +201,8 @@ def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor, 
     return x.to(x1.dtype)
 
 
-def dpmpp2m_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor, cond=None) -> torch.Tensor:
+def dpmpp2m_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
+                   cond=None) -> torch.Tensor:
     """DPM-Solver++(2M), the 2nd-order multistep data-prediction solver, for rectified flow.
 
     With α_t = 1 − t, σ_t = t, λ = log(α/σ), h = λ_{k+1} − λ_k and x̂0 = x − t·v̂:
@@ -287,8 +293,8 @@ def _adv_stats(adv: torch.Tensor, ok: torch.Tensor) -> dict:
 def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
     """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3].
 
-    rewards: (R, P, G) training-scaled rewards of R rewards; weights: (R,). A sample with any non-finite
-    component is dropped. kw: as group_advantages (global_std, std_eps, clamp, eta).
+    rewards: (R, P, G) training-scaled values of R rewards; weights: (R,). A sample with any
+    non-finite component is dropped. kw: as group_advantages (global_std, std_eps, clamp, eta).
     Returns group_advantages(Σ_k w_k r_k): (P, G) and stats.
     """
     total = (weights.float().view(-1, 1, 1) * rewards.float()).sum(dim=0)             # (P, G)
@@ -308,7 +314,7 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
     """
     r = rewards.float()
     ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
-    r = torch.where(ok, r, torch.full_like(r, float("nan")))                           # drop whole sample
+    r = torch.where(ok, r, torch.full_like(r, float("nan")))                 # drop whole sample
     w = weights.float() / weights.float().sum().clamp(min=1e-12)                        # (R,)
     parts = [group_advantages(rk, global_std=global_std, std_eps=std_eps, clamp=math.inf, eta=0.0,
                               unbiased=True)[0] for rk in r]
@@ -379,14 +385,16 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
     else:
         idx = torch.randint(len(grid), (n_scopes, n_mc), generator=generator)      # (n_scopes, J)
     t = grid[idx].float()                                                   # (n_scopes, J)
-    eps = torch.randn((n_scopes, n_mc) + tuple(latent_shape), generator=generator)  # (n_scopes, J, *D)
+    eps = torch.randn((n_scopes, n_mc) + tuple(latent_shape),
+                      generator=generator)                                  # (n_scopes, J, *D)
     return Pairs(t=t, eps=eps, index=index.cpu().long())
 
 
-def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor, *,
+def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor,
+                            t: torch.Tensor, *,
                             parameterization: str = "x", adaptive: bool = True,
                             mae_floor: float = 1e-5) -> torch.Tensor:
-    """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)).   [paper P6, P7]
+    """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)). [paper P6, P7]
 
     e is the prediction error in the chosen space (§2): with x-prediction e = x̂0 − x0 =
     −t·(v̂ − (ε − x0)). The official code: `x0_pred = z − σ·pred; s = −mean((x0_pred − x0)²);
@@ -395,9 +403,11 @@ def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.T
         v_pred: (M, *D) network velocity at z = (1 − t)·x0 + t·ε (any dtype).
         x0: (M, *D) rollout latents; eps: (M, *D) pair noises; t: (M,) pair times.
     Returns: s (M,) fp32, differentiable through v_pred only.
-    Reference form: for m: e = scale(t[m])*(v_pred[m] − eps[m] + x0[m]); s[m] = −(e**2).mean()/max(|e|.mean(), floor)
+    Reference form: for m: e = scale(t[m])*(v_pred[m] − eps[m] + x0[m]);
+                           s[m] = −(e**2).mean() / max(|e|.mean(), floor)
     """
-    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * (v_pred.float() - (eps.float() - x0.float()))
+    v_err = v_pred.float() - (eps.float() - x0.float())                     # v̂ − v, (M, *D)
+    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err
     mse = err.square().flatten(1).mean(dim=1)                                 # (M,)
     if not adaptive:
         return -mse
@@ -471,7 +481,8 @@ def xspace_kl(x0_hat: torch.Tensor, x0_hat_old: torch.Tensor) -> torch.Tensor:
     return (x0_hat.float() - x0_hat_old.detach().float()).square().flatten(2).mean(dim=2)
 
 
-def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *, clip_eps: float = 0.0,
+def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
+               clip_eps: float = 0.0,
                kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0):
     """V-GRPO policy loss for m samples (mean over samples; minimise it).
 
@@ -506,7 +517,8 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *, c
         kl_mean = kl.float().mean()
         loss = loss + kl_coef * kl.float().mean(dim=1).mean()
     stats = {"ratio": ratio.mean().detach(), "abs_log_ratio": log_ratio.abs().mean().detach(),
-             "clip_frac": clipped.mean().detach(), "approx_kl": (0.5 * log_ratio.square()).mean().detach(),
+             "clip_frac": clipped.mean().detach(),
+             "approx_kl": (0.5 * log_ratio.square()).mean().detach(),
              "kl_x": kl_mean.detach()}
     return loss, stats
 
@@ -531,13 +543,15 @@ def _fetch(location: str, flag: str) -> str:
     try:
         return hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]))
     except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
-        raise ConfigError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a machine "
-                           f"with access (`huggingface-cli download {'/'.join(parts[:2])} {'/'.join(parts[2:])}`) "
+        repo, file = "/".join(parts[:2]), "/".join(parts[2:])
+        raise ConfigError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a "
+                          f"machine with access (`huggingface-cli download {repo} {file}`) "
                            f"and pass `{flag} /path/to/file`.") from e
 
 
 def _features(out) -> torch.Tensor:
-    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling [peer X10]."""
+    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling
+    [peer X10]."""
     return out if torch.is_tensor(out) else out.pooler_output
 
 
@@ -574,7 +588,9 @@ class PickScoreReward:
         # sizes are dicts in transformers 4.x and SizeDict objects in 5.x
         get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
         size = get(ip.size, "shortest_edge") or get(ip.size, "height")
-        crop = ip.crop_size if not isinstance(ip.crop_size, int) else {"height": ip.crop_size, "width": ip.crop_size}
+        crop = ip.crop_size
+        if isinstance(crop, int):
+            crop = {"height": crop, "width": crop}
         self.size, self.crop = int(size), (int(get(crop, "height")), int(get(crop, "width")))
         self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
@@ -588,7 +604,8 @@ class PickScoreReward:
         try:
             proc = AutoProcessor.from_pretrained(processor)
         except (OSError, EnvironmentError) as e:
-            raise ConfigError(_offline_hint(f"the {cls.name} processor", processor, cls.flags[1])) from e
+            hint = _offline_hint(f"the {cls.name} processor", processor, cls.flags[1])
+            raise ConfigError(hint) from e
         try:
             net = AutoModel.from_pretrained(model)
         except (OSError, EnvironmentError) as e:
@@ -600,7 +617,7 @@ class PickScoreReward:
         x = images.to(self.device, torch.float32)
         h, w = x.shape[-2:]
         scale = self.size / min(h, w)
-        nh, nw = max(self.size, int(h * scale)), max(self.size, int(w * scale))     # HF floors the long side
+        nh, nw = max(self.size, int(h * scale)), max(self.size, int(w * scale))  # HF floors
         x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
         top, left = (nh - self.crop[0]) // 2, (nw - self.crop[1]) // 2
         x = x[..., top:top + self.crop[0], left:left + self.crop[1]]
@@ -639,8 +656,9 @@ class AestheticReward(PickScoreReward):
     def make_head() -> torch.nn.Module:
         """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
         m = torch.nn.Module()
-        m.layers = torch.nn.Sequential(torch.nn.Linear(768, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128),
-                                       torch.nn.Dropout(0.2), torch.nn.Linear(128, 64), torch.nn.Dropout(0.1),
+        nn = torch.nn
+        m.layers = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128),
+                                 nn.Dropout(0.2), nn.Linear(128, 64), nn.Dropout(0.1),
                                        torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
         m.forward = m.layers.forward
         return m
@@ -678,11 +696,13 @@ class HPSv2Reward:
         if arch.endswith(".json"):
             open_clip.add_model_config(arch)
             arch = Path(arch).stem
-        ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu", weights_only=False)
+        ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
+                          weights_only=False)
         model = open_clip.create_model(arch, pretrained=None)
         model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
         size = model.visual.image_size
-        return cls(model, open_clip.get_tokenizer(arch), device, dtype, size if isinstance(size, int) else size[0])
+        size = size if isinstance(size, int) else size[0]
+        return cls(model, open_clip.get_tokenizer(arch), device, dtype, size)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         x = images.to(self.device, torch.float32)
@@ -691,13 +711,15 @@ class HPSv2Reward:
         nh, nw = round(h * scale), round(w * scale)
         x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
         top, left = (self.size - nh) // 2, (self.size - nw) // 2
-        x = F.pad(x, (left, self.size - nw - left, top, self.size - nh - top), value=0.0)   # black bars
+        pad = (left, self.size - nw - left, top, self.size - nh - top)
+        x = F.pad(x, pad, value=0.0)                                         # black bars
         return ((x - self.mean) / self.std).to(self.dtype)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         img = self.model.encode_image(self.preprocess(images), normalize=True).float()
-        txt = self.model.encode_text(self.tokenizer(prompts).to(self.device), normalize=True).float()
+        tokens = self.tokenizer(prompts).to(self.device)
+        txt = self.model.encode_text(tokens, normalize=True).float()
         return (img * txt).sum(-1).cpu()
 
 
@@ -717,19 +739,20 @@ class ImageRewardReward:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-        return torch.tensor([float(self.model.score(p, Image.fromarray(im.numpy()))) for p, im in zip(prompts, u8)])
+        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+        pil = [Image.fromarray(im.numpy()) for im in u8.permute(0, 2, 3, 1)]
+        return torch.tensor([float(self.model.score(p, im)) for p, im in zip(prompts, pil)])
 
 
 class PluginReward:
-    """A user's `module.path:function` with signature (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
+    """A user's `module.path:function`: (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
     train_scale, unit = 1.0, "raw"
 
     def __init__(self, spec: str):
         import importlib
         module, _, fn = spec.partition(":")
         if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())             # so `examples.custom_reward:fn` works from the repo
+            sys.path.insert(0, os.getcwd())   # so `examples.custom_reward:fn` works from the repo
         try:
             mod = importlib.import_module(module)
         except ImportError as e:
@@ -807,7 +830,8 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
     if name == "clipscore":
         return CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype)
     if name == "aesthetic":
-        return AestheticReward.load(args.clip_model, args.clip_model, device, dtype, args.aesthetic_weights)
+        return AestheticReward.load(args.clip_model, args.clip_model, device, dtype,
+                                    args.aesthetic_weights)
     if name == "hpsv2":
         return HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
     if name == "imagereward":
@@ -834,7 +858,9 @@ class Rewards:
         return self
 
     def unit(self, terms) -> str:
-        return self.models[terms[0][0]].unit if len(terms) == 1 else "weighted sum of training-scaled rewards"
+        if len(terms) == 1:
+            return self.models[terms[0][0]].unit
+        return "weighted sum of training-scaled rewards"
 
     def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
         return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
@@ -844,7 +870,7 @@ class Rewards:
         return torch.stack([raw[n] * self.models[n].train_scale for n, _ in terms])
 
     def summary(self, raw: dict, terms) -> torch.Tensor:
-        """The headline number: the raw reward when there is one, else Σ_k w_k·raw_k·train_scale_k."""
+        """The headline number: the raw reward when there is one, else Σ_k w_k·raw_k·scale_k."""
         if len(terms) == 1:
             return raw[terms[0][0]]
         w = torch.tensor([wt for _, wt in terms])
@@ -872,12 +898,13 @@ def model_family(name: str) -> str:
         return "flux" if TINY_MODELS[name] == "FluxPipeline" else "sd3"
     index = Path(name, "model_index.json")
     if index.is_file():
-        return "flux" if json.loads(index.read_text()).get("_class_name") == "FluxPipeline" else "sd3"
+        cls_name = json.loads(index.read_text()).get("_class_name")
+        return "flux" if cls_name == "FluxPipeline" else "sd3"
     return "flux" if "flux" in MODEL_ALIASES.get(name, name).lower() else "sd3"
 
 
 def _quiet_hf():
-    """Silence the per-load progress bars of diffusers/transformers (our own bar is the one to read)."""
+    """Silence the per-load progress bars of diffusers/transformers (ours is the one to read)."""
     import diffusers
     import transformers
     diffusers.utils.logging.disable_progress_bar()
@@ -887,7 +914,7 @@ def _quiet_hf():
 
 
 def resolve_model(name: str) -> str:
-    """'tiny' | alias | local diffusers dir | hub id → what from_pretrained gets. Raises ValueError."""
+    """'tiny' | alias | local diffusers dir | hub id → what from_pretrained gets."""
     if name in TINY_MODELS or os.path.isdir(name):
         return name
     if name in MODEL_ALIASES:
@@ -895,8 +922,9 @@ def resolve_model(name: str) -> str:
     parts = name.split("/")
     if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
         return name                                                  # looks like owner/name
-    raise ConfigError(f"unknown model {name!r}: use an alias ({', '.join([*TINY_MODELS, *MODEL_ALIASES])}), "
-                     "a hub id such as stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
+    aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES])
+    raise ConfigError(f"unknown model {name!r}: use an alias ({aliases}), a hub id such as "
+                      "stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
 
 
 def _offline_hint(what: str, location: str, flag: str) -> str:
@@ -919,7 +947,8 @@ def check_local_pipeline(location: str) -> tuple[str, dict]:
         raise ConfigError(f"--model {location!r}: model_index.json is unreadable ({e})") from None
     cls_name = spec.get("_class_name")
     if cls_name not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"--model {location!r} holds a {cls_name}; supported: {SUPPORTED_PIPELINES}")
+        raise ConfigError(f"--model {location!r} holds a {cls_name}; "
+                          f"supported: {SUPPORTED_PIPELINES}")
     null = {k: None for k, v in spec.items()
             if not k.startswith("_") and (v is None or (isinstance(v, list) and None in v))}
     for k, v in spec.items():
@@ -953,12 +982,15 @@ def load_pipeline(name: str, dtype: torch.dtype):
         except (OSError, EnvironmentError) as e:
             raise ConfigError(_offline_hint("the model", location, "--model")) from e
         if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-            raise ConfigError(f"{location!r} is a {type(pipe).__name__}; supported: {SUPPORTED_PIPELINES}")
-    parts = [getattr(pipe, n, None) for n in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")]
+            raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
+                              f"supported: {SUPPORTED_PIPELINES}")
+    parts = [getattr(pipe, n, None) for n in ("transformer", "vae", "text_encoder",
+                                              "text_encoder_2", "text_encoder_3")]
     for m in parts:
         if m is not None:
             m.requires_grad_(False).eval()
-    # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs band).
+    # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs
+    # band).
     # Explicit casts also work around a diffusers loading bug that can leave the transformer in
     # fp32 when a bf16 dtype is requested [peer X11].
     for m in parts:
@@ -1018,8 +1050,10 @@ class SD3Adapter:
             return self._encode(prompts)
         missing = [p for p in prompts if p not in self._cache]
         if missing:
-            raise ConfigError(f"prompt not among the cached embeddings (--offload_text_encoders): {missing[0]!r}")
-        return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device) for k in self._cache[prompts[0]]}
+            raise ConfigError("prompt not among the cached embeddings (--offload_text_encoders): "
+                              f"{missing[0]!r}")
+        return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device)
+                for k in self._cache[prompts[0]]}
 
     @torch.no_grad()
     def cache_prompts(self, prompts: list[str], batch: int = 16) -> None:
@@ -1041,9 +1075,9 @@ class SD3Adapter:
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
         """CFG-free conditioning [paper P11]: prompt_embeds (B, 77 + L, 4096), pooled (B, 2048)."""
-        pe, _, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None,
-                                                   device=self.device, do_classifier_free_guidance=False,
-                                                   max_sequence_length=self.L)
+        pe, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
+            do_classifier_free_guidance=False, max_sequence_length=self.L)
         return {"prompt_embeds": pe, "pooled": pooled}
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
@@ -1061,45 +1095,47 @@ class SD3Adapter:
         return (self.vae.decode(z).sample.float() / 2 + 0.5).clamp(0, 1)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The model's own rollout grid (K + 1,) ending in 0, from its scheduler (shift 3 for SD3.5)."""
+        """The model's own rollout grid (K + 1,) ending in 0, from its scheduler (SD3.5: shift 3)."""
         sched = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         sched.set_timesteps(num_steps)
         return sched.sigmas.detach().double().cpu()
 
     def save_lora(self, folder: str, state: dict, lora_config) -> None:
-        """Write the LoRA in diffusers' format: StableDiffusion3Pipeline.load_lora_weights(folder)."""
+        """Write the LoRA in diffusers' format (StableDiffusion3Pipeline.load_lora_weights)."""
         type(self.pipe).save_lora_weights(folder, transformer_lora_layers=state,
                                           transformer_lora_adapter_metadata=lora_config.to_dict())
 
 
 class FluxAdapter(SD3Adapter):
-    """FLUX.1: packed latents with image ids, t in [0, 1], the guidance embedding, a fixed shifted grid."""
+    """FLUX.1: packed latents with image ids, t in [0, 1], the guidance embedding, a fixed
+    shifted grid."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int, guidance: float = 3.5,
                  shift: float = 3.0):
         super().__init__(pipe, device, max_sequence_length)
         self.guidance, self.shift = guidance, shift
-        self.C = self.transformer.config.in_channels // 4                            # 16 latent channels
+        self.C = self.transformer.config.in_channels // 4                  # 16 latent channels
         self.txt_ids = torch.zeros(max_sequence_length, 3, device=device)
 
     def latent_shape(self, resolution: int) -> tuple:
-        r = resolution // self.vae_scale                                              # latent side (even)
+        r = resolution // self.vae_scale                                    # latent side (even)
         return ((r // 2) * (r // 2), 4 * self.C)                                      # (seq, 64)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
         """prompt_embeds (B, L, 4096) from T5, pooled (B, 768) from CLIP-L."""
-        pe, pooled, txt_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
-                                                      max_sequence_length=self.L)
+        pe, pooled, txt_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None,
+                                                      device=self.device, max_sequence_length=self.L)
         self.txt_ids = txt_ids
         return {"prompt_embeds": pe, "pooled": pooled}
 
     def _img_ids(self, seq: int) -> torch.Tensor:
-        """(seq, 3) rows [0, row, col] of the packed latent grid; built once per size, not per NFE."""
+        """(seq, 3) rows [0, row, col] of the packed latent grid; built once per size."""
         if getattr(self, "_ids", None) is None or self._ids.shape[0] != seq:
-            s = math.isqrt(seq)                                                       # square images
+            s = math.isqrt(seq)                                             # square images
             rows, cols = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
-            self._ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(seq, 3).to(self.device)
+            ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1)
+            self._ids = ids.reshape(seq, 3).to(self.device)
         return self._ids
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
@@ -1108,8 +1144,9 @@ class FluxAdapter(SD3Adapter):
         g = (torch.full((x.shape[0],), self.guidance, device=x.device, dtype=dt)
              if self.transformer.config.guidance_embeds else None)
         return self.transformer(hidden_states=x.to(dt), timestep=t.to(dt), guidance=g,
-                                pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
-                                txt_ids=self.txt_ids, img_ids=self._img_ids(x.shape[1]), return_dict=False)[0]
+                                pooled_projections=cond["pooled"],
+                                encoder_hidden_states=cond["prompt_embeds"], txt_ids=self.txt_ids,
+                                img_ids=self._img_ids(x.shape[1]), return_dict=False)[0]
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -1253,7 +1290,8 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
     """(train, eval) prompt lists: --prompts / --eval_prompts files, or the built-in set."""
     def read(path, flag):
         if os.path.isdir(path):
-            raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt per line")
+            raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt "
+                              "per line")
         if not os.path.isfile(path):
             raise ConfigError(f"{flag} {path!r}: prompt file does not exist")
         try:
@@ -1265,12 +1303,14 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
             raise ConfigError(f"{flag} {path!r} cannot be read ({e.strerror})") from None
         lines = [l for l in (l.strip() for l in text.splitlines()) if l]
         if not lines:
-            raise ConfigError(f"{flag} {path!r}: prompt file holds no prompts (one per line expected)")
+            raise ConfigError(f"{flag} {path!r}: prompt file holds no prompts (one per line "
+                              "expected)")
         return lines
 
     if args.prompts is None:
         allp = BUILTIN_PROMPTS.strip().splitlines()
-        train, held = [p for i, p in enumerate(allp) if i % 5], [p for i, p in enumerate(allp) if not i % 5]
+        train = [p for i, p in enumerate(allp) if i % 5]
+        held = [p for i, p in enumerate(allp) if not i % 5]
     else:
         allp = read(args.prompts, "--prompts")
         n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
@@ -1303,13 +1343,14 @@ def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: t
     out = []
     for rows in torch.arange(len(x1)).split(batch):
         with ctx:
-            out.append(SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows])).float())
+            x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
+            out.append(x0.float())
     return torch.cat(out)
 
 
 @torch.no_grad()
-def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor, prompts: list[str], batch: int,
-          keep_images: bool = False, ctx=None):
+def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
+                      prompts: list[str], batch: int, keep_images: bool = False, ctx=None):
     """Decode once and score with every named reward, in chunks of `batch` images; the VAE decodes
     in fp32, or under `ctx` (the compute-dtype autocast) if given.
     Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
@@ -1338,7 +1379,7 @@ def save_grid(images_u8: torch.Tensor, path: Path) -> None:
     Image.fromarray(canvas.permute(1, 2, 0).numpy()).save(path)
 
 
-# ---- checkpoints: written to a temp folder and renamed, so a crash never leaves half a checkpoint ---
+# ---- checkpoints: written to a temp folder and renamed, so a crash never leaves half of one -----
 CKPT_STATE = "trainer_state.pt"
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -1392,7 +1433,8 @@ def checkpoint_config(path: str) -> dict:
     try:
         return json.loads((ckpt / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete ({type(e).__name__}: {e}); "
+        raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
+                          f"({type(e).__name__}: {e}); "
                          "pick another with --resume") from e
 
 
@@ -1454,7 +1496,8 @@ def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optim
 def load_trainable(adapter, ckpt: Path, full: bool) -> None:
     """Load trained weights back into the live transformer (the inverse of save_checkpoint)."""
     if full:
-        src = type(adapter.transformer).from_pretrained(ckpt / "transformer", torch_dtype=torch.float32)
+        src = type(adapter.transformer).from_pretrained(ckpt / "transformer",
+                                                        torch_dtype=torch.float32)
         adapter.transformer.load_state_dict(src.state_dict())
         return
     from peft.utils import set_peft_model_state_dict
@@ -1462,10 +1505,11 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
     sd = {k.removeprefix("transformer."): v for k, v in load_file(str(ckpt / LORA_FILE)).items()}
     res = set_peft_model_state_dict(adapter.transformer, sd)
     if getattr(res, "unexpected_keys", None):
-        raise ConfigError(f"checkpoint {str(ckpt)!r} does not match this model: {res.unexpected_keys[:3]}")
+        raise ConfigError(f"checkpoint {str(ckpt)!r} does not match this model: "
+                          f"{res.unexpected_keys[:3]}")
 
 
-def setup_device(args: Args, local_rank: int = 0) -> tuple[torch.device, torch.dtype, contextlib.AbstractContextManager]:
+def setup_device(args: Args, local_rank: int = 0) -> tuple:
     """Device, compute dtype and the one autocast context used for every model call."""
     if args.device == "auto":
         dev = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -1477,7 +1521,7 @@ def setup_device(args: Args, local_rank: int = 0) -> tuple[torch.device, torch.d
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-        torch.backends.cuda.matmul.allow_tf32 = True      # fp32 matmuls (surrogate math) on tensor cores
+        torch.backends.cuda.matmul.allow_tf32 = True   # fp32 matmuls (surrogate math): tensor cores
         torch.backends.cudnn.allow_tf32 = True
     # SDPA kernels: the process-wide switches (not a context manager), so that gradient
     # checkpointing's recompute in backward uses the same kernel as the forward. Reset every setup.
@@ -1489,23 +1533,26 @@ def setup_device(args: Args, local_rank: int = 0) -> tuple[torch.device, torch.d
         # FLUX.1-dev (head dim 128) on an H200 with torch 2.11 ("mha_graph.execute(...).is_good()").
         enable(name == args.attention_backend if args.attention_backend != "auto"
                else not (name == "cudnn" and dev.type == "cuda"))
-    ctx = torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    ctx = (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
+           else contextlib.nullcontext())
     return dev, dtype, ctx
 
 
-# ---- data parallelism: `torchrun --nproc_per_node=N vgrpo.py ...` ------------------------------------
-# nanoGPT's pattern: WORLD_SIZE > 1 in the environment ⇒ torch.distributed (NCCL on GPUs, gloo on CPU).
-# Every rank draws the same global prompts, noise and pairs from the (seed, iteration) generators and
-# works on its own contiguous slice of whole groups; rewards are all-gathered so advantages (global
-# std included) are computed on the global batch; gradients of the trainable parameters are averaged
-# with all_reduce before clipping. One rank then computes exactly what a single process would.
+# ---- data parallelism: `torchrun --nproc_per_node=N vgrpo.py ...` ------------------------------
+# nanoGPT's pattern: WORLD_SIZE > 1 in the environment ⇒ torch.distributed (NCCL on GPUs, gloo on
+# CPU). Every rank draws the same global prompts, noise and pairs from the (seed, iteration)
+# generators and works on its own contiguous slice of whole groups (Shard); rewards are
+# all-gathered so advantages (global std included) are computed on the global batch; gradients of
+# the trainable parameters are averaged with all_reduce before clipping. One rank then computes
+# exactly what a single process would.
 def dist_info() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) otherwise."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
 def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate a tensor across ranks along its last dim, in rank order (identity on one process)."""
+    """Concatenate a tensor across ranks along its last dim, in rank order (identity if alone)."""
     if world == 1:
         return x
     import torch.distributed as dist
@@ -1576,7 +1623,7 @@ class Run:
     ctx: object
     sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
     eval_sigmas: torch.Tensor     # (K_eval + 1,)
-    D: tuple                      # latent shape the ODE runs in: (C, H, W) for SD3, (seq, 64) for FLUX
+    D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
     start: int = 0                # first iteration (> 0 when resumed)
     rank: int = 0
     world: int = 1
@@ -1605,7 +1652,7 @@ def make_trainable(tr, args: Args) -> tuple:
     Returns (lora_cfg or None, params, optimizer)."""
     lora_cfg = None
     if args.full_finetune:
-        tr.to(torch.float32).requires_grad_(True)         # fp32 master weights, bf16 autocast compute
+        tr.to(torch.float32).requires_grad_(True)      # fp32 master weights, bf16 autocast compute
     else:
         lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
     if args.gradient_checkpointing:
@@ -1658,7 +1705,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     pipe.to(dev)
     pipe.vae.to(torch.float32)
     adapter = make_adapter(pipe, args, dev)
-    if args.offload_text_encoders:                         # embed every prompt once, free the encoders
+    if args.offload_text_encoders:                   # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
 
     lora_cfg, params, opt = make_trainable(adapter.transformer, args)
@@ -1673,8 +1720,9 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
         for p in params:                                   # identical start on every rank
             dist.broadcast(p.data, src=0)
     sigmas = adapter.sigmas(args.num_steps)
-    return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params, lora_cfg=lora_cfg,
-               train_prompts=train_prompts, eval_prompts=eval_prompts, dev=dev, dtype=dtype, ctx=ctx,
+    return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
+               lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
+               dev=dev, dtype=dtype, ctx=ctx,
                sigmas=sigmas, eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
                D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world,
                scaler=scaler)
@@ -1712,7 +1760,7 @@ def train(args: Args) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
     from tqdm.auto import tqdm
     run_dir = plan_run_dir(args)                           # checked writable, not created yet
-    run = setup(args)                                      # bad input fails here, having written nothing
+    run = setup(args)                              # bad input fails here, having written nothing
     main_rank = run.rank == 0
 
     run_dir = open_run_dir(run, run_dir)
@@ -1732,8 +1780,8 @@ def train(args: Args) -> list[dict]:
         return path
 
     history: list[dict] = []
-    bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations, desc="V-GRPO",
-               unit="it", disable=not main_rank)
+    bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
+               desc="V-GRPO", unit="it", disable=not main_rank)
     try:
         for it in bar:
             if args.eval_every and it % args.eval_every == 0 and it not in done_evals and main_rank:
@@ -1816,16 +1864,17 @@ def _barrier(world: int) -> None:
 
 @torch.no_grad()
 def evaluate(run: Run, it: int) -> dict:
-    """Held-out prompts, one image each from noise that is the same at every evaluation, sampled with
-    eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png and scores every --eval_rewards."""
+    """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
+    with eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png and scores every --eval_rewards."""
     args, ad = run.args, run.adapter
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
     with lora_merged(ad.transformer, args.merge_lora_rollout):
         lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
                       run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
-    raw, imgs = decode_and_reward(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts, args.reward_batch,
-                      keep_images=True, ctx=run.ctx if args.vae_autocast else None)
+    raw, imgs = decode_and_reward(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts,
+                                  args.reward_batch, keep_images=True,
+                                  ctx=run.ctx if args.vae_autocast else None)
     if run.run_dir is not None:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
@@ -2067,7 +2116,8 @@ def iteration_metrics(run: Run, it: int, b: Rollouts, cv: dict, stats_acc: dict,
     vals = torch.stack([v.float().cpu() for v in scal.values()]).tolist()
     host = {k: float(v) for k, v in zip(scal, vals)}
     raw, skipped = b.raw, b.skipped
-    m = {"iter": it, "reward_mean": _finite_mean_std(raw)[0], "reward_std": _finite_mean_std(raw)[1],
+    mean, std = _finite_mean_std(raw)
+    m = {"iter": it, "reward_mean": mean, "reward_std": std,
          "reward_unit": run.rewards.unit(run.rewards.train),
          "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
          "skipped": skipped, **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
@@ -2204,25 +2254,30 @@ class Args:
 # Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
 # minutes; its numbers are our choice, measured on a 2-core machine (README "Quickstart").
 MODEL_PRESETS: dict[str, dict] = {
-    "tiny": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4, group_size=8, gradient_checkpointing=False,
-                 lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
+    "tiny": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32,
+                 prompts_per_iter=4, group_size=8, gradient_checkpointing=False,
+                 lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32,
+                 rollout_batch=32,
                  eval_every=10, save_every=10, n_eval=8),
-    "tiny-flux": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4, group_size=8,
-                      lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
-                      eval_every=10, save_every=10, n_eval=8, reward="jpeg", gradient_checkpointing=False),
+    "tiny-flux": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32,
+                      prompts_per_iter=4, group_size=8, lora_rank=8, lora_alpha=16, lr=1e-2,
+                      iterations=30, micro_batch=32, rollout_batch=32, eval_every=10,
+                      save_every=10, n_eval=8, reward="jpeg", gradient_checkpointing=False),
 }
-FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"   # attention
-                     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"        # double-block FF
+FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"  # attn
+                     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"  # double-block FF
                      "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
 # Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
 # baseline numbers [ours C1–C3, C8, C17], with LoRA (use --full_finetune --lr 1e-5 for theirs).
-FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation", "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
+FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation",
+                     "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
 FAMILY_PRESETS: dict[str, dict] = {
     "sd3": dict(gradient_checkpointing=True, eval_steps=40),
     "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, eval_steps=16,
                  solver="dpmpp2m", group_size=12,
-                 prompts_per_iter=2, mu=4, clip_eps=1e-2, soft_clip_eta=3.0, reward="hpsv2:1,pickscore:1",
-                 reward_aggregation="per_reward", global_std=False, std_eps=1e-8, max_sequence_length=512,
+                 prompts_per_iter=2, mu=4, clip_eps=1e-2, soft_clip_eta=3.0,
+                 reward="hpsv2:1,pickscore:1", reward_aggregation="per_reward", global_std=False,
+                 std_eps=1e-8, max_sequence_length=512,
                  lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
 # "paper" depends on the family: SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
@@ -2237,7 +2292,8 @@ PRESETS: dict[str, dict] = {
                           soft_clip_eta=0.0, iterations=200),   # Stages 2 / 4 (Stage 4: 50 its)
     "ocr-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3, clip_eps=0.0,
                       iterations=30),                           # Stage 5
-    "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1, n_eval=2),
+    "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1,
+                  n_eval=2),
 }
 
 
@@ -2353,7 +2409,8 @@ def banner(run: Run) -> str:
              f"soft-clip η={args.soft_clip_eta or 'off'}; prompts {len(run.train_prompts)} train / "
              f"{len(run.eval_prompts)} eval"]
     origin = getattr(args, "origin", {})
-    changed = [f for f in dataclasses.fields(Args) if getattr(args, f.name) != f.default and f.name in origin]
+    changed = [f for f in dataclasses.fields(Args)
+               if getattr(args, f.name) != f.default and f.name in origin]
     if changed:
         lines.append("  set by presets or flags (others: `--help` shows each default and its source):")
         lines += [f"    {f.name} = {getattr(args, f.name)!r}  ← {origin[f.name]}" for f in changed]
