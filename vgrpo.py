@@ -990,9 +990,8 @@ def load_pipeline(name: str, dtype: torch.dtype):
         if m is not None:
             m.requires_grad_(False).eval()
     # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs
-    # band).
-    # Explicit casts also work around a diffusers loading bug that can leave the transformer in
-    # fp32 when a bf16 dtype is requested [peer X11].
+    # band). Explicit casts also work around a diffusers loading bug that can leave the
+    # transformer in fp32 when a bf16 dtype is requested [peer X11].
     for m in parts:
         want = torch.float32 if m is pipe.vae else dtype
         if m is not None and m.dtype != want:
@@ -1569,30 +1568,15 @@ def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
     return x
 
 
-@dataclass(frozen=True)
 class Shard:
     """This rank's share of the global batch of N = P·G samples: whole groups, contiguous. Every
     rank draws the same global prompts, noise and pairs; this is the one place that slices them."""
-    rank: int
-    world: int
-    P: int                        # prompts per iteration, all ranks
-    G: int                        # group size
 
-    @property
-    def N(self) -> int:
-        return self.P * self.G
-
-    @property
-    def Pl(self) -> int:          # prompts of this rank
-        return self.P // self.world
-
-    @property
-    def Nl(self) -> int:          # samples of this rank
-        return self.N // self.world
-
-    @property
-    def lo(self) -> int:          # first global sample index of this rank
-        return self.rank * self.Nl
+    def __init__(self, rank: int, world: int, P: int, G: int):
+        self.rank, self.world, self.P, self.G = rank, world, P, G
+        self.N = P * G
+        self.Pl, self.Nl = P // world, self.N // world        # prompts and samples of this rank
+        self.lo = rank * self.Nl                             # first global sample index of this rank
 
     def local(self, x):
         """This rank's rows of a global batch-first tensor (N, ...)."""
@@ -1879,10 +1863,7 @@ def evaluate(run: Run, it: int) -> dict:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
     head = run.rewards.summary(raw, run.rewards.eval)
-
-    def finite_stats(r):                                   # non-finite rewards are dropped
-        f = r[torch.isfinite(r)]
-        return (f.mean().item(), f.std(unbiased=False).item()) if len(f) else (math.nan, math.nan)
+    finite_stats = _finite_mean_std                        # non-finite rewards are dropped
 
     ev = {"iter": it, "eval_reward_unit": run.rewards.unit(run.rewards.eval),
           "eval_nfe": len(run.eval_sigmas) - 1,
@@ -2090,6 +2071,7 @@ def iteration(run: Run, it: int) -> dict:
 
 
 def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
+    """Mean and population std of the finite entries of r; (nan, nan) if there are none."""
     f = r[torch.isfinite(r)]
     return ((f.mean().item(), f.std(unbiased=False).item()) if len(f)
             else (float("nan"), float("nan")))
