@@ -23,6 +23,8 @@ import torch
 
 import vgrpo as V
 
+TM = V.tiny_models()                 # examples/tiny_models.py: the offline tiny pipelines
+
 ROOT = Path(__file__).parent
 
 
@@ -265,7 +267,7 @@ def test_loss_equals_slow_reference_loop():
 @pytest.mark.math
 def test_pair_surrogates_equals_per_pair_loop():
     model, x0, c, t, e = _toy_batch(m=3, J=5)
-    s, x0h = V.pair_surrogates(model, x0, c, t, e, return_x0_hat=True)
+    s, x0h = V.pair_surrogates_with_x0(model, x0, c, t, e)
     for n in range(3):
         for j in range(5):
             z = (1 - t[n, j]) * x0[n] + t[n, j] * e[n, j]
@@ -378,7 +380,7 @@ def test_two_iterations_change_lora_and_nothing_else(tmp_path, monkeypatch):
 
 @pytest.mark.trainer
 def test_tiny_pipeline_roundtrips_through_the_hub_loading_path(tmp_path):
-    pipe = V.build_tiny_sd3_pipeline()
+    pipe = TM.build_tiny_sd3_pipeline()
     pipe.save_pretrained(tmp_path / "tiny")
     loaded = V.load_pipeline(str(tmp_path / "tiny"), torch.float32)
     assert type(loaded).__name__ == "StableDiffusion3Pipeline"
@@ -461,7 +463,7 @@ def test_off_policy_controls_run(tmp_path):
 def _tiny_pickscore(folder):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
     folder.mkdir(parents=True, exist_ok=True)
-    tok = V.tiny_clip_tokenizer(str(folder))
+    tok = TM.tiny_clip_tokenizer(str(folder))
     n = len(tok)
     torch.manual_seed(0)
     cfg = CLIPConfig(text_config=dict(vocab_size=n, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -655,7 +657,7 @@ def test_unwritable_run_dir_fails_before_loading(tmp_path, capsys, monkeypatch):
 @pytest.mark.trainer
 def test_local_folder_without_transformer_says_so(tmp_path, capsys):
     import shutil
-    V.build_tiny_sd3_pipeline().save_pretrained(tmp_path / "p")
+    TM.build_tiny_sd3_pipeline().save_pretrained(tmp_path / "p")
     shutil.rmtree(tmp_path / "p" / "transformer")
     _one_line(TINY + ["--model", str(tmp_path / "p")], tmp_path, capsys,
               r"model_index.json lists 'transformer' but there is no transformer/ folder")
@@ -666,6 +668,14 @@ def test_reward_weight_typo_is_an_argument_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
     _one_line(TINY + ["--reward", "pickscore:abc"], tmp_path, capsys,
               r"the weight of 'pickscore' must be a number \(got 'abc'\)")
+
+
+@pytest.mark.trainer
+def test_tiny_model_without_its_builders_is_one_line(tmp_path, capsys, monkeypatch):
+    """vgrpo.py copied alone: --model tiny names the missing examples/tiny_models.py."""
+    monkeypatch.delitem(sys.modules, "vgrpo_tiny_models")
+    monkeypatch.setattr(V, "__file__", str(tmp_path / "vgrpo.py"))
+    _one_line(TINY, tmp_path, capsys, r"--model tiny / tiny-flux needs .*examples/tiny_models.py")
 
 
 @pytest.mark.trainer
@@ -808,14 +818,14 @@ def _readme_block(after: str, nth: int = 0) -> str:
 
 @pytest.mark.math
 def test_math_block_runs_alone(monkeypatch):
-    """The pure math (§3–§8, between the `# === pure math: begin/end ===` markers) lifts out:
+    """The pure math (§2–§6, between the `# === pure math: begin/end ===` markers) lifts out:
     executed from the file text with only the imports the README lists, it runs the README's
     "Use the loss in your own trainer" snippet, with the same loss as `import vgrpo`."""
     text = (ROOT / "vgrpo.py").read_text()
     begin, end = "# === pure math: begin ===", "# === pure math: end ==="
     assert text.count(begin) == 1 and text.count(end) == 1
     block = text[text.index(begin):text.index(end)]
-    assert "# §3" in block and "# §8" in block and "# §9" not in block
+    assert "# §2" in block and "# §6" in block and "# §7" not in block
     tree = ast.parse(block)
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     heading = "## Use the loss in your own trainer"
@@ -1016,7 +1026,7 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
     d = tmp_path / "clip"
     d.mkdir()
-    tok = V.tiny_clip_tokenizer(str(d))
+    tok = TM.tiny_clip_tokenizer(str(d))
     n = len(tok)
     cfg = CLIPConfig(text_config=dict(vocab_size=n, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, max_position_embeddings=77, bos_token_id=n - 2,
@@ -1145,7 +1155,7 @@ def test_flux_packing_roundtrips_and_matches_diffusers():
 @pytest.mark.trainer
 def test_flux_image_ids_match_diffusers():
     from diffusers import FluxPipeline
-    ad = V.FluxAdapter(V.build_tiny_flux_pipeline(), torch.device("cpu"), 32)
+    ad = V.FluxAdapter(TM.build_tiny_flux_pipeline(), torch.device("cpu"), 32)
     torch.testing.assert_close(ad._img_ids(16).float(),
                                FluxPipeline._prepare_latent_image_ids(1, 4, 4, "cpu", torch.float32))
 
@@ -1166,7 +1176,7 @@ def test_flux_defaults_follow_the_paper_protocol():
 
 @pytest.mark.trainer
 def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
-    pipe = V.build_tiny_flux_pipeline()
+    pipe = TM.build_tiny_flux_pipeline()
     pipe.save_pretrained(tmp_path / "flux")
     assert V.model_family(str(tmp_path / "flux")) == "flux"
     loaded = V.load_pipeline(str(tmp_path / "flux"), torch.float32)
@@ -1292,7 +1302,7 @@ def test_flow_grpo_baseline_and_cost_table(tmp_path):
     assert "| Flow-GRPO |" in (out / "table.md").read_text()
     # the saved LoRAs load into a stock pipeline and change its output
     from diffusers import StableDiffusion3Pipeline
-    V.build_tiny_sd3_pipeline().save_pretrained(tmp_path / "base")
+    TM.build_tiny_sd3_pipeline().save_pretrained(tmp_path / "base")
     pipe = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "base"))
     x, t = torch.randn(1, pipe.transformer.config.in_channels, 8, 8), torch.tensor([500.0])
     c = {"encoder_hidden_states": torch.randn(1, 5, pipe.transformer.config.joint_attention_dim),
@@ -1520,7 +1530,7 @@ def test_offloaded_text_encoders_give_the_same_run(tmp_path, monkeypatch):
         for k in ("grad_norm", "surrogate_cv"):
             if k in x:
                 assert x[k] == pytest.approx(y[k], rel=1e-3), (x["iter"], k)
-    ad = V.SD3Adapter(V.build_tiny_sd3_pipeline(), torch.device("cpu"), 32)
+    ad = V.SD3Adapter(TM.build_tiny_sd3_pipeline(), torch.device("cpu"), 32)
     ad.cache_prompts(["a cat", "a dog"])
     with pytest.raises(ValueError, match="not among the cached embeddings"):
         ad.encode(["a bird"])
@@ -1555,7 +1565,7 @@ def test_first_step_ratio_is_one_for_mu_above_one(tmp_path):
 
 @pytest.mark.trainer
 def test_flux_lora_wraps_blocks_not_the_top_level_projection():
-    pipe = V.build_tiny_flux_pipeline()
+    pipe = TM.build_tiny_flux_pipeline()
     V.add_lora(pipe.transformer, 4, 8, V.FLUX_LORA_TARGETS.split(","))
     wrapped = {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A")}
     assert "single_transformer_blocks.0.proj_out" in wrapped and "proj_out" not in wrapped
@@ -1566,7 +1576,7 @@ def test_flux_lora_wraps_blocks_not_the_top_level_projection():
 
 @pytest.mark.trainer
 def test_sd3_folder_saved_without_t5_loads_and_trains(tmp_path):
-    pipe = V.build_tiny_sd3_pipeline()
+    pipe = TM.build_tiny_sd3_pipeline()
     pipe.text_encoder_3, pipe.tokenizer_3 = None, None
     pipe.register_modules(text_encoder_3=None, tokenizer_3=None)
     pipe.save_pretrained(tmp_path / "no_t5")
@@ -1607,7 +1617,7 @@ LEVER = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--gr
 def _lever_run(extra, its=2):
     """setup() on a fresh tiny pipeline with LoRA B ≠ 0 (the default init B = 0 would make a merge
     a no-op), then `its` iterations. Returns (run, metrics)."""
-    run = V.setup(V.parse_args(LEVER + extra), pipe=V.build_tiny_sd3_pipeline())
+    run = V.setup(V.parse_args(LEVER + extra), pipe=TM.build_tiny_sd3_pipeline())
     g = torch.Generator().manual_seed(1)
     for n, p in run.adapter.transformer.named_parameters():
         if "lora_B" in n:
@@ -1712,15 +1722,15 @@ def test_vae_autocast_decodes_in_the_compute_dtype():
     """--vae_autocast: the decode runs under the autocast it is given (bf16 on the CPU here), in
     chunks of --reward_batch; the images stay fp32 in [0, 1] and close to the fp32 decode
     (bf16 has 8 mantissa bits: a few 1e-2 of the [0, 1] pixel range at most on the tiny VAE)."""
-    ad = V.SD3Adapter(V.build_tiny_sd3_pipeline(), torch.device("cpu"), 32)
+    ad = V.SD3Adapter(TM.build_tiny_sd3_pipeline(), torch.device("cpu"), 32)
     lat = torch.randn(5, 16, 8, 8, generator=torch.Generator().manual_seed(3))
     seen = []
     real = ad.decode
     ad.decode = lambda z: (seen.append((len(z), torch.is_autocast_enabled("cpu"))), real(z))[1]
     rw = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
-    raw32, im32 = V.score(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True)
+    raw32, im32 = V.decode_and_reward(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16)
-    raw16, im16 = V.score(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True, ctx=ctx)
+    raw16, im16 = V.decode_and_reward(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True, ctx=ctx)
     assert seen == [(2, False), (2, False), (1, False), (2, True), (2, True), (1, True)]
     assert (im16.float() - im32.float()).abs().max() <= 0.05 * 255
     assert raw16["jpeg"].shape == raw32["jpeg"].shape == (5,)

@@ -17,9 +17,9 @@ on scikit-learn's 8×8 digits; measurements of the full models on a GPU are in r
 What this file IS: a readable reference of the algorithm plus a working trainer for Stable
 Diffusion 3 / 3.5 and FLUX.1 (diffusers) with human-preference rewards (PickScore, HPSv2.1,
 CLIPScore, aesthetic, ImageReward, your own), on one GPU or data-parallel under torchrun, and
-offline tiny models so everything runs on a laptop CPU. What it is NOT: a framework. The math
-(§3–§8) is pure torch and knows nothing of models, rewards or processes, so the loss can be
-copied into any trainer.
+offline tiny models (examples/tiny_models.py) so everything runs on a laptop CPU. What it is
+NOT: a framework. The math (§2–§6) is pure torch and knows nothing of models, rewards or
+processes, so the loss can be copied into any trainer.
 
 Quickstart
     pip install -r requirements.txt
@@ -30,12 +30,12 @@ Quickstart
 
 ALGORITHM (one iteration; "→ §k" points into this file)            [METHOD.md: Algorithm]
     0. θ_old ← θ  (nothing to copy: everything θ_old is needed for is cached in steps 1 and 4)
-    1. rollout: for each of P prompts, G images by a deterministic ODE solve of v_θold  → §4, §9
-    2. rewards r (N = P·G), group-relative advantages A, clamp ±5, soft-clip η·tanh(A/η) → §5, §6
-    3. draw N_MC stratified (t, ε) pairs, shared across the batch (or per group)        → §7
-    4. S_old[n] = mean_j s_θold(o_n; t_j, ε_j), s = −MSE_x / sg(MAE_x)   (no grad)      → §7
+    1. rollout: for each of P prompts, G images by a deterministic ODE solve of v_θold  → §3, §9
+    2. rewards r (N = P·G), group-relative advantages A, clamp ±5, soft-clip η·tanh(A/η) → §7, §4
+    3. draw N_MC stratified (t, ε) pairs, shared across the batch (or per group)        → §5
+    4. S_old[n] = mean_j s_θold(o_n; t_j, ε_j), s = −MSE_x / sg(MAE_x)   (no grad)      → §5
     5. μ optimizer steps over disjoint minibatches:
-          ρ_n = exp(S_θ[n] − S_old[n]);  loss = mean_n max(−A ρ, −A clip(ρ, 1±ε)) + β KL_x → §8
+          ρ_n = exp(S_θ[n] − S_old[n]);  loss = mean_n max(−A ρ, −A clip(ρ, 1±ε)) + β KL_x → §6
     Rollouts carry no per-step log-probs: the whole generation is one atomic action.
 
 NOTATION
@@ -44,6 +44,9 @@ NOTATION
     G             G              int              group size (images per prompt)
     N             —              int              P·G samples per iteration
     J / n_mc      N_MC           int              (t, ε) pairs per sample
+    K / num_steps —              int              ODE steps per rollout (grid of K + 1 times)
+    R             —              int              number of rewards (a weighted list, §7)
+    n_scopes      —              int              independent (t, ε) pair sets (1 = batch-shared)
     x0 / o        o              (N, C, H, W)     rollout result, a clean latent (the "action")
     x1            x_1 / ε        (N, C, H, W)     initial noise of the rollout
     t             t = σ          (...,)           time; 1 = noise, 0 = data
@@ -53,6 +56,7 @@ NOTATION
     S             −L̂(θ | o, c)   (N,)             mean_j s; the stand-in for log π_θ(o | c)
     A             A_i            (N,)             advantage
     ρ / ratio     ρ_i            (N,)             exp(S_θ − S_old), one per sample
+    args          —              Args             the run's configuration (§10); `adv` = A
 
 CONVENTIONS
     * Time: t = σ ∈ [0, 1], t = 1 is pure noise, t = 0 is data; x_t = (1 − t)·x0 + t·ε; the
@@ -60,14 +64,15 @@ CONVENTIONS
     * Losses are minimised; loss = −objective. Reductions over latent elements are MEANS (the
       paper's code does this; a sum would only rescale log ρ by d = C·H·W).
     * All surrogate, ratio and loss arithmetic is fp32, even under bf16 autocast.
-    * Math functions (§3–§8) are pure: tensors in, tensors out, no globals, no .item().
+    * Math functions (§2–§6) are pure: tensors in, tensors out, no globals, no .item().
 
-CONTENTS
-    §1  imports                      §6  group-relative advantages
-    §2  configuration (Args, CLI)    §7  shared stratified pairs + ELBO surrogate
-    §3  flow-matching math           §8  GRPO loss and diagnostics
-    §4  ODE samplers                 §9  models: loading, tiny SD3/FLUX, adapters, LoRA, rewards
-    §5  rewards (interface)          §10 setup, iteration, evaluation, checkpoints, torchrun, main()
+CONTENTS (top-down, as the algorithm box reads; §2–§6 are the pure math)
+    §1  imports, ConfigError         §6  GRPO loss and diagnostics
+    §2  flow-matching math           §7  rewards: the contract, the models, the aggregate
+    §3  ODE samplers                 §8  models: loading, SD3/FLUX adapters, LoRA
+    §4  group-relative advantages    §9  the loop: setup, iteration, evaluation, checkpoints,
+                                         torchrun
+    §5  stratified pairs + surrogate §10 configuration (Args, presets, CLI), banner, main()
 """
 
 # ------------------------------------------------------------------------------------------------
@@ -96,18 +101,2033 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-# ------------------------------------------------------------------------------------------------
-# §2  Configuration. One dataclass is the single source of truth: every field is a CLI flag of
-#     the same name, and its `src` says where the default comes from (a METHOD.md label, or
-#     "our choice").
-#     Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > per-family preset
-#     (FAMILY_PRESETS: SD3 or FLUX) > default.
-# ------------------------------------------------------------------------------------------------
+
 class ConfigError(ValueError):
     """A problem with the user's input or environment (a flag, a file, a model location, a plug-in):
     main() prints it as one line and exits with status 2. Anything else is a bug and tracebacks."""
 
 
+# === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
+# ------------------------------------------------------------------------------------------------
+# §2  Flow-matching math (pure).                                          [peer X8]
+#     Rectified flow: x_t = (1 − t)·x0 + t·ε,  v = dx_t/dt = ε − x0,  t = 1 noise → t = 0 data.
+#     The three "parameterisations" of paper P12 are the same prediction seen in three spaces:
+#         x̂0 − x0 = −t·(v̂ − v)      ε̂ − ε = (1 − t)·(v̂ − v)      (v̂ − v) itself
+#     so an error in x-, ε- or v-space is the v-error times t, (1 − t) or 1.        [peer X6]
+# ------------------------------------------------------------------------------------------------
+def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Reshape per-sample t (M,) to (M, 1, 1, ...) so it broadcasts against `like` (M, *D)."""
+    return t.reshape(t.shape + (1,) * (like.dim() - t.dim()))
+
+
+def interpolate(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 − t)·x0 + t·ε.  x0, eps: (M, *D); t: (M,) in [0, 1]; returns (M, *D)."""
+    tb = bcast(t, x0)
+    return (1 - tb) * x0 + tb * eps
+
+
+def x0_from_v(x_t: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x̂0 = x_t − t·v̂ (the x-prediction reparameterisation of paper P6). (M, *D), t (M,)."""
+    return x_t - bcast(t, x_t) * v
+
+
+PARAM_SCALE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    # error in space p = PARAM_SCALE[p](t) · (v̂ − v), up to sign (squared and |·| drop the sign)
+    "x": lambda t: t,                       # x̂0 − x0 = −t (v̂ − v)          [paper P6]
+    "eps": lambda t: 1 - t,                 # ε̂ − ε  = (1 − t)(v̂ − v)       [paper P12]
+    "v": lambda t: torch.ones_like(t),      # plain flow-matching error       [paper P12]
+}
+
+
+def time_shift(s: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's resolution shift σ = shift·s / (1 + (shift − 1)·s); shift 1 is the identity."""
+    return shift * s / (1 + (shift - 1) * s)
+
+
+def sigma_grid(num_steps: int, shift: float = 1.0,
+               sigma_min: Optional[float] = None) -> torch.Tensor:
+    """A rollout grid: K + 1 decreasing times from 1 to exactly 0 (float64, CPU).
+
+    sigma_min=None: K equal steps of the unshifted time, linspace(1, 0, K + 1), then time-shifted.
+    sigma_min=σ: diffusers' FlowMatchEulerDiscreteScheduler grid — linspace(1, σ, K) shifted, then
+    a terminal 0 appended — with σ = the shifted time of its first training step (a test checks
+    the match). The trainer reads the grid from the model's own scheduler.
+    Returns: (K + 1,) tensor.
+    """
+    if sigma_min is None:
+        return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
+    s = torch.linspace(1.0, sigma_min, num_steps, dtype=torch.float64)
+    return torch.cat([time_shift(s, shift), torch.zeros(1, dtype=torch.float64)])
+
+
+def pack_latents(lat: torch.Tensor) -> torch.Tensor:
+    """FLUX's 2×2 patch packing: (B, C, H, W) → (B, (H/2)·(W/2), 4C), row-major over patches.
+    A pure permutation, so Gaussian noise and per-element means are the same in both layouts."""
+    B, C, H, W = lat.shape
+    patches = lat.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5)  # B, H/2, W/2, C, 2, 2
+    return patches.reshape(B, (H // 2) * (W // 2), 4 * C)
+
+
+def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+    """Inverse of pack_latents: (B, (H/2)·(W/2), 4C) → (B, C, H, W)."""
+    B, _, C4 = x.shape
+    patches = x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # B, C, H/2, 2, W/2, 2
+    return patches.reshape(B, C4 // 4, H, W)
+
+
+# ------------------------------------------------------------------------------------------------
+# §3  Deterministic ODE samplers (pure, given a velocity function).        [paper P1; ours C8]
+#     V-GRPO never needs per-step log-probs: the generation is ONE action whose log-likelihood is
+#     replaced by the surrogate of §5, so any deterministic solver works for rollouts.
+#     `velocity_fn(x, t, cond) -> v` with x (M, *D), t (M,) — the model or an analytic field.
+# ------------------------------------------------------------------------------------------------
+def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
+                 cond=None) -> torch.Tensor:
+    """Euler solve of dx/dt = v(x, t) from t = sigmas[0] (= 1) down to sigmas[-1] (= 0).
+
+    Args:
+        velocity_fn: (x (M, *D), t (M,), cond) -> v (M, *D).
+        x1: (M, *D) initial noise.
+        sigmas: (K + 1,) decreasing grid, CPU tensor or list; K network evaluations.
+    Returns: x0 (M, *D) in x1's dtype.
+    Notes: x_{k+1} = x_k + (σ_{k+1} − σ_k)·v(x_k, σ_k) — diffusers' FlowMatchEuler step.
+    """
+    sig = [float(s) for s in sigmas]          # python floats: no device syncs inside the loop
+    x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
+    for s, s_next in zip(sig[:-1], sig[1:]):
+        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)     # (M,)
+        v = velocity_fn(x.to(x1.dtype), t, cond)
+        x = x + (s_next - s) * v.to(x.dtype)                                       # (M, *D)
+    return x.to(x1.dtype)
+
+
+def dpmpp2m_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
+                   cond=None) -> torch.Tensor:
+    """DPM-Solver++(2M), the 2nd-order multistep data-prediction solver, for rectified flow.
+
+    With α_t = 1 − t, σ_t = t, λ = log(α/σ), h = λ_{k+1} − λ_k and x̂0 = x − t·v̂:
+        x_{k+1} = (σ_{k+1}/σ_k)·x_k + α_{k+1}·(1 − e^{−h})·D_k
+        D_k = x̂0_k                                    (first step, and the final step to t = 0)
+        D_k = (1 + 1/(2r))·x̂0_k − 1/(2r)·x̂0_{k−1},   r = h_{k−1}/h_k          (otherwise)
+    e^{−h} = σ_{k+1}α_k / (σ_k α_{k+1}) is finite even at t = 1 (α = 0, λ = −∞), so the first
+    step is the DDIM step x = (1 − σ')·x̂0 + σ'·x1. One network evaluation per step (K in all).
+    Args/Returns: as euler_sample.
+    """
+    sig = [float(s) for s in sigmas]
+    x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
+    prev_x0, prev_h = None, None
+    for k, (s, s_next) in enumerate(zip(sig[:-1], sig[1:])):
+        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)
+        x0_hat = x - s * velocity_fn(x.to(x1.dtype), t, cond).to(x.dtype)                # (M, *D)
+        if s_next == 0.0:                               # final step: e^{-h} = 0, first order
+            x = x0_hat
+            break
+        alpha, alpha_next = 1.0 - s, 1.0 - s_next
+        exp_neg_h = (s_next * alpha) / (s * alpha_next)
+        h = math.inf if alpha == 0.0 else math.log(alpha_next / s_next) - math.log(alpha / s)
+        if prev_x0 is None or math.isinf(prev_h):       # no usable history → first order
+            d = x0_hat
+        else:
+            r = prev_h / h
+            d = (1 + 1 / (2 * r)) * x0_hat - (1 / (2 * r)) * prev_x0
+        x = (s_next / s) * x + alpha_next * (1 - exp_neg_h) * d
+        prev_x0, prev_h = x0_hat, h
+    return x.to(x1.dtype)
+
+
+SOLVERS = {"euler": euler_sample, "dpmpp2m": dpmpp2m_sample}
+
+
+# ------------------------------------------------------------------------------------------------
+# §4  Group-relative advantages (pure).                       [paper P9; ours C1, C3; Alg. step 2]
+# ------------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps: float = 1e-4,
+                     clamp: float = 5.0, eta: float = 3.0, unbiased: bool = False):
+    """A = soft_clip(clamp((r − mean_group) / (std + std_eps))).
+
+    Args:
+        rewards: (P, G) float; non-finite entries mark dropped samples.
+        global_std: divide by the std of ALL finite rewards of the batch around the BATCH mean
+            (it includes the spread between prompts) instead of each group's own std. This is
+            Flow-GRPO's `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo,
+            flow_grpo/stat_tracking.py: np.std(rewards) + 1e-4, population std), which
+            DiffusionNFT's code base inherits (ours C3).
+        std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
+        clamp: hard clamp |A| ≤ clamp (ours C1; inert at η = 3, kept for parity).
+        eta: soft-clip A ← η·tanh(A/η) (paper P9, Eq. 17 per [source S6]); 0 disables it.
+        unbiased: std divides by n − 1 (torch.std's default, MixGRPO) instead of n (np.std).
+    Returns:
+        adv: (P, G) fp32; 0 for dropped samples and for groups with < 2 finite rewards.
+        stats: dict of detached scalars (mean, std, max |A|, fraction of dropped samples).
+    Notes: |A| ≤ η < clamp after soft-clipping.
+    Reference form: for each group g: m = mean(r[g]); A[g] = (r[g] − m) / (std + std_eps),
+        std = np.std(all finite r) if global_std else np.std(r[g])  (ddof = 1 if unbiased).
+    """
+    r = rewards.float()
+    ok = torch.isfinite(r)                                                   # (P, G)
+    n = ok.sum(dim=1, keepdim=True)                                          # (P, 1)
+    r0 = torch.where(ok, r, torch.zeros_like(r))
+    mean = r0.sum(dim=1, keepdim=True) / n.clamp(min=1)                      # (P, 1)
+    dev = torch.where(ok, r - mean, torch.zeros_like(r))                     # (P, G)
+    ddof = 1 if unbiased else 0
+    if global_std:                                                           # around the batch mean
+        n_all = ok.sum()
+        dev_all = torch.where(ok, r - r0.sum() / n_all.clamp(min=1), torch.zeros_like(r))
+        std = (dev_all.square().sum() / (n_all - ddof).clamp(min=1)).sqrt()  # ()
+    else:
+        std = (dev.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)).sqrt()   # (P, 1)
+    adv = dev / (std + std_eps)
+    adv = adv.clamp(-clamp, clamp)
+    if eta > 0:
+        adv = eta * torch.tanh(adv / eta)
+    adv = torch.where(ok & (n >= 2), adv, torch.zeros_like(adv))
+    return adv, _adv_stats(adv, ok)
+
+
+def _adv_stats(adv: torch.Tensor, ok: torch.Tensor) -> dict:
+    """Detached scalars logged for advantages (P, G) and the finite-reward mask ok (P, G)."""
+    return {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
+            "adv_absmax": adv.abs().max().detach(), "frac_dropped": (~ok).float().mean().detach()}
+
+
+def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
+    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3].
+
+    rewards: (R, P, G) training-scaled values of R rewards; weights: (R,). A sample with any
+    non-finite component is dropped. kw: as group_advantages (global_std, std_eps, clamp, eta).
+    Returns group_advantages(Σ_k w_k r_k): (P, G) and stats.
+    """
+    total = (weights.float().view(-1, 1, 1) * rewards.float()).sum(dim=0)             # (P, G)
+    return group_advantages(total, **kw)
+
+
+def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, global_std: bool = False,
+                          std_eps: float = 1e-8, clamp: float = 5.0, eta: float = 3.0):
+    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3].
+
+    A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w.
+    rewards: (R, P, G); weights: (R,). A sample with any non-finite component is dropped.
+    std_k is the UNBIASED group std, as MixGRPO's `advantage_aggr` computes it with torch.std()
+    (Tencent-Hunyuan/MixGRPO, fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8).
+    Returns (P, G) fp32 advantages and stats.
+    Reference form: A = Σ_k ŵ_k · group_advantages(r_k, clamp=∞, eta=0); then clamp, soft-clip.
+    """
+    r = rewards.float()
+    ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
+    r = torch.where(ok, r, torch.full_like(r, float("nan")))                 # drop whole sample
+    w = weights.float() / weights.float().sum().clamp(min=1e-12)                        # (R,)
+    parts = [group_advantages(rk, global_std=global_std, std_eps=std_eps, clamp=math.inf, eta=0.0,
+                              unbiased=True)[0] for rk in r]
+    adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0).clamp(-clamp, clamp)      # (P, G)
+    if eta > 0:
+        adv = eta * torch.tanh(adv / eta)
+    adv = torch.where(ok, adv, torch.zeros_like(adv))
+    return adv, _adv_stats(adv, ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# §5  Shared, stratified (t, ε) pairs and the ELBO surrogate (pure).          [paper P2–P8]
+#
+#   log π_θ(o | c)  ←  S_θ(o) = (1/J) Σ_j s_θ(o; t_j, ε_j)
+#   s_θ(o; t, ε)    = − mean_d (x̂0 − o)²  /  sg( max(mean_d |x̂0 − o|, floor) ),
+#   x̂0 = z − t·v_θ(z, t, c),  z = (1 − t)·o + t·ε.
+#
+#   Three variance-reduction techniques, each one switch:
+#   (1) group/batch-shared pairs: every member of a group is scored on the SAME (t_j, ε_j), so
+#       differences inside a group reflect the images, not the dice  (pair_sharing);
+#   (2) stratified t: one t per contiguous chunk of the rollout grid       (stratified);
+#   (3) adaptive weighting: the x-space MSE is divided by its own detached MAE, flattening the
+#       orders-of-magnitude spread of loss scale across t                  (adaptive_weighting).
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Pairs:
+    """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4].
+
+    t:     (n_scopes, J) times, n_scopes = number of independent pair sets (1 = batch-wide).
+    eps:   (n_scopes, J, *D) noises.
+    index: (N,) long, which set each of the N samples uses.
+    """
+    t: torch.Tensor
+    eps: torch.Tensor
+    index: torch.Tensor
+
+    def take(self, rows: torch.Tensor):
+        """Pairs of samples `rows` (m,): returns t (m, J), eps (m, J, *D)."""
+        i = self.index[rows]
+        return self.t[i], self.eps[i]
+
+
+def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.Tensor, *,
+               stratified: bool = True, generator: Optional[torch.Generator] = None) -> Pairs:
+    """Draw J = n_mc (t, ε) pairs for each of n_scopes = index.max() + 1
+    sharing scopes.
+
+    Args:
+        grid: (K,) candidate times — the rollout sigma grid WITHOUT its terminal 0 (at t = 0 the
+            error vanishes and the MAE normalisation is 0/0)                 [ours C5].
+        n_mc: J, pairs per sample (N_MC).
+        latent_shape: D = (C, H, W) of one latent.
+        index: (N,) long, the scope of each sample: zeros = batch-wide sharing (the paper's code,
+            `grpo_init_same="batch"`), sample // G = per group (the paper's text), arange(N) = none.
+        stratified: split the grid into J contiguous, (near-)equal chunks (torch.tensor_split) and
+            pick one grid point uniformly inside each; else J uniform picks from the whole grid.
+        generator: CPU generator; the pairs are drawn on the CPU so they do not depend on device.
+    Returns: Pairs with t (n_scopes, J) float32 and eps (n_scopes, J, *D) float32, on the CPU.
+    """
+    grid = torch.as_tensor(grid, dtype=torch.float64).flatten()
+    n_scopes = int(index.max()) + 1
+    if stratified:
+        chunks = torch.tensor_split(torch.arange(len(grid)), n_mc)          # J chunks of indices
+        lo = torch.tensor([int(c[0]) for c in chunks])                      # (J,) first index
+        size = torch.tensor([len(c) for c in chunks])                       # (J,) chunk length
+        u = torch.rand(n_scopes, n_mc, generator=generator, dtype=torch.float64)   # (n_scopes, J)
+        idx = lo + (u * size).long().clamp(max=size - 1)                    # (n_scopes, J)
+    else:
+        idx = torch.randint(len(grid), (n_scopes, n_mc), generator=generator)      # (n_scopes, J)
+    t = grid[idx].float()                                                   # (n_scopes, J)
+    eps = torch.randn((n_scopes, n_mc) + tuple(latent_shape),
+                      generator=generator)                                  # (n_scopes, J, *D)
+    return Pairs(t=t, eps=eps, index=index.cpu().long())
+
+
+def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor,
+                            t: torch.Tensor, *,
+                            parameterization: str = "x", adaptive: bool = True,
+                            mae_floor: float = 1e-5) -> torch.Tensor:
+    """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)). [paper P6, P7]
+
+    e is the prediction error in the chosen space (§2): with x-prediction e = x̂0 − x0 =
+    −t·(v̂ − (ε − x0)). The official code: `x0_pred = z − σ·pred; s = −mean((x0_pred − x0)²);
+    s = s / mean(|x0_pred.detach() − x0|)` [paper P7]. adaptive=False returns −‖e‖²_mean.
+    Args:
+        v_pred: (M, *D) network velocity at z = (1 − t)·x0 + t·ε (any dtype).
+        x0: (M, *D) rollout latents; eps: (M, *D) pair noises; t: (M,) pair times.
+    Returns: s (M,) fp32, differentiable through v_pred only.
+    Reference form: for m: e = scale(t[m])*(v_pred[m] − eps[m] + x0[m]);
+                           s[m] = −(e**2).mean() / max(|e|.mean(), floor)
+    """
+    v_err = v_pred.float() - (eps.float() - x0.float())                     # v̂ − v, (M, *D)
+    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err
+    mse = err.square().flatten(1).mean(dim=1)                                 # (M,)
+    if not adaptive:
+        return -mse
+    mae = err.detach().abs().flatten(1).mean(dim=1).clamp(min=mae_floor)     # (M,) stop-gradient
+    return -mse / mae
+
+
+def _repeat_rows(tree, J: int):
+    """Repeat every tensor in a (nested dict/tuple of) batch-first tensors J times per row."""
+    if torch.is_tensor(tree):
+        return tree.repeat_interleave(J, dim=0)
+    if isinstance(tree, dict):
+        return {k: _repeat_rows(v, J) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_repeat_rows(v, J) for v in tree)
+    return tree
+
+
+def pair_surrogates_with_x0(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
+                            eps: torch.Tensor, *, parameterization: str = "x",
+                            adaptive: bool = True, mae_floor: float = 1e-5):
+    """s[m, j] for m samples × J pairs in ONE batched network call of m·J rows, and the
+    x-prediction x̂0 the KL term needs.                                      [Alg. steps 4, 5]
+
+    Args:
+        velocity_fn: (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D).
+        x0: (m, *D) latents; cond: batch-first tensors (or dict/tuple of them) with m rows.
+        t: (m, J) times; eps: (m, J, *D) noises (from Pairs.take).
+    Returns: (s (m, J) fp32, x̂0 (m, J, *D) fp32).
+    """
+    m, J = t.shape
+    D = x0.shape[1:]
+    x0r = x0.unsqueeze(1).expand(m, J, *D).reshape(m * J, *D)                # (m·J, *D)
+    tr, er = t.reshape(m * J), eps.reshape(m * J, *D)                        # (m·J,), (m·J, *D)
+    z = interpolate(x0r.float(), er.float(), tr.float()).to(x0.dtype)        # (m·J, *D)
+    v = velocity_fn(z, tr, _repeat_rows(cond, J))                            # (m·J, *D)
+    s = surrogate_from_velocity(v, x0r, er, tr, parameterization=parameterization,
+                                adaptive=adaptive, mae_floor=mae_floor).reshape(m, J)
+    return s, x0_from_v(z.float(), v.float(), tr.float()).reshape(m, J, *D)
+
+
+def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
+                    eps: torch.Tensor, **kw) -> torch.Tensor:
+    """s (m, J) fp32 alone: pair_surrogates_with_x0 without x̂0 (same arguments)."""
+    return pair_surrogates_with_x0(velocity_fn, x0, cond, t, eps, **kw)[0]
+
+
+def surrogate_cv(S: torch.Tensor) -> dict:
+    """Coefficient of variation of the surrogate S (P, G): over the batch and within groups.
+
+    CV = std / |mean| (population std). The paper reports 0.230 → 0.128 (batch) and 0.170 → 0.038
+    (within group) when the three techniques are switched on [paper P8]. Returns detached scalars.
+    """
+    S = S.float()
+    cv_all = S.std(unbiased=False) / S.mean().abs().clamp(min=1e-12)
+    cv_grp = (S.std(dim=1, unbiased=False) / S.mean(dim=1).abs().clamp(min=1e-12)).mean()
+    return {"surrogate_cv": cv_all.detach(), "surrogate_cv_group": cv_grp.detach()}
+
+
+# ------------------------------------------------------------------------------------------------
+# §6  The V-GRPO loss (pure).                                       [paper P3, P9; Alg. step 5]
+#   ρ = exp(S_θ − S_old), ONE ratio per sample: the mean over pairs sits inside the exp (the
+#   official code's `exp(new.mean(1) − old.mean(1))`, GSPO-like).                  [paper P3]
+#   loss_n = max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) + β·mean_j ‖x̂θ − x̂θold‖²_mean    [paper P9]
+# ------------------------------------------------------------------------------------------------
+def xspace_kl(x0_hat: torch.Tensor, x0_hat_old: torch.Tensor) -> torch.Tensor:
+    """"Simple" KL of paper P9 (Eq. 16 per [source S6]): mean_d (x̂θ − x̂θold)² per pair.
+
+    x0_hat, x0_hat_old: (m, J, *D). Returns (m, J) fp32, differentiable through x0_hat only.
+    """
+    return (x0_hat.float() - x0_hat_old.detach().float()).square().flatten(2).mean(dim=2)
+
+
+def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
+               clip_eps: float = 0.0,
+               kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0):
+    """V-GRPO policy loss for m samples (mean over samples; minimise it).
+
+    Args:
+        s_new: (m, J) surrogate of the current θ (with grad).
+        s_old: (m, J) surrogate of θ_old on the SAME pairs (no grad; stored with the rollout).
+        adv:   (m,) advantages (already normalised / clipped, §4).
+        clip_eps: ratio clip ε; 0 disables the clip (then loss = −A·ρ).
+        kl: (m, J) per-pair x-space KL to θ_old (xspace_kl), used when kl_coef > 0.
+    Returns:
+        loss: () fp32.
+        stats: detached scalars — ratio mean, mean |log ρ|, clip fraction, approx KL
+            k2 = ½(log ρ)² [peer X7], and the x-space KL.
+    Notes: with θ = θ_old, ρ ≡ 1 and ∇loss = −A·∇S: REINFORCE with a group baseline on the
+        surrogate (ours C18), which is the whole update when μ = 1.
+    Reference form:
+        for n: r = exp(mean_j s_new[n] − mean_j s_old[n]); pg = −A[n]·r
+               if ε: pg = max(pg, −A[n]·clamp(r, 1−ε, 1+ε));  loss += (pg + β·mean_j kl[n]) / m
+    """
+    log_ratio = s_new.float().mean(dim=1) - s_old.detach().float().mean(dim=1)   # (m,)
+    ratio = torch.exp(log_ratio)                                                 # (m,)
+    A = adv.detach().float()
+    pg = -A * ratio                                                              # (m,)
+    if clip_eps > 0:
+        pg = torch.maximum(pg, -A * ratio.clamp(1 - clip_eps, 1 + clip_eps))
+        clipped = ((ratio - 1).abs() > clip_eps).float()
+    else:
+        clipped = torch.zeros_like(ratio)
+    loss = pg.mean()
+    kl_mean = torch.zeros((), device=s_new.device)
+    if kl is not None and kl_coef > 0:
+        kl_mean = kl.float().mean()
+        loss = loss + kl_coef * kl.float().mean(dim=1).mean()
+    stats = {"ratio": ratio.mean().detach(), "abs_log_ratio": log_ratio.abs().mean().detach(),
+             "clip_frac": clipped.mean().detach(),
+             "approx_kl": (0.5 * log_ratio.square()).mean().detach(),
+             "kl_x": kl_mean.detach()}
+    return loss, stats
+
+# === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
+# ------------------------------------------------------------------------------------------------
+# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> raw (N,).
+#     They need weights, so they live outside the pure math, which only sees a tensor of rewards
+#     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
+# ------------------------------------------------------------------------------------------------
+# Every reward has a `name`, the `unit` its raw value is logged in, and a `train_scale`: the value
+# the advantages see is raw · train_scale (only matters for sums of several rewards and std_eps).
+# Frozen reward models run in the compute dtype (bf16 on CUDA); images never leave the device:
+# preprocessing is torch (resize, crop/pad, normalise), no PIL round trip, except JPEG/ImageReward.
+def _fetch(location: str, flag: str) -> str:
+    """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
+    if os.path.isfile(location):
+        return location
+    parts = location.split("/")
+    if len(parts) < 3:
+        raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
+    from huggingface_hub import hf_hub_download
+    try:
+        return hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]))
+    except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
+        repo, file = "/".join(parts[:2]), "/".join(parts[2:])
+        raise ConfigError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a "
+                          f"machine with access (`huggingface-cli download {repo} {file}`) "
+                           f"and pass `{flag} /path/to/file`.") from e
+
+
+def _features(out) -> torch.Tensor:
+    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling
+    [peer X10]."""
+    return out if torch.is_tensor(out) else out.pooler_output
+
+
+class JpegReward:
+    """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [peer X10].
+    Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
+    name, train_scale, unit = "jpeg", 1.0, "-kB"
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        from PIL import Image
+        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+        out = []
+        for im in u8.permute(0, 2, 3, 1).numpy():
+            buf = io.BytesIO()
+            Image.fromarray(im).save(buf, format="JPEG", quality=95)
+            out.append(-buf.tell() / 1000.0)
+        return torch.tensor(out, dtype=torch.float32)
+
+
+class PickScoreReward:
+    """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
+    [peer X10]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [ours C17].
+    Preprocessing runs in torch on the device: resize shortest edge (bicubic, antialias),
+    centre-crop, normalise — the processor's own sizes and mean/std, no PIL round trip."""
+    name, train_scale, unit = "pickscore", 1 / 26, "raw"
+    use_logit_scale = True
+    flags = ("--pickscore_model", "--pickscore_processor")
+
+    def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
+        """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
+        self.processor = processor
+        self.model = model.eval().requires_grad_(False).to(device, dtype)
+        ip = processor.image_processor
+        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x
+        get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
+        size = get(ip.size, "shortest_edge") or get(ip.size, "height")
+        crop = ip.crop_size
+        if isinstance(crop, int):
+            crop = {"height": crop, "width": crop}
+        self.size, self.crop = int(size), (int(get(crop, "height")), int(get(crop, "width")))
+        self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
+        self.device, self.dtype = device, dtype
+
+    @classmethod
+    def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype):
+        """From hub ids or local folders; offline failures say which flag points at local files."""
+        from transformers import AutoModel, AutoProcessor
+        _quiet_hf()
+        try:
+            proc = AutoProcessor.from_pretrained(processor)
+        except (OSError, EnvironmentError) as e:
+            hint = _offline_hint(f"the {cls.name} processor", processor, cls.flags[1])
+            raise ConfigError(hint) from e
+        try:
+            net = AutoModel.from_pretrained(model)
+        except (OSError, EnvironmentError) as e:
+            raise ConfigError(_offline_hint(f"the {cls.name} model", model, cls.flags[0])) from e
+        return cls(net, proc, device, dtype)
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        """(N, 3, H, W) in [0, 1] → normalised (N, 3, crop_h, crop_w) pixel values."""
+        x = images.to(self.device, torch.float32)
+        h, w = x.shape[-2:]
+        scale = self.size / min(h, w)
+        nh, nw = max(self.size, int(h * scale)), max(self.size, int(w * scale))  # HF floors
+        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+        top, left = (nh - self.crop[0]) // 2, (nw - self.crop[1]) // 2
+        x = x[..., top:top + self.crop[0], left:left + self.crop[1]]
+        return ((x - self.mean) / self.std).to(self.dtype)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        text = self.processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
+                                        return_tensors="pt").to(self.device)
+        out = self.model(input_ids=text.input_ids, attention_mask=text.attention_mask,
+                         pixel_values=self.preprocess(images))
+        img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
+        txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
+        cos = (img * txt).sum(-1)                                    # (N,)
+        return ((self.model.logit_scale.exp().float() * cos) if self.use_logit_scale else cos).cpu()
+
+
+class CLIPScoreReward(PickScoreReward):
+    """CLIPScore: cosine of CLIP ViT-L/14 image and text embeddings (logits/100) [peer X10]."""
+    name, train_scale, unit = "clipscore", 1.0, "cos"
+    use_logit_scale = False
+    flags = ("--clip_model", "--clip_model")
+
+
+class AestheticReward(PickScoreReward):
+    """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
+    output on its ≈ 1–10 scale [peer X10]. Weights: sac+logos+ava1-l14-linearMSE."""
+    name, train_scale, unit = "aesthetic", 1.0, "1-10"
+    flags = ("--clip_model", "--clip_model")
+
+    def __init__(self, model, processor, device, dtype, head: torch.nn.Module):
+        super().__init__(model, processor, device, dtype)
+        self.head = head.eval().requires_grad_(False).to(device, torch.float32)
+
+    @staticmethod
+    def make_head() -> torch.nn.Module:
+        """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
+        m = torch.nn.Module()
+        nn = torch.nn
+        m.layers = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128),
+                                 nn.Dropout(0.2), nn.Linear(128, 64), nn.Dropout(0.1),
+                                       torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
+        m.forward = m.layers.forward
+        return m
+
+    @classmethod
+    def load(cls, model: str, processor: str, device, dtype, weights: str = ""):
+        base = PickScoreReward.load.__func__(CLIPScoreReward, model, processor, device, dtype)
+        head = cls.make_head()
+        head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
+        return cls(base.model, base.processor, device, dtype, head)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        f = _features(self.model.get_image_features(pixel_values=self.preprocess(images)))
+        return self.head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
+
+
+class HPSv2Reward:
+    """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
+    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10]. HPS preprocessing: longest side
+    → 224 (bicubic), zero-pad to square, OpenAI CLIP mean/std — here in torch on the device."""
+    name, train_scale, unit = "hpsv2", 1.0, "cos"
+
+    def __init__(self, model, tokenizer, device, dtype, size: int = 224):
+        import open_clip
+        self.model = model.eval().requires_grad_(False).to(device, dtype)
+        self.tokenizer, self.size, self.device, self.dtype = tokenizer, size, device, dtype
+        self.mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(open_clip.OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1)
+
+    @classmethod
+    def load(cls, arch: str, checkpoint: str, device, dtype):
+        """arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config."""
+        import open_clip
+        if arch.endswith(".json"):
+            open_clip.add_model_config(arch)
+            arch = Path(arch).stem
+        ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
+                          weights_only=False)
+        model = open_clip.create_model(arch, pretrained=None)
+        model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
+        size = model.visual.image_size
+        size = size if isinstance(size, int) else size[0]
+        return cls(model, open_clip.get_tokenizer(arch), device, dtype, size)
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.to(self.device, torch.float32)
+        h, w = x.shape[-2:]
+        scale = self.size / max(h, w)
+        nh, nw = round(h * scale), round(w * scale)
+        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+        top, left = (self.size - nh) // 2, (self.size - nw) // 2
+        pad = (left, self.size - nw - left, top, self.size - nh - top)
+        x = F.pad(x, pad, value=0.0)                                         # black bars
+        return ((x - self.mean) / self.std).to(self.dtype)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        img = self.model.encode_image(self.preprocess(images), normalize=True).float()
+        tokens = self.tokenizer(prompts).to(self.device)
+        txt = self.model.encode_text(tokens, normalize=True).float()
+        return (img * txt).sum(-1).cpu()
+
+
+class ImageRewardReward:
+    """ImageReward (THUDM), only when the optional `image-reward` package is importable."""
+    name, train_scale, unit = "imagereward", 1.0, "raw"
+
+    def __init__(self, location: str, device):
+        try:
+            import ImageReward as RM  # noqa: N813 — the package's own name
+        except ImportError as e:
+            raise ConfigError("--reward imagereward needs the optional package `image-reward` "
+                               "(pip install image-reward); it is not in requirements.txt because its "
+                               "pins (timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
+        self.model = RM.load(location, device=str(device))
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        from PIL import Image
+        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+        pil = [Image.fromarray(im.numpy()) for im in u8.permute(0, 2, 3, 1)]
+        return torch.tensor([float(self.model.score(p, im)) for p, im in zip(prompts, pil)])
+
+
+class PluginReward:
+    """A user's `module.path:function`: (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
+    train_scale, unit = 1.0, "raw"
+
+    def __init__(self, spec: str):
+        import importlib
+        module, _, fn = spec.partition(":")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())   # so `examples.custom_reward:fn` works from the repo
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
+        if not callable(getattr(mod, fn, None)):
+            raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
+        self.fn, self.name = getattr(mod, fn), spec
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        out = self.fn(images, prompts)
+        try:
+            out = torch.as_tensor(out).detach().float().cpu()
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(f"reward {self.name!r} returned {type(out).__name__}; return a "
+                              f"tensor, array or list of {len(prompts)} numbers") from None
+        if out.shape != (len(prompts),):
+            raise ConfigError(f"reward {self.name!r} returned shape {tuple(out.shape)}, "
+                              f"expected ({len(prompts)},)")
+        return out
+
+    def probe(self, size: int, device: torch.device) -> None:
+        """Call the plug-in once on 2 random images before training, so a broken one fails in
+        one line before the model is loaded or anything is written."""
+        g = torch.Generator().manual_seed(0)
+        images = torch.rand(2, 3, size, size, generator=g).to(device)
+        try:
+            out = self(images, ["a photo of a cat", "a red apple on a table"])
+        except ConfigError as e:
+            raise ConfigError(f"{e} (probe call on 2 random {size}×{size} images)") from None
+        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
+            raise ConfigError(f"reward {self.name!r} failed on a probe batch of 2 random {size}×{size}"
+                              f" images: {type(e).__name__}: {e}") from None
+        if not torch.isfinite(out).all():
+            raise ConfigError(f"reward {self.name!r} returned non-finite values {out.tolist()} on a "
+                              "probe batch of 2 random images; return finite numbers")
+
+
+BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ValueError."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        name, weight = item, 1.0
+        head, sep, tail = item.rpartition(":")
+        if sep:
+            try:
+                weight, name = float(tail), head
+            except ValueError:                              # 'module:function' without a weight,
+                if head in BUILTIN_REWARDS or ":" in head:  # unless the head is already complete
+                    raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
+                                      f"(got {tail!r}), e.g. {head}:1") from None
+        if name not in BUILTIN_REWARDS and ":" not in name:
+            raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
+                             "module.path:function for your own")
+        if not math.isfinite(weight) or weight < 0:
+            raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
+        out.append((name, weight))
+    if not out:
+        raise ConfigError(f"--reward {spec!r} names no reward")
+    if len({n for n, _ in out}) != len(out):
+        raise ConfigError(f"--reward {spec!r} names a reward twice")
+    return out
+
+
+def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype):
+    """One reward model by name (built-in or plug-in), loaded from the locations in args."""
+    if name == "jpeg":
+        return JpegReward()
+    if name == "pickscore":
+        return PickScoreReward.load(args.pickscore_model, args.pickscore_processor, device, dtype)
+    if name == "clipscore":
+        return CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype)
+    if name == "aesthetic":
+        return AestheticReward.load(args.clip_model, args.clip_model, device, dtype,
+                                    args.aesthetic_weights)
+    if name == "hpsv2":
+        return HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
+    if name == "imagereward":
+        return ImageRewardReward(args.imagereward_model, device)
+    return PluginReward(name)
+
+
+class Rewards:
+    """The rewards of a run, each model loaded once and shared by training and evaluation."""
+
+    def __init__(self, args: Args, device: torch.device, dtype: torch.dtype):
+        self.train = parse_reward_spec(args.reward)
+        self.eval = parse_reward_spec(args.eval_rewards) if args.eval_rewards else self.train
+        self.models: dict = {}
+        for n, _ in self.train + self.eval:
+            if n not in self.models:
+                self.models[n] = build_reward(n, args, device, dtype)
+
+    @classmethod
+    def of(cls, models: dict, train: list, eval: Optional[list] = None) -> "Rewards":
+        """Wrap already-built reward objects, e.g. {"pickscore": PickScoreReward(...)}."""
+        self = cls.__new__(cls)
+        self.models, self.train, self.eval = dict(models), train, eval or train
+        return self
+
+    def unit(self, terms) -> str:
+        if len(terms) == 1:
+            return self.models[terms[0][0]].unit
+        return "weighted sum of training-scaled rewards"
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
+        return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
+
+    def training_values(self, raw: dict, terms) -> torch.Tensor:
+        """raw per reward → (R, N) values the advantages see (raw · train_scale)."""
+        return torch.stack([raw[n] * self.models[n].train_scale for n, _ in terms])
+
+    def summary(self, raw: dict, terms) -> torch.Tensor:
+        """The headline number: the raw reward when there is one, else Σ_k w_k·raw_k·scale_k."""
+        if len(terms) == 1:
+            return raw[terms[0][0]]
+        w = torch.tensor([wt for _, wt in terms])
+        return (self.training_values(raw, terms) * w[:, None]).sum(0)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# §8  Models: pipelines, the model adapter, LoRA. Everything here talks to diffusers,
+#     transformers or peft; nothing here is part of the algorithm.
+# ------------------------------------------------------------------------------------------------
+MODEL_ALIASES = {
+    "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
+    "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
+    "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
+    "flux.1-dev": "black-forest-labs/FLUX.1-dev",
+}
+TINY_MODELS = {"tiny": "StableDiffusion3Pipeline", "tiny-flux": "FluxPipeline"}
+SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
+
+
+def model_family(name: str) -> str:
+    """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
+    if name in TINY_MODELS:
+        return "flux" if TINY_MODELS[name] == "FluxPipeline" else "sd3"
+    index = Path(name, "model_index.json")
+    if index.is_file():
+        cls_name = json.loads(index.read_text()).get("_class_name")
+        return "flux" if cls_name == "FluxPipeline" else "sd3"
+    return "flux" if "flux" in MODEL_ALIASES.get(name, name).lower() else "sd3"
+
+
+def _quiet_hf():
+    """Silence the per-load progress bars of diffusers/transformers (ours is the one to read)."""
+    import diffusers
+    import transformers
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.set_verbosity_error()     # e.g. per-batch prompt-truncation notices
+
+
+def resolve_model(name: str) -> str:
+    """'tiny' | alias | local diffusers dir | hub id → what from_pretrained gets."""
+    if name in TINY_MODELS or os.path.isdir(name):
+        return name
+    if name in MODEL_ALIASES:
+        return MODEL_ALIASES[name]
+    parts = name.split("/")
+    if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
+        return name                                                  # looks like owner/name
+    aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES])
+    raise ConfigError(f"unknown model {name!r}: use an alias ({aliases}), a hub id such as "
+                      "stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
+
+
+def _offline_hint(what: str, location: str, flag: str) -> str:
+    return (f"could not load {what} from {location!r} (no network, or not in the local cache). "
+            f"Download it on a machine with access, e.g. `huggingface-cli download {location} "
+            f"--local-dir /path/to/dir`, then pass `{flag} /path/to/dir`.")
+
+
+def check_local_pipeline(location: str) -> tuple[str, dict]:
+    """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
+    name and {component: None} for the components saved as null in model_index.json (a documented
+    diffusers way to save SD3 without its T5 encoder: text_encoder_3 = tokenizer_3 = None)."""
+    index = Path(location, "model_index.json")
+    if not index.is_file():
+        raise ConfigError(f"--model {location!r} is not a diffusers pipeline folder (no "
+                          "model_index.json); pass the folder that holds model_index.json")
+    try:
+        spec = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {location!r}: model_index.json is unreadable ({e})") from None
+    cls_name = spec.get("_class_name")
+    if cls_name not in SUPPORTED_PIPELINES:
+        raise ConfigError(f"--model {location!r} holds a {cls_name}; "
+                          f"supported: {SUPPORTED_PIPELINES}")
+    null = {k: None for k, v in spec.items()
+            if not k.startswith("_") and (v is None or (isinstance(v, list) and None in v))}
+    for k, v in spec.items():
+        if not k.startswith("_") and k not in null and isinstance(v, list) \
+                and not Path(location, k).is_dir():
+            raise ConfigError(f"--model {location!r}: model_index.json lists {k!r} but there is no "
+                              f"{k}/ folder; copy the complete pipeline (or set {k} to null)")
+    if "transformer" in null:
+        raise ConfigError(f"--model {location!r}: the pipeline was saved without its transformer")
+    return cls_name, null
+
+
+def load_pipeline(name: str, dtype: torch.dtype):
+    """Load a diffusers SD3 or FLUX pipeline: the same code path for hub ids and local folders."""
+    import diffusers
+    from diffusers import DiffusionPipeline
+    _quiet_hf()
+    location = resolve_model(name)
+    if location == "tiny":
+        pipe = tiny_models().build_tiny_sd3_pipeline()
+    elif location == "tiny-flux":
+        pipe = tiny_models().build_tiny_flux_pipeline()
+    else:
+        cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
+        try:
+            with warnings.catch_warnings():       # `torch_dtype` works on diffusers 0.3x–0.4x;
+                warnings.simplefilter("ignore", FutureWarning)      # 0.42 prefers `dtype`
+                cls = getattr(diffusers, cls_name) if cls_name else DiffusionPipeline
+                # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
+                pipe = cls.from_pretrained(location, torch_dtype=dtype, **null)
+        except (OSError, EnvironmentError) as e:
+            raise ConfigError(_offline_hint("the model", location, "--model")) from e
+        if type(pipe).__name__ not in SUPPORTED_PIPELINES:
+            raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
+                              f"supported: {SUPPORTED_PIPELINES}")
+    parts = [getattr(pipe, n, None) for n in ("transformer", "vae", "text_encoder",
+                                              "text_encoder_2", "text_encoder_3")]
+    for m in parts:
+        if m is not None:
+            m.requires_grad_(False).eval()
+    # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs
+    # band). Explicit casts also work around a diffusers loading bug that can leave the
+    # transformer in fp32 when a bf16 dtype is requested [peer X11].
+    for m in parts:
+        want = torch.float32 if m is pipe.vae else dtype
+        if m is not None and m.dtype != want:
+            m.to(want)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_models():
+    """examples/tiny_models.py, the offline tiny SD3 / FLUX builders behind --model tiny and
+    tiny-flux, loaded by path (it is scaffolding, not part of the method). Raises ConfigError."""
+    mod = sys.modules.get("vgrpo_tiny_models")
+    if mod is not None:
+        return mod
+    path = Path(__file__).resolve().parent / "examples" / "tiny_models.py"
+    if not path.is_file():
+        raise ConfigError(f"--model tiny / tiny-flux needs {path} (examples/tiny_models.py of the "
+                          "repository, beside vgrpo.py); copy it there, or pass a real --model")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("vgrpo_tiny_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["vgrpo_tiny_models"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# The seam between the algorithm and a pipeline: the loop, samplers, surrogate and loss only call
+# encode / latent_shape / velocity / decode / sigmas. The two models differ exactly here [peer X9]:
+#
+#                    SD3 / SD3.5                          FLUX.1-dev
+#   text             CLIP-L + CLIP-G (+ T5) → 77 + L      CLIP-L pooled + T5 → L tokens, txt_ids
+#   latent in ODE    (16, H/8, W/8)                       packed 2×2: ((H/16)(W/16), 64), img_ids
+#   timestep         1000·t                               t (the transformer scales it by 1000)
+#   guidance         none (CFG-free)                      distilled guidance embedding, 3.5
+#   rollout grid     the scheduler's (shift 3)            linspace shifted by 3 (MixGRPO) [ours C8]
+#   VAE factors      1.5305 / 0.0609                      0.3611 / 0.1159 (read from vae.config)
+class SD3Adapter:
+    """The seam between the algorithm and a diffusers SD3 pipeline [peer X9]: text encoding,
+    latent shape, the velocity call, decoding and the rollout grid. The loop sees only these."""
+
+    def __init__(self, pipe, device: torch.device, max_sequence_length: int):
+        self.pipe, self.device, self.L = pipe, device, max_sequence_length
+        self.transformer, self.vae = pipe.transformer, pipe.vae
+        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)          # 8 for SD3
+
+    def latent_shape(self, resolution: int) -> tuple:
+        r = resolution // self.vae_scale
+        return (self.transformer.config.in_channels, r, r)                           # (C, H, W)
+
+    _cache: Optional[dict] = None
+
+    def encode(self, prompts: list[str]) -> dict:
+        """Text conditioning of B prompts: from the cache (cache_prompts) or the text encoders."""
+        if self._cache is None:
+            return self._encode(prompts)
+        missing = [p for p in prompts if p not in self._cache]
+        if missing:
+            raise ConfigError("prompt not among the cached embeddings (--offload_text_encoders): "
+                              f"{missing[0]!r}")
+        return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device)
+                for k in self._cache[prompts[0]]}
+
+    @torch.no_grad()
+    def cache_prompts(self, prompts: list[str], batch: int = 16) -> None:
+        """Embed every prompt once (kept on the CPU), then move the text encoders off the GPU."""
+        cache = {}
+        uniq = list(dict.fromkeys(prompts))
+        for i in range(0, len(uniq), batch):
+            chunk = uniq[i:i + batch]
+            c = self._encode(chunk)
+            for j, p in enumerate(chunk):
+                cache[p] = {k: v[j].cpu() for k, v in c.items()}
+        self._cache = cache
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            if getattr(self.pipe, name, None) is not None:
+                getattr(self.pipe, name).to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str]) -> dict:
+        """CFG-free conditioning [paper P11]: prompt_embeds (B, 77 + L, 4096), pooled (B, 2048)."""
+        pe, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
+            do_classifier_free_guidance=False, max_sequence_length=self.L)
+        return {"prompt_embeds": pe, "pooled": pooled}
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """v_θ(x, t, c); SD3 takes the timestep as 1000·t [peer X9]. x (M, C, H, W), t (M,)."""
+        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
+        return self.transformer(hidden_states=x.to(dt), timestep=(t * 1000).to(dt),
+                                encoder_hidden_states=cond["prompt_embeds"],
+                                pooled_projections=cond["pooled"], return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (M, C, H, W) → images (M, 3, 8H, 8W) in [0, 1], fp32."""
+        cfg = self.vae.config
+        z = latents.float() / cfg.scaling_factor + cfg.shift_factor
+        return (self.vae.decode(z).sample.float() / 2 + 0.5).clamp(0, 1)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The model's own rollout grid (K + 1,) ending in 0, from its scheduler (SD3.5: shift 3)."""
+        sched = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        sched.set_timesteps(num_steps)
+        return sched.sigmas.detach().double().cpu()
+
+    def save_lora(self, folder: str, state: dict, lora_config) -> None:
+        """Write the LoRA in diffusers' format (StableDiffusion3Pipeline.load_lora_weights)."""
+        type(self.pipe).save_lora_weights(folder, transformer_lora_layers=state,
+                                          transformer_lora_adapter_metadata=lora_config.to_dict())
+
+
+class FluxAdapter(SD3Adapter):
+    """FLUX.1: packed latents with image ids, t in [0, 1], the guidance embedding, a fixed
+    shifted grid."""
+
+    def __init__(self, pipe, device: torch.device, max_sequence_length: int, guidance: float = 3.5,
+                 shift: float = 3.0):
+        super().__init__(pipe, device, max_sequence_length)
+        self.guidance, self.shift = guidance, shift
+        self.C = self.transformer.config.in_channels // 4                  # 16 latent channels
+        self.txt_ids = torch.zeros(max_sequence_length, 3, device=device)
+
+    def latent_shape(self, resolution: int) -> tuple:
+        r = resolution // self.vae_scale                                    # latent side (even)
+        return ((r // 2) * (r // 2), 4 * self.C)                                      # (seq, 64)
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str]) -> dict:
+        """prompt_embeds (B, L, 4096) from T5, pooled (B, 768) from CLIP-L."""
+        pe, pooled, txt_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None,
+                                                      device=self.device, max_sequence_length=self.L)
+        self.txt_ids = txt_ids
+        return {"prompt_embeds": pe, "pooled": pooled}
+
+    def _img_ids(self, seq: int) -> torch.Tensor:
+        """(seq, 3) rows [0, row, col] of the packed latent grid; built once per size."""
+        if getattr(self, "_ids", None) is None or self._ids.shape[0] != seq:
+            s = math.isqrt(seq)                                             # square images
+            rows, cols = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
+            ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1)
+            self._ids = ids.reshape(seq, 3).to(self.device)
+        return self._ids
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """v_θ on packed latents x (M, seq, 64), t (M,) in [0, 1]."""
+        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
+        g = (torch.full((x.shape[0],), self.guidance, device=x.device, dtype=dt)
+             if self.transformer.config.guidance_embeds else None)
+        return self.transformer(hidden_states=x.to(dt), timestep=t.to(dt), guidance=g,
+                                pooled_projections=cond["pooled"],
+                                encoder_hidden_states=cond["prompt_embeds"], txt_ids=self.txt_ids,
+                                img_ids=self._img_ids(x.shape[1]), return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        side = 2 * math.isqrt(latents.shape[1])
+        return super().decode(unpack_latents(latents, side, side))
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        return sigma_grid(num_steps, self.shift)
+
+
+def make_adapter(pipe, args: "Args", device: torch.device):
+    if type(pipe).__name__ == "FluxPipeline":
+        return FluxAdapter(pipe, device, args.max_sequence_length, args.guidance, args.flux_shift)
+    return SD3Adapter(pipe, device, args.max_sequence_length)
+
+
+def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
+    """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [ours C17]
+
+    targets name module suffixes (e.g. to_q, ff.net.2, proj_out); only modules inside the numbered
+    transformer blocks match, never the model's top-level layers (FLUX's and SD3's final
+    `proj_out`, the embedders): a regex for peft's full-name match."""
+    import re
+    from peft import LoraConfig
+    alts = "|".join(re.escape(t.strip()) for t in targets if t.strip())
+    pattern = rf"(?:.*\.)?\d+\.(?:.*\.)?(?:{alts})"             # <blocks>.<i>.[...].<target>
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=pattern)
+    transformer.add_adapter(cfg)
+    for n, p in transformer.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()             # fp32 master weights; compute runs under autocast
+            p.requires_grad_(True)
+    return cfg
+
+
+@contextlib.contextmanager
+def lora_merged(transformer, enabled: bool = True):
+    """Run the body (inference only: rollouts, evaluation) with every LoRA merged into its base
+    weight W ← W + (α/r)·B·A, one matmul per layer instead of three. On exit W is copied back
+    from a CPU copy taken before the merge, bit for bit — peft's unmerge subtracts B·A again,
+    which is not exact in floating point. The LoRA factors are not touched. In bf16 the merged
+    W + ΔW is rounded to bf16, so the rollout policy differs from θ by that rounding; surrogates
+    and ratios never use the merged weights (they run after the exit), so ρ = 1 at μ = 1 stays
+    exact. Cost per call: a device→host and a host→device copy of the targeted base weights
+    (≈ 1.2 GB in bf16 for SD3.5-M's default targets), no extra GPU memory.      (our choice)"""
+    from peft.tuners.lora import LoraLayer
+    layers = [m for m in transformer.modules() if isinstance(m, LoraLayer)] if enabled else []
+    saved = []
+    try:
+        with torch.no_grad():
+            for m in layers:
+                base = m.get_base_layer()
+                bias = None if base.bias is None else base.bias.detach().to("cpu", copy=True)
+                saved.append((m, base.weight.detach().to("cpu", copy=True), bias))
+                m.merge()
+        yield
+    finally:
+        with torch.no_grad():
+            for m, w, b in saved:
+                base = m.get_base_layer()
+                base.weight.copy_(w)
+                if b is not None:
+                    base.bias.copy_(b)
+                m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
+
+
+def transformer_blocks(transformer) -> list:
+    """The repeated blocks: SD3's joint blocks; FLUX's double- and single-stream blocks."""
+    single = getattr(transformer, "single_transformer_blocks", [])
+    return list(transformer.transformer_blocks) + list(single)
+
+
+def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True) -> None:
+    """Regional torch.compile: each block is compiled in place (nn.Module.compile, state-dict keys
+    unchanged), so blocks of one class share one compiled graph and compile time stays in seconds.
+    Works under peft's LoRA layers, gradient checkpointing (diffusers calls the compiled block
+    inside torch.utils.checkpoint) and no-grad rollouts (a second graph). enabled=False undoes
+    it."""
+    if not enabled:
+        for blk in transformer_blocks(transformer):
+            blk._compiled_call_impl = None        # nn.Module.compile's slot
+        return
+    import torch._dynamo
+    # grad/no-grad, merged/unmerged LoRA, block variants and batch shapes are separate graphs
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for blk in transformer_blocks(transformer):
+        blk.compile(backend=backend)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# §9  Training loop: the algorithm box (§0) line by line, with logging, evaluation, checkpoints.
+# ------------------------------------------------------------------------------------------------
+# A small built-in prompt set, written for this project: varied subjects, styles and compositions,
+# so a run works out of the box. Every 5th prompt is held out for evaluation.
+BUILTIN_PROMPTS = """\
+a red fox curled up asleep in fresh snow, soft morning light
+a lighthouse on a rocky cliff during a thunderstorm, dramatic sky
+a bowl of ramen with a soft-boiled egg, steam rising, close-up photo
+an astronaut reading a newspaper on a park bench
+a watercolor painting of a small harbor town at sunset
+a vintage red bicycle leaning against a blue wooden door
+a cozy library with tall shelves and a rolling ladder, warm lamps
+a hummingbird hovering next to a purple flower, macro photograph
+a futuristic city skyline at night reflected in a calm river
+an oil painting of a bowl of lemons on a linen tablecloth
+a golden retriever puppy wearing a tiny knitted scarf
+a steaming cup of coffee on a windowsill on a rainy day
+a paper origami crane on a wooden desk, shallow depth of field
+a snowy mountain cabin with smoke rising from the chimney
+a robot watering plants in a sunlit greenhouse
+a street market in the evening with colorful lanterns
+a sea turtle swimming over a coral reef, clear blue water
+a pencil sketch of an old man with a kind smile
+a stack of pancakes with blueberries and maple syrup
+a medieval castle on a hill surrounded by autumn forest
+a cat sitting in a cardboard box, studio lighting
+a hot air balloon floating over lavender fields
+a glass jar filled with fireflies on a summer night
+a vintage typewriter with a blank sheet of paper
+a desert highway stretching to the horizon under a starry sky
+a bouquet of sunflowers in a ceramic vase
+a koi pond in a japanese garden with a small wooden bridge
+a child building a sandcastle at the beach, golden hour
+a minimalist poster of a mountain range in pastel colors
+an owl perched on a mossy branch in a misty forest
+a bakery display with croissants and fruit tarts
+a sailboat on a calm lake at dawn
+a neon sign that says open in a dark alley
+a pair of worn leather boots by a campfire
+a tiger walking through tall grass, wildlife photography
+a plate of sushi arranged on a slate board
+a train crossing a stone bridge in the mountains
+a chessboard mid-game in a sunlit room
+a waterfall in a lush green canyon
+a portrait of a woman with freckles in natural light
+"""
+
+
+def load_prompts(args: Args) -> tuple[list[str], list[str]]:
+    """(train, eval) prompt lists: --prompts / --eval_prompts files, or the built-in set."""
+    def read(path, flag):
+        if os.path.isdir(path):
+            raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt "
+                              "per line")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{flag} {path!r}: prompt file does not exist")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}); save it as "
+                              "UTF-8, one prompt per line") from None
+        except OSError as e:
+            raise ConfigError(f"{flag} {path!r} cannot be read ({e.strerror})") from None
+        lines = [l for l in (l.strip() for l in text.splitlines()) if l]
+        if not lines:
+            raise ConfigError(f"{flag} {path!r}: prompt file holds no prompts (one per line "
+                              "expected)")
+        return lines
+
+    if args.prompts is None:
+        allp = BUILTIN_PROMPTS.strip().splitlines()
+        train = [p for i, p in enumerate(allp) if i % 5]
+        held = [p for i, p in enumerate(allp) if not i % 5]
+    else:
+        allp = read(args.prompts, "--prompts")
+        n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
+        order = torch.randperm(len(allp), generator=torch.Generator().manual_seed(1234)).tolist()
+        held = [allp[i] for i in sorted(order[:n_eval])]
+        train = [allp[i] for i in sorted(order[n_eval:])]
+    if args.eval_prompts is not None:
+        held = read(args.eval_prompts, "--eval_prompts")
+    return train, held or train[:1]
+
+
+def select(cond, rows: torch.Tensor):
+    """Rows of every tensor in a (dict of) batch-first tensors."""
+    if isinstance(cond, dict):
+        return {k: v[rows] for k, v in cond.items()}
+    return cond[rows]
+
+
+def _gen(seed: int, it: int, stream: int) -> torch.Generator:
+    """An independent CPU generator per (seed, iteration, stream): a resumed run redraws exactly
+    the prompts, noises and pairs the uninterrupted run would have drawn."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
+
+
+@torch.no_grad()
+def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
+            solver: str, batch: int, ctx) -> torch.Tensor:
+    """ODE-solve every row of x1 (N, C, H, W) with the current policy, `batch` rows at a time.
+    Returns latents (N, C, H, W) fp32 — the actions o."""
+    out = []
+    for rows in torch.arange(len(x1)).split(batch):
+        with ctx:
+            x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
+            out.append(x0.float())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
+                      prompts: list[str], batch: int, keep_images: bool = False, ctx=None):
+    """Decode once and score with every named reward, in chunks of `batch` images; the VAE decodes
+    in fp32, or under `ctx` (the compute-dtype autocast) if given.
+    Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
+    raw: dict[str, list] = {n: [] for n in names}
+    imgs = []
+    for rows in torch.arange(len(latents)).split(batch):
+        with ctx if ctx is not None else contextlib.nullcontext():
+            im = adapter.decode(latents[rows])
+        for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
+            raw[n].append(r)
+        if keep_images:
+            imgs.append((im * 255).round().to(torch.uint8).cpu())
+    return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
+
+
+def save_grid(images_u8: torch.Tensor, path: Path) -> None:
+    from PIL import Image
+    n = len(images_u8)
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    _, h, w = images_u8.shape[1:]
+    canvas = torch.zeros(3, rows * h, cols * w, dtype=torch.uint8)
+    for i, im in enumerate(images_u8):
+        r, c = divmod(i, cols)
+        canvas[:, r * h:(r + 1) * h, c * w:(c + 1) * w] = im
+    Image.fromarray(canvas.permute(1, 2, 0).numpy()).save(path)
+
+
+# ---- checkpoints: written to a temp folder and renamed, so a crash never leaves half of one -----
+CKPT_STATE = "trainer_state.pt"
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def find_checkpoint(path: str) -> Path:
+    """A checkpoint folder, or a run folder (→ its latest checkpoint). Raises ValueError."""
+    p = Path(path)
+    if (p / CKPT_STATE).is_file():
+        return p
+    latest = p / "checkpoints" / "latest"
+    if latest.is_file():
+        c = p / "checkpoints" / latest.read_text().strip()
+        if (c / CKPT_STATE).is_file():
+            return c
+    raise ConfigError(f"--resume {path!r}: no checkpoint there (expected {CKPT_STATE} in it, or "
+                     "checkpoints/latest in a run folder)")
+
+
+def read_checkpoint(path: str) -> tuple[Path, dict]:
+    """Validate and read a checkpoint's trainer state before anything else happens."""
+    ckpt = find_checkpoint(path)
+    try:
+        state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
+        assert isinstance(state, dict) and {"iteration", "config", "optimizer"} <= set(state)
+        if state["config"]["full_finetune"]:
+            assert (ckpt / "transformer" / "config.json").is_file()
+        else:
+            from safetensors.torch import load_file
+            load_file(str(ckpt / LORA_FILE))
+    except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
+        raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
+                         f"({type(e).__name__}: {e}); pick another with --resume") from e
+    return ckpt, state
+
+
+RESUME_FIXED = ("full_finetune", "lora_rank", "lora_alpha", "lora_targets")
+
+
+def check_resume_compat(args: "Args", saved: dict, ckpt) -> None:
+    """Flags that change the shape of what a checkpoint holds cannot change on --resume."""
+    for k in RESUME_FIXED:
+        if k in saved and saved[k] != getattr(args, k):
+            raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
+                              f"{saved[k]!r} ({ckpt}); drop --{k} to resume, or start a new run")
+
+
+def checkpoint_config(path: str) -> dict:
+    """The resolved config saved with a checkpoint (config.json), without loading its weights or
+    optimizer state; setup() validates and loads the rest."""
+    ckpt = find_checkpoint(path)
+    try:
+        return json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
+                          f"({type(e).__name__}: {e}); "
+                         "pick another with --resume") from e
+
+
+def trainable_state(transformer, full: bool) -> dict:
+    if full:
+        return {}
+    from peft.utils import get_peft_model_state_dict
+    return get_peft_model_state_dict(transformer)
+
+
+def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optimizer,
+                    scaler=None) -> Path:
+    """Write checkpoints/iter_XXXXXX and point checkpoints/latest at it. At every instant `latest`
+    names a complete checkpoint: the new one is written to a temporary folder, renamed to a name
+    no folder has, `latest` is switched atomically, and only then is an older copy removed.
+    Folders and files follow the user's umask. A failed write (disk full) removes its temporary
+    folder and raises ConfigError."""
+    ckdir = run_dir / "checkpoints"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    name = f"iter_{it:06d}"
+    tmp = ckdir / f".tmp-{name}-{os.getpid()}-{time.time_ns()}"
+    tmp.mkdir()                                            # umask applies (mkdtemp would give 0700)
+    try:
+        if args.full_finetune:
+            adapter.transformer.save_pretrained(tmp / "transformer")
+        else:
+            adapter.save_lora(str(tmp), trainable_state(adapter.transformer, False), lora_cfg)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        torch.save({"iteration": it, "config": dataclasses.asdict(args),
+                    "optimizer": optimizer.state_dict(), "rng": rng,
+                    "scaler": scaler.state_dict() if scaler is not None else None}, tmp / CKPT_STATE)
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.rglob("*"):                           # safetensors writes files 0600
+            if f.is_file():
+                f.chmod(0o666 & ~umask)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({e.strerror or e}); "
+                          f"free space there, then continue with --resume {run_dir}") from None
+    latest = ckdir / "latest"
+    current = latest.read_text().strip() if latest.is_file() else None
+    # a re-save of the same iteration goes to the other of two names, never over `latest`'s folder
+    final = next(ckdir / n for n in (name, name + "-b") if n != current)
+    if final.exists():
+        shutil.rmtree(final)                               # not what `latest` names: safe to remove
+    os.replace(tmp, final)
+    tmp_latest = ckdir / ".latest.tmp"
+    tmp_latest.write_text(final.name)
+    os.replace(tmp_latest, latest)                         # atomic switch
+    for old in (ckdir / name, ckdir / (name + "-b")):      # the replaced copy of this iteration
+        if old != final and old.exists():
+            shutil.rmtree(old)
+    return final
+
+
+def load_trainable(adapter, ckpt: Path, full: bool) -> None:
+    """Load trained weights back into the live transformer (the inverse of save_checkpoint)."""
+    if full:
+        src = type(adapter.transformer).from_pretrained(ckpt / "transformer",
+                                                        torch_dtype=torch.float32)
+        adapter.transformer.load_state_dict(src.state_dict())
+        return
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    sd = {k.removeprefix("transformer."): v for k, v in load_file(str(ckpt / LORA_FILE)).items()}
+    res = set_peft_model_state_dict(adapter.transformer, sd)
+    if getattr(res, "unexpected_keys", None):
+        raise ConfigError(f"checkpoint {str(ckpt)!r} does not match this model: "
+                          f"{res.unexpected_keys[:3]}")
+
+
+def setup_device(args: Args, local_rank: int = 0) -> tuple:
+    """Device, compute dtype and the one autocast context used for every model call."""
+    if args.device == "auto":
+        dev = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        dev = torch.device(args.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device(f"cuda:{local_rank}")
+    name = args.dtype if args.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        torch.backends.cuda.matmul.allow_tf32 = True   # fp32 matmuls (surrogate math): tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    # SDPA kernels: the process-wide switches (not a context manager), so that gradient
+    # checkpointing's recompute in backward uses the same kernel as the forward. Reset every setup.
+    b = torch.backends.cuda
+    flags = {"flash": b.enable_flash_sdp, "efficient": b.enable_mem_efficient_sdp,
+             "math": b.enable_math_sdp, "cudnn": b.enable_cudnn_sdp}
+    for name, enable in flags.items():
+        # auto: everything but cuDNN on CUDA — its fused attention failed in the backward pass of
+        # FLUX.1-dev (head dim 128) on an H200 with torch 2.11 ("mha_graph.execute(...).is_good()").
+        enable(name == args.attention_backend if args.attention_backend != "auto"
+               else not (name == "cudnn" and dev.type == "cuda"))
+    ctx = (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
+           else contextlib.nullcontext())
+    return dev, dtype, ctx
+
+
+# ---- data parallelism: `torchrun --nproc_per_node=N vgrpo.py ...` ------------------------------
+# nanoGPT's pattern: WORLD_SIZE > 1 in the environment ⇒ torch.distributed (NCCL on GPUs, gloo on
+# CPU). Every rank draws the same global prompts, noise and pairs from the (seed, iteration)
+# generators and works on its own contiguous slice of whole groups (Shard); rewards are
+# all-gathered so advantages (global std included) are computed on the global batch; gradients of
+# the trainable parameters are averaged with all_reduce before clipping. One rank then computes
+# exactly what a single process would.
+def dist_info() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) otherwise."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate a tensor across ranks along its last dim, in rank order (identity if alone)."""
+    if world == 1:
+        return x
+    import torch.distributed as dist
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        import torch.distributed as dist
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        x /= world
+    return x
+
+
+class Shard:
+    """This rank's share of the global batch of N = P·G samples: whole groups, contiguous. Every
+    rank draws the same global prompts, noise and pairs; this is the one place that slices them."""
+
+    def __init__(self, rank: int, world: int, P: int, G: int):
+        self.rank, self.world, self.P, self.G = rank, world, P, G
+        self.N = P * G
+        self.Pl, self.Nl = P // world, self.N // world        # prompts and samples of this rank
+        self.lo = rank * self.Nl                             # first global sample index of this rank
+
+    def local(self, x):
+        """This rank's rows of a global batch-first tensor (N, ...)."""
+        return x[self.lo:self.lo + self.Nl]
+
+    def local_prompts(self, prompts: list) -> list:
+        """This rank's prompts of the P global ones."""
+        return prompts[self.rank * self.Pl:(self.rank + 1) * self.Pl]
+
+    def global_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Global sample indices of local rows."""
+        return rows + self.lo
+
+
+@dataclass
+class Run:
+    """Everything an iteration needs, built once by `setup` (the loop's state, no globals)."""
+    args: Args
+    adapter: object
+    rewards: Rewards
+    opt: torch.optim.Optimizer
+    params: list
+    lora_cfg: object
+    train_prompts: list
+    eval_prompts: list
+    dev: torch.device
+    dtype: torch.dtype
+    ctx: object
+    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
+    eval_sigmas: torch.Tensor     # (K_eval + 1,)
+    D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
+    start: int = 0                # first iteration (> 0 when resumed)
+    rank: int = 0
+    world: int = 1
+    run_dir: Optional[Path] = None
+    scaler: Optional[object] = None  # torch.amp.GradScaler, active under --dtype fp16
+
+    @property
+    def shard(self) -> Shard:
+        return Shard(self.rank, self.world, self.args.prompts_per_iter, self.args.group_size)
+
+
+def check_world(args: Args, world: int) -> None:
+    """Under torchrun, every rank must hold whole groups and split them into μ equal minibatches."""
+    if world == 1:
+        return
+    if args.prompts_per_iter % world:
+        raise ConfigError(f"--prompts_per_iter {args.prompts_per_iter} must be divisible by the "
+                          f"{world} processes: a group is never split across ranks")
+    if (args.prompts_per_iter // world * args.group_size) % args.mu:
+        raise ConfigError(f"each rank's {args.prompts_per_iter // world * args.group_size} samples "
+                          f"must split into --mu {args.mu} equal minibatches")
+
+
+def make_trainable(tr, args: Args) -> tuple:
+    """Trainable parameters, LoRA (default) or the whole transformer, and their AdamW.
+    Returns (lora_cfg or None, params, optimizer)."""
+    lora_cfg = None
+    if args.full_finetune:
+        tr.to(torch.float32).requires_grad_(True)      # fp32 master weights, bf16 autocast compute
+    else:
+        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+    if args.gradient_checkpointing:
+        tr.enable_gradient_checkpointing()
+    compile_blocks(tr, args.compile_backend, enabled=args.compile)   # after LoRA: compiles it too
+    params = [p for p in tr.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    return lora_cfg, params, opt
+
+
+def restore_checkpoint(adapter, ckpt: Path, state: dict, args: Args, opt, scaler) -> int:
+    """Load weights, optimizer, loss scale and RNG states of a checkpoint; returns its iteration."""
+    load_trainable(adapter, ckpt, args.full_finetune)
+    opt.load_state_dict(state["optimizer"])
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["iteration"]
+
+
+def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
+    """Validate, load the model and rewards, attach LoRA, build the optimizer, restore a checkpoint.
+    Writes nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
+    check_args(args)
+    train_prompts, eval_prompts = load_prompts(args)
+    ckpt, ck_state = read_checkpoint(args.resume) if args.resume else (None, None)
+    if ckpt is not None:
+        check_resume_compat(args, ck_state["config"], ckpt)
+    location = resolve_model(args.model) if pipe is None else None
+    if location is not None and os.path.isdir(location):
+        check_local_pipeline(location)
+    rank, world, local_rank = dist_info()
+    check_world(args, world)
+    dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
+    if world > 1:
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    torch.manual_seed(args.seed)                           # same LoRA init on every rank
+    random.seed(args.seed)
+    rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
+    for m in rewards.models.values():                      # plug-ins fail here, in one line
+        if isinstance(m, PluginReward):
+            m.probe(min(args.resolution, 256), dev)
+    pipe = pipe if pipe is not None else load_pipeline(args.model, dtype)
+    pipe.to(dev)
+    pipe.vae.to(torch.float32)
+    adapter = make_adapter(pipe, args, dev)
+    if args.offload_text_encoders:                   # embed every prompt once, free the encoders
+        adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
+
+    lora_cfg, params, opt = make_trainable(adapter.transformer, args)
+    # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
+    # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op).
+    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
+    start = 0
+    if ckpt is not None:
+        start = restore_checkpoint(adapter, ckpt, ck_state, args, opt, scaler)
+    if world > 1:
+        import torch.distributed as dist
+        for p in params:                                   # identical start on every rank
+            dist.broadcast(p.data, src=0)
+    sigmas = adapter.sigmas(args.num_steps)
+    return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
+               lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
+               dev=dev, dtype=dtype, ctx=ctx,
+               sigmas=sigmas, eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
+               D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world,
+               scaler=scaler)
+
+
+def open_run_dir(run: Run, run_dir: Path) -> Path:
+    """Rank 0 decides the output folder's name, every rank learns it (sets run.run_dir)."""
+    if run.world > 1:
+        import torch.distributed as dist
+        box = [str(run_dir)]
+        dist.broadcast_object_list(box, src=0)
+        run_dir = Path(box[0])
+    run.run_dir = run_dir
+    return run_dir
+
+
+def start_log(run: Run) -> tuple:
+    """Rank 0: create the run folder, clear half-written checkpoints, write config.json, trim
+    metrics.jsonl on resume, print the banner. Returns (open log file, iterations evaluated)."""
+    args, run_dir = run.args, run.run_dir
+    mpath = run_dir / "metrics.jsonl"
+    done_evals: set = set()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
+        shutil.rmtree(stale, ignore_errors=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    if mpath.exists():
+        done_evals = trim_metrics(mpath, run.start) if args.resume else set()
+    log_f = open(mpath, "a")
+    print(banner(run))
+    return log_f, done_evals
+
+
+def train(args: Args) -> list[dict]:
+    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
+    from tqdm.auto import tqdm
+    run_dir = plan_run_dir(args)                           # checked writable, not created yet
+    run = setup(args)                              # bad input fails here, having written nothing
+    main_rank = run.rank == 0
+
+    run_dir = open_run_dir(run, run_dir)
+    log_f, done_evals = None, set()
+    if main_rank:
+        log_f, done_evals = start_log(run)
+
+    def log(m: dict) -> None:
+        if log_f is not None:
+            log_f.write(json.dumps(m) + "\n")
+            log_f.flush()
+
+    def checkpoint(done: int) -> Optional[Path]:
+        path = save_checkpoint(run_dir, done, run.adapter, args, run.lora_cfg, run.opt,
+                               run.scaler) if main_rank else None
+        _barrier(run.world)
+        return path
+
+    history: list[dict] = []
+    bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
+               desc="V-GRPO", unit="it", disable=not main_rank)
+    try:
+        for it in bar:
+            if args.eval_every and it % args.eval_every == 0 and it not in done_evals and main_rank:
+                log(evaluate(run, it))
+            m = iteration(run, it)
+            history.append(m)
+            log(m)
+            bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
+            if main_rank:
+                tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
+                           f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  "
+                           f"cv {m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
+            if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
+                checkpoint(it + 1)
+        if args.eval_every and run.start < args.iterations and main_rank:
+            ev = evaluate(run, args.iterations)
+            log(ev)
+            tqdm.write(f"eval after {args.iterations} iterations: reward {ev['eval_reward_mean']:.4f}")
+    except KeyboardInterrupt:
+        done = history[-1]["iter"] + 1 if history else run.start
+        path = checkpoint(done)
+        if main_rank:
+            print(f"\ninterrupted: saved {path}; continue with --resume {run_dir}")
+    finally:
+        bar.close()
+        if log_f is not None:
+            log_f.close()
+        if run.world > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return history
+
+
+def plan_run_dir(args: Args) -> Path:
+    """The run folder (--run_dir, the resumed run's folder, or runs/<model>-<rewards>-<time>),
+    checked writable before anything loads; nothing is created here."""
+    if args.resume and args.run_dir is None:
+        run_dir = find_checkpoint(args.resume).parent.parent
+    else:
+        tag = "+".join(n.split(":")[-1] for n, _ in parse_reward_spec(args.reward))
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{stamp}")
+    p = run_dir.absolute()
+    top = next(q for q in (p, *p.parents) if q.exists())     # deepest part that exists
+    if not top.is_dir():
+        raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder; "
+                          "pass another --run_dir")
+    try:
+        with tempfile.TemporaryFile(dir=top):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
+                          f"({e.strerror}); pass a writable --run_dir") from None
+    return run_dir
+
+
+def trim_metrics(mpath: Path, start: int) -> set:
+    """On resume from the checkpoint after iteration `start`: drop the lines logged after it (they
+    are logged again), so each iteration appears once. Returns the iterations already evaluated."""
+    keep = []
+    for line in mpath.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue                                       # a line cut short by a kill
+        if m.get("iter", math.inf) < start or ("eval_reward_mean" in m and m["iter"] <= start):
+            keep.append(line)
+    tmp = mpath.with_name(mpath.name + ".tmp")
+    tmp.write_text("".join(l + "\n" for l in keep))
+    os.replace(tmp, mpath)
+    return {json.loads(l)["iter"] for l in keep if "eval_reward_mean" in l}
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+@torch.no_grad()
+def evaluate(run: Run, it: int) -> dict:
+    """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
+    with eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png and scores every --eval_rewards."""
+    args, ad = run.args, run.adapter
+    prompts = run.eval_prompts[:args.n_eval]
+    x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
+    with lora_merged(ad.transformer, args.merge_lora_rollout):
+        lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
+                      run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
+    raw, imgs = decode_and_reward(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts,
+                                  args.reward_batch, keep_images=True,
+                                  ctx=run.ctx if args.vae_autocast else None)
+    if run.run_dir is not None:
+        (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
+        save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
+    head = run.rewards.summary(raw, run.rewards.eval)
+    finite_stats = _finite_mean_std                        # non-finite rewards are dropped
+
+    ev = {"iter": it, "eval_reward_unit": run.rewards.unit(run.rewards.eval),
+          "eval_nfe": len(run.eval_sigmas) - 1,
+          "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
+    ev["eval_reward_mean"], ev["eval_reward_std"] = finite_stats(head)
+    for n, r in raw.items():
+        ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = finite_stats(r)
+    if ev["eval_n_nonfinite"]:
+        from tqdm.auto import tqdm
+        tqdm.write(f"warning: evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite "
+                   "reward(s) dropped", file=sys.stderr)
+    return ev
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase, `with timer("time_old"): ...`; syncs the GPU before reading
+    the clock (sync=False for host-bound phases). `timer.times` holds {key: seconds}."""
+
+    def __init__(self, dev: torch.device):
+        self.dev, self.times, self.t0 = dev, {}, time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, key: str, sync: bool = True):
+        t = time.perf_counter()
+        yield
+        if sync:
+            _sync(self.dev)
+        self.times[key] = time.perf_counter() - t
+
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _sync(dev: torch.device) -> None:
+    """Wait for the GPU before reading a wall clock (phase timings only)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@dataclass
+class Rollouts:
+    """This rank's share of one iteration's rollout batch (Alg. steps 1–2); Nl = N / world rows."""
+    prompts: list                  # Pl prompts of this rank
+    cond: object                   # their encodings, Pl rows
+    prompt_idx: torch.Tensor       # (Nl,) row of cond per sample
+    x0: torch.Tensor               # (Nl, *D) fp32 actions o
+    raw_all: dict = None           # {reward name: (N,) raw, all ranks}, CPU
+    raw: torch.Tensor = None       # (N,) headline reward
+    adv: torch.Tensor = None       # (Nl,) advantages on dev
+    adv_stats: dict = None
+    skipped: bool = False          # every advantage is 0: nothing to learn
+
+
+def collect_rollouts(run: Run, it: int) -> Rollouts:
+    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (this rank's
+    whole groups only)."""
+    args, ad, sh = run.args, run.adapter, run.shard
+    P, n_tr = args.prompts_per_iter, len(run.train_prompts)
+    g_prompt, g_noise = _gen(args.seed, it, 0), _gen(args.seed, it, 1)
+    pick = (torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr
+            else torch.randint(n_tr, (P,), generator=g_prompt))
+    prompts = sh.local_prompts([run.train_prompts[i] for i in pick.tolist()])
+    cond = ad.encode(prompts)                                               # Pl rows
+    prompt_idx = (torch.arange(sh.Nl) // args.group_size).to(run.dev)       # (Nl,)
+    x1 = sh.local(torch.randn((sh.N,) + run.D, generator=g_noise)).to(run.dev)   # (Nl, *D)
+    with lora_merged(ad.transformer, args.merge_lora_rollout):     # θ_old = θ, merged or not
+        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
+    return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)
+
+
+def reward_and_advantages(run: Run, b: Rollouts) -> None:
+    """[Alg. step 2] rewards (all-gathered: advantages see the global batch) and advantages;
+    fills b.raw_all, b.raw, b.adv, b.adv_stats, b.skipped."""
+    args, sh, G = run.args, run.shard, run.args.group_size
+    names = [n for n, _ in run.rewards.train]
+    raw_loc, _ = decode_and_reward(run.adapter, run.rewards, names, b.x0,
+                                   [b.prompts[i // G] for i in range(sh.Nl)], args.reward_batch,
+                                   ctx=run.ctx if args.vae_autocast else None)
+    gathered = _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(run.dev), run.world)
+    b.raw_all = dict(zip(names, gathered.cpu()))                            # {name: (N,)}
+    values = run.rewards.training_values(b.raw_all, run.rewards.train)
+    values = values.view(-1, args.prompts_per_iter, G)                      # (R, P, G)
+    weights = torch.tensor([w for _, w in run.rewards.train])
+    aggregate = (per_reward_advantages if args.reward_aggregation == "per_reward"
+                 else weighted_sum_advantages)
+    adv, b.adv_stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
+                                 clamp=args.adv_clamp, eta=args.soft_clip_eta)
+    b.skipped = bool((adv == 0).all())           # nothing to learn (e.g. every reward dropped)
+    b.adv = sh.local(adv.flatten()).to(run.dev)                             # (Nl,)
+    b.raw = run.rewards.summary(b.raw_all, run.rewards.train)               # (N,) headline reward
+
+
+def draw_iteration_pairs(run: Run, it: int) -> Pairs:
+    """[Alg. step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ
+    step; drawn from the same generator on every rank, then broadcast from rank 0 to be safe."""
+    args, N, G = run.args, run.shard.N, run.args.group_size
+    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [ours C4]
+             "group": torch.arange(N) // G, "none": torch.arange(N)}[args.pair_sharing]
+    pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
+                       generator=_gen(args.seed, it, 2))
+    pairs = Pairs(t=pairs.t.to(run.dev), eps=pairs.eps.to(run.dev), index=pairs.index.to(run.dev))
+    if run.world > 1:
+        import torch.distributed as dist
+        dist.broadcast(pairs.t, src=0)
+        dist.broadcast(pairs.eps, src=0)
+    return pairs
+
+
+def minibatches(run: Run, it: int) -> tuple:
+    """The μ optimizer steps' disjoint minibatches of local rows, drawn before Alg. step 4 so that
+    S_old is computed in exactly the micro-batches (rows and shapes) the first step uses: its
+    ratio is then exactly 1 for any μ."""
+    args, Nl, dev = run.args, run.shard.Nl, run.dev
+    perm = (torch.randperm(Nl, generator=_gen(args.seed, it, 3)).to(dev) if args.mu > 1
+            else torch.arange(Nl, device=dev))
+    return perm.tensor_split(args.mu)
+
+
+def local_surrogates(run: Run, b: Rollouts, pairs: Pairs, rows: torch.Tensor, want_x0_hat: bool):
+    """(s (m, J), x̂0 (m, J, *D) or None) of local samples `rows` with the current parameters."""
+    args = run.args
+    t_r, e_r = pairs.take(run.shard.global_rows(rows))             # pairs are indexed globally
+    with run.ctx:
+        call = (run.adapter.velocity, b.x0[rows], select(b.cond, b.prompt_idx[rows]), t_r, e_r)
+        kw = dict(parameterization=args.parameterization, adaptive=args.adaptive_weighting,
+                  mae_floor=args.mae_floor)
+        if want_x0_hat:
+            return pair_surrogates_with_x0(*call, **kw)
+        return pair_surrogates(*call, **kw), None
+
+
+@torch.no_grad()
+def old_surrogates(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple):
+    """[Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
+    Returns s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only with the KL), surrogate-CV stats."""
+    args, Nl, J = run.args, run.shard.Nl, run.args.n_mc
+    want_kl = args.kl_coef > 0
+    s_old = torch.empty(Nl, J, device=run.dev)
+    x0h_old = torch.empty((Nl, J) + run.D, device=run.dev) if want_kl else None
+    for rows in (r for mb in mbs for r in mb.split(args.micro_batch)):
+        s, x0h = local_surrogates(run, b, pairs, rows, want_kl)
+        s_old[rows] = s
+        if want_kl:
+            x0h_old[rows] = x0h
+    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)            # (N,)
+    cv = surrogate_cv(S_all.view(args.prompts_per_iter, args.group_size))
+    return s_old, x0h_old, cv
+
+
+def update_steps(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple, s_old, x0h_old):
+    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
+    Returns ({stat: [per micro-batch tensors]}, [grad norm per step])."""
+    args, want_kl = run.args, run.args.kl_coef > 0
+    stats_acc: dict[str, list] = {}
+    grad_norms = []
+    for step, mb in enumerate(mbs if not b.skipped else []):
+        run.opt.zero_grad(set_to_none=True)
+        for rows in mb.split(args.micro_batch):
+            s_new, x0h = local_surrogates(run, b, pairs, rows, want_kl)
+            kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
+            loss, st = vgrpo_loss(s_new, s_old[rows], b.adv[rows], clip_eps=args.clip_eps, kl=kl,
+                                  kl_coef=args.kl_coef)
+            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [ours C16]
+            (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+            for k, v in st.items():
+                stats_acc.setdefault(k, []).append(v)
+            if step == 0:
+                stats_acc.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
+        grad_norms.append(optimizer_step(run))
+    run.opt.zero_grad(set_to_none=True)
+    return stats_acc, grad_norms
+
+
+def optimizer_step(run: Run) -> torch.Tensor:
+    """Average gradients over ranks, unscale (fp16), clip, step unless the norm is non-finite.
+    Returns the pre-clip gradient norm (fp32 tensor)."""
+    for p in run.params:                              # average gradients over ranks (DDP); a
+        if p.grad is not None:                        # None grad is None on every rank (same graph)
+            _all_reduce_mean(p.grad, run.world)
+    if run.scaler:
+        run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
+    gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
+    if torch.isfinite(gn):
+        run.scaler.step(run.opt) if run.scaler else run.opt.step()
+    if run.scaler:
+        run.scaler.update()                           # halve the scale after an overflow
+    return gn.detach().float()
+
+
+def iteration(run: Run, it: int) -> dict:
+    """One V-GRPO iteration: the algorithm box in §0, Alg. steps 1–5. Returns host-side metrics
+    (one sync at the end)."""
+    timer = PhaseTimer(run.dev)
+    with timer("time_rollout"):
+        batch = collect_rollouts(run, it)                                   # step 1
+    with timer("time_reward", sync=False):
+        reward_and_advantages(run, batch)                                   # step 2
+    pairs = draw_iteration_pairs(run, it)                                   # step 3
+    mbs = minibatches(run, it)
+    with timer("time_old"):
+        s_old, x0h_old, cv = old_surrogates(run, batch, pairs, mbs)         # step 4
+    with timer("time_update"):
+        stats_acc, grad_norms = update_steps(run, batch, pairs, mbs, s_old, x0h_old)   # step 5
+    return iteration_metrics(run, it, batch, cv, stats_acc, grad_norms, timer)
+
+
+def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
+    """Mean and population std of the finite entries of r; (nan, nan) if there are none."""
+    f = r[torch.isfinite(r)]
+    return ((f.mean().item(), f.std(unbiased=False).item()) if len(f)
+            else (float("nan"), float("nan")))
+
+
+def iteration_metrics(run: Run, it: int, b: Rollouts, cv: dict, stats_acc: dict,
+                      grad_norms: list, timer: PhaseTimer) -> dict:
+    """One host sync for everything logged; local stats averaged over ranks."""
+    args, dev, world = run.args, run.dev, run.world
+    scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
+    zero = torch.tensor(0.0, device=dev)
+    scal["grad_norm"] = torch.stack(grad_norms).mean() if grad_norms else zero
+    scal["nonfinite_grad_steps"] = ((~torch.isfinite(torch.stack(grad_norms))).sum().float()
+                                    if grad_norms else zero)
+    keys = list(scal)
+    vec = _all_reduce_mean(torch.stack([scal[k].float().to(dev) for k in keys]), world)
+    scal = dict(zip(keys, vec))
+    scal.update(b.adv_stats)
+    scal.update(cv)
+    if world > 1:                                         # all ranks must hold the same parameters
+        fp = torch.stack([p.detach().double().sum() for p in run.params]).sum().reshape(1)
+        fps = _all_gather_cat(fp, world)
+        scal["param_desync"] = (fps.max() - fps.min()).float()
+    vals = torch.stack([v.float().cpu() for v in scal.values()]).tolist()
+    host = {k: float(v) for k, v in zip(scal, vals)}
+    raw, skipped = b.raw, b.skipped
+    mean, std = _finite_mean_std(raw)
+    m = {"iter": it, "reward_mean": mean, "reward_std": std,
+         "reward_unit": run.rewards.unit(run.rewards.train),
+         "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
+         "skipped": skipped, **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
+         "grad_scale": (float(run.scaler.get_scale()) if run.scaler and run.scaler.is_enabled()
+                        else 1.0),
+         "nfe_rollout": args.num_steps, "nfe_old": args.num_steps + args.n_mc,
+         "nfe_theta": args.n_mc}
+    if len(b.raw_all) > 1:
+        for n, r in b.raw_all.items():
+            m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
+    for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
+        m.setdefault(k, float("nan") if skipped else 0.0)
+    if m["n_nonfinite_reward"] and run.rank == 0:
+        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
+        tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
+                   f"dropped (advantage 0){'; update skipped' if skipped else ''}", file=sys.stderr)
+    m["time_iter"] = timer.total()
+    return m
+
+
+
+# ------------------------------------------------------------------------------------------------
+# §10  Configuration and command line. One dataclass is the single source of truth: every field
+#      is a CLI flag of the same name, and its `src` says where the default comes from (a
+#      METHOD.md label, or "our choice").
+#      Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > per-family
+#      preset (FAMILY_PRESETS: SD3 or FLUX) > default. Then the start-up banner and main().
+# ------------------------------------------------------------------------------------------------
 def _f(default, help: str, src: str = "our choice", choices=None):
     return field(default=default, metadata=dict(help=help, src=src, choices=choices))
 
@@ -216,25 +2236,30 @@ class Args:
 # Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
 # minutes; its numbers are our choice, measured on a 2-core machine (README "Quickstart").
 MODEL_PRESETS: dict[str, dict] = {
-    "tiny": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4, group_size=8, gradient_checkpointing=False,
-                 lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
+    "tiny": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32,
+                 prompts_per_iter=4, group_size=8, gradient_checkpointing=False,
+                 lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32,
+                 rollout_batch=32,
                  eval_every=10, save_every=10, n_eval=8),
-    "tiny-flux": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4, group_size=8,
-                      lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
-                      eval_every=10, save_every=10, n_eval=8, reward="jpeg", gradient_checkpointing=False),
+    "tiny-flux": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32,
+                      prompts_per_iter=4, group_size=8, lora_rank=8, lora_alpha=16, lr=1e-2,
+                      iterations=30, micro_batch=32, rollout_batch=32, eval_every=10,
+                      save_every=10, n_eval=8, reward="jpeg", gradient_checkpointing=False),
 }
-FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"   # attention
-                     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"        # double-block FF
+FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"  # attn
+                     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"  # double-block FF
                      "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
 # Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
 # baseline numbers [ours C1–C3, C8, C17], with LoRA (use --full_finetune --lr 1e-5 for theirs).
-FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation", "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
+FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation",
+                     "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
 FAMILY_PRESETS: dict[str, dict] = {
     "sd3": dict(gradient_checkpointing=True, eval_steps=40),
     "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, eval_steps=16,
                  solver="dpmpp2m", group_size=12,
-                 prompts_per_iter=2, mu=4, clip_eps=1e-2, soft_clip_eta=3.0, reward="hpsv2:1,pickscore:1",
-                 reward_aggregation="per_reward", global_std=False, std_eps=1e-8, max_sequence_length=512,
+                 prompts_per_iter=2, mu=4, clip_eps=1e-2, soft_clip_eta=3.0,
+                 reward="hpsv2:1,pickscore:1", reward_aggregation="per_reward", global_std=False,
+                 std_eps=1e-8, max_sequence_length=512,
                  lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
 # "paper" depends on the family: SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
@@ -249,7 +2274,8 @@ PRESETS: dict[str, dict] = {
                           soft_clip_eta=0.0, iterations=200),   # Stages 2 / 4 (Stage 4: 50 its)
     "ocr-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3, clip_eps=0.0,
                       iterations=30),                           # Stage 5
-    "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1, n_eval=2),
+    "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1,
+                  n_eval=2),
 }
 
 
@@ -306,40 +2332,40 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     return args
 
 
-def check_args(a: Args) -> None:
+def check_args(args: Args) -> None:
     """One clear message per bad combination, before anything is loaded or written."""
     problems = []
-    if a.group_size < 2:
-        problems.append(f"--group_size must be ≥ 2 (got {a.group_size}): a group-relative advantage "
+    if args.group_size < 2:
+        problems.append(f"--group_size must be ≥ 2 (got {args.group_size}): a group-relative advantage "
                         "needs at least two images per prompt")
     for name in ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
                  "iterations", "reward_batch", "resolution"):
-        if getattr(a, name) < 1:
-            problems.append(f"--{name} must be ≥ 1 (got {getattr(a, name)})")
-    if a.eval_steps is not None and a.eval_steps < 1:
-        problems.append(f"--eval_steps must be ≥ 1 (got {a.eval_steps})")
-    n = a.prompts_per_iter * a.group_size
-    if a.mu > n:
-        problems.append(f"--mu {a.mu} exceeds the {n} samples of an iteration")
-    if a.stratified and a.n_mc > a.num_steps:
-        problems.append(f"--n_mc {a.n_mc} > --num_steps {a.num_steps}: stratification needs one "
+        if getattr(args, name) < 1:
+            problems.append(f"--{name} must be ≥ 1 (got {getattr(args, name)})")
+    if args.eval_steps is not None and args.eval_steps < 1:
+        problems.append(f"--eval_steps must be ≥ 1 (got {args.eval_steps})")
+    n = args.prompts_per_iter * args.group_size
+    if args.mu > n:
+        problems.append(f"--mu {args.mu} exceeds the {n} samples of an iteration")
+    if args.stratified and args.n_mc > args.num_steps:
+        problems.append(f"--n_mc {args.n_mc} > --num_steps {args.num_steps}: stratification needs one "
                         "grid point per stratum (or pass --no-stratified)")
-    if a.merge_lora_rollout and a.full_finetune:
+    if args.merge_lora_rollout and args.full_finetune:
         problems.append("--merge_lora_rollout needs a LoRA to merge: drop it or --full_finetune")
-    if a.resolution % 16:
-        problems.append(f"--resolution must be a multiple of 16 (got {a.resolution})")
+    if args.resolution % 16:
+        problems.append(f"--resolution must be a multiple of 16 (got {args.resolution})")
     for name in ("lr", "max_grad_norm"):
-        v = getattr(a, name)
+        v = getattr(args, name)
         if not (math.isfinite(v) and v > 0):
             problems.append(f"--{name} must be a finite number > 0 (got {v})")
     for name in ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta",
                  "adv_clamp"):
-        v = getattr(a, name)
+        v = getattr(args, name)
         if not (math.isfinite(v) and v >= 0) and not (name == "adv_clamp" and v == math.inf):
             problems.append(f"--{name} must be a finite number ≥ 0 (got {v})")
-    if not 0 <= a.eval_holdout < 1:
-        problems.append(f"--eval_holdout must lie in [0, 1) (got {a.eval_holdout})")
-    for spec in (a.reward, a.eval_rewards):
+    if not 0 <= args.eval_holdout < 1:
+        problems.append(f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})")
+    for spec in (args.reward, args.eval_rewards):
         if spec is not None:
             try:
                 parse_reward_spec(spec)
@@ -348,1970 +2374,28 @@ def check_args(a: Args) -> None:
     if problems:
         raise ConfigError("; ".join(problems))
 
-# === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
-# ------------------------------------------------------------------------------------------------
-# §3  Flow-matching math (pure).                                          [peer X8]
-#     Rectified flow: x_t = (1 − t)·x0 + t·ε,  v = dx_t/dt = ε − x0,  t = 1 noise → t = 0 data.
-#     The three "parameterisations" of paper P12 are the same prediction seen in three spaces:
-#         x̂0 − x0 = −t·(v̂ − v)      ε̂ − ε = (1 − t)·(v̂ − v)      (v̂ − v) itself
-#     so an error in x-, ε- or v-space is the v-error times t, (1 − t) or 1.        [peer X6]
-# ------------------------------------------------------------------------------------------------
-def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Reshape per-sample t (M,) to (M, 1, 1, ...) so it broadcasts against `like` (M, *D)."""
-    return t.reshape(t.shape + (1,) * (like.dim() - t.dim()))
-
-
-def interpolate(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x_t = (1 − t)·x0 + t·ε.  x0, eps: (M, *D); t: (M,) in [0, 1]; returns (M, *D)."""
-    tb = bcast(t, x0)
-    return (1 - tb) * x0 + tb * eps
-
-
-def x0_from_v(x_t: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x̂0 = x_t − t·v̂ (the x-prediction reparameterisation of paper P6). Shapes (M, *D), t (M,)."""
-    return x_t - bcast(t, x_t) * v
-
-
-PARAM_SCALE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    # error in space p = PARAM_SCALE[p](t) · (v̂ − v), up to sign (squared and |·| drop the sign)
-    "x": lambda t: t,                       # x̂0 − x0 = −t (v̂ − v)          [paper P6]
-    "eps": lambda t: 1 - t,                 # ε̂ − ε  = (1 − t)(v̂ − v)       [paper P12]
-    "v": lambda t: torch.ones_like(t),      # plain flow-matching error       [paper P12]
-}
-
-
-def time_shift(s: torch.Tensor, shift: float) -> torch.Tensor:
-    """SD3's resolution shift σ = shift·s / (1 + (shift − 1)·s); shift 1 is the identity."""
-    return shift * s / (1 + (shift - 1) * s)
-
-
-def sigma_grid(num_steps: int, shift: float = 1.0, sigma_min: Optional[float] = None) -> torch.Tensor:
-    """A rollout grid: K + 1 decreasing times from 1 to exactly 0 (float64, CPU).
-
-    sigma_min=None: K equal steps of the unshifted time, linspace(1, 0, K + 1), then time-shifted.
-    sigma_min=σ: diffusers' FlowMatchEulerDiscreteScheduler grid — linspace(1, σ, K) shifted, then
-    a terminal 0 appended — with σ = the shifted time of its first training step (a test checks
-    the match). The trainer reads the grid from the model's own scheduler.
-    Returns: (K + 1,) tensor.
-    """
-    if sigma_min is None:
-        return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
-    s = torch.linspace(1.0, sigma_min, num_steps, dtype=torch.float64)
-    return torch.cat([time_shift(s, shift), torch.zeros(1, dtype=torch.float64)])
-
-
-def pack_latents(lat: torch.Tensor) -> torch.Tensor:
-    """FLUX's 2×2 patch packing: (B, C, H, W) → (B, (H/2)·(W/2), 4C), row-major over patches.
-    A pure permutation, so Gaussian noise and per-element means are the same in both layouts."""
-    B, C, H, W = lat.shape
-    return lat.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // 2) * (W // 2), 4 * C)
-
-
-def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
-    """Inverse of pack_latents: (B, (H/2)·(W/2), 4C) → (B, C, H, W)."""
-    B, _, C4 = x.shape
-    return x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, C4 // 4, H, W)
-
-
-# ------------------------------------------------------------------------------------------------
-# §4  Deterministic ODE samplers (pure, given a velocity function).        [paper P1; ours C8]
-#     V-GRPO never needs per-step log-probs: the generation is ONE action whose log-likelihood is
-#     replaced by the surrogate of §7, so any deterministic solver works for rollouts.
-#     `velocity_fn(x, t, cond) -> v` with x (M, *D), t (M,) — the model or an analytic field.
-# ------------------------------------------------------------------------------------------------
-def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor, cond=None) -> torch.Tensor:
-    """Euler solve of dx/dt = v(x, t) from t = sigmas[0] (= 1) down to sigmas[-1] (= 0).
-
-    Args:
-        velocity_fn: (x (M, *D), t (M,), cond) -> v (M, *D).
-        x1: (M, *D) initial noise.
-        sigmas: (K + 1,) decreasing grid, CPU tensor or list; K network evaluations.
-    Returns: x0 (M, *D) in x1's dtype.
-    Notes: x_{k+1} = x_k + (σ_{k+1} − σ_k)·v(x_k, σ_k) — diffusers' FlowMatchEuler step.
-    """
-    sig = [float(s) for s in sigmas]          # python floats: no device syncs inside the loop
-    x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
-    for s, s_next in zip(sig[:-1], sig[1:]):
-        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)     # (M,)
-        v = velocity_fn(x.to(x1.dtype), t, cond)
-        x = x + (s_next - s) * v.to(x.dtype)                                       # (M, *D)
-    return x.to(x1.dtype)
-
-
-def dpmpp2m_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor, cond=None) -> torch.Tensor:
-    """DPM-Solver++(2M), the 2nd-order multistep data-prediction solver, for rectified flow.
-
-    With α_t = 1 − t, σ_t = t, λ = log(α/σ), h = λ_{k+1} − λ_k and x̂0 = x − t·v̂:
-        x_{k+1} = (σ_{k+1}/σ_k)·x_k + α_{k+1}·(1 − e^{−h})·D_k
-        D_k = x̂0_k                                    (first step, and the final step to t = 0)
-        D_k = (1 + 1/(2r))·x̂0_k − 1/(2r)·x̂0_{k−1},   r = h_{k−1}/h_k          (otherwise)
-    e^{−h} = σ_{k+1}α_k / (σ_k α_{k+1}) is finite even at t = 1 (α = 0, λ = −∞), so the first
-    step is the DDIM step x = (1 − σ')·x̂0 + σ'·x1. One network evaluation per step (K in all).
-    Args/Returns: as euler_sample.
-    """
-    sig = [float(s) for s in sigmas]
-    x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
-    prev_x0, prev_h = None, None
-    for k, (s, s_next) in enumerate(zip(sig[:-1], sig[1:])):
-        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)
-        x0_hat = x - s * velocity_fn(x.to(x1.dtype), t, cond).to(x.dtype)                # (M, *D)
-        if s_next == 0.0:                               # final step: e^{-h} = 0, first order
-            x = x0_hat
-            break
-        a, a_next = 1.0 - s, 1.0 - s_next
-        exp_neg_h = (s_next * a) / (s * a_next)
-        h = math.inf if a == 0.0 else math.log(a_next / s_next) - math.log(a / s)
-        if prev_x0 is None or math.isinf(prev_h):       # no usable history → first order
-            d = x0_hat
-        else:
-            r = prev_h / h
-            d = (1 + 1 / (2 * r)) * x0_hat - (1 / (2 * r)) * prev_x0
-        x = (s_next / s) * x + a_next * (1 - exp_neg_h) * d
-        prev_x0, prev_h = x0_hat, h
-    return x.to(x1.dtype)
-
-
-SOLVERS = {"euler": euler_sample, "dpmpp2m": dpmpp2m_sample}
-
-
-# ------------------------------------------------------------------------------------------------
-# §5  Rewards live with the models (§9): they need weights. The math below only sees a tensor of
-#     rewards (P, G). Non-finite rewards are masked, never allowed to poison a group.
-# ------------------------------------------------------------------------------------------------
-
-# ------------------------------------------------------------------------------------------------
-# §6  Group-relative advantages (pure).                       [paper P9; ours C1, C3; Alg. step 2]
-# ------------------------------------------------------------------------------------------------
-def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps: float = 1e-4,
-                     clamp: float = 5.0, eta: float = 3.0, unbiased: bool = False):
-    """A = soft_clip(clamp((r − mean_group) / (std + std_eps))).
-
-    Args:
-        rewards: (P, G) float; non-finite entries mark dropped samples.
-        global_std: divide by the std of ALL finite rewards of the batch around the BATCH mean
-            (it includes the spread between prompts) instead of each group's own std. This is
-            Flow-GRPO's `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo,
-            flow_grpo/stat_tracking.py: np.std(rewards) + 1e-4, population std), which
-            DiffusionNFT's code base inherits (ours C3).
-        std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
-        clamp: hard clamp |A| ≤ clamp (ours C1; inert at η = 3, kept for parity).
-        eta: soft-clip A ← η·tanh(A/η) (paper P9, Eq. 17 per [source S6]); 0 disables it.
-        unbiased: std divides by n − 1 (torch.std's default, MixGRPO) instead of n (np.std).
-    Returns:
-        adv: (P, G) fp32; 0 for dropped samples and for groups with < 2 finite rewards.
-        stats: dict of detached scalars (mean, std, max |A|, fraction of dropped samples).
-    Notes: |A| ≤ η < clamp after soft-clipping.
-    Reference form: for each group g: m = mean(r[g]); A[g] = (r[g] − m) / (std + std_eps),
-        std = np.std(all finite r) if global_std else np.std(r[g])  (ddof = 1 if unbiased).
-    """
-    r = rewards.float()
-    ok = torch.isfinite(r)                                                   # (P, G)
-    n = ok.sum(dim=1, keepdim=True)                                          # (P, 1)
-    r0 = torch.where(ok, r, torch.zeros_like(r))
-    mean = r0.sum(dim=1, keepdim=True) / n.clamp(min=1)                      # (P, 1)
-    dev = torch.where(ok, r - mean, torch.zeros_like(r))                     # (P, G)
-    ddof = 1 if unbiased else 0
-    if global_std:                                                           # around the batch mean
-        n_all = ok.sum()
-        dev_all = torch.where(ok, r - r0.sum() / n_all.clamp(min=1), torch.zeros_like(r))
-        std = (dev_all.square().sum() / (n_all - ddof).clamp(min=1)).sqrt()  # ()
-    else:
-        std = (dev.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)).sqrt()   # (P, 1)
-    adv = dev / (std + std_eps)
-    adv = adv.clamp(-clamp, clamp)
-    if eta > 0:
-        adv = eta * torch.tanh(adv / eta)
-    adv = torch.where(ok & (n >= 2), adv, torch.zeros_like(adv))
-    return adv, _adv_stats(adv, ok)
-
-
-def _adv_stats(adv: torch.Tensor, ok: torch.Tensor) -> dict:
-    """Detached scalars logged for advantages (P, G) and the finite-reward mask ok (P, G)."""
-    return {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
-            "adv_absmax": adv.abs().max().detach(), "frac_dropped": (~ok).float().mean().detach()}
-
-
-def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
-    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3].
-
-    rewards: (K, P, G) training-scaled rewards; weights: (K,). A sample with any non-finite
-    component is dropped. kw: as group_advantages (global_std, std_eps, clamp, eta).
-    Returns group_advantages(Σ_k w_k r_k): (P, G) and stats.
-    """
-    total = (weights.float().view(-1, 1, 1) * rewards.float()).sum(dim=0)             # (P, G)
-    return group_advantages(total, **kw)
-
-
-def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, global_std: bool = False,
-                          std_eps: float = 1e-8, clamp: float = 5.0, eta: float = 3.0):
-    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3].
-
-    A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w.
-    rewards: (K, P, G); weights: (K,). A sample with any non-finite component is dropped.
-    std_k is the UNBIASED group std, as MixGRPO's `advantage_aggr` computes it with torch.std()
-    (Tencent-Hunyuan/MixGRPO, fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8).
-    Returns (P, G) fp32 advantages and stats.
-    Reference form: A = Σ_k ŵ_k · group_advantages(r_k, clamp=∞, eta=0); then clamp, soft-clip.
-    """
-    r = rewards.float()
-    ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
-    r = torch.where(ok, r, torch.full_like(r, float("nan")))                           # drop whole sample
-    w = weights.float() / weights.float().sum().clamp(min=1e-12)                        # (K,)
-    parts = [group_advantages(rk, global_std=global_std, std_eps=std_eps, clamp=math.inf, eta=0.0,
-                              unbiased=True)[0] for rk in r]
-    adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0).clamp(-clamp, clamp)      # (P, G)
-    if eta > 0:
-        adv = eta * torch.tanh(adv / eta)
-    adv = torch.where(ok, adv, torch.zeros_like(adv))
-    return adv, _adv_stats(adv, ok)
-
-
-# ------------------------------------------------------------------------------------------------
-# §7  Shared, stratified (t, ε) pairs and the ELBO surrogate (pure).          [paper P2–P8]
-#
-#   log π_θ(o | c)  ←  S_θ(o) = (1/J) Σ_j s_θ(o; t_j, ε_j)
-#   s_θ(o; t, ε)    = − mean_d (x̂0 − o)²  /  sg( max(mean_d |x̂0 − o|, floor) ),
-#   x̂0 = z − t·v_θ(z, t, c),  z = (1 − t)·o + t·ε.
-#
-#   Three variance-reduction techniques, each one switch:
-#   (1) group/batch-shared pairs: every member of a group is scored on the SAME (t_j, ε_j), so
-#       differences inside a group reflect the images, not the dice  (pair_sharing);
-#   (2) stratified t: one t per contiguous chunk of the rollout grid       (stratified);
-#   (3) adaptive weighting: the x-space MSE is divided by its own detached MAE, flattening the
-#       orders-of-magnitude spread of loss scale across t                  (adaptive_weighting).
-# ------------------------------------------------------------------------------------------------
-@dataclass
-class Pairs:
-    """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4].
-
-    t:     (S, J) times, S = number of independent pair sets (1 = batch-wide sharing).
-    eps:   (S, J, *D) noises.
-    index: (N,) long, which set each of the N samples uses.
-    """
-    t: torch.Tensor
-    eps: torch.Tensor
-    index: torch.Tensor
-
-    def take(self, rows: torch.Tensor):
-        """Pairs of samples `rows` (m,): returns t (m, J), eps (m, J, *D)."""
-        i = self.index[rows]
-        return self.t[i], self.eps[i]
-
-
-def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.Tensor, *,
-               stratified: bool = True, generator: Optional[torch.Generator] = None) -> Pairs:
-    """Draw J = n_mc (t, ε) pairs for each of S = index.max() + 1 sharing scopes.
-
-    Args:
-        grid: (K,) candidate times — the rollout sigma grid WITHOUT its terminal 0 (at t = 0 the
-            error vanishes and the MAE normalisation is 0/0)                 [ours C5].
-        n_mc: J, pairs per sample (N_MC).
-        latent_shape: D = (C, H, W) of one latent.
-        index: (N,) long, the scope of each sample: zeros = batch-wide sharing (the paper's code,
-            `grpo_init_same="batch"`), sample // G = per group (the paper's text), arange(N) = none.
-        stratified: split the grid into J contiguous, (near-)equal chunks (torch.tensor_split) and
-            pick one grid point uniformly inside each; else J uniform picks from the whole grid.
-        generator: CPU generator; the pairs are drawn on the CPU so they do not depend on device.
-    Returns: Pairs with t (S, J) float32 and eps (S, J, *D) float32, on the CPU.
-    """
-    grid = torch.as_tensor(grid, dtype=torch.float64).flatten()
-    S = int(index.max()) + 1
-    if stratified:
-        chunks = torch.tensor_split(torch.arange(len(grid)), n_mc)          # J chunks of indices
-        lo = torch.tensor([int(c[0]) for c in chunks])                      # (J,) first index
-        size = torch.tensor([len(c) for c in chunks])                       # (J,) chunk length
-        u = torch.rand(S, n_mc, generator=generator, dtype=torch.float64)   # (S, J)
-        idx = lo + (u * size).long().clamp(max=size - 1)                    # (S, J)
-    else:
-        idx = torch.randint(len(grid), (S, n_mc), generator=generator)      # (S, J)
-    t = grid[idx].float()                                                   # (S, J)
-    eps = torch.randn((S, n_mc) + tuple(latent_shape), generator=generator)  # (S, J, *D)
-    return Pairs(t=t, eps=eps, index=index.cpu().long())
-
-
-def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor, *,
-                            parameterization: str = "x", adaptive: bool = True,
-                            mae_floor: float = 1e-5) -> torch.Tensor:
-    """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)).   [paper P6, P7]
-
-    e is the prediction error in the chosen space (§3): with x-prediction e = x̂0 − x0 =
-    −t·(v̂ − (ε − x0)). The official code: `x0_pred = z − σ·pred; s = −mean((x0_pred − x0)²);
-    s = s / mean(|x0_pred.detach() − x0|)` [paper P7]. adaptive=False returns −‖e‖²_mean.
-    Args:
-        v_pred: (M, *D) network velocity at z = (1 − t)·x0 + t·ε (any dtype).
-        x0: (M, *D) rollout latents; eps: (M, *D) pair noises; t: (M,) pair times.
-    Returns: s (M,) fp32, differentiable through v_pred only.
-    Reference form: for m: e = scale(t[m])*(v_pred[m] − eps[m] + x0[m]); s[m] = −(e**2).mean()/max(|e|.mean(), floor)
-    """
-    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * (v_pred.float() - (eps.float() - x0.float()))
-    mse = err.square().flatten(1).mean(dim=1)                                 # (M,)
-    if not adaptive:
-        return -mse
-    mae = err.detach().abs().flatten(1).mean(dim=1).clamp(min=mae_floor)     # (M,) stop-gradient
-    return -mse / mae
-
-
-def _repeat_rows(tree, J: int):
-    """Repeat every tensor in a (nested dict/tuple of) batch-first tensors J times per row."""
-    if torch.is_tensor(tree):
-        return tree.repeat_interleave(J, dim=0)
-    if isinstance(tree, dict):
-        return {k: _repeat_rows(v, J) for k, v in tree.items()}
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_repeat_rows(v, J) for v in tree)
-    return tree
-
-
-def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor, eps: torch.Tensor, *,
-                    parameterization: str = "x", adaptive: bool = True, mae_floor: float = 1e-5,
-                    return_x0_hat: bool = False):
-    """s[m, j] for m samples × J pairs in ONE batched network call of m·J rows.   [Alg. steps 4, 5]
-
-    Args:
-        velocity_fn: (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D).
-        x0: (m, *D) latents; cond: batch-first tensors (or dict/tuple of them) with m rows.
-        t: (m, J) times; eps: (m, J, *D) noises (from Pairs.take).
-    Returns: s (m, J) fp32, and if return_x0_hat the x-prediction (m, J, *D) fp32 (for the KL).
-    """
-    m, J = t.shape
-    D = x0.shape[1:]
-    x0r = x0.unsqueeze(1).expand(m, J, *D).reshape(m * J, *D)                # (m·J, *D)
-    tr, er = t.reshape(m * J), eps.reshape(m * J, *D)                        # (m·J,), (m·J, *D)
-    z = interpolate(x0r.float(), er.float(), tr.float()).to(x0.dtype)        # (m·J, *D)
-    v = velocity_fn(z, tr, _repeat_rows(cond, J))                            # (m·J, *D)
-    s = surrogate_from_velocity(v, x0r, er, tr, parameterization=parameterization,
-                                adaptive=adaptive, mae_floor=mae_floor).reshape(m, J)
-    if return_x0_hat:
-        return s, x0_from_v(z.float(), v.float(), tr.float()).reshape(m, J, *D)
-    return s
-
-
-def surrogate_cv(S: torch.Tensor) -> dict:
-    """Coefficient of variation of the surrogate S (P, G): over the batch and within groups.
-
-    CV = std / |mean| (population std). The paper reports 0.230 → 0.128 (batch) and 0.170 → 0.038
-    (within group) when the three techniques are switched on [paper P8]. Returns detached scalars.
-    """
-    S = S.float()
-    cv_all = S.std(unbiased=False) / S.mean().abs().clamp(min=1e-12)
-    cv_grp = (S.std(dim=1, unbiased=False) / S.mean(dim=1).abs().clamp(min=1e-12)).mean()
-    return {"surrogate_cv": cv_all.detach(), "surrogate_cv_group": cv_grp.detach()}
-
-
-# ------------------------------------------------------------------------------------------------
-# §8  The V-GRPO loss (pure).                                       [paper P3, P9; Alg. step 5]
-#   ρ = exp(S_θ − S_old), ONE ratio per sample: the mean over pairs sits inside the exp (the
-#   official code's `exp(new.mean(1) − old.mean(1))`, GSPO-like).                  [paper P3]
-#   loss_n = max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) + β·mean_j ‖x̂θ − x̂θold‖²_mean    [paper P9]
-# ------------------------------------------------------------------------------------------------
-def xspace_kl(x0_hat: torch.Tensor, x0_hat_old: torch.Tensor) -> torch.Tensor:
-    """"Simple" KL of paper P9 (Eq. 16 per [source S6]): mean_d (x̂θ − x̂θold)² per pair.
-
-    x0_hat, x0_hat_old: (m, J, *D). Returns (m, J) fp32, differentiable through x0_hat only.
-    """
-    return (x0_hat.float() - x0_hat_old.detach().float()).square().flatten(2).mean(dim=2)
-
-
-def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *, clip_eps: float = 0.0,
-               kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0):
-    """V-GRPO policy loss for m samples (mean over samples; minimise it).
-
-    Args:
-        s_new: (m, J) surrogate of the current θ (with grad).
-        s_old: (m, J) surrogate of θ_old on the SAME pairs (no grad; stored with the rollout).
-        adv:   (m,) advantages (already normalised / clipped, §6).
-        clip_eps: ratio clip ε; 0 disables the clip (then loss = −A·ρ).
-        kl: (m, J) per-pair x-space KL to θ_old (xspace_kl), used when kl_coef > 0.
-    Returns:
-        loss: () fp32.
-        stats: detached scalars — ratio mean, mean |log ρ|, clip fraction, approx KL
-            k2 = ½(log ρ)² [peer X7], and the x-space KL.
-    Notes: with θ = θ_old, ρ ≡ 1 and ∇loss = −A·∇S: REINFORCE with a group baseline on the
-        surrogate (ours C18), which is the whole update when μ = 1.
-    Reference form:
-        for n: r = exp(mean_j s_new[n] − mean_j s_old[n]); pg = −A[n]·r
-               if ε: pg = max(pg, −A[n]·clamp(r, 1−ε, 1+ε));  loss += (pg + β·mean_j kl[n]) / m
-    """
-    log_ratio = s_new.float().mean(dim=1) - s_old.detach().float().mean(dim=1)   # (m,)
-    ratio = torch.exp(log_ratio)                                                 # (m,)
-    a = adv.detach().float()
-    pg = -a * ratio                                                              # (m,)
-    if clip_eps > 0:
-        pg = torch.maximum(pg, -a * ratio.clamp(1 - clip_eps, 1 + clip_eps))
-        clipped = ((ratio - 1).abs() > clip_eps).float()
-    else:
-        clipped = torch.zeros_like(ratio)
-    loss = pg.mean()
-    kl_mean = torch.zeros((), device=s_new.device)
-    if kl is not None and kl_coef > 0:
-        kl_mean = kl.float().mean()
-        loss = loss + kl_coef * kl.float().mean(dim=1).mean()
-    stats = {"ratio": ratio.mean().detach(), "abs_log_ratio": log_ratio.abs().mean().detach(),
-             "clip_frac": clipped.mean().detach(), "approx_kl": (0.5 * log_ratio.square()).mean().detach(),
-             "kl_x": kl_mean.detach()}
-    return loss, stats
-
-# === pure math: end === (§3–§8 above run with torch alone; test_vgrpo.py lifts them out)
-# ------------------------------------------------------------------------------------------------
-# §9  Models: pipelines, the model adapter, LoRA, rewards. Everything here talks to diffusers,
-#     transformers or peft; nothing here is part of the algorithm.
-# ------------------------------------------------------------------------------------------------
-MODEL_ALIASES = {
-    "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
-    "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
-    "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
-    "flux.1-dev": "black-forest-labs/FLUX.1-dev",
-}
-TINY_MODELS = {"tiny": "StableDiffusion3Pipeline", "tiny-flux": "FluxPipeline"}
-SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
-
-
-def model_family(name: str) -> str:
-    """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
-    if name in TINY_MODELS:
-        return "flux" if TINY_MODELS[name] == "FluxPipeline" else "sd3"
-    index = Path(name, "model_index.json")
-    if index.is_file():
-        return "flux" if json.loads(index.read_text()).get("_class_name") == "FluxPipeline" else "sd3"
-    return "flux" if "flux" in MODEL_ALIASES.get(name, name).lower() else "sd3"
-
-
-def _quiet_hf():
-    """Silence the per-load progress bars of diffusers/transformers (our own bar is the one to read)."""
-    import diffusers
-    import transformers
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.set_verbosity_error()     # e.g. per-batch prompt-truncation notices
-
-
-def resolve_model(name: str) -> str:
-    """'tiny' | alias | local diffusers dir | hub id → what from_pretrained gets. Raises ValueError."""
-    if name in TINY_MODELS or os.path.isdir(name):
-        return name
-    if name in MODEL_ALIASES:
-        return MODEL_ALIASES[name]
-    parts = name.split("/")
-    if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
-        return name                                                  # looks like owner/name
-    raise ConfigError(f"unknown model {name!r}: use an alias ({', '.join([*TINY_MODELS, *MODEL_ALIASES])}), "
-                     "a hub id such as stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
-
-
-def _offline_hint(what: str, location: str, flag: str) -> str:
-    return (f"could not load {what} from {location!r} (no network, or not in the local cache). "
-            f"Download it on a machine with access, e.g. `huggingface-cli download {location} "
-            f"--local-dir /path/to/dir`, then pass `{flag} /path/to/dir`.")
-
-
-def check_local_pipeline(location: str) -> tuple[str, dict]:
-    """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
-    name and {component: None} for the components saved as null in model_index.json (a documented
-    diffusers way to save SD3 without its T5 encoder: text_encoder_3 = tokenizer_3 = None)."""
-    index = Path(location, "model_index.json")
-    if not index.is_file():
-        raise ConfigError(f"--model {location!r} is not a diffusers pipeline folder (no "
-                          "model_index.json); pass the folder that holds model_index.json")
-    try:
-        spec = json.loads(index.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--model {location!r}: model_index.json is unreadable ({e})") from None
-    cls_name = spec.get("_class_name")
-    if cls_name not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"--model {location!r} holds a {cls_name}; supported: {SUPPORTED_PIPELINES}")
-    null = {k: None for k, v in spec.items()
-            if not k.startswith("_") and (v is None or (isinstance(v, list) and None in v))}
-    for k, v in spec.items():
-        if not k.startswith("_") and k not in null and isinstance(v, list) \
-                and not Path(location, k).is_dir():
-            raise ConfigError(f"--model {location!r}: model_index.json lists {k!r} but there is no "
-                              f"{k}/ folder; copy the complete pipeline (or set {k} to null)")
-    if "transformer" in null:
-        raise ConfigError(f"--model {location!r}: the pipeline was saved without its transformer")
-    return cls_name, null
-
-
-def load_pipeline(name: str, dtype: torch.dtype):
-    """Load a diffusers SD3 or FLUX pipeline: the same code path for hub ids and local folders."""
-    import diffusers
-    from diffusers import DiffusionPipeline
-    _quiet_hf()
-    location = resolve_model(name)
-    if location == "tiny":
-        pipe = build_tiny_sd3_pipeline()
-    elif location == "tiny-flux":
-        pipe = build_tiny_flux_pipeline()
-    else:
-        cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
-        try:
-            with warnings.catch_warnings():       # `torch_dtype` works on diffusers 0.3x–0.4x;
-                warnings.simplefilter("ignore", FutureWarning)      # 0.42 prefers `dtype`
-                cls = getattr(diffusers, cls_name) if cls_name else DiffusionPipeline
-                # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
-                pipe = cls.from_pretrained(location, torch_dtype=dtype, **null)
-        except (OSError, EnvironmentError) as e:
-            raise ConfigError(_offline_hint("the model", location, "--model")) from e
-        if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-            raise ConfigError(f"{location!r} is a {type(pipe).__name__}; supported: {SUPPORTED_PIPELINES}")
-    parts = [getattr(pipe, n, None) for n in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")]
-    for m in parts:
-        if m is not None:
-            m.requires_grad_(False).eval()
-    # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs band).
-    # Explicit casts also work around a diffusers loading bug that can leave the transformer in
-    # fp32 when a bf16 dtype is requested [peer X11].
-    for m in parts:
-        want = torch.float32 if m is pipe.vae else dtype
-        if m is not None and m.dtype != want:
-            m.to(want)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _bytes_to_unicode() -> dict:
-    """GPT-2/CLIP byte → printable-unicode table (used to write a byte-level tiny vocabulary)."""
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-def tiny_clip_tokenizer(folder: str):
-    """A real CLIPTokenizer over a 514-token byte vocabulary (each character one token), offline."""
-    from transformers import CLIPTokenizer
-    ch = list(_bytes_to_unicode().values())
-    vocab = ch + [c + "</w>" for c in ch] + ["<|startoftext|>", "<|endoftext|>"]       # 514 tokens
-    Path(folder, "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab)}))
-    Path(folder, "merges.txt").write_text("#version: 0.2\n")
-    # model_max_length=77: the SD3 pipeline takes its CLIP length from it [peer X11]
-    return CLIPTokenizer(str(Path(folder, "vocab.json")), str(Path(folder, "merges.txt")), model_max_length=77)
-
-
-def tiny_t5_tokenizer():
-    """A real T5TokenizerFast over a small unigram vocabulary of letters and digits, offline."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers.processors import TemplateProcessing
-    from transformers import T5TokenizerFast
-    letters = "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"
-    pieces = ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-              + [("▁" + c, -3.0) for c in letters] + [(c, -4.0) for c in letters])
-    tk = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
-    tk.normalizer = normalizers.Lowercase()
-    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    tk.post_processor = TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
-    return T5TokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-                           extra_ids=0, model_max_length=512)
-
-
-def build_tiny_sd3_pipeline(seed: int = 0):
-    """A randomly initialised StableDiffusion3Pipeline with SD3.5-Medium's architecture in
-    miniature (MMDiT-X dual attention in block 0, qk RMSNorm, three text encoders), ~0.3M params,
-    its VAE decoder made latent-sensitive (_smooth_decoder). No network: tokenizers and configs
-    are built here [ours C19]."""
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-                           StableDiffusion3Pipeline)
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-    torch.manual_seed(seed)
-    with tempfile.TemporaryDirectory() as d:
-        tok1 = tiny_clip_tokenizer(d)
-        tok2 = tiny_clip_tokenizer(d)
-    tok3 = tiny_t5_tokenizer()
-    V = len(tok1)
-    clip_cfg = CLIPTextConfig(vocab_size=V, hidden_size=32, intermediate_size=64, projection_dim=32,
-                              num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=77,
-                              bos_token_id=V - 2, eos_token_id=V - 1, pad_token_id=V - 1, hidden_act="quick_gelu")
-    te1, te2 = CLIPTextModelWithProjection(clip_cfg), CLIPTextModelWithProjection(clip_cfg)
-    joint = 64                                  # ≥ 32 + 32: the CLIP features are zero-padded up to it
-    te3 = T5EncoderModel(T5Config(vocab_size=len(tok3), d_model=joint, d_kv=8, d_ff=64, num_layers=1,
-                                  num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0,
-                                  pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    transformer = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
-        num_attention_heads=4, joint_attention_dim=joint, caption_projection_dim=32,
-        pooled_projection_dim=64, pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
-                        layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=64,
-                        scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
-                        use_post_quant_conv=False)
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=te1, tokenizer=tok1, text_encoder_2=te2, tokenizer_2=tok2,
-        text_encoder_3=te3, tokenizer_3=tok3)
-    _smooth_decoder(vae)
-    for m in (transformer, vae, te1, te2, te3):
-        m.eval()                                # built from configs, modules start in train mode
-    return pipe
-
-
-@torch.no_grad()
-def _smooth_decoder(vae) -> None:
-    """Make the tiny VAE's decoder a smooth upsampler of latent channels 0–2 instead of random.
-
-    A randomly initialised decoder's output is dominated by its biases and GroupNorms: the image
-    barely depends on the latent, so no reward could be learned from it (measured: JPEG size
-    varied by < 0.1 kB across latents scaled ×0 … ×4). Here every residual branch (resnet conv2,
-    attention output) and every conv bias is zeroed, conv_in/conv_out pick channels, and each
-    upsampler applies a 3×3 binomial blur; the architecture and the loading code are untouched.
-    """
-    dec = vae.decoder
-    for name, mod in dec.named_modules():
-        if name.endswith("conv2") or name.endswith("to_out.0"):
-            mod.weight.zero_()
-            mod.bias.zero_()
-    for name, p in dec.named_parameters():
-        if name.endswith("bias") and "norm" not in name:
-            p.zero_()
-    blur = torch.tensor([[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]]) / 16
-    for block in dec.up_blocks:
-        for up in block.upsamplers or []:
-            up.conv.weight.zero_()
-            for i in range(up.conv.weight.shape[0]):
-                up.conv.weight[i, i] = blur
-    for conv, n, gain in ((dec.conv_in, dec.conv_in.weight.shape[0], 1.0), (dec.conv_out, 3, 0.5)):
-        conv.weight.zero_()
-        for i in range(n):
-            conv.weight[i, i, 1, 1] = gain
-
-
-def build_tiny_flux_pipeline(seed: int = 0):
-    """A randomly initialised FluxPipeline in miniature (one double- and one single-stream block,
-    guidance embedding like FLUX.1-dev, CLIP-L pooled + T5 text), ~0.1M params, offline
-    [ours C19]. Same latent-sensitive VAE decoder as the tiny SD3 pipeline."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-    torch.manual_seed(seed)
-    with tempfile.TemporaryDirectory() as d:
-        tok1 = tiny_clip_tokenizer(d)
-    tok2 = tiny_t5_tokenizer()
-    V = len(tok1)
-    te1 = CLIPTextModel(CLIPTextConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, max_position_embeddings=77, bos_token_id=V - 2,
-                                       eos_token_id=V - 1, pad_token_id=V - 1, hidden_act="quick_gelu"))
-    te2 = T5EncoderModel(T5Config(vocab_size=len(tok2), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
-                                  relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=0,
-                                  eos_token_id=1, decoder_start_token_id=0))
-    transformer = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
-                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                         pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
-                        layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=64,
-                        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
-    sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                            base_image_seq_len=256, max_image_seq_len=4096)
-    pipe = FluxPipeline(scheduler=sched, vae=vae, text_encoder=te1, tokenizer=tok1, text_encoder_2=te2,
-                        tokenizer_2=tok2, transformer=transformer)
-    _smooth_decoder(vae)
-    for m in (transformer, vae, te1, te2):
-        m.eval()
-    return pipe
-
-
-# The seam between the algorithm and a pipeline: the loop, samplers, surrogate and loss only call
-# encode / latent_shape / velocity / decode / sigmas. The two models differ exactly here [peer X9]:
-#
-#                    SD3 / SD3.5                          FLUX.1-dev
-#   text             CLIP-L + CLIP-G (+ T5) → 77 + L      CLIP-L pooled + T5 → L tokens, txt_ids
-#   latent in ODE    (16, H/8, W/8)                       packed 2×2: ((H/16)(W/16), 64), img_ids
-#   timestep         1000·t                               t (the transformer scales it by 1000)
-#   guidance         none (CFG-free)                      distilled guidance embedding, 3.5
-#   rollout grid     the scheduler's (shift 3)            linspace shifted by 3 (MixGRPO) [ours C8]
-#   VAE factors      1.5305 / 0.0609                      0.3611 / 0.1159 (read from vae.config)
-class SD3Adapter:
-    """The seam between the algorithm and a diffusers SD3 pipeline [peer X9]: text encoding,
-    latent shape, the velocity call, decoding and the rollout grid. The loop sees only these."""
-
-    def __init__(self, pipe, device: torch.device, max_sequence_length: int):
-        self.pipe, self.device, self.L = pipe, device, max_sequence_length
-        self.transformer, self.vae = pipe.transformer, pipe.vae
-        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)          # 8 for SD3
-
-    def latent_shape(self, resolution: int) -> tuple:
-        r = resolution // self.vae_scale
-        return (self.transformer.config.in_channels, r, r)                           # (C, H, W)
-
-    _cache: Optional[dict] = None
-
-    def encode(self, prompts: list[str]) -> dict:
-        """Text conditioning of B prompts: from the cache (cache_prompts) or the text encoders."""
-        if self._cache is None:
-            return self._encode(prompts)
-        missing = [p for p in prompts if p not in self._cache]
-        if missing:
-            raise ConfigError(f"prompt not among the cached embeddings (--offload_text_encoders): {missing[0]!r}")
-        return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device) for k in self._cache[prompts[0]]}
-
-    @torch.no_grad()
-    def cache_prompts(self, prompts: list[str], batch: int = 16) -> None:
-        """Embed every prompt once (kept on the CPU), then move the text encoders off the GPU."""
-        cache = {}
-        uniq = list(dict.fromkeys(prompts))
-        for i in range(0, len(uniq), batch):
-            chunk = uniq[i:i + batch]
-            c = self._encode(chunk)
-            for j, p in enumerate(chunk):
-                cache[p] = {k: v[j].cpu() for k, v in c.items()}
-        self._cache = cache
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-            if getattr(self.pipe, name, None) is not None:
-                getattr(self.pipe, name).to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    @torch.no_grad()
-    def _encode(self, prompts: list[str]) -> dict:
-        """CFG-free conditioning [paper P11]: prompt_embeds (B, 77 + L, 4096), pooled (B, 2048)."""
-        pe, _, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None,
-                                                   device=self.device, do_classifier_free_guidance=False,
-                                                   max_sequence_length=self.L)
-        return {"prompt_embeds": pe, "pooled": pooled}
-
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        """v_θ(x, t, c); SD3 takes the timestep as 1000·t [peer X9]. x (M, C, H, W), t (M,)."""
-        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
-        return self.transformer(hidden_states=x.to(dt), timestep=(t * 1000).to(dt),
-                                encoder_hidden_states=cond["prompt_embeds"],
-                                pooled_projections=cond["pooled"], return_dict=False)[0]
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents (M, C, H, W) → images (M, 3, 8H, 8W) in [0, 1], fp32."""
-        cfg = self.vae.config
-        z = latents.float() / cfg.scaling_factor + cfg.shift_factor
-        return (self.vae.decode(z).sample.float() / 2 + 0.5).clamp(0, 1)
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The model's own rollout grid (K + 1,) ending in 0, from its scheduler (shift 3 for SD3.5)."""
-        sched = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
-        sched.set_timesteps(num_steps)
-        return sched.sigmas.detach().double().cpu()
-
-    def save_lora(self, folder: str, state: dict, lora_config) -> None:
-        """Write the LoRA in diffusers' format: StableDiffusion3Pipeline.load_lora_weights(folder)."""
-        type(self.pipe).save_lora_weights(folder, transformer_lora_layers=state,
-                                          transformer_lora_adapter_metadata=lora_config.to_dict())
-
-
-class FluxAdapter(SD3Adapter):
-    """FLUX.1: packed latents with image ids, t in [0, 1], the guidance embedding, a fixed shifted grid."""
-
-    def __init__(self, pipe, device: torch.device, max_sequence_length: int, guidance: float = 3.5,
-                 shift: float = 3.0):
-        super().__init__(pipe, device, max_sequence_length)
-        self.guidance, self.shift = guidance, shift
-        self.C = self.transformer.config.in_channels // 4                            # 16 latent channels
-        self.txt_ids = torch.zeros(max_sequence_length, 3, device=device)
-
-    def latent_shape(self, resolution: int) -> tuple:
-        r = resolution // self.vae_scale                                              # latent side (even)
-        return ((r // 2) * (r // 2), 4 * self.C)                                      # (seq, 64)
-
-    @torch.no_grad()
-    def _encode(self, prompts: list[str]) -> dict:
-        """prompt_embeds (B, L, 4096) from T5, pooled (B, 768) from CLIP-L."""
-        pe, pooled, txt_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
-                                                      max_sequence_length=self.L)
-        self.txt_ids = txt_ids
-        return {"prompt_embeds": pe, "pooled": pooled}
-
-    def _img_ids(self, seq: int) -> torch.Tensor:
-        """(seq, 3) rows [0, row, col] of the packed latent grid; built once per size, not per NFE."""
-        if getattr(self, "_ids", None) is None or self._ids.shape[0] != seq:
-            s = math.isqrt(seq)                                                       # square images
-            rows, cols = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
-            self._ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(seq, 3).to(self.device)
-        return self._ids
-
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        """v_θ on packed latents x (M, seq, 64), t (M,) in [0, 1]."""
-        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
-        g = (torch.full((x.shape[0],), self.guidance, device=x.device, dtype=dt)
-             if self.transformer.config.guidance_embeds else None)
-        return self.transformer(hidden_states=x.to(dt), timestep=t.to(dt), guidance=g,
-                                pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
-                                txt_ids=self.txt_ids, img_ids=self._img_ids(x.shape[1]), return_dict=False)[0]
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        side = 2 * math.isqrt(latents.shape[1])
-        return super().decode(unpack_latents(latents, side, side))
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        return sigma_grid(num_steps, self.shift)
-
-
-def make_adapter(pipe, args: "Args", device: torch.device):
-    if type(pipe).__name__ == "FluxPipeline":
-        return FluxAdapter(pipe, device, args.max_sequence_length, args.guidance, args.flux_shift)
-    return SD3Adapter(pipe, device, args.max_sequence_length)
-
-
-def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
-    """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [ours C17]
-
-    targets name module suffixes (e.g. to_q, ff.net.2, proj_out); only modules inside the numbered
-    transformer blocks match, never the model's top-level layers (FLUX's and SD3's final
-    `proj_out`, the embedders): a regex for peft's full-name match."""
-    import re
-    from peft import LoraConfig
-    alts = "|".join(re.escape(t.strip()) for t in targets if t.strip())
-    pattern = rf"(?:.*\.)?\d+\.(?:.*\.)?(?:{alts})"             # <blocks>.<i>.[...].<target>
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=pattern)
-    transformer.add_adapter(cfg)
-    for n, p in transformer.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.float()             # fp32 master weights; compute runs under autocast
-            p.requires_grad_(True)
-    return cfg
-
-
-@contextlib.contextmanager
-def lora_merged(transformer, enabled: bool = True):
-    """Run the body (inference only: rollouts, evaluation) with every LoRA merged into its base
-    weight W ← W + (α/r)·B·A, one matmul per layer instead of three. On exit W is copied back
-    from a CPU copy taken before the merge, bit for bit — peft's unmerge subtracts B·A again,
-    which is not exact in floating point. The LoRA factors are not touched. In bf16 the merged
-    W + ΔW is rounded to bf16, so the rollout policy differs from θ by that rounding; surrogates
-    and ratios never use the merged weights (they run after the exit), so ρ = 1 at μ = 1 stays
-    exact. Cost per call: a device→host and a host→device copy of the targeted base weights
-    (≈ 1.2 GB in bf16 for SD3.5-M's default targets), no extra GPU memory.      (our choice)"""
-    from peft.tuners.lora import LoraLayer
-    layers = [m for m in transformer.modules() if isinstance(m, LoraLayer)] if enabled else []
-    saved = []
-    try:
-        with torch.no_grad():
-            for m in layers:
-                base = m.get_base_layer()
-                bias = None if base.bias is None else base.bias.detach().to("cpu", copy=True)
-                saved.append((m, base.weight.detach().to("cpu", copy=True), bias))
-                m.merge()
-        yield
-    finally:
-        with torch.no_grad():
-            for m, w, b in saved:
-                base = m.get_base_layer()
-                base.weight.copy_(w)
-                if b is not None:
-                    base.bias.copy_(b)
-                m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
-
-
-def transformer_blocks(transformer) -> list:
-    """The repeated blocks: SD3's joint blocks; FLUX's double- and single-stream blocks."""
-    single = getattr(transformer, "single_transformer_blocks", [])
-    return list(transformer.transformer_blocks) + list(single)
-
-
-def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True) -> None:
-    """Regional torch.compile: each block is compiled in place (nn.Module.compile, state-dict keys
-    unchanged), so blocks of one class share one compiled graph and compile time stays in seconds.
-    Works under peft's LoRA layers, gradient checkpointing (diffusers calls the compiled block
-    inside torch.utils.checkpoint) and no-grad rollouts (a second graph). enabled=False undoes
-    it."""
-    if not enabled:
-        for blk in transformer_blocks(transformer):
-            blk._compiled_call_impl = None        # nn.Module.compile's slot
-        return
-    import torch._dynamo
-    # grad/no-grad, merged/unmerged LoRA, block variants and batch shapes are separate graphs
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    for blk in transformer_blocks(transformer):
-        blk.compile(backend=backend)
-
-
-# ---- §5 (continued) rewards: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> raw (N,) -------
-# Every reward has a `name`, the `unit` its raw value is logged in, and a `train_scale`: the value
-# the advantages see is raw · train_scale (only matters for sums of several rewards and std_eps).
-# Frozen reward models run in the compute dtype (bf16 on CUDA); images never leave the device:
-# preprocessing is torch (resize, crop/pad, normalise), no PIL round trip, except JPEG/ImageReward.
-def _fetch(location: str, flag: str) -> str:
-    """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
-    if os.path.isfile(location):
-        return location
-    parts = location.split("/")
-    if len(parts) < 3:
-        raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
-    from huggingface_hub import hf_hub_download
-    try:
-        return hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]))
-    except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
-        raise ConfigError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a machine "
-                           f"with access (`huggingface-cli download {'/'.join(parts[:2])} {'/'.join(parts[2:])}`) "
-                           f"and pass `{flag} /path/to/file`.") from e
-
-
-def _features(out) -> torch.Tensor:
-    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling [peer X10]."""
-    return out if torch.is_tensor(out) else out.pooler_output
-
-
-class JpegReward:
-    """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [peer X10].
-    Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
-    name, train_scale, unit = "jpeg", 1.0, "-kB"
-
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-        out = []
-        for im in u8.permute(0, 2, 3, 1).numpy():
-            buf = io.BytesIO()
-            Image.fromarray(im).save(buf, format="JPEG", quality=95)
-            out.append(-buf.tell() / 1000.0)
-        return torch.tensor(out, dtype=torch.float32)
-
-
-class PickScoreReward:
-    """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
-    [peer X10]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [ours C17].
-    Preprocessing runs in torch on the device: resize shortest edge (bicubic, antialias),
-    centre-crop, normalise — the processor's own sizes and mean/std, no PIL round trip."""
-    name, train_scale, unit = "pickscore", 1 / 26, "raw"
-    use_logit_scale = True
-    flags = ("--pickscore_model", "--pickscore_processor")
-
-    def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
-        """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
-        self.processor = processor
-        self.model = model.eval().requires_grad_(False).to(device, dtype)
-        ip = processor.image_processor
-        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x
-        get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
-        size = get(ip.size, "shortest_edge") or get(ip.size, "height")
-        crop = ip.crop_size if not isinstance(ip.crop_size, int) else {"height": ip.crop_size, "width": ip.crop_size}
-        self.size, self.crop = int(size), (int(get(crop, "height")), int(get(crop, "width")))
-        self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
-        self.device, self.dtype = device, dtype
-
-    @classmethod
-    def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype):
-        """From hub ids or local folders; offline failures say which flag points at local files."""
-        from transformers import AutoModel, AutoProcessor
-        _quiet_hf()
-        try:
-            proc = AutoProcessor.from_pretrained(processor)
-        except (OSError, EnvironmentError) as e:
-            raise ConfigError(_offline_hint(f"the {cls.name} processor", processor, cls.flags[1])) from e
-        try:
-            net = AutoModel.from_pretrained(model)
-        except (OSError, EnvironmentError) as e:
-            raise ConfigError(_offline_hint(f"the {cls.name} model", model, cls.flags[0])) from e
-        return cls(net, proc, device, dtype)
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """(N, 3, H, W) in [0, 1] → normalised (N, 3, crop_h, crop_w) pixel values."""
-        x = images.to(self.device, torch.float32)
-        h, w = x.shape[-2:]
-        scale = self.size / min(h, w)
-        nh, nw = max(self.size, int(h * scale)), max(self.size, int(w * scale))     # HF floors the long side
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        top, left = (nh - self.crop[0]) // 2, (nw - self.crop[1]) // 2
-        x = x[..., top:top + self.crop[0], left:left + self.crop[1]]
-        return ((x - self.mean) / self.std).to(self.dtype)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        text = self.processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
-                                        return_tensors="pt").to(self.device)
-        out = self.model(input_ids=text.input_ids, attention_mask=text.attention_mask,
-                         pixel_values=self.preprocess(images))
-        img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
-        txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
-        cos = (img * txt).sum(-1)                                    # (N,)
-        return ((self.model.logit_scale.exp().float() * cos) if self.use_logit_scale else cos).cpu()
-
-
-class CLIPScoreReward(PickScoreReward):
-    """CLIPScore: cosine of CLIP ViT-L/14 image and text embeddings (logits/100) [peer X10]."""
-    name, train_scale, unit = "clipscore", 1.0, "cos"
-    use_logit_scale = False
-    flags = ("--clip_model", "--clip_model")
-
-
-class AestheticReward(PickScoreReward):
-    """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
-    output on its ≈ 1–10 scale [peer X10]. Weights: sac+logos+ava1-l14-linearMSE."""
-    name, train_scale, unit = "aesthetic", 1.0, "1-10"
-    flags = ("--clip_model", "--clip_model")
-
-    def __init__(self, model, processor, device, dtype, head: torch.nn.Module):
-        super().__init__(model, processor, device, dtype)
-        self.head = head.eval().requires_grad_(False).to(device, torch.float32)
-
-    @staticmethod
-    def make_head() -> torch.nn.Module:
-        """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
-        m = torch.nn.Module()
-        m.layers = torch.nn.Sequential(torch.nn.Linear(768, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128),
-                                       torch.nn.Dropout(0.2), torch.nn.Linear(128, 64), torch.nn.Dropout(0.1),
-                                       torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
-        m.forward = m.layers.forward
-        return m
-
-    @classmethod
-    def load(cls, model: str, processor: str, device, dtype, weights: str = ""):
-        base = PickScoreReward.load.__func__(CLIPScoreReward, model, processor, device, dtype)
-        head = cls.make_head()
-        head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
-        return cls(base.model, base.processor, device, dtype, head)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        f = _features(self.model.get_image_features(pixel_values=self.preprocess(images)))
-        return self.head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
-
-
-class HPSv2Reward:
-    """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
-    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10]. HPS preprocessing: longest side
-    → 224 (bicubic), zero-pad to square, OpenAI CLIP mean/std — here in torch on the device."""
-    name, train_scale, unit = "hpsv2", 1.0, "cos"
-
-    def __init__(self, model, tokenizer, device, dtype, size: int = 224):
-        import open_clip
-        self.model = model.eval().requires_grad_(False).to(device, dtype)
-        self.tokenizer, self.size, self.device, self.dtype = tokenizer, size, device, dtype
-        self.mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(open_clip.OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1)
-
-    @classmethod
-    def load(cls, arch: str, checkpoint: str, device, dtype):
-        """arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config."""
-        import open_clip
-        if arch.endswith(".json"):
-            open_clip.add_model_config(arch)
-            arch = Path(arch).stem
-        ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu", weights_only=False)
-        model = open_clip.create_model(arch, pretrained=None)
-        model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
-        size = model.visual.image_size
-        return cls(model, open_clip.get_tokenizer(arch), device, dtype, size if isinstance(size, int) else size[0])
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.to(self.device, torch.float32)
-        h, w = x.shape[-2:]
-        scale = self.size / max(h, w)
-        nh, nw = round(h * scale), round(w * scale)
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        top, left = (self.size - nh) // 2, (self.size - nw) // 2
-        x = F.pad(x, (left, self.size - nw - left, top, self.size - nh - top), value=0.0)   # black bars
-        return ((x - self.mean) / self.std).to(self.dtype)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        img = self.model.encode_image(self.preprocess(images), normalize=True).float()
-        txt = self.model.encode_text(self.tokenizer(prompts).to(self.device), normalize=True).float()
-        return (img * txt).sum(-1).cpu()
-
-
-class ImageRewardReward:
-    """ImageReward (THUDM), only when the optional `image-reward` package is importable."""
-    name, train_scale, unit = "imagereward", 1.0, "raw"
-
-    def __init__(self, location: str, device):
-        try:
-            import ImageReward as RM  # noqa: N813 — the package's own name
-        except ImportError as e:
-            raise ConfigError("--reward imagereward needs the optional package `image-reward` "
-                               "(pip install image-reward); it is not in requirements.txt because its "
-                               "pins (timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
-        self.model = RM.load(location, device=str(device))
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-        return torch.tensor([float(self.model.score(p, Image.fromarray(im.numpy()))) for p, im in zip(prompts, u8)])
-
-
-class PluginReward:
-    """A user's `module.path:function` with signature (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
-    train_scale, unit = 1.0, "raw"
-
-    def __init__(self, spec: str):
-        import importlib
-        module, _, fn = spec.partition(":")
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())             # so `examples.custom_reward:fn` works from the repo
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:
-            raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
-        if not callable(getattr(mod, fn, None)):
-            raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
-        self.fn, self.name = getattr(mod, fn), spec
-
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        out = self.fn(images, prompts)
-        try:
-            out = torch.as_tensor(out).detach().float().cpu()
-        except (TypeError, ValueError, RuntimeError):
-            raise ConfigError(f"reward {self.name!r} returned {type(out).__name__}; return a "
-                              f"tensor, array or list of {len(prompts)} numbers") from None
-        if out.shape != (len(prompts),):
-            raise ConfigError(f"reward {self.name!r} returned shape {tuple(out.shape)}, "
-                              f"expected ({len(prompts)},)")
-        return out
-
-    def probe(self, size: int, device: torch.device) -> None:
-        """Call the plug-in once on 2 random images before training, so a broken one fails in
-        one line before the model is loaded or anything is written."""
-        g = torch.Generator().manual_seed(0)
-        images = torch.rand(2, 3, size, size, generator=g).to(device)
-        try:
-            out = self(images, ["a photo of a cat", "a red apple on a table"])
-        except ConfigError as e:
-            raise ConfigError(f"{e} (probe call on 2 random {size}×{size} images)") from None
-        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
-            raise ConfigError(f"reward {self.name!r} failed on a probe batch of 2 random {size}×{size}"
-                              f" images: {type(e).__name__}: {e}") from None
-        if not torch.isfinite(out).all():
-            raise ConfigError(f"reward {self.name!r} returned non-finite values {out.tolist()} on a "
-                              "probe batch of 2 random images; return finite numbers")
-
-
-BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
-
-
-def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ValueError."""
-    out = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        name, weight = item, 1.0
-        head, sep, tail = item.rpartition(":")
-        if sep:
-            try:
-                weight, name = float(tail), head
-            except ValueError:                              # 'module:function' without a weight,
-                if head in BUILTIN_REWARDS or ":" in head:  # unless the head is already complete
-                    raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
-                                      f"(got {tail!r}), e.g. {head}:1") from None
-        if name not in BUILTIN_REWARDS and ":" not in name:
-            raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
-                             "module.path:function for your own")
-        if not math.isfinite(weight) or weight < 0:
-            raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
-        out.append((name, weight))
-    if not out:
-        raise ConfigError(f"--reward {spec!r} names no reward")
-    if len({n for n, _ in out}) != len(out):
-        raise ConfigError(f"--reward {spec!r} names a reward twice")
-    return out
-
-
-def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype):
-    """One reward model by name (built-in or plug-in), loaded from the locations in args."""
-    if name == "jpeg":
-        return JpegReward()
-    if name == "pickscore":
-        return PickScoreReward.load(args.pickscore_model, args.pickscore_processor, device, dtype)
-    if name == "clipscore":
-        return CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype)
-    if name == "aesthetic":
-        return AestheticReward.load(args.clip_model, args.clip_model, device, dtype, args.aesthetic_weights)
-    if name == "hpsv2":
-        return HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
-    if name == "imagereward":
-        return ImageRewardReward(args.imagereward_model, device)
-    return PluginReward(name)
-
-
-class Rewards:
-    """The rewards of a run, each model loaded once and shared by training and evaluation."""
-
-    def __init__(self, args: Args, device: torch.device, dtype: torch.dtype):
-        self.train = parse_reward_spec(args.reward)
-        self.eval = parse_reward_spec(args.eval_rewards) if args.eval_rewards else self.train
-        self.models: dict = {}
-        for n, _ in self.train + self.eval:
-            if n not in self.models:
-                self.models[n] = build_reward(n, args, device, dtype)
-
-    @classmethod
-    def of(cls, models: dict, train: list, eval: Optional[list] = None) -> "Rewards":
-        """Wrap already-built reward objects, e.g. {"pickscore": PickScoreReward(...)}."""
-        self = cls.__new__(cls)
-        self.models, self.train, self.eval = dict(models), train, eval or train
-        return self
-
-    def unit(self, terms) -> str:
-        return self.models[terms[0][0]].unit if len(terms) == 1 else "weighted sum of training-scaled rewards"
-
-    def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
-        return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
-
-    def training_values(self, raw: dict, terms) -> torch.Tensor:
-        """raw per reward → (K, N) values the advantages see (raw · train_scale)."""
-        return torch.stack([raw[n] * self.models[n].train_scale for n, _ in terms])
-
-    def summary(self, raw: dict, terms) -> torch.Tensor:
-        """The headline number: the raw reward when there is one, else Σ_k w_k·raw_k·train_scale_k."""
-        if len(terms) == 1:
-            return raw[terms[0][0]]
-        w = torch.tensor([wt for _, wt in terms])
-        return (self.training_values(raw, terms) * w[:, None]).sum(0)
-
-
-# ------------------------------------------------------------------------------------------------
-# §10  Training loop: the algorithm box (§0) line by line, with logging, evaluation, checkpoints.
-# ------------------------------------------------------------------------------------------------
-# A small built-in prompt set, written for this project: varied subjects, styles and compositions,
-# so a run works out of the box. Every 5th prompt is held out for evaluation.
-BUILTIN_PROMPTS = """\
-a red fox curled up asleep in fresh snow, soft morning light
-a lighthouse on a rocky cliff during a thunderstorm, dramatic sky
-a bowl of ramen with a soft-boiled egg, steam rising, close-up photo
-an astronaut reading a newspaper on a park bench
-a watercolor painting of a small harbor town at sunset
-a vintage red bicycle leaning against a blue wooden door
-a cozy library with tall shelves and a rolling ladder, warm lamps
-a hummingbird hovering next to a purple flower, macro photograph
-a futuristic city skyline at night reflected in a calm river
-an oil painting of a bowl of lemons on a linen tablecloth
-a golden retriever puppy wearing a tiny knitted scarf
-a steaming cup of coffee on a windowsill on a rainy day
-a paper origami crane on a wooden desk, shallow depth of field
-a snowy mountain cabin with smoke rising from the chimney
-a robot watering plants in a sunlit greenhouse
-a street market in the evening with colorful lanterns
-a sea turtle swimming over a coral reef, clear blue water
-a pencil sketch of an old man with a kind smile
-a stack of pancakes with blueberries and maple syrup
-a medieval castle on a hill surrounded by autumn forest
-a cat sitting in a cardboard box, studio lighting
-a hot air balloon floating over lavender fields
-a glass jar filled with fireflies on a summer night
-a vintage typewriter with a blank sheet of paper
-a desert highway stretching to the horizon under a starry sky
-a bouquet of sunflowers in a ceramic vase
-a koi pond in a japanese garden with a small wooden bridge
-a child building a sandcastle at the beach, golden hour
-a minimalist poster of a mountain range in pastel colors
-an owl perched on a mossy branch in a misty forest
-a bakery display with croissants and fruit tarts
-a sailboat on a calm lake at dawn
-a neon sign that says open in a dark alley
-a pair of worn leather boots by a campfire
-a tiger walking through tall grass, wildlife photography
-a plate of sushi arranged on a slate board
-a train crossing a stone bridge in the mountains
-a chessboard mid-game in a sunlit room
-a waterfall in a lush green canyon
-a portrait of a woman with freckles in natural light
-"""
-
-
-def load_prompts(args: Args) -> tuple[list[str], list[str]]:
-    """(train, eval) prompt lists: --prompts / --eval_prompts files, or the built-in set."""
-    def read(path, flag):
-        if os.path.isdir(path):
-            raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt per line")
-        if not os.path.isfile(path):
-            raise ConfigError(f"{flag} {path!r}: prompt file does not exist")
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}); save it as "
-                              "UTF-8, one prompt per line") from None
-        except OSError as e:
-            raise ConfigError(f"{flag} {path!r} cannot be read ({e.strerror})") from None
-        lines = [l for l in (l.strip() for l in text.splitlines()) if l]
-        if not lines:
-            raise ConfigError(f"{flag} {path!r}: prompt file holds no prompts (one per line expected)")
-        return lines
-
-    if args.prompts is None:
-        allp = BUILTIN_PROMPTS.strip().splitlines()
-        train, held = [p for i, p in enumerate(allp) if i % 5], [p for i, p in enumerate(allp) if not i % 5]
-    else:
-        allp = read(args.prompts, "--prompts")
-        n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
-        order = torch.randperm(len(allp), generator=torch.Generator().manual_seed(1234)).tolist()
-        held = [allp[i] for i in sorted(order[:n_eval])]
-        train = [allp[i] for i in sorted(order[n_eval:])]
-    if args.eval_prompts is not None:
-        held = read(args.eval_prompts, "--eval_prompts")
-    return train, held or train[:1]
-
-
-def select(cond, rows: torch.Tensor):
-    """Rows of every tensor in a (dict of) batch-first tensors."""
-    if isinstance(cond, dict):
-        return {k: v[rows] for k, v in cond.items()}
-    return cond[rows]
-
-
-def _gen(seed: int, it: int, stream: int) -> torch.Generator:
-    """An independent CPU generator per (seed, iteration, stream): a resumed run redraws exactly
-    the prompts, noises and pairs the uninterrupted run would have drawn."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
-
-
-@torch.no_grad()
-def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
-            solver: str, batch: int, ctx) -> torch.Tensor:
-    """ODE-solve every row of x1 (N, C, H, W) with the current policy, `batch` rows at a time.
-    Returns latents (N, C, H, W) fp32 — the actions o."""
-    out = []
-    for rows in torch.arange(len(x1)).split(batch):
-        with ctx:
-            out.append(SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows])).float())
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def score(adapter, rewards, names: list[str], latents: torch.Tensor, prompts: list[str], batch: int,
-          keep_images: bool = False, ctx=None):
-    """Decode once and score with every named reward, in chunks of `batch` images; the VAE decodes
-    in fp32, or under `ctx` (the compute-dtype autocast) if given.
-    Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
-    raw: dict[str, list] = {n: [] for n in names}
-    imgs = []
-    for rows in torch.arange(len(latents)).split(batch):
-        with ctx if ctx is not None else contextlib.nullcontext():
-            im = adapter.decode(latents[rows])
-        for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
-            raw[n].append(r)
-        if keep_images:
-            imgs.append((im * 255).round().to(torch.uint8).cpu())
-    return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
-
-
-def save_grid(images_u8: torch.Tensor, path: Path) -> None:
-    from PIL import Image
-    n = len(images_u8)
-    cols = math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
-    _, h, w = images_u8.shape[1:]
-    canvas = torch.zeros(3, rows * h, cols * w, dtype=torch.uint8)
-    for i, im in enumerate(images_u8):
-        r, c = divmod(i, cols)
-        canvas[:, r * h:(r + 1) * h, c * w:(c + 1) * w] = im
-    Image.fromarray(canvas.permute(1, 2, 0).numpy()).save(path)
-
-
-# ---- checkpoints: written to a temp folder and renamed, so a crash never leaves half a checkpoint ---
-CKPT_STATE = "trainer_state.pt"
-LORA_FILE = "pytorch_lora_weights.safetensors"
-
-
-def find_checkpoint(path: str) -> Path:
-    """A checkpoint folder, or a run folder (→ its latest checkpoint). Raises ValueError."""
-    p = Path(path)
-    if (p / CKPT_STATE).is_file():
-        return p
-    latest = p / "checkpoints" / "latest"
-    if latest.is_file():
-        c = p / "checkpoints" / latest.read_text().strip()
-        if (c / CKPT_STATE).is_file():
-            return c
-    raise ConfigError(f"--resume {path!r}: no checkpoint there (expected {CKPT_STATE} in it, or "
-                     "checkpoints/latest in a run folder)")
-
-
-def read_checkpoint(path: str) -> tuple[Path, dict]:
-    """Validate and read a checkpoint's trainer state before anything else happens."""
-    ckpt = find_checkpoint(path)
-    try:
-        state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
-        assert isinstance(state, dict) and {"iteration", "config", "optimizer"} <= set(state)
-        if state["config"]["full_finetune"]:
-            assert (ckpt / "transformer" / "config.json").is_file()
-        else:
-            from safetensors.torch import load_file
-            load_file(str(ckpt / LORA_FILE))
-    except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
-        raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
-                         f"({type(e).__name__}: {e}); pick another with --resume") from e
-    return ckpt, state
-
-
-RESUME_FIXED = ("full_finetune", "lora_rank", "lora_alpha", "lora_targets")
-
-
-def check_resume_compat(args: "Args", saved: dict, ckpt) -> None:
-    """Flags that change the shape of what a checkpoint holds cannot change on --resume."""
-    for k in RESUME_FIXED:
-        if k in saved and saved[k] != getattr(args, k):
-            raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
-                              f"{saved[k]!r} ({ckpt}); drop --{k} to resume, or start a new run")
-
-
-def checkpoint_config(path: str) -> dict:
-    """The resolved config saved with a checkpoint (config.json), without loading its weights or
-    optimizer state; setup() validates and loads the rest."""
-    ckpt = find_checkpoint(path)
-    try:
-        return json.loads((ckpt / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete ({type(e).__name__}: {e}); "
-                         "pick another with --resume") from e
-
-
-def trainable_state(transformer, full: bool) -> dict:
-    if full:
-        return {}
-    from peft.utils import get_peft_model_state_dict
-    return get_peft_model_state_dict(transformer)
-
-
-def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optimizer,
-                    scaler=None) -> Path:
-    """Write checkpoints/iter_XXXXXX and point checkpoints/latest at it. At every instant `latest`
-    names a complete checkpoint: the new one is written to a temporary folder, renamed to a name
-    no folder has, `latest` is switched atomically, and only then is an older copy removed.
-    Folders and files follow the user's umask. A failed write (disk full) removes its temporary
-    folder and raises ConfigError."""
-    ckdir = run_dir / "checkpoints"
-    ckdir.mkdir(parents=True, exist_ok=True)
-    name = f"iter_{it:06d}"
-    tmp = ckdir / f".tmp-{name}-{os.getpid()}-{time.time_ns()}"
-    tmp.mkdir()                                            # umask applies (mkdtemp would give 0700)
-    try:
-        if args.full_finetune:
-            adapter.transformer.save_pretrained(tmp / "transformer")
-        else:
-            adapter.save_lora(str(tmp), trainable_state(adapter.transformer, False), lora_cfg)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        torch.save({"iteration": it, "config": dataclasses.asdict(args),
-                    "optimizer": optimizer.state_dict(), "rng": rng,
-                    "scaler": scaler.state_dict() if scaler is not None else None}, tmp / CKPT_STATE)
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.rglob("*"):                           # safetensors writes files 0600
-            if f.is_file():
-                f.chmod(0o666 & ~umask)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({e.strerror or e}); "
-                          f"free space there, then continue with --resume {run_dir}") from None
-    latest = ckdir / "latest"
-    current = latest.read_text().strip() if latest.is_file() else None
-    # a re-save of the same iteration goes to the other of two names, never over `latest`'s folder
-    final = next(ckdir / n for n in (name, name + "-b") if n != current)
-    if final.exists():
-        shutil.rmtree(final)                               # not what `latest` names: safe to remove
-    os.replace(tmp, final)
-    tmp_latest = ckdir / ".latest.tmp"
-    tmp_latest.write_text(final.name)
-    os.replace(tmp_latest, latest)                         # atomic switch
-    for old in (ckdir / name, ckdir / (name + "-b")):      # the replaced copy of this iteration
-        if old != final and old.exists():
-            shutil.rmtree(old)
-    return final
-
-
-def load_trainable(adapter, ckpt: Path, full: bool) -> None:
-    """Load trained weights back into the live transformer (the inverse of save_checkpoint)."""
-    if full:
-        src = type(adapter.transformer).from_pretrained(ckpt / "transformer", torch_dtype=torch.float32)
-        adapter.transformer.load_state_dict(src.state_dict())
-        return
-    from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
-    sd = {k.removeprefix("transformer."): v for k, v in load_file(str(ckpt / LORA_FILE)).items()}
-    res = set_peft_model_state_dict(adapter.transformer, sd)
-    if getattr(res, "unexpected_keys", None):
-        raise ConfigError(f"checkpoint {str(ckpt)!r} does not match this model: {res.unexpected_keys[:3]}")
-
-
-def setup_device(args: Args, local_rank: int = 0) -> tuple[torch.device, torch.dtype, contextlib.AbstractContextManager]:
-    """Device, compute dtype and the one autocast context used for every model call."""
-    if args.device == "auto":
-        dev = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    else:
-        dev = torch.device(args.device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device(f"cuda:{local_rank}")
-    name = args.dtype if args.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-        torch.backends.cuda.matmul.allow_tf32 = True      # fp32 matmuls (surrogate math) on tensor cores
-        torch.backends.cudnn.allow_tf32 = True
-    # SDPA kernels: the process-wide switches (not a context manager), so that gradient
-    # checkpointing's recompute in backward uses the same kernel as the forward. Reset every setup.
-    b = torch.backends.cuda
-    flags = {"flash": b.enable_flash_sdp, "efficient": b.enable_mem_efficient_sdp,
-             "math": b.enable_math_sdp, "cudnn": b.enable_cudnn_sdp}
-    for name, enable in flags.items():
-        # auto: everything but cuDNN on CUDA — its fused attention failed in the backward pass of
-        # FLUX.1-dev (head dim 128) on an H200 with torch 2.11 ("mha_graph.execute(...).is_good()").
-        enable(name == args.attention_backend if args.attention_backend != "auto"
-               else not (name == "cudnn" and dev.type == "cuda"))
-    ctx = torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    return dev, dtype, ctx
-
-
-# ---- data parallelism: `torchrun --nproc_per_node=N vgrpo.py ...` ------------------------------------
-# nanoGPT's pattern: WORLD_SIZE > 1 in the environment ⇒ torch.distributed (NCCL on GPUs, gloo on CPU).
-# Every rank draws the same global prompts, noise and pairs from the (seed, iteration) generators and
-# works on its own contiguous slice of whole groups; rewards are all-gathered so advantages (global
-# std included) are computed on the global batch; gradients of the trainable parameters are averaged
-# with all_reduce before clipping. One rank then computes exactly what a single process would.
-def dist_info() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) otherwise."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate a tensor across ranks along its last dim, in rank order (identity on one process)."""
-    if world == 1:
-        return x
-    import torch.distributed as dist
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
-
-
-def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
-    if world > 1:
-        import torch.distributed as dist
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-        x /= world
-    return x
-
-
-@dataclass
-class Run:
-    """Everything an iteration needs, built once by `setup` (the loop's state, no globals)."""
-    args: Args
-    adapter: object
-    rewards: Rewards
-    opt: torch.optim.Optimizer
-    params: list
-    lora_cfg: object
-    train_prompts: list
-    eval_prompts: list
-    dev: torch.device
-    dtype: torch.dtype
-    ctx: object
-    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
-    eval_sigmas: torch.Tensor     # (K_eval + 1,)
-    D: tuple                      # latent shape the ODE runs in: (C, H, W) for SD3, (seq, 64) for FLUX
-    start: int = 0                # first iteration (> 0 when resumed)
-    rank: int = 0
-    world: int = 1
-    run_dir: Optional[Path] = None
-    scaler: Optional[object] = None  # torch.amp.GradScaler, active under --dtype fp16
-
-
-def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
-    """Validate, load the model and rewards, attach LoRA, build the optimizer, restore a checkpoint.
-    Writes nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
-    check_args(args)
-    train_prompts, eval_prompts = load_prompts(args)
-    ckpt, ck_state = read_checkpoint(args.resume) if args.resume else (None, None)
-    if ckpt is not None:
-        check_resume_compat(args, ck_state["config"], ckpt)
-    location = resolve_model(args.model) if pipe is None else None
-    if location is not None and os.path.isdir(location):
-        check_local_pipeline(location)
-    rank, world, local_rank = dist_info()
-    if world > 1:
-        import torch.distributed as dist
-        if args.prompts_per_iter % world:
-            raise ConfigError(f"--prompts_per_iter {args.prompts_per_iter} must be divisible by the "
-                             f"{world} processes: a group is never split across ranks")
-        if (args.prompts_per_iter // world * args.group_size) % args.mu:
-            raise ConfigError(f"each rank's {args.prompts_per_iter // world * args.group_size} samples must "
-                             f"split into --mu {args.mu} equal minibatches")
-    dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    torch.manual_seed(args.seed)                           # same LoRA init on every rank
-    random.seed(args.seed)
-    rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
-    for m in rewards.models.values():                      # plug-ins fail here, in one line
-        if isinstance(m, PluginReward):
-            m.probe(min(args.resolution, 256), dev)
-    pipe = pipe if pipe is not None else load_pipeline(args.model, dtype)
-    pipe.to(dev)
-    pipe.vae.to(torch.float32)
-    adapter = make_adapter(pipe, args, dev)
-    if args.offload_text_encoders:                         # embed every prompt once, free the encoders
-        adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
-
-    # ---- trainable parameters: LoRA (default) or the whole transformer -----------------------
-    tr = adapter.transformer
-    lora_cfg = None
-    if args.full_finetune:
-        tr.to(torch.float32).requires_grad_(True)          # fp32 master weights, bf16 autocast compute
-    else:
-        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
-    if args.gradient_checkpointing:
-        tr.enable_gradient_checkpointing()
-    compile_blocks(tr, args.compile_backend, enabled=args.compile)   # after LoRA: compiles it too
-    params = [p for p in tr.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
-    # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op).
-    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
-    start = 0
-    if ckpt is not None:
-        load_trainable(adapter, ckpt, args.full_finetune)
-        opt.load_state_dict(ck_state["optimizer"])
-        if ck_state.get("scaler"):
-            scaler.load_state_dict(ck_state["scaler"])
-        start = ck_state["iteration"]
-        rng = ck_state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-    if world > 1:
-        import torch.distributed as dist
-        for p in params:                                   # identical start on every rank
-            dist.broadcast(p.data, src=0)
-    sigmas = adapter.sigmas(args.num_steps)
-    return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params, lora_cfg=lora_cfg,
-               train_prompts=train_prompts, eval_prompts=eval_prompts, dev=dev, dtype=dtype, ctx=ctx,
-               sigmas=sigmas, eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
-               D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world,
-               scaler=scaler)
-
-
-def train(args: Args) -> list[dict]:
-    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
-    from tqdm.auto import tqdm
-    run_dir = plan_run_dir(args)                           # checked writable, not created yet
-    run = setup(args)                                      # bad input fails here, having written nothing
-    main_rank = run.rank == 0
-
-    # ---- output folder (rank 0 decides the name, every rank learns it) ------------------------
-    if run.world > 1:
-        import torch.distributed as dist
-        box = [str(run_dir)]
-        dist.broadcast_object_list(box, src=0)
-        run_dir = Path(box[0])
-    run.run_dir = run_dir
-    mpath = run_dir / "metrics.jsonl"
-    log_f = None
-    done_evals: set = set()
-    if main_rank:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
-            shutil.rmtree(stale, ignore_errors=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-        if mpath.exists():
-            done_evals = trim_metrics(mpath, run.start) if args.resume else set()
-        log_f = open(mpath, "a")
-        print(banner(run))
-
-    def log(m: dict) -> None:
-        if log_f is not None:
-            log_f.write(json.dumps(m) + "\n")
-            log_f.flush()
-
-    def checkpoint(done: int) -> Optional[Path]:
-        path = save_checkpoint(run_dir, done, run.adapter, args, run.lora_cfg, run.opt,
-                               run.scaler) if main_rank else None
-        _barrier(run.world)
-        return path
-
-    history: list[dict] = []
-    bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations, desc="V-GRPO",
-               unit="it", disable=not main_rank)
-    try:
-        for it in bar:
-            if args.eval_every and it % args.eval_every == 0 and it not in done_evals and main_rank:
-                log(evaluate(run, it))
-            m = iteration(run, it)
-            history.append(m)
-            log(m)
-            bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
-            if main_rank:
-                tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
-                           f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  "
-                           f"cv {m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
-            if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
-                checkpoint(it + 1)
-        if args.eval_every and run.start < args.iterations and main_rank:
-            ev = evaluate(run, args.iterations)
-            log(ev)
-            tqdm.write(f"eval after {args.iterations} iterations: reward {ev['eval_reward_mean']:.4f}")
-    except KeyboardInterrupt:
-        done = history[-1]["iter"] + 1 if history else run.start
-        path = checkpoint(done)
-        if main_rank:
-            print(f"\ninterrupted: saved {path}; continue with --resume {run_dir}")
-    finally:
-        bar.close()
-        if log_f is not None:
-            log_f.close()
-        if run.world > 1:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    return history
-
-
-def plan_run_dir(args: Args) -> Path:
-    """The run folder (--run_dir, the resumed run's folder, or runs/<model>-<rewards>-<time>),
-    checked writable before anything loads; nothing is created here."""
-    if args.resume and args.run_dir is None:
-        run_dir = find_checkpoint(args.resume).parent.parent
-    else:
-        tag = "+".join(n.split(":")[-1] for n, _ in parse_reward_spec(args.reward))
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{stamp}")
-    p = run_dir.absolute()
-    top = next(q for q in (p, *p.parents) if q.exists())     # deepest part that exists
-    if not top.is_dir():
-        raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder; "
-                          "pass another --run_dir")
-    try:
-        with tempfile.TemporaryFile(dir=top):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
-                          f"({e.strerror}); pass a writable --run_dir") from None
-    return run_dir
-
-
-def trim_metrics(mpath: Path, start: int) -> set:
-    """On resume from the checkpoint after iteration `start`: drop the lines logged after it (they
-    are logged again), so each iteration appears once. Returns the iterations already evaluated."""
-    keep = []
-    for line in mpath.read_text().splitlines():
-        try:
-            m = json.loads(line)
-        except ValueError:
-            continue                                       # a line cut short by a kill
-        if m.get("iter", math.inf) < start or ("eval_reward_mean" in m and m["iter"] <= start):
-            keep.append(line)
-    tmp = mpath.with_name(mpath.name + ".tmp")
-    tmp.write_text("".join(l + "\n" for l in keep))
-    os.replace(tmp, mpath)
-    return {json.loads(l)["iter"] for l in keep if "eval_reward_mean" in l}
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        import torch.distributed as dist
-        dist.barrier()
-
-
-@torch.no_grad()
-def evaluate(run: Run, it: int) -> dict:
-    """Held-out prompts, one image each from noise that is the same at every evaluation, sampled with
-    eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png and scores every --eval_rewards."""
-    a, ad = run.args, run.adapter
-    prompts = run.eval_prompts[:a.n_eval]
-    x1 = torch.randn((len(prompts),) + run.D, generator=_gen(a.seed, 0, 9)).to(run.dev)
-    with lora_merged(ad.transformer, a.merge_lora_rollout):
-        lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
-                      run.eval_sigmas, a.solver, a.rollout_batch, run.ctx)
-    raw, imgs = score(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts, a.reward_batch,
-                      keep_images=True, ctx=run.ctx if a.vae_autocast else None)
-    if run.run_dir is not None:
-        (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
-        save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
-    head = run.rewards.summary(raw, run.rewards.eval)
-
-    def finite_stats(r):                                   # non-finite rewards are dropped
-        f = r[torch.isfinite(r)]
-        return (f.mean().item(), f.std(unbiased=False).item()) if len(f) else (math.nan, math.nan)
-
-    ev = {"iter": it, "eval_reward_unit": run.rewards.unit(run.rewards.eval),
-          "eval_nfe": len(run.eval_sigmas) - 1,
-          "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
-    ev["eval_reward_mean"], ev["eval_reward_std"] = finite_stats(head)
-    for n, r in raw.items():
-        ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = finite_stats(r)
-    if ev["eval_n_nonfinite"]:
-        from tqdm.auto import tqdm
-        tqdm.write(f"warning: evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite "
-                   "reward(s) dropped", file=sys.stderr)
-    return ev
-
-
-def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration, Alg. steps 1–5. Returns host-side metrics (one sync at the end)."""
-    a, ad, dev, ctx = run.args, run.adapter, run.dev, run.ctx
-    P, G, J, D = a.prompts_per_iter, a.group_size, a.n_mc, run.D
-    N = P * G
-    Pl, Nl = P // run.world, N // run.world                  # this rank's share: whole groups
-    lo = run.rank * Nl                                       # first global sample index of this rank
-    times = {}
-    t0 = time.perf_counter()
-    g_prompt, g_noise, g_pairs, g_perm = (_gen(a.seed, it, s) for s in range(4))
-
-    # [Alg. step 1] P prompts, G images each, by a deterministic ODE solve of the current policy θ_old.
-    n_tr = len(run.train_prompts)
-    pick = torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr else torch.randint(n_tr, (P,), generator=g_prompt)
-    prompts = [run.train_prompts[i] for i in pick.tolist()][run.rank * Pl:(run.rank + 1) * Pl]
-    cond = ad.encode(prompts)                                               # Pl rows
-    prompt_idx = (torch.arange(Nl) // G).to(dev)                            # (Nl,) row of cond per sample
-    x1 = torch.randn((N,) + D, generator=g_noise)[lo:lo + Nl].to(dev)       # (Nl, *D) independent noise
-    with lora_merged(ad.transformer, a.merge_lora_rollout):     # θ_old = θ, merged or not
-        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, a.solver, a.rollout_batch, ctx)  # Nl×D
-    _sync(dev)
-    times["time_rollout"] = time.perf_counter() - t0
-
-    # [Alg. step 2] rewards (all-gathered: advantages see the global batch) and advantages.
-    t1 = time.perf_counter()
-    names = [n for n, _ in run.rewards.train]
-    raw_loc, _ = score(ad, run.rewards, names, x0, [prompts[i // G] for i in range(Nl)],
-                       a.reward_batch, ctx=ctx if a.vae_autocast else None)
-    raw_all = dict(zip(names, _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(dev),
-                                              run.world).cpu()))          # {name: (N,)}
-    values = run.rewards.training_values(raw_all, run.rewards.train).view(-1, P, G)   # (K, P, G)
-    weights = torch.tensor([w for _, w in run.rewards.train])
-    aggregate = per_reward_advantages if a.reward_aggregation == "per_reward" else weighted_sum_advantages
-    adv, adv_stats = aggregate(values, weights, global_std=a.global_std, std_eps=a.std_eps,
-                               clamp=a.adv_clamp, eta=a.soft_clip_eta)
-    skipped = bool((adv == 0).all())                     # nothing to learn (e.g. every reward dropped)
-    adv = adv.flatten()[lo:lo + Nl].to(dev)                                 # (Nl,)
-    raw = run.rewards.summary(raw_all, run.rewards.train)                   # (N,) headline reward
-    times["time_reward"] = time.perf_counter() - t1
-
-    # [Alg. step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ step;
-    # drawn from the same generator on every rank, then broadcast from rank 0 to be safe.
-    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [ours C4]
-             "group": torch.arange(N) // G, "none": torch.arange(N)}[a.pair_sharing]
-    pairs = draw_pairs(run.sigmas[:-1], J, D, scope, stratified=a.stratified, generator=g_pairs)
-    pairs = Pairs(t=pairs.t.to(dev), eps=pairs.eps.to(dev), index=pairs.index.to(dev))
-    if run.world > 1:
-        import torch.distributed as dist
-        dist.broadcast(pairs.t, src=0)
-        dist.broadcast(pairs.eps, src=0)
-    sur_kw = dict(parameterization=a.parameterization, adaptive=a.adaptive_weighting, mae_floor=a.mae_floor)
-
-    def surrogates(rows: torch.Tensor, want_x0_hat: bool):
-        """s (m, J) [and x̂0 (m, J, *D)] of local samples `rows` with the current parameters."""
-        t_r, e_r = pairs.take(rows + lo)                                    # pairs are indexed globally
-        with ctx:
-            return pair_surrogates(ad.velocity, x0[rows], select(cond, prompt_idx[rows]), t_r, e_r,
-                                   return_x0_hat=want_x0_hat, **sur_kw)
-
-    # [Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
-    t2 = time.perf_counter()
-    want_kl = a.kl_coef > 0
-    s_old = torch.empty(Nl, J, device=dev)
-    x0h_old = torch.empty((Nl, J) + D, device=dev) if want_kl else None
-    # The optimizer steps' minibatches, drawn now: S_old is computed in exactly the micro-batches
-    # (rows and shapes) the first step uses, so its ratio is exactly 1 for any μ.
-    perm = torch.randperm(Nl, generator=g_perm).to(dev) if a.mu > 1 else torch.arange(Nl, device=dev)
-    minibatches = perm.tensor_split(a.mu)
-    with torch.no_grad():
-        for rows in (r for mb in minibatches for r in mb.split(a.micro_batch)):
-            if want_kl:
-                s_old[rows], x0h_old[rows] = surrogates(rows, True)
-            else:
-                s_old[rows] = surrogates(rows, False)
-    cv = surrogate_cv(_all_gather_cat(s_old.mean(dim=1), run.world).view(P, G))
-    _sync(dev)
-    times["time_old"] = time.perf_counter() - t2
-
-    # [Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
-    t3 = time.perf_counter()
-    stats_acc: dict[str, list] = {}
-    grad_norms = []
-    for step, mb in enumerate(minibatches if not skipped else []):
-        run.opt.zero_grad(set_to_none=True)
-        for rows in mb.split(a.micro_batch):
-            out = surrogates(rows, want_kl)
-            s_new, x0h = out if want_kl else (out, None)
-            kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
-            loss, st = vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=a.clip_eps, kl=kl, kl_coef=a.kl_coef)
-            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [ours C16]
-            (run.scaler.scale(scaled) if run.scaler else scaled).backward()
-            for k, v in st.items():
-                stats_acc.setdefault(k, []).append(v)
-            if step == 0:
-                stats_acc.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
-        for p in run.params:                              # average gradients over ranks (DDP); a
-            if p.grad is not None:                        # None grad is None on every rank (same graph)
-                _all_reduce_mean(p.grad, run.world)
-        if run.scaler:
-            run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
-        gn = torch.nn.utils.clip_grad_norm_(run.params, a.max_grad_norm)
-        if torch.isfinite(gn):
-            run.scaler.step(run.opt) if run.scaler else run.opt.step()
-        if run.scaler:
-            run.scaler.update()                           # halve the scale after an overflow
-        grad_norms.append(gn.detach().float())
-    run.opt.zero_grad(set_to_none=True)
-    _sync(dev)
-    times["time_update"] = time.perf_counter() - t3
-
-    # one host sync for everything logged; local stats averaged over ranks
-    scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
-    scal["grad_norm"] = torch.stack(grad_norms).mean() if grad_norms else torch.tensor(0.0, device=dev)
-    scal["nonfinite_grad_steps"] = ((~torch.isfinite(torch.stack(grad_norms))).sum().float() if grad_norms
-                                    else torch.tensor(0.0, device=dev))
-    if scal:
-        keys = list(scal)
-        vec = _all_reduce_mean(torch.stack([scal[k].float().to(dev) for k in keys]), run.world)
-        scal = dict(zip(keys, vec))
-    scal.update(adv_stats)
-    scal.update(cv)
-    if run.world > 1:                                     # all ranks must hold the same parameters
-        fp = torch.stack([p.detach().double().sum() for p in run.params]).sum().reshape(1)
-        fps = _all_gather_cat(fp, run.world)
-        scal["param_desync"] = (fps.max() - fps.min()).float()
-    host = {k: float(v) for k, v in zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist())}
-    finite = raw[torch.isfinite(raw)]
-    m = {"iter": it, "reward_mean": finite.mean().item() if len(finite) else float("nan"),
-         "reward_std": finite.std(unbiased=False).item() if len(finite) else float("nan"),
-         "reward_unit": run.rewards.unit(run.rewards.train), "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
-         "skipped": skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": float(run.scaler.get_scale()) if run.scaler and run.scaler.is_enabled() else 1.0,
-         "nfe_rollout": a.num_steps, "nfe_old": a.num_steps + J, "nfe_theta": J}
-    if len(raw_all) > 1:
-        for n, r in raw_all.items():
-            f = r[torch.isfinite(r)]
-            m[f"reward_{n}_mean"] = f.mean().item() if len(f) else float("nan")
-            m[f"reward_{n}_std"] = f.std(unbiased=False).item() if len(f) else float("nan")
-    for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, float("nan") if skipped else 0.0)
-    if m["n_nonfinite_reward"] and run.rank == 0:
-        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
-        tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
-                   f"dropped (advantage 0){'; update skipped' if skipped else ''}", file=sys.stderr)
-    m["time_iter"] = time.perf_counter() - t0
-    return m
-
-
-def _sync(dev: torch.device) -> None:
-    """Wait for the GPU before reading a wall clock (phase timings only)."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
 
 def banner(run: Run) -> str:
-    a = run.args
-    P, G = a.prompts_per_iter, a.group_size
+    args = run.args
+    P, G = args.prompts_per_iter, args.group_size
     N = P * G
-    lines = [f"V-GRPO  model={a.model}  reward={a.reward}  device={run.dev}  dtype={run.dtype}  "
+    lines = [f"V-GRPO  model={args.model}  reward={args.reward}  device={run.dev}  dtype={run.dtype}  "
              f"processes={run.world}  run_dir={run.run_dir}",
              f"  batch: {P} prompts × {G} images = {N} rollouts/iteration ({N // run.world} per process); "
-             f"{a.mu} optimizer step(s) of {N // a.mu} samples; micro-batch {a.micro_batch} × {a.n_mc} pairs",
-             f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {[round(float(s), 4) for s in run.sigmas[:3]]}…"
-             f"; NFE/sample old {a.num_steps}+{a.n_mc}, θ {a.n_mc}",
-             f"  surrogate: {a.parameterization}-pred, adaptive={a.adaptive_weighting}, "
-             f"stratified={a.stratified}, sharing={a.pair_sharing}",
-             f"  controls: clip ε={a.clip_eps or 'off'}, KL β={a.kl_coef or 'off'}, "
-             f"soft-clip η={a.soft_clip_eta or 'off'}; prompts {len(run.train_prompts)} train / "
+             f"{args.mu} optimizer step(s) of {N // args.mu} samples; micro-batch {args.micro_batch} × {args.n_mc} pairs",
+             f"  rollout: {args.num_steps}-step {args.solver} ODE, grid {[round(float(s), 4) for s in run.sigmas[:3]]}…"
+             f"; NFE/sample old {args.num_steps}+{args.n_mc}, θ {args.n_mc}",
+             f"  surrogate: {args.parameterization}-pred, adaptive={args.adaptive_weighting}, "
+             f"stratified={args.stratified}, sharing={args.pair_sharing}",
+             f"  controls: clip ε={args.clip_eps or 'off'}, KL β={args.kl_coef or 'off'}, "
+             f"soft-clip η={args.soft_clip_eta or 'off'}; prompts {len(run.train_prompts)} train / "
              f"{len(run.eval_prompts)} eval"]
-    origin = getattr(a, "origin", {})
-    changed = [f for f in dataclasses.fields(Args) if getattr(a, f.name) != f.default and f.name in origin]
+    origin = getattr(args, "origin", {})
+    changed = [f for f in dataclasses.fields(Args)
+               if getattr(args, f.name) != f.default and f.name in origin]
     if changed:
         lines.append("  set by presets or flags (others: `--help` shows each default and its source):")
-        lines += [f"    {f.name} = {getattr(a, f.name)!r}  ← {origin[f.name]}" for f in changed]
+        lines += [f"    {f.name} = {getattr(args, f.name)!r}  ← {origin[f.name]}" for f in changed]
     return "\n".join(lines)
 
 

@@ -394,7 +394,7 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     t1 = time.perf_counter()
     names = [n for n, _ in rewards.train]
     sample_prompts = [prompts[i // G] for i in range(N)]
-    raw_all, _ = V.score(adapter, rewards, names, traj[:, -1], sample_prompts, args.reward_batch)
+    raw_all, _ = V.decode_and_reward(adapter, rewards, names, traj[:, -1], sample_prompts, args.reward_batch)
     w = torch.tensor([wt for _, wt in rewards.train])
     r = (rewards.training_values(raw_all, rewards.train) * w[:, None]).sum(0)          # (N,)
     adv = stat_tracker_advantages(sample_prompts, r)                                   # (N,) fp64
@@ -497,7 +497,7 @@ def evaluate(guided, rewards, args, eval_prompts, D, dev, ctx) -> float:
                     guided.adapter.sigmas(args.eval_steps or args.num_steps), args.solver,
                     args.rollout_batch, ctx)
     names = [name for name, _ in rewards.eval]
-    raw, _ = V.score(guided.adapter, rewards, names, lat, prompts, args.reward_batch)
+    raw, _ = V.decode_and_reward(guided.adapter, rewards, names, lat, prompts, args.reward_batch)
     return float(rewards.summary(raw, rewards.eval).mean())
 
 

@@ -58,6 +58,8 @@ import torch
 
 import vgrpo as V
 
+TM = V.tiny_models()                      # examples/tiny_models.py: offline tiny pipelines
+
 BF16_PEAK_TFLOPS = 989.0     # H100/H200 SXM dense bf16 spec; pass --peak for another GPU
 
 CONFIGS = {
@@ -108,8 +110,8 @@ def build_sd35m_random(device, dtype, t5_layers=24):
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        tok1, tok2 = V.tiny_clip_tokenizer(d), V.tiny_clip_tokenizer(d)
-    tok3 = V.tiny_t5_tokenizer()
+        tok1, tok2 = TM.tiny_clip_tokenizer(d), TM.tiny_clip_tokenizer(d)
+    tok3 = TM.tiny_t5_tokenizer()
     n = len(tok1)
     with torch.device(device):
         transformer = SD3Transformer2DModel(   # [ours C19] SD3.5-Medium config
@@ -148,8 +150,8 @@ def build_flux_dev_random(device, dtype):
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        tok1 = V.tiny_clip_tokenizer(d)
-    tok2 = V.tiny_t5_tokenizer()
+        tok1 = TM.tiny_clip_tokenizer(d)
+    tok2 = TM.tiny_t5_tokenizer()
     n = len(tok1)
     with torch.device(device):
         transformer = FluxTransformer2DModel(guidance_embeds=True).to(dtype)
@@ -177,7 +179,7 @@ def build_pickscore_random(device, dtype):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        tok = V.tiny_clip_tokenizer(d)
+        tok = TM.tiny_clip_tokenizer(d)
     n = len(tok)
     cfg = CLIPConfig(text_config=dict(vocab_size=49408, hidden_size=1024, intermediate_size=4096,
                                       num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=77,
@@ -616,7 +618,7 @@ def main(argv=None):
                      "--lora_rank", "4", "--lora_alpha", "8", "--device", "cpu",
                      "--group_size", "4"]
         flux_only = stages == ["flux"] or (stages == ["configs"] and a.family == "flux")
-        env.pipe = V.build_tiny_flux_pipeline() if flux_only else V.build_tiny_sd3_pipeline()
+        env.pipe = TM.build_tiny_flux_pipeline() if flux_only else TM.build_tiny_sd3_pipeline()
         env.reward = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
         global LEVER_BASE, MEMORY_TRIAL
         LEVER_BASE = ["--prompts_per_iter", "1", "--group_size", "4"]
@@ -675,7 +677,7 @@ def main(argv=None):
 def stage_flux_build(env):
     env.pipe = None
     env.free()
-    env.pipe = (V.build_tiny_flux_pipeline() if env.a.cpu_smoke
+    env.pipe = (TM.build_tiny_flux_pipeline() if env.a.cpu_smoke
                 else build_flux_dev_random(env.dev, env.dtype))
     env.pipe.vae.to(torch.float32)
     env.model = "flux.1-dev"

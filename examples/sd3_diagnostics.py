@@ -112,7 +112,7 @@ def score_and_advantages(adapter, rewards, args, x0, sample_prompts, P, G):
     """Decode + score the N latents, then group-relative advantages. Returns raw (N,), A (N,)."""
     kw = dict(global_std=args.global_std, std_eps=args.std_eps, clamp=args.adv_clamp, eta=args.soft_clip_eta)
     names = [n for n, _ in rewards.train]
-    raw_all, _ = V.score(adapter, rewards, names, x0, sample_prompts, args.reward_batch)
+    raw_all, _ = V.decode_and_reward(adapter, rewards, names, x0, sample_prompts, args.reward_batch)
     values = rewards.training_values(raw_all, rewards.train).view(-1, P, G)          # (K, P, G)
     weights = torch.tensor([w for _, w in rewards.train])
     agg = V.per_reward_advantages if args.reward_aggregation == "per_reward" else V.weighted_sum_advantages
