@@ -571,6 +571,7 @@ def _load_toy_2d():
     return mod
 
 
+@pytest.mark.examples
 def test_toy_vgrpo_beats_naive():
     """End-to-end learning check on the 2-D toy (examples/toy_2d.py, its default settings:
     P = 8 × G = 16 rollouts per iteration, K = 16, μ = 1, AdamW lr 1e-3, 150 iterations).
@@ -609,6 +610,36 @@ def test_toy_vgrpo_beats_naive():
     assert mean(v, "final_reward") - mean(f, "final_reward") >= 0.05, (
         [r["final_reward"] for r in v], [r["final_reward"] for r in f])
     assert mean(v, "cv_group") <= 0.5 * mean(f, "cv_group"), ([r["cv_group"] for r in v], [r["cv_group"] for r in f])
+
+
+@pytest.mark.examples
+def test_toy_flow_grpo_schedule():
+    """The 2-D toy's Flow-GRPO row at its own schedule (examples/toy_2d.py METHODS["flow_grpo"]:
+    first 15 of 16 steps, 2 optimizer steps, ε = 1e-4, β = 0.04 KL to the pretrained model): the
+    per-step ratio is exactly 1 on the first minibatch (θ = θ_old, fp32, one thread) and the
+    second optimizer step is clipped; the aggressive row (μ = 1) never clips.
+    Measured (300 pretraining steps, seeds 0 / 1): |log ρ| on the first minibatch 0.0 / 0.0;
+    clip fraction over both minibatches 0.495 / 0.495 (≈ all of the second); aggressive 0.0."""
+    toy = _load_toy_2d()
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sd = toy.pretrain(0, 300)
+        model, ref = toy.VelocityMLP(), toy.VelocityMLP()
+        model.load_state_dict(sd)
+        ref.load_state_dict(sd)
+        ref.requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
+        g = torch.Generator().manual_seed(0)
+        cfg = toy.METHODS["flow_grpo"]
+        assert (cfg["mu"], cfg["clip_eps"], cfg["beta"], cfg["timestep_fraction"]) == (2, 1e-4, 0.04, 0.99)
+        st = toy.flowgrpo_iteration(model, opt, cfg, P=8, G=16, K=16, mu=cfg["mu"], gen=g, ref=ref)
+        agg = toy.flowgrpo_iteration(model, opt, toy.METHODS["mdp_aggr"], P=8, G=16, K=16, mu=1, gen=g)
+    finally:
+        torch.set_num_threads(n_threads)
+    assert st["abs_log_ratio_first"] < 1e-6          # one MLP, same rows: equal up to rounding
+    assert 0.3 < st["clip_frac"] <= 0.5               # the 2nd minibatch's ratios leave 1 ± 1e-4
+    assert agg["clip_frac"] == 0.0 and math.isfinite(st["grad_norm"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -879,33 +910,178 @@ def test_sd3_diagnostics_variance_reduction(tmp_path):
     assert "| V-GRPO (all on) |" in text and "CV group" in text
 
 
-def test_flow_grpo_baseline_and_cost_table(tmp_path):
-    """examples/flow_grpo_sd3.py: both update code paths run on the tiny SD3 pipeline (P×G = 2×4,
-    K = 8, 2 iterations each) and the per-sample NFE accounting is the documented one.
+FLOW_SMALL = ["--prompts_per_iter", "2", "--group_size", "4", "--iterations", "1", "--seed", "0",
+              "--num_steps", "4", "--flow_steps", "4", "--n_eval", "2"]
 
-    Measured (seed 0): V-GRPO NFE 8 / +4 / 4, Flow-GRPO 8 / +0 / 7; |log ρ| at θ = θ_old exactly
-    0.0 for both (fp32, same batch shapes); Flow-GRPO clip fraction 0.23 (its 2nd optimizer step
-    sees ratios past 1 ± 1e-4), V-GRPO 0 (μ = 1); both LoRAs moved (‖Δθ‖ 1.16 and 1.79). Rewards are not
-    asserted: 2 iterations on a random tiny model move them by less than their noise.
+
+@pytest.mark.examples
+def test_flow_grpo_baseline_and_cost_table(tmp_path):
+    """examples/flow_grpo_sd3.py, both methods at the default cfg4.5 recipe on the tiny SD3 pipeline
+    (P×G = 2×4, V-GRPO K = 4, Flow-GRPO K = 4, 1 iteration each), with prompt files: the NFE
+    accounting with CFG (2 forwards per step) and the KL's reference forwards, the ratio exactly 1
+    before the first of Flow-GRPO's 2 optimizer steps, metrics.jsonl, and both LoRAs loadable.
+
+    Measured (seed 0): V-GRPO NFE 4 / +4 / 4 / ref 0; Flow-GRPO 8 / +0 / 6 / ref 6 (3 of 4 steps
+    trained, × 2 for CFG); |log ρ| at θ = θ_old exactly 0.0 and clip fraction before the first
+    optimizer step 0.0 (fp32, rollout and training batches of the same size, same code path);
+    the Flow-GRPO clip fraction over both steps 0.50 (its 2nd optimizer step sees ratios past
+    1 ± 1e-4). Rewards are not asserted: one iteration on a random tiny model moves them by less
+    than their noise.
     """
     flow = _load_example("flow_grpo_sd3")
-    out = tmp_path / "flow.md"
-    rows = flow.main(["--prompts_per_iter", "2", "--group_size", "4", "--iterations", "2", "--seed", "0",
-                      "--out", str(out)])
-    v, f = rows
+    train = tmp_path / "train.txt"
+    train.write_text("a red square\na blue circle\na green triangle\n")
+    held = tmp_path / "held.txt"
+    held.write_text("a yellow star\na purple moon\n")
+    out = tmp_path / "run"
+    lines = flow.main(FLOW_SMALL + ["--prompts", str(train), "--eval_prompts", str(held),
+                                    "--out", str(out)])
+    mine, args = flow.parse(FLOW_SMALL + ["--prompts", str(train)])
+    assert args.prompts == str(train) and args.prompts_per_iter == 2    # not --prompts_per_iter
+    rec = mine.rec
+    assert rec["guidance"] == 4.5 and rec["beta"] == 0.04 and rec["clip_range"] == 1e-4
+    its = [m for m in lines if "reward_mean" in m]
+    evs = [m for m in lines if "eval_reward_mean" in m]
+    assert [m["method"] for m in its] == ["vgrpo", "flow_grpo"]
+    assert [(m["method"], m["iter"]) for m in evs] == [("vgrpo", 0), ("vgrpo", 1),
+                                                        ("flow_grpo", 0), ("flow_grpo", 1)]
+    on_disk = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert on_disk == lines and len(lines) == 6
+    assert all(math.isfinite(m["time_rollout"]) and m["time_update"] >= 0 for m in its)
+    v, f = json.loads((out / "summary.json").read_text())["rows"]
     assert v["method"] == "V-GRPO" and f["method"] == "Flow-GRPO"
-    K, J = 8, 4                                        # tiny preset: 8 sampling steps; N_MC = 4
-    assert (v["nfe_rollout"], v["nfe_old_extra"], v["nfe_pi_old"], v["nfe_theta"]) == (K, J, K + J, J)
-    assert (f["nfe_rollout"], f["nfe_old_extra"], f["nfe_pi_old"], f["nfe_theta"]) == (K, 0, K, int(0.99 * K))
-    for row in rows:
-        assert row["abs_log_ratio_first"] < 1e-5      # recomputed θ_old terms equal the stored ones
-        assert row["lora_change"] > 0                 # the update moved the policy
-        assert all(row[k] >= 0 for k in ("time_rollout", "time_reward", "time_old", "time_update"))
-        assert math.isfinite(row["eval_reward_before"]) and math.isfinite(row["eval_reward_after"])
-    assert v["eval_reward_before"] == f["eval_reward_before"]     # same init, same eval noise
-    assert v["clip_frac"] == 0 and f["clip_frac"] > 0
-    assert f["time_old"] == 0                         # Flow-GRPO's old log-probs come with the rollout
-    assert "| Flow-GRPO |" in out.read_text()
+    K, J, T = 4, 4, int(0.99 * 4)
+    assert (v["nfe_rollout"], v["nfe_old_extra"], v["nfe_theta"], v["nfe_ref"]) == (K, J, J, 0)
+    assert (f["nfe_rollout"], f["nfe_old_extra"], f["nfe_theta"], f["nfe_ref"]) == \
+        (2 * K, 0, 2 * T, 2 * T)                      # CFG: 2 forwards per step
+    assert f["opt_steps"] == 2 and v["opt_steps"] == 1
+    for row in (v, f):
+        assert row["abs_log_ratio_first"] == 0.0      # fp32, same batch shapes and code path
+        assert row["clip_frac_first_step"] == 0.0     # θ = θ_old before the first optimizer step
+        assert row["lora_change"] > 0
+    assert f["clip_frac"] > 0                         # the 2nd optimizer step is off-policy
+    assert f["time_old"] == 0                         # old log-probs come with the rollout
+    assert "| Flow-GRPO |" in (out / "table.md").read_text()
+    # the saved LoRAs load into a stock pipeline and change its output
+    from diffusers import StableDiffusion3Pipeline
+    V.build_tiny_sd3_pipeline().save_pretrained(tmp_path / "base")
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "base"))
+    x, t = torch.randn(1, pipe.transformer.config.in_channels, 8, 8), torch.tensor([500.0])
+    c = {"encoder_hidden_states": torch.randn(1, 5, pipe.transformer.config.joint_attention_dim),
+         "pooled_projections": torch.randn(1, pipe.transformer.config.pooled_projection_dim)}
+    with torch.no_grad():
+        base = pipe.transformer(hidden_states=x, timestep=t, **c).sample
+        for method in ("vgrpo", "flow_grpo"):
+            pipe.load_lora_weights(str(out / f"lora_{method}"), adapter_name=method)
+            pipe.set_adapters(method)
+            moved = pipe.transformer(hidden_states=x, timestep=t, **c).sample - base
+            assert moved.abs().max() > 0
+
+
+@pytest.mark.examples
+def test_flow_grpo_nocfg_recipe_filters_zero_advantages(tmp_path, monkeypatch):
+    """--methods flow_grpo --recipe nocfg with a plug-in reward that is constant for one prompt:
+    that group's 4 advantages are exactly 0 and are dropped before training (train_sd3.py's mask);
+    no CFG (1 forward per step), a 3-step CPS window inside the first K/2 steps is all that is
+    trained, β = 0 (no reference forwards), ε = 1e-5, and the ratio is exactly 1 before the first
+    optimizer step. Also: without --out, the output goes to ./runs/…, never into the repository."""
+    (tmp_path / "flat_reward.py").write_text(
+        "import torch\n"
+        "def score(images, prompts):\n"
+        "    m = images.float().mean(dim=(1, 2, 3))\n"
+        "    return torch.stack([torch.tensor(0.5) if 'flat' in p else v\n"
+        "                        for p, v in zip(prompts, m)])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.txt").write_text("a flat grey wall\na busy street market\n")
+    (tmp_path / "held.txt").write_text("a quiet lake\n")
+    before = (ROOT / "examples" / "flow_grpo_sd3.md").read_text()
+    flow = _load_example("flow_grpo_sd3")
+    lines = flow.main(["--methods", "flow_grpo", "--recipe", "nocfg",
+                       "--reward", "flat_reward:score", "--prompts", "train.txt",
+                       "--eval_prompts", "held.txt", "--eval_holdout", "0",
+                       "--prompts_per_iter", "2", "--group_size", "4",
+                       "--iterations", "1", "--flow_steps", "6", "--num_steps", "4",
+                       "--n_eval", "1"])
+    its = [m for m in lines if "reward_mean" in m]
+    assert len(its) == 1 and all(m["method"] == "flow_grpo" for m in its)
+    for m in its:
+        assert m["n_zero_adv"] == 4 and m["n_trained_samples"] == 4   # the flat group is dropped
+        assert len(m["trained_steps"]) == 3 and max(m["trained_steps"]) < 3  # in the first K/2
+        trained = m["trained_steps"]
+        assert trained == list(range(trained[0], trained[0] + 3))
+        assert (m["nfe_rollout"], m["nfe_theta"], m["nfe_ref"]) == (6, 3, 0)
+    assert its[0]["abs_log_ratio_first"] == 0.0 and its[0]["clip_frac_first_step"] == 0.0
+    runs = list((tmp_path / "runs").glob("flow_grpo_sd3-tiny-score-*"))
+    assert len(runs) == 1 and (runs[0] / "lora_flow_grpo" / V.LORA_FILE).is_file()
+    assert (ROOT / "examples" / "flow_grpo_sd3.md").read_text() == before
+
+
+@pytest.mark.examples
+def test_flow_grpo_pure_parts():
+    """The pieces of examples/flow_grpo_sd3.py against hand computations: the per-prompt stat
+    tracker (group mean, global population std + 1e-4, duplicates of a prompt pooled), the
+    zero-advantage mask and its padding, the two SDE steps' log-probs, the KL term, CFG with the
+    unconditional half detached, and the CLI (no abbreviation of --prompts, clear errors)."""
+    flow = _load_example("flow_grpo_sd3")
+    r = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0, 7.0])
+    prompts = ["a", "a", "b", "b", "a", "c"]
+    adv = flow.stat_tracker_advantages(prompts, r)
+    glob = r.double().std(unbiased=False) + 1e-4
+    expect = torch.tensor([1 - 3, 3 - 3, 0, 0, 5 - 3, 0], dtype=torch.float64) / glob
+    torch.testing.assert_close(adv, expect)
+    assert (adv != 0).tolist() == [True, False, False, False, True, False]
+    keep = flow.keep_mask(adv, 3, torch.Generator().manual_seed(0))
+    assert keep.sum() == 3 and keep[[0, 4]].all()        # 2 non-zero + 1 re-admitted → 3 batches
+    assert flow.keep_mask(adv, 1, torch.Generator()).tolist() == (adv != 0).tolist()
+    # "sde": the log-prob of a sampled step is the Gaussian density there (mean over elements)
+    g = torch.Generator().manual_seed(1)
+    x, v, xi = (torch.randn(3, 2, 4, 4, generator=g) for _ in range(3))
+    s, s2, a = 0.8, 0.6, 0.7
+    xn, lp, mean, std_t = flow.sde_step(x, v, s, s2, a, 0.9, noise=xi)
+    step_std = a * math.sqrt(s / (1 - s)) * math.sqrt(s - s2)
+    ref = torch.distributions.Normal(mean, step_std).log_prob(xn).flatten(1).mean(1)
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+    _, lp2, _, _ = flow.sde_step(x, v, s, s2, a, 0.9, x_next=xn)
+    torch.testing.assert_close(lp2, lp)                   # evaluating the stored step: the same
+    # "cps": mean (1−σ')x̂0 + sqrt(σ'² − s_t²)x̂1, noise s_t = σ'·sin(aπ/2), log p = −mean (x' − μ)²
+    xn, lp, mean, std_t = flow.sde_step(x, v, s, s2, 0.8, 0.9, noise=xi, sde_type="cps")
+    assert std_t == pytest.approx(s2 * math.sin(0.4 * math.pi))
+    torch.testing.assert_close(xn - mean, std_t * xi)
+    torch.testing.assert_close(lp, -(std_t * xi).square().flatten(1).mean(1))
+    # KL: mean over samples of mean_elements (μ − μ_ref)² / (2 s_t²)
+    kl = flow.kl_to_reference(mean, mean + 0.1, 0.5)
+    assert float(kl) == pytest.approx(0.01 / (2 * 0.25), rel=1e-5)
+
+    # CFG: v_u + w (v_c − v_u), gradient only through the conditional half
+    class Lin:
+        w = torch.tensor(2.0, requires_grad=True)
+
+        def velocity(self, x, t, c):
+            return self.w * c["e"] * x
+
+    ad = Lin()
+    gd = flow.Guided(ad, {"e": torch.tensor([[1.0]])}, 4.5)
+    xx = torch.ones(2, 1)
+    out = gd.velocity(xx, torch.zeros(2), {"e": torch.tensor([[3.0], [3.0]])})
+    torch.testing.assert_close(out.detach(), torch.full((2, 1), 2.0 + 4.5 * (6.0 - 2.0)))
+    out.sum().backward()
+    assert float(ad.w.grad) == pytest.approx(2 * 4.5 * 3.0)          # d/dw of w·(4.5·3) per row
+    assert gd.forwards == 2 and flow.Guided(ad, {}, 1.0).forwards == 1
+    # window plan
+    g0 = torch.Generator().manual_seed(0)
+    sde, trained = flow.step_plan(10, dict(window=3, timestep_fraction=1.0), g0)
+    assert sum(sde) == 3 and trained[-1] < 5 and trained == [i for i in range(10) if sde[i]]
+    full = flow.step_plan(10, dict(window=0, timestep_fraction=0.99), torch.Generator())
+    assert full == ([True] * 10, list(range(9)))
+    # CLI
+    mine, args = flow.parse(["--prompts", "p.txt"])
+    assert args.prompts == "p.txt" and mine.rec["beta"] == 0.04
+    assert flow.parse(["--reward", "pickscore"])[0].rec["beta"] == 0.01    # grpo.py pickscore_sd3
+    with pytest.raises(ValueError, match="--flow_mu"):
+        flow.parse(["--prompts_per_iter", "1", "--group_size", "3", "--flow_mu", "2"])
+    with pytest.raises(ValueError, match="--methods"):
+        flow.parse(["--methods", "ppo"])
 
 
 # ------------------------------------------------------------------------------------------------

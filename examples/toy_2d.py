@@ -1,7 +1,7 @@
 """
 examples/toy_2d.py — V-GRPO and its ablations on a 2-D toy, on a laptop CPU in ~2 minutes.
 
-    python examples/toy_2d.py                      # 3 seeds × 8 methods, writes examples/toy_2d.{png,md}
+    python examples/toy_2d.py                      # 3 seeds × 9 methods, writes examples/toy_2d.{png,md}
     python examples/toy_2d.py --quick              # 1 seed, fewer iterations (~20 s)
     python examples/toy_2d.py --seeds 5 --iters 200 --out runs/toy.png
 
@@ -13,16 +13,18 @@ What it does
        Gaussian bump (width 0.3) on ONE of its modes, m_c. The ideal policy moves all mass to
        that mode and keeps the mode's shape.
     3. Compares, with the same rollouts per iteration (P = 8 prompts × G = 16), the same optimizer
-       and learning rate, and one optimizer step per iteration (μ = 1):
+       and learning rate, and one optimizer step per iteration (μ = 1; (g): Flow-GRPO's own 2):
          (a) V-GRPO as shipped in vgrpo.py (x-param, adaptive weighting, stratified, batch-shared
              pairs, η = 3, N_MC = 4)
          (b) − group/batch sharing of the (t, ε) pairs          (c) − stratified t
          (d) − adaptive weighting                              (e) v-param   (e') ε-param
          (f) naive FPO-style surrogate (PAPER §5.3): plain v-space flow-matching loss, independent
              pairs per sample, no stratification, no advantage soft-clip
-         (g) Flow-GRPO-style MDP baseline (PAPER §5.1): SDE rollouts, per-step Gaussian log-probs,
+         (g) Flow-GRPO, the MDP baseline (PAPER §5.1): SDE rollouts, per-step Gaussian log-probs,
              per-step clipped ratio — implemented HERE, because vgrpo.py deliberately has no
-             per-step log-probs.
+             per-step log-probs — at its own published schedule: first 99 % of the steps
+             trained, 2 optimizer steps, ε = 1e-4, KL to the pretrained model (β = 0.04)
+         (h) the same MDP update at aggressive settings: all steps, μ = 1, no KL
     4. Reports reward after N iterations, iterations / wall time to a reward threshold, distance of
        samples to the nearest data mode (does the policy stay on the data?), and the within-group
        coefficient of variation of the surrogate (PAPER §1.4), as a markdown table and a PNG.
@@ -162,20 +164,29 @@ METHODS: dict[str, dict] = {
     # PAPER §5.3: FPO's plain CFM loss, pairs drawn per sample, no stratification, no soft-clip.
     "naive":      dict(VGRPO_DEFAULTS, label="(f) naive FPO-style", parameterization="v", adaptive=False,
                        stratified=False, pair_sharing="none", eta=0.0),
-    # PAPER §5.1: Flow-GRPO's SDE/MDP formulation (own code below, §5).
-    "flow_grpo":  dict(kind="flowgrpo", label="(g) Flow-GRPO-style MDP", noise_level=0.7, clip_eps=0.2,
-                       eta=0.0),
+    # PAPER §5.1: Flow-GRPO's SDE/MDP formulation (own code below, §5), at its own published
+    # schedule (yifan123/flow_grpo config/grpo.py, geneval_sd3 / general_ocr_sd3; train_sd3.py;
+    # stat_tracking.py): train the first int(0.99·K) steps, 2 optimizer steps per iteration,
+    # per-step clip ε = 1e-4, KL to the pretrained model β = 0.04 (their pickscore config: 0.01),
+    # advantages = (r − group mean) / (std of all rewards + 1e-4), clamp ±5.
+    "flow_grpo":  dict(kind="flowgrpo", label="(g) Flow-GRPO (its schedule)", noise_level=0.7, clip_eps=1e-4,
+                       timestep_fraction=0.99, mu=2, beta=0.04, adv="tracker"),
+    # The same MDP update with this file's earlier, aggressive settings: all K steps, μ = 1 (so the
+    # clip is inert), no KL, vgrpo.group_advantages (pooled within-group std), no soft-clip.
+    "mdp_aggr":   dict(kind="flowgrpo", label="(h) MDP, aggressive", noise_level=0.7, clip_eps=0.2,
+                       timestep_fraction=1.0, mu=1, beta=0.0, adv="vgrpo", eta=0.0),
 }
 
 
 # Shared by every method, chosen once before the comparison and not tuned afterwards:
 #   P = 8 prompts (each condition twice) × G = 16 samples = 128 rollouts per iteration,
-#   K = 16 Euler steps (the FLUX setting of PAPER §1.7), μ = 1 optimizer step per iteration,
-#   AdamW(lr 1e-3, weight decay 1e-4) and grad-norm clip 1.0 as in vgrpo.py, no KL penalty.
-#   The budget of 150 iterations was set after one 200-iteration look at (a), (f) and (g) on
-#   seed 0, where (a) had plateaued by iteration ~100.
-# With μ = 1 every ratio is exactly 1 at the (only) step, so ratio clipping — V-GRPO's or
-# Flow-GRPO's per-step clip — is inert; clip_eps is kept for the μ > 1 case.
+#   K = 16 Euler steps (the FLUX setting of PAPER §1.7), μ = 1 optimizer step per iteration
+#   (except (g), which takes Flow-GRPO's own 2), AdamW(lr 1e-3, weight decay 1e-4) and
+#   grad-norm clip 1.0 as in vgrpo.py, no KL penalty (except (g): Flow-GRPO's β = 0.04).
+#   The budget of 150 iterations was set after one 200-iteration look at (a), (f) and the
+#   aggressive MDP (h) on seed 0, where (a) had plateaued by iteration ~100.
+# With μ = 1 every ratio is exactly 1 at the (only) step, so ratio clipping — V-GRPO's or the
+# MDP's per-step clip — is inert; only (g)'s second optimizer step meets its ε = 1e-4.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,13 +276,24 @@ def gaussian_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor
     return lp.mean(dim=-1)
 
 
+def tracker_advantages(r: torch.Tensor, P: int, G: int) -> torch.Tensor:
+    """Flow-GRPO's PerPromptStatTracker(global_std=True) (flow_grpo/stat_tracking.py): (r − mean of
+    the prompt's group) / (population std of ALL N rewards + 1e-4), then clamp ±5 (train_sd3.py).
+    r (N,) → (N,). (Its zero-advantage filter is not needed here: the reward is continuous.)"""
+    g = r.view(P, G)
+    return ((g - g.mean(dim=1, keepdim=True)) / (r.std(unbiased=False) + 1e-4)).clamp(-5, 5).flatten()
+
+
 def flowgrpo_iteration(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, *, P: int, G: int, K: int,
-                       mu: int, gen: torch.Generator, max_grad_norm: float = 1.0) -> dict:
-    """SDE rollout with per-step log-probs → rewards → advantages → per-step clipped ratio loss."""
+                       mu: int, gen: torch.Generator, max_grad_norm: float = 1.0,
+                       ref: Optional[nn.Module] = None) -> dict:
+    """SDE rollout with per-step log-probs → rewards → advantages → per-step clipped ratio loss
+    (+ β·KL to the frozen reference `ref` if cfg["beta"] > 0) on the first T = int(K·fraction) steps."""
     N = P * G
     sigmas = V.sigma_grid(K).float()                                           # (K+1,)
     _, cond = prompt_conditions(P, G)                                          # (N,)
     step_kw = dict(noise_level=cfg["noise_level"], sigma_max=float(sigmas[1]))
+    T = max(1, int(K * cfg["timestep_fraction"]))                              # trained steps 0 … T−1
 
     # Rollout: x_{k+1} = μ_θ(x_k) + std_k·ξ, storing the trajectory and log p_old(x_{k+1} | x_k).
     traj = [torch.randn(N, 2, generator=gen)]                                  # x_0 at t = 1
@@ -287,32 +309,47 @@ def flowgrpo_iteration(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, 
     logp_old = torch.stack(logp_old)                                           # (K, N)
     r = reward_fn(traj[-1], cond)                                              # (N,) reward of the SDE sample
 
-    adv, _ = V.group_advantages(r.view(P, G), eta=cfg["eta"])                  # (P, G); η = 0: clamp ±5 only
-    adv = adv.flatten()                                                        # (N,)
+    if cfg["adv"] == "tracker":
+        adv = tracker_advantages(r, P, G)                                      # (N,)
+    else:
+        adv = V.group_advantages(r.view(P, G), eta=cfg["eta"])[0].flatten()    # η = 0: clamp ±5 only
 
-    # Training: all K steps of a minibatch in one batched forward (K·m rows); one loss term per
-    # step, averaged over steps (Flow-GRPO accumulates the per-step gradients the same way).
+    # Training: the T trained steps of a minibatch in one batched forward (T·m rows); one loss
+    # term per step, averaged over steps and samples (Flow-GRPO accumulates the per-step
+    # gradients the same way), μ minibatches → μ optimizer steps.
     perm = torch.randperm(N, generator=gen)
-    sig_k = sigmas[:-1, None].expand(K, N)                                     # (K, N)
-    sig_k1 = sigmas[1:, None].expand(K, N)                                     # (K, N)
-    eps_clip = cfg["clip_eps"]
+    sig_k = sigmas[:T, None].expand(T, N)                                      # (T, N)
+    sig_k1 = sigmas[1:T + 1, None].expand(T, N)                                # (T, N)
+    eps_clip, beta = cfg["clip_eps"], cfg.get("beta", 0.0)
+    first_logr, clipped = None, []
     for rows in perm.chunk(mu):                                                # (m,) each
         m = len(rows)
-        x_k = traj[:-1, rows].reshape(K * m, 2)                                # (K·m, 2)
-        x_k1 = traj[1:, rows].reshape(K * m, 2)                                # (K·m, 2)
-        mean, std = sde_step_gaussian(model, x_k, sig_k[:, rows].reshape(-1), sig_k1[:, rows].reshape(-1),
-                                      cond[rows].repeat(K), **step_kw)
-        logp = gaussian_logprob(x_k1, mean, std).view(K, m)                    # (K, m)
-        ratio = torch.exp(logp - logp_old[:, rows])                            # (K, m) per-step ratio
+        x_k = traj[:T, rows].reshape(T * m, 2)                                 # (T·m, 2)
+        x_k1 = traj[1:T + 1, rows].reshape(T * m, 2)                           # (T·m, 2)
+        step_args = (x_k, sig_k[:, rows].reshape(-1), sig_k1[:, rows].reshape(-1), cond[rows].repeat(T))
+        mean, std = sde_step_gaussian(model, *step_args, **step_kw)
+        logp = gaussian_logprob(x_k1, mean, std).view(T, m)                    # (T, m)
+        logr = logp - logp_old[:T, rows]
+        ratio = torch.exp(logr)                                                # (T, m) per-step ratio
         a = adv[rows][None, :]                                                 # (1, m)
-        pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - eps_clip, 1 + eps_clip))   # (K, m)
+        pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - eps_clip, 1 + eps_clip))   # (T, m)
         loss = pg.mean()
+        if beta > 0:
+            # train_sd3.py: mean_elements (μ_θ − μ_ref)² / (2·std_dev_t²), std_dev_t = a·sqrt(σ/(1−σ))
+            with torch.no_grad():
+                mean_ref, _ = sde_step_gaussian(ref, *step_args, **step_kw)
+            s_t = std / torch.sqrt(step_args[1] - step_args[2])[:, None]      # (T·m, 1)
+            loss = loss + beta * ((mean - mean_ref).square().mean(dim=-1, keepdim=True) / (2 * s_t ** 2)).mean()
+        if first_logr is None:
+            first_logr = logr.detach().abs().max().item()                      # θ = θ_old: ≈ 0
+        clipped.append(((ratio.detach() - 1).abs() > eps_clip).float().mean().item())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
     return {"reward": r.mean().item(), "cv_group": float("nan"), "cv": float("nan"),
-            "grad_norm": gn.item(), "abs_log_ratio_first": 0.0, "finite": bool(torch.isfinite(traj).all())}
+            "grad_norm": gn.item(), "abs_log_ratio_first": first_logr, "clip_frac": sum(clipped) / len(clipped),
+            "finite": bool(torch.isfinite(traj).all())}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -351,8 +388,14 @@ def run_method(name: str, seed: int, iters: int, *, P: int = 8, G: int = 16, K: 
         train_time, iters_done, samples (final ODE samples (E, 2)), cond (E,).
     """
     cfg = METHODS[name]
+    mu = cfg.get("mu", mu)                                  # (g) takes Flow-GRPO's own 2 steps
     model = VelocityMLP()
     model.load_state_dict(pretrain(seed, pretrain_steps))
+    kw = {}
+    if cfg.get("beta", 0.0) > 0:                            # frozen reference for the KL term
+        kw["ref"] = VelocityMLP()
+        kw["ref"].load_state_dict(pretrain(seed, pretrain_steps))
+        kw["ref"].requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(10_000 + seed)                         # rollouts and pairs
@@ -369,7 +412,7 @@ def run_method(name: str, seed: int, iters: int, *, P: int = 8, G: int = 16, K: 
     train_time, it = 0.0, 0
     for it in range(1, iters + 1):
         t0 = time.perf_counter()
-        st = step(model, opt, cfg, P=P, G=G, K=K, mu=mu, gen=gen)
+        st = step(model, opt, cfg, P=P, G=G, K=K, mu=mu, gen=gen, **kw)
         train_time += time.perf_counter() - t0
         if not st["finite"] or not all(torch.isfinite(p).all() for p in model.parameters()):
             out["diverged"] = True                          # nothing left to train: stop, pad the curve
@@ -472,7 +515,7 @@ def _txt(s: str, font) -> str:
 def save_png(path: Path, results: dict, refs: list, iters: int) -> None:
     """Left: eval reward vs iteration (mean over seeds) per method. Right: final samples (seed 0)."""
     from PIL import Image, ImageDraw
-    W, H = 1600, 900
+    W, H = 1680, 900
     img = Image.new("RGB", (W, H), "white")
     d = ImageDraw.Draw(img)
     f12, f14, f18 = _font(12), _font(14), _font(18)
@@ -508,7 +551,7 @@ def save_png(path: Path, results: dict, refs: list, iters: int) -> None:
     panels = [("pretrained", refs[0]["samples"], refs[0]["cond"], False, refs[0]["reward"], refs[0]["dist"])] + \
              [(METHODS[n]["label"], runs[0]["samples"], runs[0]["cond"], runs[0]["diverged"],
                runs[0]["final_reward"], runs[0]["final_dist"]) for n, runs in results.items()]
-    cols, size, gap, left, top = 3, 250, 12, 780, 40
+    cols, size, gap, left, top = 4, 205, 12, 780, 40
     lim = RADIUS + 0.8
     for pi, (title, xs, cs, diverged, rew, dist) in enumerate(panels):
         px, py = left + (pi % cols) * (size + gap), top + (pi // cols) * (size + gap + 6)
@@ -527,7 +570,8 @@ def save_png(path: Path, results: dict, refs: list, iters: int) -> None:
                 u, v = P(p)
                 d.point([(u, v), (u + 1, v), (u, v + 1)], fill=COND_COLORS[c])
         if diverged:
-            d.text((px + 60, py + size / 2 - 8), "diverged (samples off the plot)", fill=(200, 0, 0), font=f12)
+            d.text((px + 8, py + size / 2 - 16), "diverged\n(samples off the plot)", fill=(200, 0, 0),
+                   font=f12)
         d.text((px + 4, py + size - 16), f"reward {rew:.2f}, dist. to mode {dist:.3g}", fill="black", font=f12)
     d.text((left, H - 30), _txt("final ODE samples, seed 0; colour = condition c; black circle: rewarded "
                                 "mode m_c (radius 0.3); grey: data modes", f14), fill="black", font=f14)
@@ -573,19 +617,23 @@ def main(argv: Optional[list] = None) -> dict:
 
     table = make_table(results, refs, iters)
     notes = (f"\nSetup: {N_COND} conditions × {N_MODES} modes (std {MODE_STD}), reward width {REWARD_WIDTH}; "
-             f"P = 8 prompts × G = 16 = 128 rollouts / iteration, K = 16 Euler steps, μ = 1, AdamW lr {a.lr} "
+             f"P = 8 prompts × G = 16 = 128 rollouts / iteration, K = 16 Euler steps, μ = 1 (except (g): 2), AdamW lr {a.lr} "
              f"(the same for all methods), grad clip 1.0, {iters} iterations, seeds 0…{seeds - 1}, each seed "
              f"its own pretrained model ({pre_steps} flow-matching steps) shared by all methods.\n"
              f"Reward threshold {THRESHOLD:.2f} = 0.9 × {REWARD_ON_DATA_MAX:.2f}, the best mean reward reachable "
              f"while keeping the data's mode shape (a policy that also shrinks the mode can reach 1.0); checked "
              f"every {eval_every} iterations. Rewards and distances come from deterministic ODE samples of fixed "
-             f"noise ({N_COND} × 256 per seed) for every method, Flow-GRPO included (it trains on SDE rollouts, "
-             f"noise level 0.7). Distance to the nearest mode: data ≈ 0.19; much smaller = the rewarded mode "
+             f"noise ({N_COND} × 256 per seed) for every method, the MDP rows included (they train on SDE "
+             f"rollouts, noise level 0.7). Distance to the nearest mode: data ≈ 0.19; much smaller = the rewarded mode "
              f"shrank towards a point, much larger = samples off the data. Diverged = non-finite samples "
              f"(reward counted as 0) or mean distance > {DIVERGED_DIST}. Surrogate CV = std/|mean| of S_old "
              f"within each group (vgrpo.surrogate_cv), averaged over groups and iterations 1–{CV_ITERS}. "
-             f"With μ = 1 every ratio is 1 at the only step, so ratio clipping (V-GRPO's, and Flow-GRPO's "
-             f"per-step ε = 0.2) is inert; no method uses a KL term. Total wall time "
+             f"With μ = 1 every ratio is 1 at the only step, so ratio clipping is inert. (g) is Flow-GRPO at "
+             f"its own published schedule (yifan123/flow_grpo config/grpo.py geneval_sd3, train_sd3.py, "
+             f"stat_tracking.py): the first int(0.99·16) = 15 steps trained, 2 optimizer steps per iteration, "
+             f"per-step clip ε = 1e-4, KL to the pretrained model with β = 0.04, advantages over the std of "
+             f"all rewards; (h) is the same MDP update at this file's earlier, aggressive settings (all 16 "
+             f"steps, μ = 1, no KL). No other method uses a KL term. Total wall time "
              f"{time.perf_counter() - t_start:.0f} s.\n")
     print("\n" + table + notes)
     out = Path(a.out)
