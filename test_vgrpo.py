@@ -1192,5 +1192,10 @@ def test_digits_pretrained_base_loads_and_vgrpo_raises_heldout_accuracy(tmp_path
     assert after["acc"] >= base + FAST_DIGITS["gain"], (base, after)
 
 
-# thresholds of the test above, from measured runs (see the comment at each)
-FAST_DIGITS = dict(classifier=0.90, vae_recon=0.85, base=0.30, gain=0.05)
+# Thresholds of the test above, from two measured runs of its recipe (examples/digits.py
+# FAST_BUILD / FAST_RL; 100 held-out images, so one image = 0.01): classifier 0.905 / 0.905 held-out
+# accuracy, VAE reconstructions classified 0.905 / 0.903; base prompt accuracy 0.28 (1 thread) and
+# 0.32 (2 threads; float rounding differs, so the pretrained weights do), chance 0.10; after 20
+# V-GRPO iterations 0.54 (+0.22, 2 threads; 1 thread, 30 iterations: 0.84). Margins: ≥ 5 points
+# below each measured accuracy, and half the smaller measured gain.
+FAST_DIGITS = dict(classifier=0.85, vae_recon=0.85, base=0.18, gain=0.10)

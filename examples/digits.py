@@ -1,22 +1,23 @@
-"""V-GRPO on a genuinely pretrained image model, on a CPU: real handwritten digits, a learned reward.
+"""V-GRPO on a genuinely pretrained image model on a CPU: real handwritten digits, a learned reward.
 
 No hub weights are needed: scikit-learn ships the UCI handwritten digits (1,797 real 8×8 scans)
 inside its wheel. This script builds, from the real diffusers/transformers classes,
 
   1. a tiny StableDiffusion3Pipeline PRETRAINED on those digits (upsampled to 32×32): an
-     AutoencoderKL trained on them (×4 down → 8×8×4 latents), two tiny CLIP text encoders and a tiny
-     T5 (frozen, random: they only have to tell prompts apart), and an SD3Transformer2DModel
+     AutoencoderKL trained on them (×4 down → 8×8×4 latents), two tiny CLIP text encoders and a
+     tiny T5 (frozen, random: they only have to tell prompts apart), and an SD3Transformer2DModel
      (4 layers × 4 heads × 32, ~2.3M parameters) trained with the rectified-flow loss on phrasings
      such as "a handwritten digit 7". Saved as a diffusers folder: `vgrpo.py --model DIR` and a
-     stock `StableDiffusion3Pipeline.from_pretrained(DIR)` both load it; cached, later runs reuse it.
+     stock `StableDiffusion3Pipeline.from_pretrained(DIR)` both load it; cached, later runs reuse
+     it.
   2. a learned prompt-alignment reward (the analogue of the paper's GenEval): a small conv
      classifier trained on real digits; `reward(images, prompts)` is the probability it gives the
      prompted digit, plugged into vgrpo.py as `--reward examples.digits:reward`.
 
 Commands (from the repository root):
 
-    python examples/digits.py quickstart     # ~5 CPU minutes: build (or reuse), 30 V-GRPO iterations,
-                                             # before/after grid + held-out prompt accuracy
+    python examples/digits.py quickstart     # build (or reuse), 30 V-GRPO iterations through
+                                             # vgrpo.py, before/after grid + prompt accuracy
     python examples/digits.py build          # only the pretrained folder + classifier (cached)
     python examples/digits.py benchmark      # methods × seeds through vgrpo's trainer (resumable)
     python examples/digits.py report         # table, curves and grids from the benchmark's JSON
@@ -37,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,8 +61,9 @@ RES = 32                  # pixels; the VAE downsamples ×4 to 8×8×4 latents
 
 # Phrasings: V-GRPO trains on TRAIN_TEMPLATES (as does pretraining); evaluation uses the held-out
 # EVAL_TEMPLATES, which the model never saw. Every phrasing names the digit as a numeral.
-TRAIN_TEMPLATES = ["a handwritten digit {d}", "the digit {d}", "handwritten {d}", "a {d}, handwritten",
-                   "digit {d}", "the number {d}", "a drawing of a {d}", "write the digit {d}"]
+TRAIN_TEMPLATES = ["a handwritten digit {d}", "the digit {d}", "handwritten {d}",
+                   "a {d}, handwritten", "digit {d}", "the number {d}", "a drawing of a {d}",
+                   "write the digit {d}"]
 EVAL_TEMPLATES = ["a written digit {d}", "number {d}", "the numeral {d}", "a scan of a {d}"]
 
 
@@ -80,7 +83,8 @@ def digit_of(prompt: str) -> int:
 # Data: the UCI digits, 8×8 in 0…16 → 32×32 in [0, 1]; a fixed 80/20 split.
 # ------------------------------------------------------------------------------------------------
 def real_digits(split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-    """(images (n, 1, 32, 32) in [0, 1], labels (n,)) of the 'train' (80 %) or 'test' (20 %) split."""
+    """(images (n, 1, 32, 32) in [0, 1], labels (n,)) of the 'train' (80 %) or 'test' (20 %)
+    split."""
     from sklearn.datasets import load_digits
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0
@@ -128,7 +132,7 @@ def _augment(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 def train_classifier(steps: int = 600, seed: int = 0, log=print) -> tuple[DigitClassifier, float]:
-    """Train on the train split; return (model in eval mode, held-out accuracy on the test split)."""
+    """Train on the train split; return (model in eval mode, accuracy on the test split)."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     x, y = real_digits("train")
@@ -159,14 +163,16 @@ def to_rgb(x: torch.Tensor) -> torch.Tensor:
 
 
 def train_vae(steps: int = 300, seed: int = 0, log=print):
-    """A diffusers AutoencoderKL, 32×32×3 → 8×8×4, trained on the train-split digits (MSE + small KL)."""
+    """A diffusers AutoencoderKL, 32×32×3 → 8×8×4, trained on the train-split digits (MSE + a
+    small KL)."""
     from diffusers import AutoencoderKL
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
                         up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 32),
                         layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=RES,
-                        use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False)
+                        use_quant_conv=False, use_post_quant_conv=False,
+                        mid_block_add_attention=False)
     x, _ = real_digits("train")
     opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps)
@@ -181,7 +187,7 @@ def train_vae(steps: int = 300, seed: int = 0, log=print):
         opt.step()
         sched.step()
     vae.eval().requires_grad_(False)
-    with torch.no_grad():                                   # SD3 convention: z = (μ − shift) · scale
+    with torch.no_grad():                           # SD3 convention: z = (μ − shift) · scale
         mu = vae.encode(to_rgb(x)).latent_dist.mean
     vae.register_to_config(shift_factor=float(mu.mean()), scaling_factor=float(1 / mu.std()))
     log(f"vae: {steps} steps, final recon MSE {loss.item():.4f}, latent mean {mu.mean():.3f} "
@@ -189,11 +195,13 @@ def train_vae(steps: int = 300, seed: int = 0, log=print):
     return vae
 
 
-def new_pipeline(vae, seed: int = 0):
+def new_pipeline(vae, seed: int = 0, layers: int = 4, heads: int = 4):
     """An SD3 pipeline around `vae`: tiny text encoders (vgrpo's offline tokenizers) and a fresh
-    4-layer SD3Transformer2DModel. Scheduler shift 1: 8×8 latents need no high-noise emphasis."""
+    SD3Transformer2DModel (`layers` × `heads` × 32). Scheduler shift 1: 8×8 latents need no
+    high-noise emphasis."""
     import tempfile
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory() as d:
@@ -208,14 +216,15 @@ def new_pipeline(vae, seed: int = 0):
                               bos_token_id=n - 2, eos_token_id=n - 1, pad_token_id=n - 1,
                               hidden_act="quick_gelu")
     te1, te2 = CLIPTextModelWithProjection(clip_cfg), CLIPTextModelWithProjection(clip_cfg)
-    joint = 64                               # ≥ 32 + 32: the CLIP features are zero-padded up to it
-    te3 = T5EncoderModel(T5Config(vocab_size=len(tok3), d_model=joint, d_kv=8, d_ff=64, num_layers=1,
-                                  num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0,
+    joint = 64                       # ≥ 32 + 32: the CLIP features are zero-padded up to it
+    te3 = T5EncoderModel(T5Config(vocab_size=len(tok3), d_model=joint, d_kv=8, d_ff=64,
+                                  num_layers=1, num_heads=2, relative_attention_num_buckets=8,
+                                  dropout_rate=0.0,
                                   pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
     transformer = SD3Transformer2DModel(
-        sample_size=RES // 4, patch_size=2, in_channels=4, out_channels=4, num_layers=4,
-        attention_head_dim=32, num_attention_heads=4, joint_attention_dim=joint,
-        caption_projection_dim=128, pooled_projection_dim=64, pos_embed_max_size=8)
+        sample_size=RES // 4, patch_size=2, in_channels=4, out_channels=4, num_layers=layers,
+        attention_head_dim=32, num_attention_heads=heads, joint_attention_dim=joint,
+        caption_projection_dim=32 * heads, pooled_projection_dim=64, pos_embed_max_size=8)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae,
         text_encoder=te1, tokenizer=tok1, text_encoder_2=te2, tokenizer_2=tok2,
@@ -228,29 +237,40 @@ def new_pipeline(vae, seed: int = 0):
 @torch.no_grad()
 def encode_prompts(pipe, prompts: list[str]) -> dict:
     """Text conditioning exactly as vgrpo's SD3Adapter computes it (CFG-free, T5 length SEQ_LEN)."""
-    pe, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device="cpu",
-                                          do_classifier_free_guidance=False,
+    pe, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None,
+                                          device="cpu", do_classifier_free_guidance=False,
                                           max_sequence_length=SEQ_LEN)
     return {"prompt_embeds": pe, "pooled": pooled}
 
 
 def pretrain(pipe, steps: int, seed: int = 0, batch: int = 32, lr: float = 1e-3, log=print,
-             eval_every: int = 0, on_eval=None):
-    """Rectified-flow pretraining of the transformer: x_t = (1 − t)·x0 + t·ε, target v = ε − x0,
+             eval_every: int = 0, on_eval=None, t_density: str = "logit_normal",
+             train_text: bool = False):
+    """Rectified-flow pretraining of the transformer: x_t = (1 − t)·x0 + t·ε, target ε − x0,
     t logit-normal (SD3's training density), 10 % of prompts replaced by "" (keeps an unconditional
-    model for classifier-free guidance). Latents are the VAE posterior means, scaled as SD3 does."""
+    model for classifier-free guidance). Latents are the VAE posterior means, scaled as SD3 does.
+    train_text: also train the three text encoders (faster to pick up the prompt; the test's fast
+    recipe)."""
     from tqdm.auto import tqdm
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     x, y = real_digits("train")
     vae, tr = pipe.vae, pipe.transformer
     with torch.no_grad():
-        z = (vae.encode(to_rgb(x)).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
+        mu = vae.encode(to_rgb(x)).latent_dist.mean
+        z = (mu - vae.config.shift_factor) * vae.config.scaling_factor
     phr = [[t.format(d=d) for t in TRAIN_TEMPLATES] for d in range(10)]
-    table = encode_prompts(pipe, [p for ps in phr for p in ps] + [""])   # (10·T + 1) rows
+    texts = [p for ps in phr for p in ps] + [""]                          # (10·T + 1) rows
+    table = encode_prompts(pipe, texts)
     T = len(TRAIN_TEMPLATES)
     tr.train().requires_grad_(True)
-    opt = torch.optim.AdamW(tr.parameters(), lr=lr, weight_decay=1e-4)
+    params = list(tr.parameters())
+    encoders = [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
+    if train_text:
+        for m in encoders:
+            m.train().requires_grad_(True)
+            params += list(m.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
     warm = 50
     # linear warm-up, then constant: a shorter budget is exactly a prefix of a longer one
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
@@ -261,46 +281,59 @@ def pretrain(pipe, steps: int, seed: int = 0, batch: int = 32, lr: float = 1e-3,
         row[torch.rand(batch, generator=g) < 0.1] = 10 * T                 # the empty prompt
         x0 = z[i]
         eps = torch.randn(x0.shape, generator=g)
-        t = torch.sigmoid(torch.randn(batch, generator=g))
+        t = (torch.sigmoid(torch.randn(batch, generator=g)) if t_density == "logit_normal"
+             else torch.rand(batch, generator=g))
         xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
-        v = tr(hidden_states=xt, timestep=t * 1000, encoder_hidden_states=table["prompt_embeds"][row],
+        if train_text:
+            pe, _, pooled, _ = pipe.encode_prompt(
+                prompt=texts, prompt_2=None, prompt_3=None, device="cpu",
+                do_classifier_free_guidance=False, max_sequence_length=SEQ_LEN)
+            table = {"prompt_embeds": pe, "pooled": pooled}
+        v = tr(hidden_states=xt, timestep=t * 1000,
+               encoder_hidden_states=table["prompt_embeds"][row],
                pooled_projections=table["pooled"][row], return_dict=False)[0]
         loss = F.mse_loss(v, eps - x0)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
         if eval_every and (step + 1) % eval_every == 0:
             tr.eval()
-            m = heldout_metrics(pipe, n_per=5)
+            with torch.no_grad():
+                m = heldout_metrics(pipe, n_per=5)
             tr.train()
             log(f"pretraining step {step + 1}: held-out prompt accuracy {m['acc']:.3f}, "
                 f"diversity {m['diversity']:.2f}")
             if on_eval is not None:
                 on_eval(step + 1, m)
     bar.close()
-    tr.eval().requires_grad_(False)
+    for m in [tr, *encoders]:
+        m.eval().requires_grad_(False)
     return pipe
 
 
 # ------------------------------------------------------------------------------------------------
 # Building / caching.
 # ------------------------------------------------------------------------------------------------
-def build(cache: Path = CACHE, pretrain_steps: int = 1500, vae_steps: int = 300, clf_steps: int = 400,
-          seed: int = 0, force: bool = False, log=print, eval_every: int = 0, on_eval=None,
-          pretrain_lr: float = 1e-3) -> Path:
+def build(cache: Path = CACHE, pretrain_steps: int = 1500, vae_steps: int = 300,
+          clf_steps: int = 400, seed: int = 0, force: bool = False, log=print,
+          eval_every: int = 0, on_eval=None, pretrain_lr: float = 1e-3, layers: int = 4,
+          heads: int = 4, t_density: str = "logit_normal", train_text: bool = False) -> Path:
     """Make (or reuse) cache/pipeline (diffusers folder), cache/classifier.pt and the prompt files.
     Returns the pipeline folder. Reused only if it was built with the same budgets and seed."""
     cache = Path(cache)
     recipe = dict(pretrain_steps=pretrain_steps, pretrain_lr=pretrain_lr, vae_steps=vae_steps,
-                  clf_steps=clf_steps, seed=seed,
+                  clf_steps=clf_steps, seed=seed, layers=layers, heads=heads, t_density=t_density,
+                  train_text=train_text,
                   seq_len=SEQ_LEN, templates=TRAIN_TEMPLATES, version=1)
     info_path = cache / "build.json"
-    if not force and info_path.is_file() and json.loads(info_path.read_text()).get("recipe") == recipe:
-        log(f"reusing the pretrained digits model in {cache} (delete it, or pass --force, to rebuild)")
+    if not force and info_path.is_file() \
+            and json.loads(info_path.read_text()).get("recipe") == recipe:
+        log(f"reusing the pretrained digits model in {cache} (delete it, or pass --force, "
+            "to rebuild)")
         return cache / "pipeline"
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -320,7 +353,8 @@ def build(cache: Path = CACHE, pretrain_steps: int = 1500, vae_steps: int = 300,
     _CLF = clf
     t1 = time.perf_counter()
     stage = cache / "vae.json"
-    if not force and stage.is_file() and json.loads(stage.read_text()) == dict(steps=vae_steps, seed=seed):
+    if not force and stage.is_file() \
+            and json.loads(stage.read_text()) == dict(steps=vae_steps, seed=seed):
         from diffusers import AutoencoderKL
         vae = AutoencoderKL.from_pretrained(cache / "vae").eval().requires_grad_(False)
         log(f"reusing the VAE in {cache}")
@@ -330,15 +364,17 @@ def build(cache: Path = CACHE, pretrain_steps: int = 1500, vae_steps: int = 300,
         stage.write_text(json.dumps(dict(steps=vae_steps, seed=seed)))
     xt, yt = real_digits("test")
     with torch.no_grad():
-        rec = (vae.decode(vae.encode(to_rgb(xt)).latent_dist.mean).sample.mean(1, keepdim=True) + 1) / 2
+        rec = vae.decode(vae.encode(to_rgb(xt)).latent_dist.mean).sample
+        rec = (rec.mean(1, keepdim=True) + 1) / 2
         rec_acc = (clf(rec.clamp(0, 1)).argmax(1) == yt).float().mean().item()
     log(f"vae: reconstructions of the held-out digits classified {rec_acc:.4f} correct")
     t2 = time.perf_counter()
-    pipe = new_pipeline(vae, seed)
+    pipe = new_pipeline(vae, seed, layers, heads)
     n_par = sum(p.numel() for p in pipe.transformer.parameters())
-    log(f"transformer: {n_par / 1e6:.2f}M parameters; rectified-flow pretraining, {pretrain_steps} steps")
+    log(f"transformer: {n_par / 1e6:.2f}M parameters; rectified-flow pretraining, "
+        f"{pretrain_steps} steps")
     pretrain(pipe, pretrain_steps, seed, lr=pretrain_lr, log=log, eval_every=eval_every,
-             on_eval=on_eval)
+             on_eval=on_eval, t_density=t_density, train_text=train_text)
     t3 = time.perf_counter()
     tmp = cache / "pipeline.tmp"
     pipe.save_pretrained(tmp)
@@ -354,13 +390,17 @@ def build(cache: Path = CACHE, pretrain_steps: int = 1500, vae_steps: int = 300,
                 seconds=dict(classifier=t1 - t0, vae=t2 - t1, pretrain=t3 - t2))
     info_path.write_text(json.dumps(info, indent=2))
     log(f"base model: held-out prompt accuracy {base['acc']:.3f}, reward {base['reward']:.3f} "
-        f"(10 digits × 10 samples: unseen phrasings and noise); built in {time.perf_counter() - t0:.0f} s")
+        f"(10 digits × 10 samples: unseen phrasings and noise); built in "
+        f"{time.perf_counter() - t0:.0f} s")
     return cache / "pipeline"
 
 
 # The test suite's fast version (test_vgrpo.py): small budgets, a few iterations.
-FAST_BUILD = dict(clf_steps=150, vae_steps=120, pretrain_steps=300)
-FAST_RL = dict(iterations=8, flags=["--prompts_per_iter", "8", "--group_size", "8", "--lr", "1e-3"])
+# A 2-layer × 2-head transformer (0.29M parameters) with trainable text encoders learns the
+# prompt in a few hundred steps; measured: base 28 %, 84 % after 30 V-GRPO iterations.
+FAST_BUILD = dict(clf_steps=100, vae_steps=80, pretrain_steps=500, pretrain_lr=3e-3, layers=2,
+                  heads=2, train_text=True)
+FAST_RL = dict(iterations=20, flags=["--lr", "5e-3", "--prompts_per_iter", "8"])
 
 
 def load_pipe(folder):
@@ -401,7 +441,8 @@ def reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
 
 def eval_set(n_per: int = 10, seed: int = 12345):
-    """Held-out prompts (unseen phrasings, every digit) × n_per noises (a stream training never draws).
+    """Held-out prompts (unseen phrasings, every digit) × n_per noises (a stream that training
+    never draws).
     Returns (prompts, digits, x1 (10·n_per, 4, 8, 8))."""
     g = torch.Generator().manual_seed(seed)
     prompts, digits = [], []
@@ -409,7 +450,8 @@ def eval_set(n_per: int = 10, seed: int = 12345):
         for k in range(n_per):
             prompts.append(EVAL_TEMPLATES[k % len(EVAL_TEMPLATES)].format(d=d))
             digits.append(d)
-    return prompts, torch.tensor(digits), torch.randn((len(prompts), 4, RES // 4, RES // 4), generator=g)
+    x1 = torch.randn((len(prompts), 4, RES // 4, RES // 4), generator=g)
+    return prompts, torch.tensor(digits), x1
 
 
 _REAL_FEAT = None
@@ -420,15 +462,17 @@ def sample_metrics(images: torch.Tensor, digits: torch.Tensor) -> dict:
     """Prompt accuracy, reward, within-digit diversity and distance to the nearest real digit.
     images (n, 3, H, W) in [0, 1]. Diversity: mean pairwise L2 distance of classifier features among
     samples of the same digit, relative to the same number for real (train-split) digits (1 = as
-    varied as real handwriting; mode collapse → 0). Nearest-real: mean L2 distance from each sample's
-    features to the nearest real digit's, relative to a real test digit's (reward hacking → up)."""
+    varied as real handwriting; mode collapse → 0). Nearest-real: mean L2 distance from each
+    sample's features to the nearest real digit's, relative to the same for real test digits
+    (drifting off the data, e.g. reward hacking → up)."""
     global _REAL_FEAT
     clf = classifier()
     if _REAL_FEAT is None:
         xr, yr = real_digits("train")
         xt, _ = real_digits("test")
         fr, ft = clf.features(xr), clf.features(xt)
-        _REAL_FEAT = (fr, yr, _pairwise_div(fr, yr), torch.cdist(ft, fr).min(1).values.mean().item())
+        nn_test = torch.cdist(ft, fr).min(1).values.mean().item()
+        _REAL_FEAT = (fr, yr, _pairwise_div(fr, yr), nn_test)
     fr, yr, div_real, nn_real = _REAL_FEAT
     x = gray(images)
     logits = clf.head(f := clf.features(x))
@@ -458,7 +502,8 @@ def generate(adapter, prompts: list[str], x1: torch.Tensor, num_steps: int = 10,
     return torch.cat([adapter.decode(lat[r]) for r in torch.arange(len(lat)).split(batch)])
 
 
-def heldout_metrics(pipe_or_adapter, n_per: int = 10, num_steps: int = 10, return_images: bool = False):
+def heldout_metrics(pipe_or_adapter, n_per: int = 10, num_steps: int = 10,
+                    return_images: bool = False):
     adapter = pipe_or_adapter
     if not hasattr(adapter, "velocity"):
         adapter = V.SD3Adapter(pipe_or_adapter, torch.device("cpu"), SEQ_LEN)
@@ -491,8 +536,11 @@ METHODS = {
     "per-group std": ["--no-global_std"],
     "naive FPO-style": ["--parameterization", "v", "--pair_sharing", "none", "--no-stratified",
                         "--no-adaptive_weighting", "--soft_clip_eta", "0"],
-    "MDP (Flow-GRPO-style)": None,                 # examples/flow_grpo_sd3.py's update
+    # examples/flow_grpo_sd3.py's update at Flow-GRPO's published recipes
+    "MDP: Flow-GRPO (CFG 4.5)": {"mdp": "cfg4.5"},
 }
+# Runnable with --methods, not part of the default benchmark (time): Flow-GRPO's no-CFG recipe.
+EXTRA_METHODS = {"MDP: Flow-GRPO no-CFG": {"mdp": "nocfg"}}
 # The reward-hacking regime: long runs at a high learning rate, with and without the paper's
 # controls. The ratio clip and the x-space KL (to θ_old) only act from the second optimizer step
 # of an iteration on, so their rows use μ = 2.
@@ -512,15 +560,17 @@ def vgrpo_flags(folder: Path, seed: int, extra: list[str]) -> list[str]:
 def run_method(folder: Path, method: str, flags, seed: int, iterations: int, eval_at: list[int],
                n_per: int = 10, log=print, keep_images: bool = False, base=None) -> dict:
     """One run; returns {"iters": per-iteration vgrpo metrics, "evals": held-out metrics}."""
-    if flags is None:
-        return run_mdp(folder, seed, iterations, eval_at, n_per, log, keep_images, base)
+    if isinstance(flags, dict):
+        return run_mdp(folder, flags["mdp"], seed, iterations, eval_at, n_per, log, keep_images,
+                       base)
     args = V.parse_args(vgrpo_flags(folder, seed, flags))
     run = V.setup(args)
     return _loop(run.adapter, lambda it: V.iteration(run, it), iterations, eval_at, n_per, method,
                  log, keep_images, base)
 
 
-def _loop(adapter, step, iterations, eval_at, n_per, method, log, keep_images, base=None):
+def _loop(adapter, step, iterations, eval_at, n_per, method, log, keep_images, base=None,
+          cfg=None):
     """Train `iterations` steps, evaluating at eval_at and at the end. `base`: the iteration-0
     evaluation if already computed (LoRA starts at B = 0, so iteration 0 IS the base model)."""
     prompts, digits, x1 = eval_set(n_per)
@@ -532,11 +582,15 @@ def _loop(adapter, step, iterations, eval_at, n_per, method, log, keep_images, b
             else:
                 imgs = generate(adapter, prompts, x1)
                 ev = {"iter": it, **sample_metrics(imgs, digits)}
+            if cfg is not None:
+                m_cfg = sample_metrics(generate(cfg, prompts, x1), digits)
+                ev.update({f"{k}_cfg": v for k, v in m_cfg.items()})
             out["evals"].append(ev)
             if keep_images:
                 out["images"][it] = imgs
-            log(f"{method:32s} iter {it:3d}  held-out acc {ev['acc']:.3f}  reward {ev['reward']:.3f}  "
-                f"diversity {ev['diversity']:.2f}  nn-real {ev['nn_real']:.2f}")
+            log(f"{method:32s} iter {it:3d}  held-out acc {ev['acc']:.3f}  "
+                f"reward {ev['reward']:.3f}  diversity {ev['diversity']:.2f}  "
+                f"nn-real {ev['nn_real']:.2f}")
         if it == iterations:
             break
         m = step(it)
@@ -544,28 +598,33 @@ def _loop(adapter, step, iterations, eval_at, n_per, method, log, keep_images, b
     return out
 
 
-def run_mdp(folder, seed, iterations, eval_at, n_per, log, keep_images, base=None):
-    """The Flow-GRPO-style MDP baseline: examples/flow_grpo_sd3.py's iteration on the same model,
-    LoRA, optimizer, prompts and P × G rollouts, at that script's own default settings."""
+def run_mdp(folder, recipe, seed, iterations, eval_at, n_per, log, keep_images, base=None):
+    """The Flow-GRPO MDP baseline: examples/flow_grpo_sd3.py's iteration at its published recipe
+    (`recipe`: cfg4.5 or nocfg), on the same model, LoRA, optimizer, lr, prompts and P × G.
+    Held-out metrics use the same CFG-free ODE sampler as every other row; with CFG, the metrics
+    of its own guided ODE sampler are added as *_cfg."""
     sys.path.insert(0, str(Path(__file__).parent))
     import flow_grpo_sd3 as FG
-    flags = vgrpo_flags(folder, seed, [])
-    i = flags.index("--prompts")                          # given below: older versions of that
-    del flags[i:i + 4]                                     # parser read --prompts as --prompts_per_iter
-    mine, args = FG.parse(flags)
-    args.prompts, args.eval_prompts = str(CACHE / "train_prompts.txt"), str(CACHE / "eval_prompts.txt")
+    mine, args = FG.parse(vgrpo_flags(folder, seed, ["--recipe", recipe, "--methods", "flow_grpo"]))
     run = V.setup(args)                                    # LoRA + optimizer exactly as V-GRPO's
-    P, G = args.prompts_per_iter, args.group_size
+    guided = FG.Guided(run.adapter, run.adapter.encode([""]), mine.rec["guidance"])
+    f_sigmas = run.adapter.sigmas(mine.flow_steps)
 
     def step(it):
-        return FG.flow_grpo_iteration(mine, args, run.adapter, run.rewards, run.opt, run.params,
-                                      run.train_prompts, it, P, G, run.D, run.sigmas, run.dev, run.ctx)
-    return _loop(run.adapter, step, iterations, eval_at, n_per, "MDP (Flow-GRPO-style)", log,
-                 keep_images, base)
+        return FG.flow_grpo_iteration(mine, args, run.adapter, guided, run.rewards, run.opt,
+                                      run.params, run.train_prompts, it, run.D, f_sigmas, run.dev,
+                                      run.ctx)
+
+    class WithCFG:                                         # the adapter's seam, guided velocity
+        encode, sigmas, decode = run.adapter.encode, run.adapter.sigmas, run.adapter.decode
+        velocity = staticmethod(guided.velocity)
+    cfg = WithCFG() if guided.forwards == 2 else None
+    return _loop(run.adapter, step, iterations, eval_at, n_per, f"MDP ({recipe})", log,
+                 keep_images, base, cfg)
 
 
 def slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+    return "".join(c if c.isascii() and c.isalnum() else "_" for c in name.lower()).strip("_")
 
 
 def _claim(path: Path) -> bool:
@@ -596,7 +655,9 @@ def benchmark(seeds=(0, 1, 2), iterations: int = 20, eval_every: int = 5, hack_i
     out.mkdir(parents=True, exist_ok=True)
     (out / "grids").mkdir(exist_ok=True)
     eval_at = list(range(0, iterations + 1, eval_every))
-    jobs = [("main", m, METHODS[m], s, iterations, eval_at) for s in seeds for m in (methods or METHODS)]
+    every = {**METHODS, **EXTRA_METHODS}
+    jobs = [("main", m, every[m], s, iterations, eval_at)
+            for s in seeds for m in (methods or METHODS)]
     if hacking:
         h_at = list(range(0, hack_iterations + 1, 10))
         jobs += [("hacking", m, [*f, "--lr", str(hack_lr)], 0, hack_iterations, h_at)
@@ -630,7 +691,7 @@ def benchmark(seeds=(0, 1, 2), iterations: int = 20, eval_every: int = 5, hack_i
 # Pictures with PIL only (no plotting library needed): sample grids and line charts.
 # ------------------------------------------------------------------------------------------------
 def grid_image(images: torch.Tensor, digits: torch.Tensor, per_digit: int, scale: int = 2):
-    """Rows = digits 0-9, `per_digit` samples each; images (n, 3, 32, 32) in [0, 1] → PIL image."""
+    """Rows = digits 0-9, `per_digit` samples each; images (n, 3, 32, 32) in [0, 1] → PIL."""
     from PIL import Image
     x = gray(images)[:, 0]
     rows = []
@@ -658,7 +719,8 @@ def titled(images: list, titles: list[str], gap: int = 12):
 
 
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-          (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
+          (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207),
+          (0, 0, 0)]
 
 
 def line_chart(series: dict, title: str, xlabel: str, ylabel: str, size=(520, 360), ylim=None):
@@ -702,7 +764,8 @@ def line_chart(series: dict, title: str, xlabel: str, ylabel: str, size=(520, 36
 def stack(images: list, horizontal: bool = False):
     from PIL import Image
     if horizontal:
-        out = Image.new("RGB", (sum(i.width for i in images), max(i.height for i in images)), "white")
+        size = (sum(i.width for i in images), max(i.height for i in images))
+        out = Image.new("RGB", size, "white")
         x = 0
         for i in images:
             out.paste(i.convert("RGB"), (x, 0))
@@ -735,8 +798,8 @@ def quickstart(iterations: int = 30, run_dir: str = "runs/digits-quickstart", se
     pipe.load_lora_weights(str(V.find_checkpoint(run_dir)))
     after, imgs1 = heldout_metrics(pipe, n_per=10, return_images=True)
     pic = titled([grid_image(imgs0, digits, 8), grid_image(imgs1, digits, 8)],
-                 [f"base model: {before['acc']:.0%} correct", f"after {iterations} V-GRPO iterations: "
-                                                                f"{after['acc']:.0%}"])
+                 [f"base model: {before['acc']:.0%} correct",
+                  f"after {iterations} V-GRPO iterations: {after['acc']:.0%}"])
     Path(grid).parent.mkdir(parents=True, exist_ok=True)
     pic.save(grid)
     log(f"held-out prompt accuracy (10 digits × 10 samples, unseen phrasings and noise): "
@@ -747,9 +810,10 @@ def quickstart(iterations: int = 30, run_dir: str = "runs/digits-quickstart", se
 
 
 # ------------------------------------------------------------------------------------------------
-# Report: the benchmark's JSON → examples/digits.md (tables) and examples/digits.png (curves, grids).
+# Report: the benchmark's JSON → examples/digits.md (tables), examples/digits.png (curves, grids).
 # ------------------------------------------------------------------------------------------------
-THRESHOLD_RULE = "half of the base model's remaining held-out error removed: acc ≥ base + (1 − base)/2"
+THRESHOLD_RULE = ("half of the base model's remaining held-out error removed: "
+                  "acc ≥ base + (1 − base)/2")
 
 
 def _ms(vals, fmt="{:.3f}"):
@@ -770,6 +834,40 @@ def _at(res, it, key):
     return None
 
 
+def _setup_notes(plan: dict, main: list, hack: list) -> str:
+    """The header of digits.md: what was run, from the benchmark's own records."""
+    bj = CACHE / "build.json"
+    info = json.loads(bj.read_text()) if bj.is_file() else {}
+    nan = float("nan")
+    flags = " ".join(plan.get("common_flags", COMMON))
+    secs = sum(r["seconds"] for r in main + hack)
+    start, end = plan.get("started", "?"), max((r["finished"] for r in main + hack), default="?")
+    return (
+        "# V-GRPO on handwritten digits: results of `python examples/digits.py benchmark`\n\n"
+        f"Model: the tiny SD3 pipeline pretrained by `examples/digits.py build` "
+        f"({info.get('transformer_params', 0) / 1e6:.2f}M-parameter SD3Transformer2DModel, "
+        f"{info.get('recipe', {}).get('pretrain_steps', '?')} rectified-flow steps; VAE "
+        f"reconstructions classified {info.get('vae_recon_acc', nan):.1%} correct). Reward: "
+        "p(prompted digit) from a conv classifier with "
+        f"{info.get('classifier_heldout_acc', nan):.1%} held-out accuracy on real digits. "
+        "Every method: vgrpo's own `setup` + `iteration` (the "
+        f"MDP rows: examples/flow_grpo_sd3.py's iteration), flags `{flags}` plus the method's own; "
+        "LoRA rank 32 / alpha 64 (vgrpo's SD3 default); lr 2e-3 for every method (3e-4 barely "
+        "moved this model in 10 iterations). Held-out evaluation: the 4 unseen phrasings × "
+        f"{plan.get('n_per', 6)} fixed noises per digit ({10 * plan.get('n_per', 6)} images), "
+        "deterministic 10-step Euler ODE without CFG for every row (for the CFG recipe, its own "
+        "CFG-4.5 sampler is reported too), every "
+        f"{plan.get('eval_every', 4)} iterations; iteration 0 is the base model for every method "
+        "(LoRA starts at B = 0) and is evaluated once. Diversity: mean pairwise distance of "
+        "classifier features within a digit, real digits = 1. nn-real: distance to the nearest "
+        "real digit in that feature space, real test digits = 1. Surrogate CV: vgrpo's logged "
+        "`surrogate_cv` and `surrogate_cv_group` (CV of S_old over the batch and within groups), "
+        "mean over iterations. "
+        f"Wall clock: {secs / 60:.0f} min of run time in two processes, {start} → {end}, "
+        "on a 2-core machine shared with other jobs (times are only roughly comparable; "
+        "iterations are the primary measure).\n\n")
+
+
 def report(out: Path = RESULTS, md: Path = Path(__file__).with_name("digits.md"),
            png: Path = Path(__file__).with_name("digits.png"), log=print) -> str:
     from PIL import Image
@@ -780,19 +878,19 @@ def report(out: Path = RESULTS, md: Path = Path(__file__).with_name("digits.md")
     by = {}
     for r in main:
         by.setdefault(r["method"], []).append(r)
-    order = [m for m in METHODS if m in by]
+    order = [m for m in {**METHODS, **EXTRA_METHODS} if m in by]
     lines = []
     if main:
         base = sum(r["evals"][0]["acc"] for r in main) / len(main)
         thr = base + (1 - base) / 2
         its = sorted({e["iter"] for r in main for e in r["evals"]})
         last = max(its)
-        shown = [i for i in its if i in (0, last // 3, 2 * last // 3, last)] or its
+        shown = its
         lines.append(f"Threshold (fixed before the runs): {THRESHOLD_RULE}; base {base:.3f} → "
                      f"threshold {thr:.3f}.\n")
         head = (["method", "seeds"] + [f"acc @{i}" for i in shown] +
                 [f"reward @{last}", "iters to thr.", "train s to thr.", f"diversity @{last}",
-                 f"nn-real @{last}", "surrogate CV", "s / iter"])
+                 f"nn-real @{last}", "surrogate CV", "CV within group", "s / iter (median)"])
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for m in order:
@@ -805,19 +903,39 @@ def report(out: Path = RESULTS, md: Path = Path(__file__).with_name("digits.md")
                     reach_s.append(sum(x["time_iter"] for x in r["iters"][:hit]))
             cv = [sum(x["surrogate_cv"] for x in r["iters"]) / len(r["iters"]) for r in rs
                   if r["iters"] and "surrogate_cv" in r["iters"][0]]
-            spi = [sum(x["time_iter"] for x in r["iters"]) / len(r["iters"]) for r in rs if r["iters"]]
+            cvg = [sum(x["surrogate_cv_group"] for x in r["iters"]) / len(r["iters"]) for r in rs
+                   if r["iters"] and "surrogate_cv_group" in r["iters"][0]]
+            spi = [statistics.median(x["time_iter"] for x in r["iters"]) for r in rs if r["iters"]]
             reached = f"{len(reach_it)}/{len(rs)}"
             row = ([m, str(len(rs))] + [_ms([_at(r, i, "acc") for r in rs]) for i in shown] +
                    [_ms([_at(r, last, "reward") for r in rs]),
-                    (_ms(reach_it, "{:.1f}") + f" ({reached})") if reach_it else f"not reached (0/{len(rs)})",
+                    (_ms(reach_it, "{:.1f}") + f" ({reached})") if reach_it
+                    else f"not reached (0/{len(rs)})",
                     _ms(reach_s, "{:.0f}") if reach_s else "—",
                     _ms([_at(r, last, "diversity") for r in rs], "{:.2f}"),
                     _ms([_at(r, last, "nn_real") for r in rs], "{:.2f}"),
-                    _ms(cv, "{:.3f}"), _ms(spi, "{:.2f}")])
+                    _ms(cv, "{:.3f}"), _ms(cvg, "{:.3f}"), _ms(spi, "{:.2f}")])
             lines.append("| " + " | ".join(row) + " |")
+    cfg_rows = [m for m in order if "acc_cfg" in by[m][0]["evals"][0]]
+    if cfg_rows:
+        lines.append("\nThe CFG recipe's policy sampled as Flow-GRPO samples it (10-step Euler ODE "
+                     "with CFG 4.5, same held-out prompts and noise):\n")
+        head = ["method", "seeds"] + [f"acc @{i}" for i in shown] + [
+            f"reward @{last}", f"diversity @{last}", f"nn-real @{last}"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for m in cfg_rows:
+            rs = by[m]
+            lines.append("| " + " | ".join(
+                [m + ", CFG 4.5 sampler", str(len(rs))] +
+                [_ms([_at(r, i, "acc_cfg") for r in rs]) for i in shown] +
+                [_ms([_at(r, last, "reward_cfg") for r in rs]),
+                 _ms([_at(r, last, "diversity_cfg") for r in rs], "{:.2f}"),
+                 _ms([_at(r, last, "nn_real_cfg") for r in rs], "{:.2f}")]) + " |")
     if hack:
         hits = sorted({e["iter"] for r in hack for e in r["evals"]})
-        shown = [i for i in hits if i % 20 == 0 or i == hits[-1]]
+        shown = hits
+        hack.sort(key=lambda r: list(HACKING).index(r["method"]) if r["method"] in HACKING else 99)
         lines.append(f"\nReward-hacking regime (seed 0, lr {plan.get('hack_lr', '?')}, "
                      f"{hits[-1]} iterations; held-out acc / diversity at each iteration):\n")
         head = ["run"] + [f"@{i}" for i in shown] + ["peak acc", "final nn-real", "s / iter"]
@@ -825,11 +943,12 @@ def report(out: Path = RESULTS, md: Path = Path(__file__).with_name("digits.md")
         lines.append("|" + "---|" * len(head))
         for r in hack:
             cells = [f"{_at(r, i, 'acc'):.3f} / {_at(r, i, 'diversity'):.2f}" for i in shown]
-            lines.append("| " + " | ".join([r["method"], *cells, f"{max(e['acc'] for e in r['evals']):.3f}",
-                                            f"{r['evals'][-1]['nn_real']:.2f}",
-                                            f"{sum(x['time_iter'] for x in r['iters']) / len(r['iters']):.2f}"])
+            peak = max(e["acc"] for e in r["evals"])
+            spi = sum(x["time_iter"] for x in r["iters"]) / len(r["iters"])
+            lines.append("| " + " | ".join([r["method"], *cells, f"{peak:.3f}",
+                                            f"{r['evals'][-1]['nn_real']:.2f}", f"{spi:.2f}"])
                          + " |")
-    text = "\n".join(lines) + "\n"
+    text = _setup_notes(plan, main, hack) + "\n".join(lines) + "\n"
     charts = []
     if main:
         series = {}
@@ -838,20 +957,19 @@ def report(out: Path = RESULTS, md: Path = Path(__file__).with_name("digits.md")
             xs = [e["iter"] for e in rs[0]["evals"]]
             ys = [sum(_at(r, x, "acc") for r in rs) / len(rs) for x in xs]
             series[m] = (xs, ys)
-        charts.append(line_chart(series, f"held-out prompt accuracy (mean of {len(by[order[0]])} seeds)",
-                                 "iteration", "accuracy"))
+        charts.append(line_chart(series, "held-out prompt accuracy (mean of "
+                                 f"{len(by[order[0]])} seeds)", "iteration", "accuracy"))
     if hack:
-        charts.append(line_chart({r["method"]: ([e["iter"] for e in r["evals"]], [e["acc"] for e in r["evals"]])
-                                  for r in hack}, "reward hacking: held-out accuracy", "iteration", "accuracy"))
-        charts.append(line_chart({r["method"]: ([e["iter"] for e in r["evals"]],
-                                                [e["diversity"] for e in r["evals"]]) for r in hack},
-                                 "reward hacking: within-digit diversity (real digits = 1)", "iteration",
-                                 "diversity"))
+        for key, title in (("acc", "reward hacking: held-out accuracy"),
+                           ("diversity", "reward hacking: within-digit diversity (real = 1)")):
+            charts.append(line_chart({r["method"]: ([e["iter"] for e in r["evals"]],
+                                                    [e[key] for e in r["evals"]]) for r in hack},
+                                     title, "iteration", key))
     pics = []
     gdir = out / "grids"
     want = [("main", "V-GRPO (shipped)", 0, 0, "base model"),
             ("main", "V-GRPO (shipped)", 0, None, "V-GRPO (shipped)"),
-            ("main", "MDP (Flow-GRPO-style)", 0, None, "MDP baseline"),
+            ("main", "MDP: Flow-GRPO (CFG 4.5)", 0, None, "MDP (Flow-GRPO, CFG 4.5)"),
             ("hacking", list(HACKING)[0], 0, None, "unconstrained, long"),
             ("hacking", list(HACKING)[1], 0, None, "soft-clip, long")]
     for kind, m, s, it, title in want:
@@ -863,8 +981,8 @@ def report(out: Path = RESULTS, md: Path = Path(__file__).with_name("digits.md")
     if charts or pics:
         rows = [stack(charts, horizontal=True)] if charts else []
         if pics:
-            rows.append(titled([p.resize((p.width * 2, p.height * 2), Image.NEAREST) for p, _ in pics],
-                               [t for _, t in pics]))
+            big = [p.resize((p.width * 2, p.height * 2), Image.NEAREST) for p, _ in pics]
+            rows.append(titled(big, [t for _, t in pics]))
         stack(rows).save(png, optimize=True)
     md.write_text(text)
     log(text)
@@ -883,12 +1001,14 @@ def main(argv=None) -> int:
     q.add_argument("--run_dir", default="runs/digits-quickstart")
     q.add_argument("--grid", default="runs/digits-quickstart/before_after.png")
     q.add_argument("--seed", type=int, default=0)
-    k = sub.add_parser("benchmark", help="methods × seeds, then the reward-hacking runs (resumable)")
+    k = sub.add_parser("benchmark", help="methods × seeds, then the reward-hacking runs "
+                       "(resumable)")
     k.add_argument("--seeds", default="0,1,2")
-    k.add_argument("--iterations", type=int, default=20)
-    k.add_argument("--hack_iterations", type=int, default=60)
+    k.add_argument("--iterations", type=int, default=16)
+    k.add_argument("--hack_iterations", type=int, default=30)
     k.add_argument("--n_per", type=int, default=6, help="held-out samples per digit")
-    k.add_argument("--hack_lr", type=float, default=1e-3)
+    k.add_argument("--eval_every", type=int, default=4)
+    k.add_argument("--hack_lr", type=float, default=8e-3)
     k.add_argument("--no_hacking", action="store_true")
     k.add_argument("--methods", default=None,
                    help="comma-separated method names (default: all of METHODS)")
@@ -908,16 +1028,18 @@ def main(argv=None) -> int:
                 (out / "plan.json").write_text(json.dumps(dict(
                     threshold=THRESHOLD_RULE, seeds=a.seeds, iterations=a.iterations,
                     hack_iterations=a.hack_iterations, hack_lr=a.hack_lr, common_flags=COMMON,
-                    n_per=a.n_per, eval_every=5,
+                    n_per=a.n_per, eval_every=a.eval_every,
                     methods=METHODS, hacking=HACKING, started=time.strftime("%Y-%m-%d %H:%M:%S")),
                     indent=1))
             methods = [m.strip() for m in a.methods.split(",")] if a.methods else None
-            if methods and set(methods) - set(METHODS):
-                raise ValueError(f"--methods: unknown {sorted(set(methods) - set(METHODS))}; "
-                                 f"choose from {list(METHODS)}")
+            every = {**METHODS, **EXTRA_METHODS}
+            if methods and set(methods) - set(every):
+                raise ValueError(f"--methods: unknown {sorted(set(methods) - set(every))}; "
+                                 f"choose from {list(every)}")
             benchmark(tuple(int(s) for s in a.seeds.split(",")), a.iterations, methods=methods,
-                      hack_iterations=a.hack_iterations, hack_lr=a.hack_lr, hacking=not a.no_hacking,
-                      out=out, n_per=a.n_per)
+                      hack_iterations=a.hack_iterations, hack_lr=a.hack_lr,
+                      hacking=not a.no_hacking,
+                      out=out, n_per=a.n_per, eval_every=a.eval_every)
             report(out)
         else:
             report(Path(a.out))
