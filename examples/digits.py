@@ -397,8 +397,9 @@ def build(cache: Path = CACHE, pretrain_steps: int = 1500, vae_steps: int = 300,
 
 # The test suite's fast version (test_vgrpo.py): small budgets, a few iterations.
 # A 2-layer × 2-head transformer (0.29M parameters) with trainable text encoders learns the
-# prompt in a few hundred steps. Measured with this recipe: base 28 % (1 thread) / 32 % (2 threads),
-# 54 % after these 20 V-GRPO iterations (2 threads), 84 % after 30 (1 thread); chance is 10 %.
+# prompt in a few hundred steps. Measured with this recipe: base 26–32 %, 54–61 % after these 20
+# V-GRPO iterations (1 and 2 threads), 84 % after 30; chance is 10 %. The test takes 60 s with 2
+# threads and 90 s with 1 on an otherwise idle 2-core machine.
 FAST_BUILD = dict(clf_steps=100, vae_steps=80, pretrain_steps=500, pretrain_lr=3e-3, layers=2,
                   heads=2, train_text=True)
 FAST_RL = dict(iterations=20, flags=["--lr", "5e-3", "--prompts_per_iter", "8"])
