@@ -975,7 +975,12 @@ def test_flow_grpo_baseline_and_cost_table(tmp_path):
             pipe.load_lora_weights(str(out / f"lora_{method}"), adapter_name=method)
             pipe.set_adapters(method)
             moved = pipe.transformer(hidden_states=x, timestep=t, **c).sample - base
-            assert moved.abs().max() > 0
+            # V-GRPO's trained LoRA moves the output; Flow-GRPO saves its EMA, which first moves
+            # at optimizer step 8 (flow_grpo/ema.py), so after 2 steps it is still the init (B = 0)
+            assert (moved.abs().max() > 0) == (method == "vgrpo")
+    ema_line = evs[-1]                                # Flow-GRPO's final evaluation: its EMA,
+    assert ema_line["ema"] and ema_line["eval_reward_mean"] == evs[2]["eval_reward_mean"]  # = init
+    assert math.isfinite(ema_line["eval_reward_mean_raw"])
 
 
 @pytest.mark.examples
@@ -1067,7 +1072,25 @@ def test_flow_grpo_pure_parts():
     torch.testing.assert_close(out.detach(), torch.full((2, 1), 2.0 + 4.5 * (6.0 - 2.0)))
     out.sum().backward()
     assert float(ad.w.grad) == pytest.approx(2 * 4.5 * 3.0)          # d/dw of w·(4.5·3) per row
+    ad.w.grad = None                                                  # --cfg_grad both:
+    both = flow.Guided(ad, {"e": torch.tensor([[1.0]])}, 4.5, detach_uncond=False)
+    both.velocity(xx, torch.zeros(2), {"e": torch.tensor([[3.0], [3.0]])}).sum().backward()
+    assert float(ad.w.grad) == pytest.approx(2 * (4.5 * 3.0 - 3.5 * 1.0))  # (1 − w)·v_u counts too
     assert gd.forwards == 2 and flow.Guided(ad, {}, 1.0).forwards == 1
+    # EMA (flow_grpo/ema.py, decay 0.9, every 8 steps): first moves at n = 7, by 1 − 8/17
+    q = torch.nn.Parameter(torch.zeros(3))
+    ema = flow.LoraEMA([q])
+    with torch.no_grad():
+        q.fill_(1.0)
+    for n in range(7):
+        ema.step(n)
+        assert float(ema.ema[0][0]) == 0.0
+    ema.step(7)
+    torch.testing.assert_close(ema.ema[0], torch.full((3,), 9 / 17))
+    ema.swap()
+    torch.testing.assert_close(q.detach(), torch.full((3,), 9 / 17))
+    ema.swap()
+    assert float(q[0]) == 1.0
     # window plan
     g0 = torch.Generator().manual_seed(0)
     sde, trained = flow.step_plan(10, dict(window=3, timestep_fraction=1.0), g0)

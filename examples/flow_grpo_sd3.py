@@ -26,8 +26,10 @@ scripts/train_sd3.py, flow_grpo/stat_tracking.py, flow_grpo/diffusers_patch/sd3_
 README FAQ):
   cfg4.5  the paper's SD3.5-M recipe (grpo.py: pickscore_sd3 / geneval_sd3 / general_ocr_sd3):
           10 SDE steps ("sde", noise level a = 0.7), CFG 4.5 with the empty prompt as negative in
-          rollouts AND in the recomputed log-probs (one batched [uncond; cond] forward, the
-          unconditional half detached in training as train_sd3.py's compute_log_prob), trains
+          rollouts AND in the recomputed log-probs (one batched [uncond; cond] forward; the
+          unconditional half detached in training as train_sd3.py's compute_log_prob did in
+          July 2025 — its later versions let the gradient through both halves: --cfg_grad both),
+          trains
           the first int(0.99·K) steps, clip ε = 1e-4, KL to the reference (LoRA off) with
           β = 0.01 (pickscore), 0.02 (clipscore), 0.04 (geneval, ocr; used for any other reward).
   nocfg   their no-CFG "fast" recipe (grpo.py: pickscore_sd3_fast_nocfg / geneval_sd3_fast_nocfg):
@@ -43,11 +45,12 @@ ones re-admitted until the count divides into the batches, as train_sd3.py); 2 o
 iteration (gradient_accumulation_steps = num_batches_per_epoch // 2); AdamW lr 3e-4 (base.py;
 here --lr, default vgrpo's per-model preset, 3e-4 at SD3.5), wd 1e-4, grad-norm clip 1.0;
 the SAME batch size for sampling and training (README FAQ; --batch); fp16 autocast on CUDA (README
-FAQ: "use fp16 … whenever possible", bf16 only for FLUX/Wan), fp32 on CPU.
-Not reproduced: Flow-GRPO's EMA of the LoRA (decay 0.9 every 8 steps, used for its evaluation and
-checkpoints) — evaluation and the saved LoRA here use the trained weights; its rollout casts the
-two CFG halves to fp16 before combining them while its training pass combines them in fp32 — here
-both passes run the same code, so the ratio is exactly 1 before the first optimizer step.
+FAQ: "use fp16 … whenever possible", bf16 only for FLUX/Wan), fp32 on CPU; an EMA of the LoRA
+(flow_grpo/ema.py, decay 0.9 every 8 optimizer steps; grpo.py train.ema = True) is what the final
+evaluation scores and what lora_flow_grpo/ holds (--no_ema: the trained weights; both are logged).
+Not reproduced: its rollout casts the two CFG halves to fp16 before combining them while its
+training pass combines them in fp32 — here both passes run the same code, so the ratio is exactly
+1 before the first optimizer step.
 """
 from __future__ import annotations
 
@@ -127,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--timestep_fraction", type=float, default=None,
       help="override: train the first int(f·K) steps")
     a("--no_filter_zero_adv", action="store_true", help="keep samples whose advantage is exactly 0")
+    a("--no_ema", action="store_true", help="evaluate and save the trained LoRA instead of "
+      "Flow-GRPO's EMA of it (grpo.py: train.ema = True)")
+    a("--cfg_grad", default="detached", choices=("detached", "both"),
+      help="with CFG, gradient through the conditional half only (train_sd3.py, July 2025) or "
+      "through both halves (its later versions)")
     return p
 
 
@@ -260,13 +268,40 @@ def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, kl_std: float) -
     return ((mean - mean_ref.detach()) ** 2).flatten(1).mean(dim=1).div(2 * kl_std ** 2).mean()
 
 
+class LoraEMA:
+    """Flow-GRPO's EMA of the trainable weights (flow_grpo/ema.py EMAModuleWrapper as train_sd3.py
+    builds it: decay 0.9, update_step_interval 8): step(n) after every training batch, with n the
+    optimizer steps so far, moves the copy by (1 − min((1 + n)/(10 + n), 0.9)) when (n + 1) % 8
+    == 0. Their evaluation and checkpoints use the EMA weights; swap() exchanges them in place."""
+
+    def __init__(self, params: list, decay: float = 0.9, interval: int = 8):
+        self.params, self.decay, self.interval = params, decay, interval
+        self.ema = [q.detach().clone() for q in params]
+
+    @torch.no_grad()
+    def step(self, n: int) -> None:
+        if (n + 1) % self.interval == 0:
+            w = 1 - min((1 + n) / (10 + n), self.decay)
+            for e, q in zip(self.ema, self.params):
+                e.add_(w * (q.detach() - e))
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        for e, q in zip(self.ema, self.params):
+            tmp = q.detach().clone()
+            q.copy_(e)
+            e.copy_(tmp)
+
+
 class Guided:
     """Velocity with classifier-free guidance, Flow-GRPO's layout: one forward on [uncond; cond],
-    v = v_u + w·(v_c − v_u) with the unconditional half detached (train_sd3.py compute_log_prob).
-    w = 1 is plain conditional velocity (their guidance 1: no unconditional forward)."""
+    v = v_u + w·(v_c − v_u), the unconditional half detached if detach_uncond (train_sd3.py
+    compute_log_prob, July 2025; later versions keep its gradient). w = 1 is the plain
+    conditional velocity (their guidance 1: no unconditional forward)."""
 
-    def __init__(self, adapter, uncond: dict, scale: float):
+    def __init__(self, adapter, uncond: dict, scale: float, detach_uncond: bool = True):
         self.adapter, self.uncond, self.scale = adapter, uncond, scale
+        self.detach_uncond = detach_uncond
 
     @property
     def forwards(self) -> int:
@@ -279,7 +314,8 @@ class Guided:
         m = len(x)
         cc = {k: torch.cat([self.uncond[k].expand(m, *self.uncond[k].shape[1:]), c[k]]) for k in c}
         vu, vc = self.adapter.velocity(torch.cat([x, x]), torch.cat([t, t]), cc).float().chunk(2)
-        vu = vu.detach()
+        if self.detach_uncond:
+            vu = vu.detach()
         return vu + self.scale * (vc - vu)
 
 
@@ -328,7 +364,10 @@ def sde_rollout(guided, x1, cond, prompt_idx, sigmas, rec, sde, batch, ctx, gene
 # One Flow-GRPO iteration (same prompt and x1 streams as vgrpo.iteration()).
 # ------------------------------------------------------------------------------------------------
 def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train_prompts, it, D,
-                        sigmas, dev, ctx) -> dict:
+                        sigmas, dev, ctx, state: dict | None = None) -> dict:
+    """One iteration; `state` carries {"step": optimizer steps so far, "ema": LoraEMA or None}
+    across iterations (train_sd3.py's global_step and EMA)."""
+    state = state if state is not None else {"step": 0, "ema": None}
     rec = mine.rec
     P, G = args.prompts_per_iter, args.group_size
     N, K = P * G, len(sigmas) - 1
@@ -385,7 +424,7 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
             opt.zero_grad(set_to_none=True)
             n_chunks = max(1, num_batches // mine.flow_mu)
             chunks = [c for c in chunk_group.tensor_split(n_chunks) if len(c)]
-            for rows in chunks:
+            for ci, rows in enumerate(chunks):
                 c = V.select(cond, prompt_idx[rows])
                 for j in trained:
                     t = torch.full((len(rows),), sig[j], device=dev)
@@ -417,14 +456,18 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
                     clipped.append(frac)
                     if s_i == 0:
                         clipped_first.append(frac)           # before the 1st step: 0 expected
-            scaler.unscale_(opt)
-            gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            if scaler.is_enabled():
-                scaler.step(opt)                          # skips the step on inf/nan grads
-                scaler.update()
-            elif torch.isfinite(gn):
-                opt.step()
-            grad_norms.append(gn.detach().float())
+                if ci == len(chunks) - 1:                    # accumulation complete: one step
+                    scaler.unscale_(opt)
+                    gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                    if scaler.is_enabled():
+                        scaler.step(opt)                  # skips the step on inf/nan grads
+                        scaler.update()
+                    elif torch.isfinite(gn):
+                        opt.step()
+                    grad_norms.append(gn.detach().float())
+                    state["step"] += 1
+                if state["ema"] is not None:                 # after every batch, as train_sd3.py
+                    state["ema"].step(state["step"])
     opt.zero_grad(set_to_none=True)
     V._sync(dev)
     times["time_update"] = time.perf_counter() - t3
@@ -520,10 +563,13 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
         dtype, ctx = prec[method]
         opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999),
                                 weight_decay=args.weight_decay)
-        guided = Guided(adapter, uncond, rec["guidance"] if method == "flow_grpo" else 1.0)
+        guided = Guided(adapter, uncond, rec["guidance"] if method == "flow_grpo" else 1.0,
+                        detach_uncond=mine.cfg_grad == "detached")
         before = evaluate(guided, rewards, args, eval_prompts, D, dev, ctx)
         emit({"method": method, "iter": 0, "eval_reward_mean": before})
         hist = []
+        use_ema = method == "flow_grpo" and not mine.no_ema
+        state = {"step": 0, "ema": LoraEMA(params) if use_ema else None}
         vrun = V.Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
                      lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
                      dev=dev, dtype=dtype, ctx=ctx, sigmas=v_sigmas, eval_sigmas=v_sigmas, D=D)
@@ -532,17 +578,23 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
                 m = {"method": "vgrpo", **V.iteration(vrun, it), "nfe_ref": 0, "opt_steps": args.mu}
             else:
                 m = flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params,
-                                        train_prompts, it, D, f_sigmas, dev, ctx)
+                                        train_prompts, it, D, f_sigmas, dev, ctx, state)
             hist.append(m)
             emit(m)
             log(f"{LABEL[method]:9s} iter {it}  reward {m['reward_mean']:.4f}  "
                 f"|log ρ| {m['abs_log_ratio']:.2e}  clip {m['clip_frac']:.2f}  "
                 f"grad {m['grad_norm']:.3g}  {m['time_iter']:.2f}s")
-        after = evaluate(guided, rewards, args, eval_prompts, D, dev, ctx)
-        emit({"method": method, "iter": mine.iterations, "eval_reward_mean": after})
+        after = after_raw = evaluate(guided, rewards, args, eval_prompts, D, dev, ctx)
+        if use_ema:                                     # Flow-GRPO evaluates and saves its EMA
+            state["ema"].swap()
+            after = evaluate(guided, rewards, args, eval_prompts, D, dev, ctx)
+        emit({"method": method, "iter": mine.iterations, "eval_reward_mean": after,
+              **({"eval_reward_mean_raw": after_raw, "ema": True} if use_ema else {})})
         if out is not None:
             adapter.save_lora(str(out / f"lora_{method}"),
                               V.trainable_state(adapter.transformer, False), lora_cfg)
+        if use_ema:
+            state["ema"].swap()                         # back to the trained weights
         moved = torch.sqrt(sum((p.detach().float() - init[n].float()).square().sum()
                                for n, p in named.items()))
         med = lambda k: statistics.median(h[k] for h in hist)     # robust to a warm-up iteration
@@ -568,7 +620,8 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
             "abs_log_ratio_first": hist[0].get("abs_log_ratio_first", hist[0]["abs_log_ratio"]),
             "train_reward_first": hist[0]["reward_mean"],
             "train_reward_last": hist[-1]["reward_mean"],
-            "eval_reward_before": before, "eval_reward_after": after, "lora_change": float(moved),
+            "eval_reward_before": before, "eval_reward_after": after,
+            "eval_reward_after_raw": after_raw if use_ema else None, "lora_change": float(moved),
         })
     info = {"model": args.model, "reward": args.reward, "device": str(dev),
             "dtype": ", ".join(f"{LABEL[m]} {str(prec[m][0]).split('.')[-1]}"
@@ -606,7 +659,9 @@ def to_markdown(rows, info) -> str:
              f"({r['clip_frac_first_step']:.2f}) | {r['abs_log_ratio_first']:.1e} | "
              f"{r['lora_change']:.3g} | "
              f"{r['train_reward_first']:.4f} → {r['train_reward_last']:.4f} | "
-             f"{r['eval_reward_before']:.4f} → {r['eval_reward_after']:.4f} |" for r in rows]
+             f"{r['eval_reward_before']:.4f} → {r['eval_reward_after']:.4f}"
+             + (f" (EMA; raw {r['eval_reward_after_raw']:.4f})"
+                if r.get("eval_reward_after_raw") is not None else "") + " |" for r in rows]
     foot = ("\n\nNFE per sample = transformer forwards; with CFG every step is one batched forward "
             "of 2 rows (unconditional + conditional) and counts 2. π_θold = rollout + extra "
             "old-policy pass (the paper's Table 1 convention, PAPER §1.6); π_θ = forwards with "
