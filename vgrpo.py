@@ -773,13 +773,14 @@ class PluginReward:
                               f"expected ({len(prompts)},)")
         return out
 
-    def probe(self, size: int, device: torch.device) -> None:
-        """Call the plug-in once on 2 random images before training, so a broken one fails in
-        one line before the model is loaded or anything is written."""
+    def probe(self, size: int, device: torch.device, prompts: list[str]) -> None:
+        """Call the plug-in once on 2 random images with the run's first 2 training prompts (a
+        plug-in may expect its own prompt format), so a broken one fails in one line before the
+        model is loaded or anything is written."""
         g = torch.Generator().manual_seed(0)
         images = torch.rand(2, 3, size, size, generator=g).to(device)
         try:
-            out = self(images, ["a photo of a cat", "a red apple on a table"])
+            out = self(images, (prompts * 2)[:2])
         except ConfigError as e:
             raise ConfigError(f"{e} (probe call on 2 random {size}×{size} images)") from None
         except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
@@ -1684,7 +1685,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
     for m in rewards.models.values():                      # plug-ins fail here, in one line
         if isinstance(m, PluginReward):
-            m.probe(min(args.resolution, 256), dev)
+            m.probe(min(args.resolution, 256), dev, train_prompts)
     pipe = pipe if pipe is not None else load_pipeline(args.model, dtype)
     pipe.to(dev)
     pipe.vae.to(torch.float32)
