@@ -726,6 +726,9 @@ COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 10
           (0, 0, 0)]
 
 
+_ASCII_GREEK = {ord("ε"): "eps", ord("β"): "beta", ord("η"): "eta", ord("μ"): "mu"}  # PIL's font
+
+
 def line_chart(series: dict, title: str, xlabel: str, ylabel: str, size=(520, 360), ylim=None):
     """series: name → (xs, ys[, y_err]). A plain PIL line chart with a legend."""
     from PIL import Image, ImageDraw
@@ -760,7 +763,7 @@ def line_chart(series: dict, title: str, xlabel: str, ylabel: str, size=(520, 36
             d.ellipse([p[0] - 2, p[1] - 2, p[0] + 2, p[1] + 2], fill=c)
         lx, ly = 8 + (i % 2) * (W // 2), H + 2 + 14 * (i // 2)
         d.line([lx, ly + 6, lx + 14, ly + 6], fill=c, width=3)
-        d.text((lx + 18, ly), name, fill="black")
+        d.text((lx + 18, ly), name.translate(_ASCII_GREEK), fill="black")
     return im
 
 
@@ -940,7 +943,7 @@ def report(out: Path = RESULTS, md: Path = Path(__file__).with_name("digits.md")
         hits = sorted({e["iter"] for r in hack for e in r["evals"]})
         shown = hits
         hack.sort(key=lambda r: list(HACKING).index(r["method"]) if r["method"] in HACKING else 99)
-        lines.append(f"\nReward-hacking regime (seed 0, lr {plan.get('hack_lr', '?')}, "
+        lines.append(f"\nPast the stable learning rate (seed 0, lr {plan.get('hack_lr', '?')}, "
                      f"{hits[-1]} iterations; held-out acc / diversity at each iteration):\n")
         head = ["run"] + [f"@{i}" for i in shown] + ["peak acc", "final nn-real", "s / iter"]
         lines.append("| " + " | ".join(head) + " |")
@@ -964,8 +967,8 @@ def report(out: Path = RESULTS, md: Path = Path(__file__).with_name("digits.md")
         charts.append(line_chart(series, "held-out prompt accuracy (mean of "
                                  f"{len(by[order[0]])} seeds)", "iteration", "accuracy"))
     if hack:
-        for key, title in (("acc", "reward hacking: held-out accuracy"),
-                           ("diversity", "reward hacking: within-digit diversity (real = 1)")):
+        for key, title in (("acc", "4x learning rate: held-out accuracy"),
+                           ("diversity", "4x learning rate: within-digit diversity (real = 1)")):
             charts.append(line_chart({r["method"]: ([e["iter"] for e in r["evals"]],
                                                     [e[key] for e in r["evals"]]) for r in hack},
                                      title, "iteration", key))
