@@ -28,6 +28,21 @@ TM = V.tiny_models()                 # examples/tiny_models.py: the offline tiny
 ROOT = Path(__file__).parent
 
 
+@pytest.fixture(autouse=True)
+def _restore_sdpa_switches():
+    """`--attention_backend` sets torch's process-wide SDPA switches (vgrpo's setup_device). Tests
+    share one process, so restore them after each test: a run that ended on `flash` alone (e.g. the
+    GPU check's smoke run keeping the lever that measured fastest) must not leave later code, such
+    as a CLIP text encoder with an attention mask, without a usable kernel."""
+    b = torch.backends.cuda
+    saved = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
+             b.cudnn_sdp_enabled())
+    yield
+    for enable, on in zip((b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_math_sdp,
+                           b.enable_cudnn_sdp), saved):
+        enable(on)
+
+
 # ------------------------------------------------------------------------------------------------
 # (1) advantages
 # ------------------------------------------------------------------------------------------------
