@@ -28,6 +28,15 @@ TM = V.tiny_models()                 # examples/tiny_models.py: the offline tiny
 ROOT = Path(__file__).parent
 
 
+def _load_example(name):
+    """Import examples/<name>.py by path (examples/ is not a package)."""
+    path = ROOT / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(autouse=True)
 def _restore_sdpa_switches():
     """`--attention_backend` sets torch's process-wide SDPA switches (vgrpo's setup_device). Tests
@@ -576,15 +585,18 @@ def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(run)], tmp_path, capsys, r"unreadable or incomplete")
 
 
+class _FirstRewardNan(V.JpegReward):
+    """The JPEG reward with the first image of every call scored NaN."""
+
+    def __call__(self, images, prompts):
+        r = super().__call__(images, prompts)
+        r[0] = float("nan")
+        return r
+
+
 @pytest.mark.trainer
 def test_nonfinite_reward_is_dropped_and_logged(tmp_path, monkeypatch, capsys):
-    class Flaky(V.JpegReward):
-        def __call__(self, images, prompts):
-            r = super().__call__(images, prompts)
-            r[0] = float("nan")
-            return r
-
-    monkeypatch.setattr(V, "build_reward", lambda *a, **k: Flaky())
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: _FirstRewardNan())
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path)]) == 0
     m = _metrics(tmp_path)[0]
     assert m["n_nonfinite_reward"] == 1 and math.isfinite(m["reward_mean"]) and math.isfinite(m["grad_norm"])
@@ -726,13 +738,7 @@ def test_resume_with_changed_lora_rank_is_one_line(tmp_path, capsys, monkeypatch
 
 @pytest.mark.trainer
 def test_nonfinite_warning_has_its_own_line_and_eval_drops_nonfinite(tmp_path, monkeypatch, capsys):
-    class Flaky(V.JpegReward):
-        def __call__(self, images, prompts):
-            r = super().__call__(images, prompts)
-            r[0] = float("nan")
-            return r
-
-    monkeypatch.setattr(V, "build_reward", lambda *a, **k: Flaky())
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: _FirstRewardNan())
     assert V.main(TINY + ["--iterations", "1", "--eval_every", "1",
                           "--run_dir", str(tmp_path)]) == 0
     err = capsys.readouterr().err
@@ -898,15 +904,6 @@ def test_every_test_has_one_tier():
 # ------------------------------------------------------------------------------------------------
 # examples/toy_2d.py: V-GRPO learns on a 2-D toy and beats the naive FPO-style surrogate
 # ------------------------------------------------------------------------------------------------
-def _load_toy_2d():
-    """Import examples/toy_2d.py by path (examples/ is not a package)."""
-    path = ROOT / "examples" / "toy_2d.py"
-    spec = importlib.util.spec_from_file_location("toy_2d", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.examples
 def test_toy_vgrpo_beats_naive():
     """End-to-end learning check on the 2-D toy (examples/toy_2d.py, its default settings:
@@ -928,7 +925,7 @@ def test_toy_vgrpo_beats_naive():
     seeds, not per seed (naive survives seed 1, ending only 0.07 below V-GRPO).
     Runtime ≈ 30 s on 2 cores (two 1500-step pretrainings + four 150-iteration runs).
     """
-    toy = _load_toy_2d()
+    toy = _load_example("toy_2d")
     n_threads = torch.get_num_threads()
     torch.set_num_threads(1)                    # the measured numbers above were taken with 1 thread
     try:
@@ -956,7 +953,7 @@ def test_toy_flow_grpo_schedule():
     second optimizer step is clipped; the aggressive row (μ = 1) never clips.
     Measured (300 pretraining steps, seeds 0 / 1): |log ρ| on the first minibatch 0.0 / 0.0;
     clip fraction over both minibatches 0.495 / 0.495 (≈ all of the second); aggressive 0.0."""
-    toy = _load_toy_2d()
+    toy = _load_example("toy_2d")
     n_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -1215,15 +1212,6 @@ def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # examples/sd3_diagnostics.py and examples/flow_grpo_sd3.py on the tiny SD3 pipeline
 # ------------------------------------------------------------------------------------------------
-def _load_example(name):
-    """Import examples/<name>.py by path (examples/ is not a package)."""
-    path = ROOT / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.examples
 def test_sd3_diagnostics_variance_reduction(tmp_path):
     """Each variance-reduction technique lowers the statistic it targets (paper P4–P8), on one fixed

@@ -1864,14 +1864,13 @@ def evaluate(run: Run, it: int) -> dict:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
     head = run.rewards.summary(raw, run.rewards.eval)
-    finite_stats = _finite_mean_std                        # non-finite rewards are dropped
-
     ev = {"iter": it, "eval_reward_unit": run.rewards.unit(run.rewards.eval),
           "eval_nfe": len(run.eval_sigmas) - 1,
           "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
-    ev["eval_reward_mean"], ev["eval_reward_std"] = finite_stats(head)
+    # non-finite rewards are dropped (and counted above)
+    ev["eval_reward_mean"], ev["eval_reward_std"] = _finite_mean_std(head)
     for n, r in raw.items():
-        ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = finite_stats(r)
+        ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
     if ev["eval_n_nonfinite"]:
         from tqdm.auto import tqdm
         tqdm.write(f"warning: evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite "
