@@ -2080,45 +2080,38 @@ def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
 def iteration_metrics(run: Run, it: int, b: Rollouts, cv: dict, stats_acc: dict,
                       grad_norms: list, timer: PhaseTimer) -> dict:
     """One host sync for everything logged; local stats averaged over ranks."""
-    args, dev, world = run.args, run.dev, run.world
+    args, world = run.args, run.world
+    gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
     scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
-    zero = torch.tensor(0.0, device=dev)
-    scal["grad_norm"] = torch.stack(grad_norms).mean() if grad_norms else zero
-    scal["nonfinite_grad_steps"] = ((~torch.isfinite(torch.stack(grad_norms))).sum().float()
-                                    if grad_norms else zero)
-    keys = list(scal)
-    vec = _all_reduce_mean(torch.stack([scal[k].float().to(dev) for k in keys]), world)
-    scal = dict(zip(keys, vec))
-    scal.update(b.adv_stats)
-    scal.update(cv)
+    scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
+    vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), world)
+    scal = {**dict(zip(scal, vec)), **b.adv_stats, **cv}
     if world > 1:                                         # all ranks must hold the same parameters
         fp = torch.stack([p.detach().double().sum() for p in run.params]).sum().reshape(1)
         fps = _all_gather_cat(fp, world)
         scal["param_desync"] = (fps.max() - fps.min()).float()
-    vals = torch.stack([v.float().cpu() for v in scal.values()]).tolist()
-    host = {k: float(v) for k, v in zip(scal, vals)}
-    raw, skipped = b.raw, b.skipped
-    mean, std = _finite_mean_std(raw)
+    host = dict(zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist()))
+    mean, std = _finite_mean_std(b.raw)
+    scaled = run.scaler is not None and run.scaler.is_enabled()
     m = {"iter": it, "reward_mean": mean, "reward_std": std,
          "reward_unit": run.rewards.unit(run.rewards.train),
-         "n_nonfinite_reward": int((~torch.isfinite(raw)).sum()),
-         "skipped": skipped, **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": (float(run.scaler.get_scale()) if run.scaler and run.scaler.is_enabled()
-                        else 1.0),
+         "n_nonfinite_reward": int((~torch.isfinite(b.raw)).sum()), "skipped": b.skipped,
+         **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
+         "grad_scale": float(run.scaler.get_scale()) if scaled else 1.0,
          "nfe_rollout": args.num_steps, "nfe_old": args.num_steps + args.n_mc,
          "nfe_theta": args.n_mc}
     if len(b.raw_all) > 1:
         for n, r in b.raw_all.items():
             m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
     for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, float("nan") if skipped else 0.0)
+        m.setdefault(k, float("nan") if b.skipped else 0.0)
     if m["n_nonfinite_reward"] and run.rank == 0:
         from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
         tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
-                   f"dropped (advantage 0){'; update skipped' if skipped else ''}", file=sys.stderr)
+                   f"dropped (advantage 0){'; update skipped' if b.skipped else ''}",
+                   file=sys.stderr)
     m["time_iter"] = timer.total()
     return m
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2132,62 +2125,68 @@ def _f(default, help: str, src: str = "our choice", choices=None):
     return field(default=default, metadata=dict(help=help, src=src, choices=choices))
 
 
+P11 = "[paper P11] SD3.5-M Stage 1"
+
+
 @dataclass
 class Args:
     # --- io --------------------------------------------------------------------------------------
     run_dir: Optional[str] = _f(None, "output folder (default runs/<model>-<reward>-<date>)")
     prompts: Optional[str] = _f(None, "training prompts, one per line (default: built-in list)")
     eval_prompts: Optional[str] = _f(None, "held-out prompts (default: split off --prompts)")
-    eval_holdout: float = _f(0.1, "fraction of --prompts held out for evaluation if no --eval_prompts")
-    resume: Optional[str] = _f(None, "checkpoint folder, or a run folder (takes its latest checkpoint)")
+    eval_holdout: float = _f(0.1, "fraction of --prompts held out if no --eval_prompts")
+    resume: Optional[str] = _f(None, "checkpoint folder, or a run folder (its latest checkpoint)")
     save_every: int = _f(10, "checkpoint every k iterations (and at the end / on Ctrl-C)")
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
     # --- model -----------------------------------------------------------------------------------
-    model: str = _f("sd3.5-medium", "alias (tiny, tiny-flux, sd3.5-medium, sd3.5-large, sd3-medium, "
-                    "flux.1-dev), hub id or local dir")
+    model: str = _f("sd3.5-medium", "alias (tiny, tiny-flux, sd3.5-medium, sd3.5-large, "
+                    "sd3-medium, flux.1-dev), hub id or local dir")
     resolution: int = _f(512, "image side in pixels", "[ours C7] DiffusionNFT's 512")
     max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
-    guidance: float = _f(3.5, "FLUX: distilled guidance embedding (no true CFG)", "[ours C1] [peer X9]")
+    guidance: float = _f(3.5, "FLUX: distilled guidance (no true CFG)", "[ours C1] [peer X9]")
     flux_shift: float = _f(3.0, "FLUX: time shift of the rollout grid", "[ours C8] MixGRPO")
-    lora_rank: int = _f(32, "LoRA rank r", "[paper P11] SD3.5-M Stage 1")
-    lora_alpha: int = _f(64, "LoRA alpha", "[paper P11] SD3.5-M Stage 1")
+    lora_rank: int = _f(32, "LoRA rank r", P11)
+    lora_alpha: int = _f(64, "LoRA alpha", P11)
     lora_targets: str = _f("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out",
-                           "comma-separated module names that get LoRA (attn and attn2)", "[ours C17]")
+                           "comma-separated module names inside the blocks that get LoRA",
+                           "[ours C17]")
     full_finetune: bool = _f(False, "train all transformer weights instead of LoRA")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (less memory)")
-    offload_text_encoders: bool = _f(False, "embed all prompts once at start, then move the text encoders "
-                                     "to the CPU (saves ~10 GB with T5-XXL; prompts are then fixed)")
+    offload_text_encoders: bool = _f(False, "embed all prompts once, then move the text encoders "
+                                     "to the CPU (~10 GB less with T5-XXL)")
     dtype: str = _f("auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", "[ours C10]",
                     choices=("auto", "bf16", "fp16", "fp32"))
     # --- sampler ---------------------------------------------------------------------------------
     num_steps: int = _f(40, "ODE steps per rollout (K)", "[paper P11] 40-step ODE rollouts")
-    solver: str = _f("euler", "deterministic ODE solver for rollouts and eval", "[paper P1; ours C17]",
-                     choices=("euler", "dpmpp2m"))
+    solver: str = _f("euler", "deterministic ODE solver for rollouts and evaluation",
+                     "[paper P1; ours C17]", choices=("euler", "dpmpp2m"))
     eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default: the family's "
-                                   "evaluation protocol, SD3 40 and FLUX 16; else num_steps)",
+                                   "protocol, SD3 40 and FLUX 16; else num_steps)",
                                    "[paper P11] Flow-GRPO/DiffusionNFT evaluate SD3.5-M at 40")
-    rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, no effect on results)")
+    rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, same results)")
     # --- reward ----------------------------------------------------------------------------------
-    reward: str = _f("pickscore", "reward(s) with weights: pickscore | hpsv2 | clipscore | aesthetic | "
-                     "imagereward | jpeg | module.path:function, e.g. pickscore:1,hpsv2:1")
-    reward_aggregation: str = _f("sum", "several rewards: weighted sum then group-normalise (sum), or "
-                                 "group-normalise each then weighted sum (per_reward)", "[ours C3]",
+    reward: str = _f("pickscore", "reward(s) with weights: pickscore | hpsv2 | clipscore | "
+                     "aesthetic | imagereward | jpeg | module.path:function, e.g. "
+                     "pickscore:1,hpsv2:1")
+    reward_aggregation: str = _f("sum", "several rewards: weighted sum, then group-normalise "
+                                 "(sum), or the reverse (per_reward)", "[ours C3]",
                                  choices=("sum", "per_reward"))
-    eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: the training ones)")
-    pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore weights: hub id or local dir",
+    eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: training's)")
+    pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore: hub id or dir",
                               "[peer X10]")
     pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-                                  "PickScore processor: hub id or local dir", "[peer X10]")
-    hpsv2_arch: str = _f("ViT-H-14", "open_clip architecture of HPSv2 (name or JSON config path)", "[peer X10]")
-    hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt", "HPSv2.1 weights: file or owner/repo/file",
-                               "[peer X10]")
-    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP for clipscore and aesthetic: hub id or dir",
+                                  "PickScore processor: hub id or dir", "[peer X10]")
+    hpsv2_arch: str = _f("ViT-H-14", "HPSv2 open_clip architecture (name or JSON config)",
+                         "[peer X10]")
+    hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt",
+                               "HPSv2.1 weights: file or owner/repo/file", "[peer X10]")
+    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore and aesthetic",
                          "[peer X10]")
     aesthetic_weights: str = _f("trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
-                                "LAION aesthetic MLP weights: file or owner/repo/file", "[peer X10]")
-    imagereward_model: str = _f("ImageReward-v1.0", "ImageReward checkpoint name or path (optional package)")
-    reward_batch: int = _f(32, "images per reward-model call (memory knob)")
+                                "LAION aesthetic MLP: file or owner/repo/file", "[peer X10]")
+    imagereward_model: str = _f("ImageReward-v1.0", "ImageReward name or path (optional package)")
+    reward_batch: int = _f(32, "images per decode and reward-model call (memory knob)")
     # --- objective -------------------------------------------------------------------------------
     prompts_per_iter: int = _f(6, "P: prompts per iteration (paper: 48; 6 = one GPU's share of 8)")
     group_size: int = _f(24, "G: images per prompt", "[paper P11] group 24")
@@ -2199,15 +2198,15 @@ class Args:
                                choices=("x", "v", "eps"))
     adaptive_weighting: bool = _f(True, "divide each pair's MSE by its detached MAE", "[paper P7]")
     mae_floor: float = _f(1e-5, "lower clamp of the MAE denominator", "[ours C5]")
-    global_std: bool = _f(True, "advantage std of all rewards of the batch around the batch mean "
-                          "(else per group)", "[ours C3] flow_grpo/stat_tracking.py")
+    global_std: bool = _f(True, "advantage std over the whole batch around the batch mean (else "
+                          "per group)", "[ours C3] flow_grpo/stat_tracking.py")
     std_eps: float = _f(1e-4, "added to the advantage std", "[ours C3] DiffusionNFT")
     adv_clamp: float = _f(5.0, "hard clamp |A| ≤ this before soft-clip", "[ours C1]")
-    soft_clip_eta: float = _f(3.0, "η of A ← η·tanh(A/η); 0 = off", "[paper P9] η = 3, SD3.5 Stage 1")
+    soft_clip_eta: float = _f(3.0, "η of A ← η·tanh(A/η); 0 = off", "[paper P9] η = 3, Stage 1")
     clip_eps: float = _f(0.0, "ratio clip ε; 0 = off", "[paper P9] SD3.5 Stage 1: no clip")
     kl_coef: float = _f(0.0, "β of the x-space KL to θ_old; 0 = off", "[paper P9] Stage 1: no KL")
     mu: int = _f(1, "optimizer steps per iteration (disjoint minibatches)", "[paper P11] 1 step")
-    micro_batch: int = _f(4, "samples per forward/backward (× n_mc forwards; memory knob)")
+    micro_batch: int = _f(4, "samples per forward/backward (× n_mc rows; memory knob)")
     # --- optimisation ----------------------------------------------------------------------------
     iterations: int = _f(150, "rollout-and-update iterations", "[paper P11] Stage 1: 150")
     lr: float = _f(3e-4, "AdamW learning rate", "[paper P11]")
@@ -2218,36 +2217,27 @@ class Args:
     device: str = _f("auto", "cuda, cpu, or auto")
     # --- throughput levers (none changes what is computed, beyond floating-point rounding) -------
     compile: bool = _f(False, "torch.compile each transformer block (regional: seconds of "
-                       "compile, not minutes); the first iterations include compile time")
-    compile_backend: str = _f("inductor", "torch.compile backend for --compile (aot_eager, "
-                              "eager: no code generation)")
-    merge_lora_rollout: bool = _f(False, "roll out and evaluate with the LoRA merged into the base "
-                                  "weights; the base weights are restored bit-exactly after, "
-                                  "surrogates and ratios always use the unmerged training path")
-    attention_backend: str = _f("auto", "SDPA kernel; auto = torch picks (cuDNN off on CUDA); "
-                                "cudnn's backward failed on FLUX.1-dev",
+                       "compile); the first iterations include compile time")
+    compile_backend: str = _f("inductor", "backend of --compile (aot_eager, eager: no codegen)")
+    merge_lora_rollout: bool = _f(False, "roll out and evaluate with the LoRA merged into the "
+                                  "base weights (restored bit-exactly after; surrogates unmerged)")
+    attention_backend: str = _f("auto", "SDPA kernel; auto = torch picks, cuDNN off on CUDA (its "
+                                "backward failed on FLUX.1-dev)",
                                 choices=("auto", "flash", "efficient", "math", "cudnn"))
-    vae_autocast: bool = _f(False, "decode latents under the compute-dtype autocast (bf16 on CUDA) "
-                            "instead of fp32; decoding is chunked by --reward_batch")
+    vae_autocast: bool = _f(False, "decode latents under the compute-dtype autocast, not fp32")
     preset: Optional[str] = _f(None, "bundle of overrides (README \"Presets\")",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
 
 
 # Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
 # minutes; its numbers are our choice, measured on a 2-core machine (README "Quickstart").
-MODEL_PRESETS: dict[str, dict] = {
-    "tiny": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32,
-                 prompts_per_iter=4, group_size=8, gradient_checkpointing=False,
-                 lora_rank=8, lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32,
-                 rollout_batch=32,
-                 eval_every=10, save_every=10, n_eval=8),
-    "tiny-flux": dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32,
-                      prompts_per_iter=4, group_size=8, lora_rank=8, lora_alpha=16, lr=1e-2,
-                      iterations=30, micro_batch=32, rollout_batch=32, eval_every=10,
-                      save_every=10, n_eval=8, reward="jpeg", gradient_checkpointing=False),
-}
+TINY = dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4,
+            group_size=8, gradient_checkpointing=False, lora_rank=8, lora_alpha=16, lr=1e-2,
+            iterations=30, micro_batch=32, rollout_batch=32, eval_every=10, save_every=10,
+            n_eval=8)
+MODEL_PRESETS: dict[str, dict] = {"tiny": TINY, "tiny-flux": dict(TINY, reward="jpeg")}
 FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"  # attn
-                     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"  # double-block FF
+                     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"  # double FF
                      "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
 # Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
 # baseline numbers [ours C1–C3, C8, C17], with LoRA (use --full_finetune --lr 1e-5 for theirs).
@@ -2256,10 +2246,9 @@ FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation",
 FAMILY_PRESETS: dict[str, dict] = {
     "sd3": dict(gradient_checkpointing=True, eval_steps=40),
     "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, eval_steps=16,
-                 solver="dpmpp2m", group_size=12,
-                 prompts_per_iter=2, mu=4, clip_eps=1e-2, soft_clip_eta=3.0,
-                 reward="hpsv2:1,pickscore:1", reward_aggregation="per_reward", global_std=False,
-                 std_eps=1e-8, max_sequence_length=512,
+                 solver="dpmpp2m", group_size=12, prompts_per_iter=2, mu=4, clip_eps=1e-2,
+                 soft_clip_eta=3.0, reward="hpsv2:1,pickscore:1", reward_aggregation="per_reward",
+                 global_std=False, std_eps=1e-8, max_sequence_length=512,
                  lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
 # "paper" depends on the family: SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
@@ -2267,7 +2256,7 @@ FAMILY_PRESETS: dict[str, dict] = {
 # SD3.5 stages' controls [ours C9] (our choice where the paper is silent); their rewards
 # (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not included").
 STAGE1_BATCH = {"sd3": dict(prompts_per_iter=48, group_size=24),
-                 "flux": dict(prompts_per_iter=32, group_size=12)}
+                "flux": dict(prompts_per_iter=32, group_size=12)}
 PRESETS: dict[str, dict] = {
     "paper": STAGE1_BATCH["sd3"],                              # replaced per family in resolve_args
     "geneval-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
@@ -2280,23 +2269,21 @@ PRESETS: dict[str, dict] = {
 
 
 def given_flags(argv: Optional[list[str]] = None) -> dict:
-    """The flags given on the command line (and only those). Flag name == field name; bools get
-    --name / --no-name."""
-    p = argparse.ArgumentParser(description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
-                                epilog="Sources in brackets are items of METHOD.md: [paper Pk] "
-                                "stated by the paper, [peer Xk] a convention of another codebase, "
-                                "[ours Ck] this project's choice.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The flags given on the command line, and only those (flag name == field name; bools get
+    --name / --no-name)."""
+    p = argparse.ArgumentParser(
+        description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
+        epilog="Sources in brackets are items of METHOD.md: [paper Pk] stated by the paper, "
+               "[peer Xk] a convention of another codebase, [ours Ck] this project's choice.")
+    types = {"int": int, "float": float, "str": str}
     for f in dataclasses.fields(Args):
-        kw = dict(default=argparse.SUPPRESS, help=f"{f.metadata['help']} [default {f.default!r}; "
-                                                   f"{f.metadata['src']}]")
+        kw = dict(default=argparse.SUPPRESS,
+                  help=f"{f.metadata['help']} [default {f.default!r}; {f.metadata['src']}]")
         if f.type in ("bool", bool):
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            base = str(f.type).replace("Optional[", "").rstrip("]")
-            kw["type"] = {"int": int, "float": float, "str": str}[base]
-            if f.metadata["choices"]:
-                kw["choices"] = f.metadata["choices"]
+            kw["type"] = types[str(f.type).replace("Optional[", "").rstrip("]")]
+            kw["choices"] = f.metadata["choices"]
         p.add_argument(f"--{f.name}", **kw)
     return vars(p.parse_args(argv))
 
@@ -2307,99 +2294,91 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
 
 
 def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
-    """Apply per-model and named presets (and a resumed run's saved config) under the explicitly
-    given values; validate."""
+    """Layer per-family, per-model and named presets, a resumed run's saved config and the given
+    flags (later layers win); validate; record where each value came from in `args.origin`."""
     model = given.get("model", (resumed or {}).get("model", Args.model))
-    family = model_family(model)
+    family, preset = model_family(model), given.get("preset")
     layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
               (f"{model} preset (our choice)", MODEL_PRESETS.get(model, {})),
-              (f"--preset {given.get('preset')}", STAGE1_BATCH[family] if given.get("preset") == "paper"
-               else PRESETS.get(given.get("preset") or "", {})),
+              (f"--preset {preset}", STAGE1_BATCH[family] if preset == "paper"
+               else PRESETS.get(preset or "", {})),
               ("the resumed run's config", resumed or {}),
               ("command line", given)]
     values, origin = {}, {}
     for where, layer in layers:
         values.update(layer)
         origin.update({k: where for k in layer})
-    names = {f.name for f in dataclasses.fields(Args)}
-    unknown = set(values) - names
+    unknown = set(values) - {f.name for f in dataclasses.fields(Args)}
     if unknown:
         raise ConfigError(f"unknown option(s): {sorted(unknown)}")
     args = Args(**values)
     check_args(args)
-    # where each value comes from: the layer that set it, else the field's own source tag
     args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in dataclasses.fields(Args)}
     return args
 
 
 def check_args(args: Args) -> None:
-    """One clear message per bad combination, before anything is loaded or written."""
-    problems = []
-    if args.group_size < 2:
-        problems.append(f"--group_size must be ≥ 2 (got {args.group_size}): a group-relative advantage "
-                        "needs at least two images per prompt")
-    for name in ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
-                 "iterations", "reward_batch", "resolution"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name} must be ≥ 1 (got {getattr(args, name)})")
-    if args.eval_steps is not None and args.eval_steps < 1:
-        problems.append(f"--eval_steps must be ≥ 1 (got {args.eval_steps})")
-    n = args.prompts_per_iter * args.group_size
-    if args.mu > n:
-        problems.append(f"--mu {args.mu} exceeds the {n} samples of an iteration")
-    if args.stratified and args.n_mc > args.num_steps:
-        problems.append(f"--n_mc {args.n_mc} > --num_steps {args.num_steps}: stratification needs one "
-                        "grid point per stratum (or pass --no-stratified)")
-    if args.merge_lora_rollout and args.full_finetune:
-        problems.append("--merge_lora_rollout needs a LoRA to merge: drop it or --full_finetune")
-    if args.resolution % 16:
-        problems.append(f"--resolution must be a multiple of 16 (got {args.resolution})")
-    for name in ("lr", "max_grad_norm"):
-        v = getattr(args, name)
-        if not (math.isfinite(v) and v > 0):
-            problems.append(f"--{name} must be a finite number > 0 (got {v})")
-    for name in ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta",
-                 "adv_clamp"):
-        v = getattr(args, name)
-        if not (math.isfinite(v) and v >= 0) and not (name == "adv_clamp" and v == math.inf):
-            problems.append(f"--{name} must be a finite number ≥ 0 (got {v})")
-    if not 0 <= args.eval_holdout < 1:
-        problems.append(f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})")
+    """Every bad value or combination, in one message, before anything is loaded or written."""
+    v, n = vars(args), args.prompts_per_iter * args.group_size
+    counts = ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
+              "iterations", "reward_batch", "resolution", "eval_steps")
+    rates = ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta")
+    problems = [f"--{k} must be ≥ 1 (got {v[k]})" for k in counts
+                if v[k] is not None and v[k] < 1]
+    problems += [f"--{k} must be a finite number > 0 (got {v[k]})" for k in ("lr", "max_grad_norm")
+                 if not (math.isfinite(v[k]) and v[k] > 0)]
+    problems += [f"--{k} must be a finite number ≥ 0 (got {v[k]})" for k in rates
+                 if not (math.isfinite(v[k]) and v[k] >= 0)]
+    checks = [
+        (args.group_size < 2, f"--group_size must be ≥ 2 (got {args.group_size}): a "
+         "group-relative advantage needs at least two images per prompt"),
+        (not args.adv_clamp >= 0, f"--adv_clamp must be ≥ 0 or inf (got {args.adv_clamp})"),
+        (args.mu > n, f"--mu {args.mu} exceeds the {n} samples of an iteration"),
+        (args.stratified and args.n_mc > args.num_steps, f"--n_mc {args.n_mc} > --num_steps "
+         f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
+        (args.merge_lora_rollout and args.full_finetune,
+         "--merge_lora_rollout needs a LoRA to merge: drop it or --full_finetune"),
+        (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
+        (not 0 <= args.eval_holdout < 1,
+         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})")]
+    problems += [msg for failed, msg in checks if failed]
     for spec in (args.reward, args.eval_rewards):
-        if spec is not None:
-            try:
-                parse_reward_spec(spec)
-            except ValueError as e:
-                problems.append(str(e))
+        try:
+            spec is None or parse_reward_spec(spec)
+        except ValueError as e:
+            problems.append(str(e))
     if problems:
         raise ConfigError("; ".join(problems))
 
 
 def banner(run: Run) -> str:
-    args = run.args
-    P, G = args.prompts_per_iter, args.group_size
-    N = P * G
-    lines = [f"V-GRPO  model={args.model}  reward={args.reward}  device={run.dev}  dtype={run.dtype}  "
+    """The start-up summary: batch, rollout, surrogate and controls, and every value a preset or
+    a flag changed, with where it came from."""
+    a, N = run.args, run.args.prompts_per_iter * run.args.group_size
+    grid = [round(float(s), 4) for s in run.sigmas[:3]]
+    lines = [f"V-GRPO  model={a.model}  reward={a.reward}  device={run.dev}  dtype={run.dtype}  "
              f"processes={run.world}  run_dir={run.run_dir}",
-             f"  batch: {P} prompts × {G} images = {N} rollouts/iteration ({N // run.world} per process); "
-             f"{args.mu} optimizer step(s) of {N // args.mu} samples; micro-batch {args.micro_batch} × {args.n_mc} pairs",
-             f"  rollout: {args.num_steps}-step {args.solver} ODE, grid {[round(float(s), 4) for s in run.sigmas[:3]]}…"
-             f"; NFE/sample old {args.num_steps}+{args.n_mc}, θ {args.n_mc}",
-             f"  surrogate: {args.parameterization}-pred, adaptive={args.adaptive_weighting}, "
-             f"stratified={args.stratified}, sharing={args.pair_sharing}",
-             f"  controls: clip ε={args.clip_eps or 'off'}, KL β={args.kl_coef or 'off'}, "
-             f"soft-clip η={args.soft_clip_eta or 'off'}; prompts {len(run.train_prompts)} train / "
+             f"  batch: {a.prompts_per_iter} prompts × {a.group_size} images = {N} rollouts/"
+             f"iteration ({N // run.world} per process); {a.mu} optimizer step(s) of "
+             f"{N // a.mu} samples; micro-batch {a.micro_batch} × {a.n_mc} pairs",
+             f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {grid}…; NFE/sample old "
+             f"{a.num_steps}+{a.n_mc}, θ {a.n_mc}",
+             f"  surrogate: {a.parameterization}-pred, adaptive={a.adaptive_weighting}, "
+             f"stratified={a.stratified}, sharing={a.pair_sharing}",
+             f"  controls: clip ε={a.clip_eps or 'off'}, KL β={a.kl_coef or 'off'}, soft-clip "
+             f"η={a.soft_clip_eta or 'off'}; prompts {len(run.train_prompts)} train / "
              f"{len(run.eval_prompts)} eval"]
-    origin = getattr(args, "origin", {})
-    changed = [f for f in dataclasses.fields(Args)
-               if getattr(args, f.name) != f.default and f.name in origin]
+    origin = getattr(a, "origin", {})
+    changed = [f.name for f in dataclasses.fields(Args)
+               if getattr(a, f.name) != f.default and f.name in origin]
     if changed:
-        lines.append("  set by presets or flags (others: `--help` shows each default and its source):")
-        lines += [f"    {f.name} = {getattr(args, f.name)!r}  ← {origin[f.name]}" for f in changed]
+        lines.append("  set by presets or flags (`--help` shows each default and its source):")
+        lines += [f"    {k} = {getattr(a, k)!r}  ← {origin[k]}" for k in changed]
     return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The command line: bad input prints one line and returns 2."""
     try:
         given = given_flags(argv)
         # a resumed run keeps its own configuration; flags given now override it
