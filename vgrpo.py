@@ -540,19 +540,13 @@ def _fetch(location: str, flag: str) -> str:
     if len(parts) < 3:
         raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
     from huggingface_hub import hf_hub_download
+    repo, file = "/".join(parts[:2]), "/".join(parts[2:])
     try:
-        return hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]))
+        return hf_hub_download(repo, file)
     except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
-        repo, file = "/".join(parts[:2]), "/".join(parts[2:])
         raise ConfigError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a "
                           f"machine with access (`huggingface-cli download {repo} {file}`) "
-                           f"and pass `{flag} /path/to/file`.") from e
-
-
-def _features(out) -> torch.Tensor:
-    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling
-    [peer X10]."""
-    return out if torch.is_tensor(out) else out.pooler_output
+                          f"and pass `{flag} /path/to/file`.") from e
 
 
 class JpegReward:
@@ -582,34 +576,25 @@ class PickScoreReward:
 
     def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
         """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
-        self.processor = processor
         self.model = model.eval().requires_grad_(False).to(device, dtype)
+        self.processor, self.device, self.dtype = processor, device, dtype
         ip = processor.image_processor
-        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x
+        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x; crop_size may be an int
         get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
-        size = get(ip.size, "shortest_edge") or get(ip.size, "height")
         crop = ip.crop_size
-        if isinstance(crop, int):
-            crop = {"height": crop, "width": crop}
-        self.size, self.crop = int(size), (int(get(crop, "height")), int(get(crop, "width")))
+        crop = {"height": crop, "width": crop} if isinstance(crop, int) else crop
+        self.size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
+        self.crop = (int(get(crop, "height")), int(get(crop, "width")))
         self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
-        self.device, self.dtype = device, dtype
 
     @classmethod
     def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype):
         """From hub ids or local folders; offline failures say which flag points at local files."""
         from transformers import AutoModel, AutoProcessor
         _quiet_hf()
-        try:
-            proc = AutoProcessor.from_pretrained(processor)
-        except (OSError, EnvironmentError) as e:
-            hint = _offline_hint(f"the {cls.name} processor", processor, cls.flags[1])
-            raise ConfigError(hint) from e
-        try:
-            net = AutoModel.from_pretrained(model)
-        except (OSError, EnvironmentError) as e:
-            raise ConfigError(_offline_hint(f"the {cls.name} model", model, cls.flags[0])) from e
+        proc = _from_pretrained(AutoProcessor, processor, f"the {cls.name} processor", cls.flags[1])
+        net = _from_pretrained(AutoModel, model, f"the {cls.name} model", cls.flags[0])
         return cls(net, proc, device, dtype)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
@@ -646,7 +631,6 @@ class AestheticReward(PickScoreReward):
     """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
     output on its ≈ 1–10 scale [peer X10]. Weights: sac+logos+ava1-l14-linearMSE."""
     name, train_scale, unit = "aesthetic", 1.0, "1-10"
-    flags = ("--clip_model", "--clip_model")
 
     def __init__(self, model, processor, device, dtype, head: torch.nn.Module):
         super().__init__(model, processor, device, dtype)
@@ -655,24 +639,26 @@ class AestheticReward(PickScoreReward):
     @staticmethod
     def make_head() -> torch.nn.Module:
         """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
-        m = torch.nn.Module()
         nn = torch.nn
+        m = nn.Module()
         m.layers = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128),
                                  nn.Dropout(0.2), nn.Linear(128, 64), nn.Dropout(0.1),
-                                       torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
+                                 nn.Linear(64, 16), nn.Linear(16, 1))
         m.forward = m.layers.forward
         return m
 
     @classmethod
     def load(cls, model: str, processor: str, device, dtype, weights: str = ""):
-        base = PickScoreReward.load.__func__(CLIPScoreReward, model, processor, device, dtype)
+        """The CLIP model as clipscore loads it, plus the head (a file or owner/repo/file)."""
+        clip = CLIPScoreReward.load(model, processor, device, dtype)
         head = cls.make_head()
         head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
-        return cls(base.model, base.processor, device, dtype, head)
+        return cls(clip.model, clip.processor, device, dtype, head)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        f = _features(self.model.get_image_features(pixel_values=self.preprocess(images)))
+        f = self.model.get_image_features(pixel_values=self.preprocess(images))
+        f = f if torch.is_tensor(f) else f.pooler_output    # transformers ≥ 5 wraps it [peer X10]
         return self.head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
 
 
@@ -732,8 +718,9 @@ class ImageRewardReward:
             import ImageReward as RM  # noqa: N813 — the package's own name
         except ImportError as e:
             raise ConfigError("--reward imagereward needs the optional package `image-reward` "
-                               "(pip install image-reward); it is not in requirements.txt because its "
-                               "pins (timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
+                              "(pip install image-reward); it is not in requirements.txt "
+                              "because its pins (timm 0.6.13, fairscale 0.4.13) clash with "
+                              "open_clip") from e
         self.model = RM.load(location, device=str(device))
 
     @torch.no_grad()
@@ -757,9 +744,9 @@ class PluginReward:
             mod = importlib.import_module(module)
         except ImportError as e:
             raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
-        if not callable(getattr(mod, fn, None)):
+        self.fn, self.name = getattr(mod, fn, None), spec
+        if not callable(self.fn):
             raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
-        self.fn, self.name = getattr(mod, fn), spec
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         out = self.fn(images, prompts)
@@ -777,29 +764,27 @@ class PluginReward:
         """Call the plug-in once on 2 random images with the run's first 2 training prompts (a
         plug-in may expect its own prompt format), so a broken one fails in one line before the
         model is loaded or anything is written."""
-        g = torch.Generator().manual_seed(0)
-        images = torch.rand(2, 3, size, size, generator=g).to(device)
+        images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+        batch = f"a probe batch of 2 random {size}×{size} images"
         try:
-            out = self(images, (prompts * 2)[:2])
+            out = self(images.to(device), (prompts * 2)[:2])
         except ConfigError as e:
-            raise ConfigError(f"{e} (probe call on 2 random {size}×{size} images)") from None
+            raise ConfigError(f"{e} (on {batch})") from None
         except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
-            raise ConfigError(f"reward {self.name!r} failed on a probe batch of 2 random {size}×{size}"
-                              f" images: {type(e).__name__}: {e}") from None
+            raise ConfigError(f"reward {self.name!r} failed on {batch}: "
+                              f"{type(e).__name__}: {e}") from None
         if not torch.isfinite(out).all():
-            raise ConfigError(f"reward {self.name!r} returned non-finite values {out.tolist()} on a "
-                              "probe batch of 2 random images; return finite numbers")
+            raise ConfigError(f"reward {self.name!r} returned non-finite values {out.tolist()} "
+                              f"on {batch}; return finite numbers")
 
 
 BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ValueError."""
+    """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ConfigError."""
     out = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
+    for item in filter(None, (s.strip() for s in spec.split(","))):
         name, weight = item, 1.0
         head, sep, tail = item.rpartition(":")
         if sep:
@@ -810,8 +795,8 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
                     raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
                                       f"(got {tail!r}), e.g. {head}:1") from None
         if name not in BUILTIN_REWARDS and ":" not in name:
-            raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
-                             "module.path:function for your own")
+            raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, "
+                              "or module.path:function for your own")
         if not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
         out.append((name, weight))
@@ -824,20 +809,17 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype):
     """One reward model by name (built-in or plug-in), loaded from the locations in args."""
-    if name == "jpeg":
-        return JpegReward()
-    if name == "pickscore":
-        return PickScoreReward.load(args.pickscore_model, args.pickscore_processor, device, dtype)
-    if name == "clipscore":
-        return CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype)
-    if name == "aesthetic":
-        return AestheticReward.load(args.clip_model, args.clip_model, device, dtype,
-                                    args.aesthetic_weights)
-    if name == "hpsv2":
-        return HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
-    if name == "imagereward":
-        return ImageRewardReward(args.imagereward_model, device)
-    return PluginReward(name)
+    loaders = {
+        "pickscore": lambda: PickScoreReward.load(args.pickscore_model, args.pickscore_processor,
+                                                  device, dtype),
+        "hpsv2": lambda: HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype),
+        "clipscore": lambda: CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype),
+        "aesthetic": lambda: AestheticReward.load(args.clip_model, args.clip_model, device, dtype,
+                                                  args.aesthetic_weights),
+        "imagereward": lambda: ImageRewardReward(args.imagereward_model, device),
+        "jpeg": JpegReward,
+    }
+    return loaders.get(name, lambda: PluginReward(name))()
 
 
 class Rewards:
@@ -846,10 +828,8 @@ class Rewards:
     def __init__(self, args: Args, device: torch.device, dtype: torch.dtype):
         self.train = parse_reward_spec(args.reward)
         self.eval = parse_reward_spec(args.eval_rewards) if args.eval_rewards else self.train
-        self.models: dict = {}
-        for n, _ in self.train + self.eval:
-            if n not in self.models:
-                self.models[n] = build_reward(n, args, device, dtype)
+        names = dict.fromkeys(n for n, _ in self.train + self.eval)      # each once, in order
+        self.models = {n: build_reward(n, args, device, dtype) for n in names}
 
     @classmethod
     def of(cls, models: dict, train: list, eval: Optional[list] = None) -> "Rewards":
@@ -876,7 +856,6 @@ class Rewards:
             return raw[terms[0][0]]
         w = torch.tensor([wt for _, wt in terms])
         return (self.training_values(raw, terms) * w[:, None]).sum(0)
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -928,10 +907,17 @@ def resolve_model(name: str) -> str:
                       "stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
 
 
-def _offline_hint(what: str, location: str, flag: str) -> str:
-    return (f"could not load {what} from {location!r} (no network, or not in the local cache). "
-            f"Download it on a machine with access, e.g. `huggingface-cli download {location} "
-            f"--local-dir /path/to/dir`, then pass `{flag} /path/to/dir`.")
+def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
+    """loader.from_pretrained(location, **kwargs); failing that (no network, not in the local
+    cache, no such folder), a ConfigError that says how to get the files and which flag takes
+    them."""
+    try:
+        return loader.from_pretrained(location, **kwargs)
+    except OSError as e:
+        raise ConfigError(f"could not load {what} from {location!r} (no network, or not in the "
+                          f"local cache). Download it on a machine with access, e.g. "
+                          f"`huggingface-cli download {location} --local-dir /path/to/dir`, "
+                          f"then pass `{flag} /path/to/dir`.") from e
 
 
 def check_local_pipeline(location: str) -> tuple[str, dict]:
@@ -965,23 +951,18 @@ def check_local_pipeline(location: str) -> tuple[str, dict]:
 def load_pipeline(name: str, dtype: torch.dtype):
     """Load a diffusers SD3 or FLUX pipeline: the same code path for hub ids and local folders."""
     import diffusers
-    from diffusers import DiffusionPipeline
     _quiet_hf()
     location = resolve_model(name)
-    if location == "tiny":
-        pipe = tiny_models().build_tiny_sd3_pipeline()
-    elif location == "tiny-flux":
-        pipe = tiny_models().build_tiny_flux_pipeline()
+    if location in TINY_MODELS:
+        tm = tiny_models()
+        pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
     else:
         cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
-        try:
-            with warnings.catch_warnings():       # `torch_dtype` works on diffusers 0.3x–0.4x;
-                warnings.simplefilter("ignore", FutureWarning)      # 0.42 prefers `dtype`
-                cls = getattr(diffusers, cls_name) if cls_name else DiffusionPipeline
-                # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
-                pipe = cls.from_pretrained(location, torch_dtype=dtype, **null)
-        except (OSError, EnvironmentError) as e:
-            raise ConfigError(_offline_hint("the model", location, "--model")) from e
+        with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
+            warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
+            # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
+            pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
+                                    "the model", "--model", torch_dtype=dtype, **null)
         if type(pipe).__name__ not in SUPPORTED_PIPELINES:
             raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
                               f"supported: {SUPPORTED_PIPELINES}")
@@ -1234,7 +1215,6 @@ def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for blk in transformer_blocks(transformer):
         blk.compile(backend=backend)
-
 
 
 # ------------------------------------------------------------------------------------------------
