@@ -874,23 +874,21 @@ SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
 def model_family(name: str) -> str:
     """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
-    if name in TINY_MODELS:
-        return "flux" if TINY_MODELS[name] == "FluxPipeline" else "sd3"
     index = Path(name, "model_index.json")
-    if index.is_file():
-        cls_name = json.loads(index.read_text()).get("_class_name")
+    if name in TINY_MODELS or index.is_file():
+        cls_name = TINY_MODELS.get(name) or json.loads(index.read_text()).get("_class_name")
         return "flux" if cls_name == "FluxPipeline" else "sd3"
     return "flux" if "flux" in MODEL_ALIASES.get(name, name).lower() else "sd3"
 
 
 def _quiet_hf():
-    """Silence the per-load progress bars of diffusers/transformers (ours is the one to read)."""
+    """Silence the per-load progress bars of diffusers/transformers (ours is the one to read) and
+    their warnings (e.g. diffusers' per-batch prompt-truncation notices)."""
     import diffusers
     import transformers
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.set_verbosity_error()     # e.g. per-batch prompt-truncation notices
+    for lib in (diffusers, transformers):
+        lib.utils.logging.disable_progress_bar()
+        lib.utils.logging.set_verbosity_error()
 
 
 def resolve_model(name: str) -> str:
@@ -908,9 +906,8 @@ def resolve_model(name: str) -> str:
 
 
 def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
-    """loader.from_pretrained(location, **kwargs); failing that (no network, not in the local
-    cache, no such folder), a ConfigError that says how to get the files and which flag takes
-    them."""
+    """loader.from_pretrained(location); if that fails (offline, not cached, no such folder), a
+    ConfigError that says how to get the files and which flag then takes them."""
     try:
         return loader.from_pretrained(location, **kwargs)
     except OSError as e:
@@ -966,18 +963,15 @@ def load_pipeline(name: str, dtype: torch.dtype):
         if type(pipe).__name__ not in SUPPORTED_PIPELINES:
             raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
                               f"supported: {SUPPORTED_PIPELINES}")
-    parts = [getattr(pipe, n, None) for n in ("transformer", "vae", "text_encoder",
-                                              "text_encoder_2", "text_encoder_3")]
-    for m in parts:
-        if m is not None:
-            m.requires_grad_(False).eval()
     # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs
     # band). Explicit casts also work around a diffusers loading bug that can leave the
     # transformer in fp32 when a bf16 dtype is requested [peer X11].
-    for m in parts:
-        want = torch.float32 if m is pipe.vae else dtype
-        if m is not None and m.dtype != want:
-            m.to(want)
+    for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        m, want = getattr(pipe, part, None), torch.float32 if part == "vae" else dtype
+        if m is not None:
+            m.requires_grad_(False).eval()
+            if m.dtype != want:
+                m.to(want)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -985,17 +979,15 @@ def load_pipeline(name: str, dtype: torch.dtype):
 def tiny_models():
     """examples/tiny_models.py, the offline tiny SD3 / FLUX builders behind --model tiny and
     tiny-flux, loaded by path (it is scaffolding, not part of the method). Raises ConfigError."""
-    mod = sys.modules.get("vgrpo_tiny_models")
-    if mod is not None:
-        return mod
+    if "vgrpo_tiny_models" in sys.modules:
+        return sys.modules["vgrpo_tiny_models"]
     path = Path(__file__).resolve().parent / "examples" / "tiny_models.py"
     if not path.is_file():
         raise ConfigError(f"--model tiny / tiny-flux needs {path} (examples/tiny_models.py of the "
                           "repository, beside vgrpo.py); copy it there, or pass a real --model")
     import importlib.util
     spec = importlib.util.spec_from_file_location("vgrpo_tiny_models", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["vgrpo_tiny_models"] = mod
+    mod = sys.modules["vgrpo_tiny_models"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
@@ -1011,19 +1003,17 @@ def tiny_models():
 #   rollout grid     the scheduler's (shift 3)            linspace shifted by 3 (MixGRPO) [ours C8]
 #   VAE factors      1.5305 / 0.0609                      0.3611 / 0.1159 (read from vae.config)
 class SD3Adapter:
-    """The seam between the algorithm and a diffusers SD3 pipeline [peer X9]: text encoding,
-    latent shape, the velocity call, decoding and the rollout grid. The loop sees only these."""
+    """A diffusers SD3 / SD3.5 pipeline behind the seam above [peer X9]; FLUX overrides its rows."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int):
         self.pipe, self.device, self.L = pipe, device, max_sequence_length
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)          # 8 for SD3
+        self._cache: Optional[dict] = None                   # prompt → embeddings (cache_prompts)
 
     def latent_shape(self, resolution: int) -> tuple:
         r = resolution // self.vae_scale
         return (self.transformer.config.in_channels, r, r)                           # (C, H, W)
-
-    _cache: Optional[dict] = None
 
     def encode(self, prompts: list[str]) -> dict:
         """Text conditioning of B prompts: from the cache (cache_prompts) or the text encoders."""
@@ -1039,12 +1029,10 @@ class SD3Adapter:
     @torch.no_grad()
     def cache_prompts(self, prompts: list[str], batch: int = 16) -> None:
         """Embed every prompt once (kept on the CPU), then move the text encoders off the GPU."""
-        cache = {}
-        uniq = list(dict.fromkeys(prompts))
+        uniq, cache = list(dict.fromkeys(prompts)), {}
         for i in range(0, len(uniq), batch):
-            chunk = uniq[i:i + batch]
-            c = self._encode(chunk)
-            for j, p in enumerate(chunk):
+            c = self._encode(uniq[i:i + batch])
+            for j, p in enumerate(uniq[i:i + batch]):
                 cache[p] = {k: v[j].cpu() for k, v in c.items()}
         self._cache = cache
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
@@ -1076,7 +1064,7 @@ class SD3Adapter:
         return (self.vae.decode(z).sample.float() / 2 + 0.5).clamp(0, 1)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The model's own rollout grid (K + 1,) ending in 0, from its scheduler (SD3.5: shift 3)."""
+        """The model's rollout grid (K + 1,) ending in 0, from its own scheduler (SD3.5: shift 3)."""
         sched = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         sched.set_timesteps(num_steps)
         return sched.sigmas.detach().double().cpu()
@@ -1105,9 +1093,8 @@ class FluxAdapter(SD3Adapter):
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
         """prompt_embeds (B, L, 4096) from T5, pooled (B, 768) from CLIP-L."""
-        pe, pooled, txt_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None,
-                                                      device=self.device, max_sequence_length=self.L)
-        self.txt_ids = txt_ids
+        pe, pooled, self.txt_ids = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.L)
         return {"prompt_embeds": pe, "pooled": pooled}
 
     def _img_ids(self, seq: int) -> torch.Tensor:
@@ -1166,13 +1153,12 @@ def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
 @contextlib.contextmanager
 def lora_merged(transformer, enabled: bool = True):
     """Run the body (inference only: rollouts, evaluation) with every LoRA merged into its base
-    weight W ← W + (α/r)·B·A, one matmul per layer instead of three. On exit W is copied back
-    from a CPU copy taken before the merge, bit for bit — peft's unmerge subtracts B·A again,
-    which is not exact in floating point. The LoRA factors are not touched. In bf16 the merged
-    W + ΔW is rounded to bf16, so the rollout policy differs from θ by that rounding; surrogates
-    and ratios never use the merged weights (they run after the exit), so ρ = 1 at μ = 1 stays
-    exact. Cost per call: a device→host and a host→device copy of the targeted base weights
-    (≈ 1.2 GB in bf16 for SD3.5-M's default targets), no extra GPU memory.      (our choice)"""
+    weight, W ← W + (α/r)·B·A: one matmul per layer instead of three. On exit W is restored bit for
+    bit from a CPU copy taken before the merge (peft's unmerge subtracts B·A, inexact in floating
+    point); the LoRA factors are never touched. In bf16 the merged W is rounded to bf16, so the
+    rollout policy differs from θ by that rounding; surrogates and ratios run after the exit, so
+    ρ = 1 at μ = 1 stays exact. Cost per call: the targeted base weights copied to the host and
+    back (≈ 1.2 GB in bf16 for SD3.5-M's default targets), no extra GPU memory.    (our choice)"""
     from peft.tuners.lora import LoraLayer
     layers = [m for m in transformer.modules() if isinstance(m, LoraLayer)] if enabled else []
     saved = []
@@ -1203,9 +1189,8 @@ def transformer_blocks(transformer) -> list:
 def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True) -> None:
     """Regional torch.compile: each block is compiled in place (nn.Module.compile, state-dict keys
     unchanged), so blocks of one class share one compiled graph and compile time stays in seconds.
-    Works under peft's LoRA layers, gradient checkpointing (diffusers calls the compiled block
-    inside torch.utils.checkpoint) and no-grad rollouts (a second graph). enabled=False undoes
-    it."""
+    Works under peft's LoRA layers, gradient checkpointing (diffusers calls the compiled block in
+    torch.utils.checkpoint) and no-grad rollouts (a second graph). enabled=False undoes it."""
     if not enabled:
         for blk in transformer_blocks(transformer):
             blk._compiled_call_impl = None        # nn.Module.compile's slot
