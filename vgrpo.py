@@ -568,8 +568,8 @@ class JpegReward:
 class PickScoreReward:
     """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
     [peer X10]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [ours C17].
-    Preprocessing runs in torch on the device: resize shortest edge (bicubic, antialias),
-    centre-crop, normalise — the processor's own sizes and mean/std, no PIL round trip."""
+    Preprocessing: shortest edge resized (bicubic, antialiased), centre crop, normalise, with
+    the processor's own sizes and mean/std."""
     name, train_scale, unit = "pickscore", 1 / 26, "raw"
     use_logit_scale = True
     flags = ("--pickscore_model", "--pickscore_processor")
@@ -1064,7 +1064,7 @@ class SD3Adapter:
         return (self.vae.decode(z).sample.float() / 2 + 0.5).clamp(0, 1)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The model's rollout grid (K + 1,) ending in 0, from its own scheduler (SD3.5: shift 3)."""
+        """The rollout grid (K + 1,) ending in 0, from the model's scheduler (SD3.5: shift 3)."""
         sched = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         sched.set_timesteps(num_steps)
         return sched.sigmas.detach().double().cpu()
@@ -1161,22 +1161,19 @@ def lora_merged(transformer, enabled: bool = True):
     back (≈ 1.2 GB in bf16 for SD3.5-M's default targets), no extra GPU memory.    (our choice)"""
     from peft.tuners.lora import LoraLayer
     layers = [m for m in transformer.modules() if isinstance(m, LoraLayer)] if enabled else []
-    saved = []
+    saved = []                                          # (layer, base parameter, its CPU copy)
     try:
         with torch.no_grad():
             for m in layers:
                 base = m.get_base_layer()
-                bias = None if base.bias is None else base.bias.detach().to("cpu", copy=True)
-                saved.append((m, base.weight.detach().to("cpu", copy=True), bias))
-                m.merge()
+                saved += [(m, p, p.detach().to("cpu", copy=True))
+                          for p in (base.weight, base.bias) if p is not None]
+                m.merge()                                 # in place: W.data += ΔW
         yield
     finally:
         with torch.no_grad():
-            for m, w, b in saved:
-                base = m.get_base_layer()
-                base.weight.copy_(w)
-                if b is not None:
-                    base.bias.copy_(b)
+            for m, p, cpu in saved:
+                p.copy_(cpu)
                 m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
 
 
