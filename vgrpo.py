@@ -718,9 +718,8 @@ class ImageRewardReward:
             import ImageReward as RM  # noqa: N813 — the package's own name
         except ImportError as e:
             raise ConfigError("--reward imagereward needs the optional package `image-reward` "
-                              "(pip install image-reward); it is not in requirements.txt "
-                              "because its pins (timm 0.6.13, fairscale 0.4.13) clash with "
-                              "open_clip") from e
+                              "(pip install image-reward), not in requirements.txt: its pins "
+                              "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
         self.model = RM.load(location, device=str(device))
 
     @torch.no_grad()
@@ -967,7 +966,8 @@ def load_pipeline(name: str, dtype: torch.dtype):
     # band). Explicit casts also work around a diffusers loading bug that can leave the
     # transformer in fp32 when a bf16 dtype is requested [peer X11].
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-        m, want = getattr(pipe, part, None), torch.float32 if part == "vae" else dtype
+        want = torch.float32 if part == "vae" else dtype
+        m = getattr(pipe, part, None)
         if m is not None:
             m.requires_grad_(False).eval()
             if m.dtype != want:
