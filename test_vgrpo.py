@@ -1057,7 +1057,8 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
     got = rw(imgs, ["x"] * 4)
     assert got.shape == (4,) and torch.isfinite(got).all()
     with torch.no_grad():
-        f = V._features(CLIPModel.from_pretrained(d).get_image_features(pixel_values=rw.preprocess(imgs)))
+        f = CLIPModel.from_pretrained(d).get_image_features(pixel_values=rw.preprocess(imgs))
+        f = f if torch.is_tensor(f) else f.pooler_output                # transformers ≥ 5 wraps it
         torch.testing.assert_close(got, head.eval()(torch.nn.functional.normalize(f, dim=-1)).squeeze(-1))
     assert sorted(k for k in head.state_dict()) == sorted(
         f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))   # the original's key names

@@ -540,19 +540,13 @@ def _fetch(location: str, flag: str) -> str:
     if len(parts) < 3:
         raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
     from huggingface_hub import hf_hub_download
+    repo, file = "/".join(parts[:2]), "/".join(parts[2:])
     try:
-        return hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]))
+        return hf_hub_download(repo, file)
     except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
-        repo, file = "/".join(parts[:2]), "/".join(parts[2:])
         raise ConfigError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a "
                           f"machine with access (`huggingface-cli download {repo} {file}`) "
-                           f"and pass `{flag} /path/to/file`.") from e
-
-
-def _features(out) -> torch.Tensor:
-    """transformers ≤4 returns a tensor from get_*_features, ≥5 a BaseModelOutputWithPooling
-    [peer X10]."""
-    return out if torch.is_tensor(out) else out.pooler_output
+                          f"and pass `{flag} /path/to/file`.") from e
 
 
 class JpegReward:
@@ -574,42 +568,33 @@ class JpegReward:
 class PickScoreReward:
     """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
     [peer X10]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [ours C17].
-    Preprocessing runs in torch on the device: resize shortest edge (bicubic, antialias),
-    centre-crop, normalise — the processor's own sizes and mean/std, no PIL round trip."""
+    Preprocessing: shortest edge resized (bicubic, antialiased), centre crop, normalise, with
+    the processor's own sizes and mean/std."""
     name, train_scale, unit = "pickscore", 1 / 26, "raw"
     use_logit_scale = True
     flags = ("--pickscore_model", "--pickscore_processor")
 
     def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
         """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
-        self.processor = processor
         self.model = model.eval().requires_grad_(False).to(device, dtype)
+        self.processor, self.device, self.dtype = processor, device, dtype
         ip = processor.image_processor
-        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x
+        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x; crop_size may be an int
         get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
-        size = get(ip.size, "shortest_edge") or get(ip.size, "height")
         crop = ip.crop_size
-        if isinstance(crop, int):
-            crop = {"height": crop, "width": crop}
-        self.size, self.crop = int(size), (int(get(crop, "height")), int(get(crop, "width")))
+        crop = {"height": crop, "width": crop} if isinstance(crop, int) else crop
+        self.size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
+        self.crop = (int(get(crop, "height")), int(get(crop, "width")))
         self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
-        self.device, self.dtype = device, dtype
 
     @classmethod
     def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype):
         """From hub ids or local folders; offline failures say which flag points at local files."""
         from transformers import AutoModel, AutoProcessor
         _quiet_hf()
-        try:
-            proc = AutoProcessor.from_pretrained(processor)
-        except (OSError, EnvironmentError) as e:
-            hint = _offline_hint(f"the {cls.name} processor", processor, cls.flags[1])
-            raise ConfigError(hint) from e
-        try:
-            net = AutoModel.from_pretrained(model)
-        except (OSError, EnvironmentError) as e:
-            raise ConfigError(_offline_hint(f"the {cls.name} model", model, cls.flags[0])) from e
+        proc = _from_pretrained(AutoProcessor, processor, f"the {cls.name} processor", cls.flags[1])
+        net = _from_pretrained(AutoModel, model, f"the {cls.name} model", cls.flags[0])
         return cls(net, proc, device, dtype)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
@@ -646,7 +631,6 @@ class AestheticReward(PickScoreReward):
     """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
     output on its ≈ 1–10 scale [peer X10]. Weights: sac+logos+ava1-l14-linearMSE."""
     name, train_scale, unit = "aesthetic", 1.0, "1-10"
-    flags = ("--clip_model", "--clip_model")
 
     def __init__(self, model, processor, device, dtype, head: torch.nn.Module):
         super().__init__(model, processor, device, dtype)
@@ -655,24 +639,26 @@ class AestheticReward(PickScoreReward):
     @staticmethod
     def make_head() -> torch.nn.Module:
         """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
-        m = torch.nn.Module()
         nn = torch.nn
+        m = nn.Module()
         m.layers = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128),
                                  nn.Dropout(0.2), nn.Linear(128, 64), nn.Dropout(0.1),
-                                       torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
+                                 nn.Linear(64, 16), nn.Linear(16, 1))
         m.forward = m.layers.forward
         return m
 
     @classmethod
     def load(cls, model: str, processor: str, device, dtype, weights: str = ""):
-        base = PickScoreReward.load.__func__(CLIPScoreReward, model, processor, device, dtype)
+        """The CLIP model as clipscore loads it, plus the head (a file or owner/repo/file)."""
+        clip = CLIPScoreReward.load(model, processor, device, dtype)
         head = cls.make_head()
         head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
-        return cls(base.model, base.processor, device, dtype, head)
+        return cls(clip.model, clip.processor, device, dtype, head)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        f = _features(self.model.get_image_features(pixel_values=self.preprocess(images)))
+        f = self.model.get_image_features(pixel_values=self.preprocess(images))
+        f = f if torch.is_tensor(f) else f.pooler_output    # transformers ≥ 5 wraps it [peer X10]
         return self.head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
 
 
@@ -732,8 +718,8 @@ class ImageRewardReward:
             import ImageReward as RM  # noqa: N813 — the package's own name
         except ImportError as e:
             raise ConfigError("--reward imagereward needs the optional package `image-reward` "
-                               "(pip install image-reward); it is not in requirements.txt because its "
-                               "pins (timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
+                              "(pip install image-reward), not in requirements.txt: its pins "
+                              "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
         self.model = RM.load(location, device=str(device))
 
     @torch.no_grad()
@@ -757,9 +743,9 @@ class PluginReward:
             mod = importlib.import_module(module)
         except ImportError as e:
             raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
-        if not callable(getattr(mod, fn, None)):
+        self.fn, self.name = getattr(mod, fn, None), spec
+        if not callable(self.fn):
             raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
-        self.fn, self.name = getattr(mod, fn), spec
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         out = self.fn(images, prompts)
@@ -777,29 +763,27 @@ class PluginReward:
         """Call the plug-in once on 2 random images with the run's first 2 training prompts (a
         plug-in may expect its own prompt format), so a broken one fails in one line before the
         model is loaded or anything is written."""
-        g = torch.Generator().manual_seed(0)
-        images = torch.rand(2, 3, size, size, generator=g).to(device)
+        images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+        batch = f"a probe batch of 2 random {size}×{size} images"
         try:
-            out = self(images, (prompts * 2)[:2])
+            out = self(images.to(device), (prompts * 2)[:2])
         except ConfigError as e:
-            raise ConfigError(f"{e} (probe call on 2 random {size}×{size} images)") from None
+            raise ConfigError(f"{e} (on {batch})") from None
         except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
-            raise ConfigError(f"reward {self.name!r} failed on a probe batch of 2 random {size}×{size}"
-                              f" images: {type(e).__name__}: {e}") from None
+            raise ConfigError(f"reward {self.name!r} failed on {batch}: "
+                              f"{type(e).__name__}: {e}") from None
         if not torch.isfinite(out).all():
-            raise ConfigError(f"reward {self.name!r} returned non-finite values {out.tolist()} on a "
-                              "probe batch of 2 random images; return finite numbers")
+            raise ConfigError(f"reward {self.name!r} returned non-finite values {out.tolist()} "
+                              f"on {batch}; return finite numbers")
 
 
 BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ValueError."""
+    """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ConfigError."""
     out = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
+    for item in filter(None, (s.strip() for s in spec.split(","))):
         name, weight = item, 1.0
         head, sep, tail = item.rpartition(":")
         if sep:
@@ -810,8 +794,8 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
                     raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
                                       f"(got {tail!r}), e.g. {head}:1") from None
         if name not in BUILTIN_REWARDS and ":" not in name:
-            raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, or "
-                             "module.path:function for your own")
+            raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, "
+                              "or module.path:function for your own")
         if not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
         out.append((name, weight))
@@ -824,20 +808,17 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype):
     """One reward model by name (built-in or plug-in), loaded from the locations in args."""
-    if name == "jpeg":
-        return JpegReward()
-    if name == "pickscore":
-        return PickScoreReward.load(args.pickscore_model, args.pickscore_processor, device, dtype)
-    if name == "clipscore":
-        return CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype)
-    if name == "aesthetic":
-        return AestheticReward.load(args.clip_model, args.clip_model, device, dtype,
-                                    args.aesthetic_weights)
-    if name == "hpsv2":
-        return HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
-    if name == "imagereward":
-        return ImageRewardReward(args.imagereward_model, device)
-    return PluginReward(name)
+    loaders = {
+        "pickscore": lambda: PickScoreReward.load(args.pickscore_model, args.pickscore_processor,
+                                                  device, dtype),
+        "hpsv2": lambda: HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype),
+        "clipscore": lambda: CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype),
+        "aesthetic": lambda: AestheticReward.load(args.clip_model, args.clip_model, device, dtype,
+                                                  args.aesthetic_weights),
+        "imagereward": lambda: ImageRewardReward(args.imagereward_model, device),
+        "jpeg": JpegReward,
+    }
+    return loaders.get(name, lambda: PluginReward(name))()
 
 
 class Rewards:
@@ -846,10 +827,8 @@ class Rewards:
     def __init__(self, args: Args, device: torch.device, dtype: torch.dtype):
         self.train = parse_reward_spec(args.reward)
         self.eval = parse_reward_spec(args.eval_rewards) if args.eval_rewards else self.train
-        self.models: dict = {}
-        for n, _ in self.train + self.eval:
-            if n not in self.models:
-                self.models[n] = build_reward(n, args, device, dtype)
+        names = dict.fromkeys(n for n, _ in self.train + self.eval)      # each once, in order
+        self.models = {n: build_reward(n, args, device, dtype) for n in names}
 
     @classmethod
     def of(cls, models: dict, train: list, eval: Optional[list] = None) -> "Rewards":
@@ -878,7 +857,6 @@ class Rewards:
         return (self.training_values(raw, terms) * w[:, None]).sum(0)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # §8  Models: pipelines, the model adapter, LoRA. Everything here talks to diffusers,
 #     transformers or peft; nothing here is part of the algorithm.
@@ -895,23 +873,21 @@ SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
 def model_family(name: str) -> str:
     """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
-    if name in TINY_MODELS:
-        return "flux" if TINY_MODELS[name] == "FluxPipeline" else "sd3"
     index = Path(name, "model_index.json")
-    if index.is_file():
-        cls_name = json.loads(index.read_text()).get("_class_name")
+    if name in TINY_MODELS or index.is_file():
+        cls_name = TINY_MODELS.get(name) or json.loads(index.read_text()).get("_class_name")
         return "flux" if cls_name == "FluxPipeline" else "sd3"
     return "flux" if "flux" in MODEL_ALIASES.get(name, name).lower() else "sd3"
 
 
 def _quiet_hf():
-    """Silence the per-load progress bars of diffusers/transformers (ours is the one to read)."""
+    """Silence the per-load progress bars of diffusers/transformers (ours is the one to read) and
+    their warnings (e.g. diffusers' per-batch prompt-truncation notices)."""
     import diffusers
     import transformers
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.set_verbosity_error()     # e.g. per-batch prompt-truncation notices
+    for lib in (diffusers, transformers):
+        lib.utils.logging.disable_progress_bar()
+        lib.utils.logging.set_verbosity_error()
 
 
 def resolve_model(name: str) -> str:
@@ -928,10 +904,16 @@ def resolve_model(name: str) -> str:
                       "stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
 
 
-def _offline_hint(what: str, location: str, flag: str) -> str:
-    return (f"could not load {what} from {location!r} (no network, or not in the local cache). "
-            f"Download it on a machine with access, e.g. `huggingface-cli download {location} "
-            f"--local-dir /path/to/dir`, then pass `{flag} /path/to/dir`.")
+def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
+    """loader.from_pretrained(location); if that fails (offline, not cached, no such folder), a
+    ConfigError that says how to get the files and which flag then takes them."""
+    try:
+        return loader.from_pretrained(location, **kwargs)
+    except OSError as e:
+        raise ConfigError(f"could not load {what} from {location!r} (no network, or not in the "
+                          f"local cache). Download it on a machine with access, e.g. "
+                          f"`huggingface-cli download {location} --local-dir /path/to/dir`, "
+                          f"then pass `{flag} /path/to/dir`.") from e
 
 
 def check_local_pipeline(location: str) -> tuple[str, dict]:
@@ -965,38 +947,31 @@ def check_local_pipeline(location: str) -> tuple[str, dict]:
 def load_pipeline(name: str, dtype: torch.dtype):
     """Load a diffusers SD3 or FLUX pipeline: the same code path for hub ids and local folders."""
     import diffusers
-    from diffusers import DiffusionPipeline
     _quiet_hf()
     location = resolve_model(name)
-    if location == "tiny":
-        pipe = tiny_models().build_tiny_sd3_pipeline()
-    elif location == "tiny-flux":
-        pipe = tiny_models().build_tiny_flux_pipeline()
+    if location in TINY_MODELS:
+        tm = tiny_models()
+        pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
     else:
         cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
-        try:
-            with warnings.catch_warnings():       # `torch_dtype` works on diffusers 0.3x–0.4x;
-                warnings.simplefilter("ignore", FutureWarning)      # 0.42 prefers `dtype`
-                cls = getattr(diffusers, cls_name) if cls_name else DiffusionPipeline
-                # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
-                pipe = cls.from_pretrained(location, torch_dtype=dtype, **null)
-        except (OSError, EnvironmentError) as e:
-            raise ConfigError(_offline_hint("the model", location, "--model")) from e
+        with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
+            warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
+            # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
+            pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
+                                    "the model", "--model", torch_dtype=dtype, **null)
         if type(pipe).__name__ not in SUPPORTED_PIPELINES:
             raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
                               f"supported: {SUPPORTED_PIPELINES}")
-    parts = [getattr(pipe, n, None) for n in ("transformer", "vae", "text_encoder",
-                                              "text_encoder_2", "text_encoder_3")]
-    for m in parts:
-        if m is not None:
-            m.requires_grad_(False).eval()
     # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs
     # band). Explicit casts also work around a diffusers loading bug that can leave the
     # transformer in fp32 when a bf16 dtype is requested [peer X11].
-    for m in parts:
-        want = torch.float32 if m is pipe.vae else dtype
-        if m is not None and m.dtype != want:
-            m.to(want)
+    for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        want = torch.float32 if part == "vae" else dtype
+        m = getattr(pipe, part, None)
+        if m is not None:
+            m.requires_grad_(False).eval()
+            if m.dtype != want:
+                m.to(want)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -1004,17 +979,15 @@ def load_pipeline(name: str, dtype: torch.dtype):
 def tiny_models():
     """examples/tiny_models.py, the offline tiny SD3 / FLUX builders behind --model tiny and
     tiny-flux, loaded by path (it is scaffolding, not part of the method). Raises ConfigError."""
-    mod = sys.modules.get("vgrpo_tiny_models")
-    if mod is not None:
-        return mod
+    if "vgrpo_tiny_models" in sys.modules:
+        return sys.modules["vgrpo_tiny_models"]
     path = Path(__file__).resolve().parent / "examples" / "tiny_models.py"
     if not path.is_file():
         raise ConfigError(f"--model tiny / tiny-flux needs {path} (examples/tiny_models.py of the "
                           "repository, beside vgrpo.py); copy it there, or pass a real --model")
     import importlib.util
     spec = importlib.util.spec_from_file_location("vgrpo_tiny_models", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["vgrpo_tiny_models"] = mod
+    mod = sys.modules["vgrpo_tiny_models"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
@@ -1030,19 +1003,17 @@ def tiny_models():
 #   rollout grid     the scheduler's (shift 3)            linspace shifted by 3 (MixGRPO) [ours C8]
 #   VAE factors      1.5305 / 0.0609                      0.3611 / 0.1159 (read from vae.config)
 class SD3Adapter:
-    """The seam between the algorithm and a diffusers SD3 pipeline [peer X9]: text encoding,
-    latent shape, the velocity call, decoding and the rollout grid. The loop sees only these."""
+    """A diffusers SD3 / SD3.5 pipeline behind the seam above [peer X9]; FLUX overrides its rows."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int):
         self.pipe, self.device, self.L = pipe, device, max_sequence_length
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)          # 8 for SD3
+        self._cache: Optional[dict] = None                   # prompt → embeddings (cache_prompts)
 
     def latent_shape(self, resolution: int) -> tuple:
         r = resolution // self.vae_scale
         return (self.transformer.config.in_channels, r, r)                           # (C, H, W)
-
-    _cache: Optional[dict] = None
 
     def encode(self, prompts: list[str]) -> dict:
         """Text conditioning of B prompts: from the cache (cache_prompts) or the text encoders."""
@@ -1058,12 +1029,10 @@ class SD3Adapter:
     @torch.no_grad()
     def cache_prompts(self, prompts: list[str], batch: int = 16) -> None:
         """Embed every prompt once (kept on the CPU), then move the text encoders off the GPU."""
-        cache = {}
-        uniq = list(dict.fromkeys(prompts))
+        uniq, cache = list(dict.fromkeys(prompts)), {}
         for i in range(0, len(uniq), batch):
-            chunk = uniq[i:i + batch]
-            c = self._encode(chunk)
-            for j, p in enumerate(chunk):
+            c = self._encode(uniq[i:i + batch])
+            for j, p in enumerate(uniq[i:i + batch]):
                 cache[p] = {k: v[j].cpu() for k, v in c.items()}
         self._cache = cache
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
@@ -1095,7 +1064,7 @@ class SD3Adapter:
         return (self.vae.decode(z).sample.float() / 2 + 0.5).clamp(0, 1)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The model's own rollout grid (K + 1,) ending in 0, from its scheduler (SD3.5: shift 3)."""
+        """The rollout grid (K + 1,) ending in 0, from the model's scheduler (SD3.5: shift 3)."""
         sched = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         sched.set_timesteps(num_steps)
         return sched.sigmas.detach().double().cpu()
@@ -1124,9 +1093,8 @@ class FluxAdapter(SD3Adapter):
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
         """prompt_embeds (B, L, 4096) from T5, pooled (B, 768) from CLIP-L."""
-        pe, pooled, txt_ids = self.pipe.encode_prompt(prompt=prompts, prompt_2=None,
-                                                      device=self.device, max_sequence_length=self.L)
-        self.txt_ids = txt_ids
+        pe, pooled, self.txt_ids = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.L)
         return {"prompt_embeds": pe, "pooled": pooled}
 
     def _img_ids(self, seq: int) -> torch.Tensor:
@@ -1185,31 +1153,27 @@ def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
 @contextlib.contextmanager
 def lora_merged(transformer, enabled: bool = True):
     """Run the body (inference only: rollouts, evaluation) with every LoRA merged into its base
-    weight W ← W + (α/r)·B·A, one matmul per layer instead of three. On exit W is copied back
-    from a CPU copy taken before the merge, bit for bit — peft's unmerge subtracts B·A again,
-    which is not exact in floating point. The LoRA factors are not touched. In bf16 the merged
-    W + ΔW is rounded to bf16, so the rollout policy differs from θ by that rounding; surrogates
-    and ratios never use the merged weights (they run after the exit), so ρ = 1 at μ = 1 stays
-    exact. Cost per call: a device→host and a host→device copy of the targeted base weights
-    (≈ 1.2 GB in bf16 for SD3.5-M's default targets), no extra GPU memory.      (our choice)"""
+    weight, W ← W + (α/r)·B·A: one matmul per layer instead of three. On exit W is restored bit for
+    bit from a CPU copy taken before the merge (peft's unmerge subtracts B·A, inexact in floating
+    point); the LoRA factors are never touched. In bf16 the merged W is rounded to bf16, so the
+    rollout policy differs from θ by that rounding; surrogates and ratios run after the exit, so
+    ρ = 1 at μ = 1 stays exact. Cost per call: the targeted base weights copied to the host and
+    back (≈ 1.2 GB in bf16 for SD3.5-M's default targets), no extra GPU memory.    (our choice)"""
     from peft.tuners.lora import LoraLayer
     layers = [m for m in transformer.modules() if isinstance(m, LoraLayer)] if enabled else []
-    saved = []
+    saved = []                                          # (layer, base parameter, its CPU copy)
     try:
         with torch.no_grad():
             for m in layers:
                 base = m.get_base_layer()
-                bias = None if base.bias is None else base.bias.detach().to("cpu", copy=True)
-                saved.append((m, base.weight.detach().to("cpu", copy=True), bias))
-                m.merge()
+                saved += [(m, p, p.detach().to("cpu", copy=True))
+                          for p in (base.weight, base.bias) if p is not None]
+                m.merge()                                 # in place: W.data += ΔW
         yield
     finally:
         with torch.no_grad():
-            for m, w, b in saved:
-                base = m.get_base_layer()
-                base.weight.copy_(w)
-                if b is not None:
-                    base.bias.copy_(b)
+            for m, p, cpu in saved:
+                p.copy_(cpu)
                 m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
 
 
@@ -1222,9 +1186,8 @@ def transformer_blocks(transformer) -> list:
 def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True) -> None:
     """Regional torch.compile: each block is compiled in place (nn.Module.compile, state-dict keys
     unchanged), so blocks of one class share one compiled graph and compile time stays in seconds.
-    Works under peft's LoRA layers, gradient checkpointing (diffusers calls the compiled block
-    inside torch.utils.checkpoint) and no-grad rollouts (a second graph). enabled=False undoes
-    it."""
+    Works under peft's LoRA layers, gradient checkpointing (diffusers calls the compiled block in
+    torch.utils.checkpoint) and no-grad rollouts (a second graph). enabled=False undoes it."""
     if not enabled:
         for blk in transformer_blocks(transformer):
             blk._compiled_call_impl = None        # nn.Module.compile's slot
@@ -1234,7 +1197,6 @@ def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for blk in transformer_blocks(transformer):
         blk.compile(backend=backend)
-
 
 
 # ------------------------------------------------------------------------------------------------
