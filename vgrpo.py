@@ -1240,54 +1240,9 @@ def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True)
 # ------------------------------------------------------------------------------------------------
 # §9  Training loop: the algorithm box (§0) line by line, with logging, evaluation, checkpoints.
 # ------------------------------------------------------------------------------------------------
-# A small built-in prompt set, written for this project: varied subjects, styles and compositions,
-# so a run works out of the box. Every 5th prompt is held out for evaluation.
-BUILTIN_PROMPTS = """\
-a red fox curled up asleep in fresh snow, soft morning light
-a lighthouse on a rocky cliff during a thunderstorm, dramatic sky
-a bowl of ramen with a soft-boiled egg, steam rising, close-up photo
-an astronaut reading a newspaper on a park bench
-a watercolor painting of a small harbor town at sunset
-a vintage red bicycle leaning against a blue wooden door
-a cozy library with tall shelves and a rolling ladder, warm lamps
-a hummingbird hovering next to a purple flower, macro photograph
-a futuristic city skyline at night reflected in a calm river
-an oil painting of a bowl of lemons on a linen tablecloth
-a golden retriever puppy wearing a tiny knitted scarf
-a steaming cup of coffee on a windowsill on a rainy day
-a paper origami crane on a wooden desk, shallow depth of field
-a snowy mountain cabin with smoke rising from the chimney
-a robot watering plants in a sunlit greenhouse
-a street market in the evening with colorful lanterns
-a sea turtle swimming over a coral reef, clear blue water
-a pencil sketch of an old man with a kind smile
-a stack of pancakes with blueberries and maple syrup
-a medieval castle on a hill surrounded by autumn forest
-a cat sitting in a cardboard box, studio lighting
-a hot air balloon floating over lavender fields
-a glass jar filled with fireflies on a summer night
-a vintage typewriter with a blank sheet of paper
-a desert highway stretching to the horizon under a starry sky
-a bouquet of sunflowers in a ceramic vase
-a koi pond in a japanese garden with a small wooden bridge
-a child building a sandcastle at the beach, golden hour
-a minimalist poster of a mountain range in pastel colors
-an owl perched on a mossy branch in a misty forest
-a bakery display with croissants and fruit tarts
-a sailboat on a calm lake at dawn
-a neon sign that says open in a dark alley
-a pair of worn leather boots by a campfire
-a tiger walking through tall grass, wildlife photography
-a plate of sushi arranged on a slate board
-a train crossing a stone bridge in the mountains
-a chessboard mid-game in a sunlit room
-a waterfall in a lush green canyon
-a portrait of a woman with freckles in natural light
-"""
-
-
 def load_prompts(args: Args) -> tuple[list[str], list[str]]:
-    """(train, eval) prompt lists: --prompts / --eval_prompts files, or the built-in set."""
+    """(train, eval) prompt lists: --prompts / --eval_prompts files, or examples/prompts.txt (40
+    varied prompts written for this project, so a run works out of the box; every 5th held out)."""
     def read(path, flag):
         if os.path.isdir(path):
             raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt "
@@ -1308,9 +1263,14 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
         return lines
 
     if args.prompts is None:
-        allp = BUILTIN_PROMPTS.strip().splitlines()
+        path = Path(__file__).resolve().parent / "examples" / "prompts.txt"
+        if not path.is_file():
+            raise ConfigError(f"without --prompts, vgrpo needs {str(path)!r} (examples/prompts.txt "
+                              "of the repository, beside vgrpo.py); copy it there, or pass "
+                              "--prompts FILE")
+        allp = read(str(path), "default prompts")
         train = [p for i, p in enumerate(allp) if i % 5]
-        held = [p for i, p in enumerate(allp) if not i % 5]
+        held = allp[::5]
     else:
         allp = read(args.prompts, "--prompts")
         n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
@@ -2136,7 +2096,7 @@ def _f(default, help: str, src: str = "our choice", choices=None):
 class Args:
     # --- io --------------------------------------------------------------------------------------
     run_dir: Optional[str] = _f(None, "output folder (default runs/<model>-<reward>-<date>)")
-    prompts: Optional[str] = _f(None, "training prompts, one per line (default: built-in list)")
+    prompts: Optional[str] = _f(None, "training prompts file (default: examples/prompts.txt)")
     eval_prompts: Optional[str] = _f(None, "held-out prompts (default: split off --prompts)")
     eval_holdout: float = _f(0.1, "fraction of --prompts held out for evaluation if no --eval_prompts")
     resume: Optional[str] = _f(None, "checkpoint folder, or a run folder (takes its latest checkpoint)")

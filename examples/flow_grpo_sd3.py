@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--reward", default="jpeg",
       help="as vgrpo.py: pickscore | jpeg | ... | module.path:function; weights a:1,b:1")
     a("--prompts", default=None,
-      help="training prompts file, one per line (default: vgrpo's built-in set)")
+      help="training prompts file, one per line (default: examples/prompts.txt)")
     a("--eval_prompts", default=None,
       help="held-out prompts file (default: split off --prompts, as vgrpo)")
     a("--prompts_per_iter", type=int, default=None, help="P (default: vgrpo's per-model preset)")
