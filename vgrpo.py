@@ -1284,9 +1284,7 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
 
 def select(cond, rows: torch.Tensor):
     """Rows of every tensor in a (dict of) batch-first tensors."""
-    if isinstance(cond, dict):
-        return {k: v[rows] for k, v in cond.items()}
-    return cond[rows]
+    return {k: v[rows] for k, v in cond.items()} if isinstance(cond, dict) else cond[rows]
 
 
 def _gen(seed: int, it: int, stream: int) -> torch.Generator:
@@ -1504,8 +1502,8 @@ def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 class Shard:
-    """This rank's share of the global batch of N = P·G samples: whole groups, contiguous. Every
-    rank draws the same global prompts, noise and pairs; this is the one place that slices them."""
+    """This rank's share of the global batch of N = P·G samples, whole groups, contiguous: the one
+    place that slices what every rank draws alike (prompts, noise, pairs)."""
 
     def __init__(self, rank: int, world: int, P: int, G: int):
         self.rank, self.N = rank, P * G
@@ -1766,9 +1764,7 @@ def evaluate(run: Run, it: int) -> dict:
     head = rw.summary(raw, rw.eval)
     ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval), "eval_nfe": len(run.eval_sigmas) - 1,
           "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
-    # non-finite rewards are dropped (and counted above)
-    ev["eval_reward_mean"], ev["eval_reward_std"] = _finite_mean_std(head)
-    for n, r in raw.items():
+    for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
     if ev["eval_n_nonfinite"]:
         from tqdm.auto import tqdm
