@@ -702,7 +702,24 @@ def test_tiny_model_without_its_builders_is_one_line(tmp_path, capsys, monkeypat
     """vgrpo.py copied alone: --model tiny names the missing examples/tiny_models.py."""
     monkeypatch.delitem(sys.modules, "vgrpo_tiny_models")
     monkeypatch.setattr(V, "__file__", str(tmp_path / "vgrpo.py"))
-    _one_line(TINY, tmp_path, capsys, r"--model tiny / tiny-flux needs .*examples/tiny_models.py")
+    (tmp_path / "p.txt").write_text("a cat\n")
+    _one_line(TINY + ["--prompts", str(tmp_path / "p.txt")], tmp_path, capsys,
+              r"--model tiny / tiny-flux needs .*examples/tiny_models.py")
+
+
+@pytest.mark.trainer
+def test_default_prompts_and_their_missing_file(tmp_path, capsys, monkeypatch):
+    """Without --prompts: examples/prompts.txt, every 5th prompt held out; vgrpo.py copied alone
+    says in one line how to go on."""
+    train, held = V.load_prompts(V.Args())
+    assert (len(train), len(held)) == (32, 8)
+    assert train[0] == "a lighthouse on a rocky cliff during a thunderstorm, dramatic sky"
+    assert held[0] == "a red fox curled up asleep in fresh snow, soft morning light"
+    assert held[-1] == "a plate of sushi arranged on a slate board"
+    assert train[-1] == "a portrait of a woman with freckles in natural light"
+    monkeypatch.setattr(V, "__file__", str(tmp_path / "vgrpo.py"))
+    _one_line(TINY, tmp_path, capsys, r"without --prompts, vgrpo needs .*examples/prompts.txt.*"
+                                      r"copy it there, or pass --prompts FILE")
 
 
 @pytest.mark.trainer

@@ -1202,54 +1202,9 @@ def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True)
 # ------------------------------------------------------------------------------------------------
 # §9  Training loop: the algorithm box (§0) line by line, with logging, evaluation, checkpoints.
 # ------------------------------------------------------------------------------------------------
-# A small built-in prompt set, written for this project: varied subjects, styles and compositions,
-# so a run works out of the box. Every 5th prompt is held out for evaluation.
-BUILTIN_PROMPTS = """\
-a red fox curled up asleep in fresh snow, soft morning light
-a lighthouse on a rocky cliff during a thunderstorm, dramatic sky
-a bowl of ramen with a soft-boiled egg, steam rising, close-up photo
-an astronaut reading a newspaper on a park bench
-a watercolor painting of a small harbor town at sunset
-a vintage red bicycle leaning against a blue wooden door
-a cozy library with tall shelves and a rolling ladder, warm lamps
-a hummingbird hovering next to a purple flower, macro photograph
-a futuristic city skyline at night reflected in a calm river
-an oil painting of a bowl of lemons on a linen tablecloth
-a golden retriever puppy wearing a tiny knitted scarf
-a steaming cup of coffee on a windowsill on a rainy day
-a paper origami crane on a wooden desk, shallow depth of field
-a snowy mountain cabin with smoke rising from the chimney
-a robot watering plants in a sunlit greenhouse
-a street market in the evening with colorful lanterns
-a sea turtle swimming over a coral reef, clear blue water
-a pencil sketch of an old man with a kind smile
-a stack of pancakes with blueberries and maple syrup
-a medieval castle on a hill surrounded by autumn forest
-a cat sitting in a cardboard box, studio lighting
-a hot air balloon floating over lavender fields
-a glass jar filled with fireflies on a summer night
-a vintage typewriter with a blank sheet of paper
-a desert highway stretching to the horizon under a starry sky
-a bouquet of sunflowers in a ceramic vase
-a koi pond in a japanese garden with a small wooden bridge
-a child building a sandcastle at the beach, golden hour
-a minimalist poster of a mountain range in pastel colors
-an owl perched on a mossy branch in a misty forest
-a bakery display with croissants and fruit tarts
-a sailboat on a calm lake at dawn
-a neon sign that says open in a dark alley
-a pair of worn leather boots by a campfire
-a tiger walking through tall grass, wildlife photography
-a plate of sushi arranged on a slate board
-a train crossing a stone bridge in the mountains
-a chessboard mid-game in a sunlit room
-a waterfall in a lush green canyon
-a portrait of a woman with freckles in natural light
-"""
-
-
 def load_prompts(args: Args) -> tuple[list[str], list[str]]:
-    """(train, eval) prompt lists: --prompts / --eval_prompts files, or the built-in set."""
+    """(train, eval) prompt lists: --prompts / --eval_prompts files, or examples/prompts.txt (40
+    varied prompts written for this project, so a run works out of the box; every 5th held out)."""
     def read(path, flag):
         if os.path.isdir(path):
             raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt "
@@ -1270,9 +1225,14 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
         return lines
 
     if args.prompts is None:
-        allp = BUILTIN_PROMPTS.strip().splitlines()
+        path = Path(__file__).resolve().parent / "examples" / "prompts.txt"
+        if not path.is_file():
+            raise ConfigError(f"without --prompts, vgrpo needs {str(path)!r} (examples/prompts.txt "
+                              "of the repository, beside vgrpo.py); copy it there, or pass "
+                              "--prompts FILE")
+        allp = read(str(path), "default prompts")
         train = [p for i, p in enumerate(allp) if i % 5]
-        held = [p for i, p in enumerate(allp) if not i % 5]
+        held = allp[::5]
     else:
         allp = read(args.prompts, "--prompts")
         n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
@@ -1286,9 +1246,7 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
 
 def select(cond, rows: torch.Tensor):
     """Rows of every tensor in a (dict of) batch-first tensors."""
-    if isinstance(cond, dict):
-        return {k: v[rows] for k, v in cond.items()}
-    return cond[rows]
+    return {k: v[rows] for k, v in cond.items()} if isinstance(cond, dict) else cond[rows]
 
 
 def _gen(seed: int, it: int, stream: int) -> torch.Generator:
@@ -1319,7 +1277,7 @@ def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
     raw: dict[str, list] = {n: [] for n in names}
     imgs = []
     for rows in torch.arange(len(latents)).split(batch):
-        with ctx if ctx is not None else contextlib.nullcontext():
+        with ctx or contextlib.nullcontext():
             im = adapter.decode(latents[rows])
         for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
             raw[n].append(r)
@@ -1329,39 +1287,37 @@ def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
 
 
 def save_grid(images_u8: torch.Tensor, path: Path) -> None:
+    """Save (n, 3, h, w) uint8 images as one image, ⌈√n⌉ per row, black where the grid has none."""
     from PIL import Image
-    n = len(images_u8)
+    n, _, h, w = images_u8.shape
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
-    _, h, w = images_u8.shape[1:]
-    canvas = torch.zeros(3, rows * h, cols * w, dtype=torch.uint8)
-    for i, im in enumerate(images_u8):
-        r, c = divmod(i, cols)
-        canvas[:, r * h:(r + 1) * h, c * w:(c + 1) * w] = im
-    Image.fromarray(canvas.permute(1, 2, 0).numpy()).save(path)
+    grid = torch.zeros(rows * cols, 3, h, w, dtype=torch.uint8)
+    grid[:n] = images_u8
+    grid = grid.view(rows, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, cols * w, 3)
+    Image.fromarray(grid.numpy()).save(path)
 
 
 # ---- checkpoints: written to a temp folder and renamed, so a crash never leaves half of one -----
 CKPT_STATE = "trainer_state.pt"
 LORA_FILE = "pytorch_lora_weights.safetensors"
+# flags that change the shape of what a checkpoint holds: they cannot change on --resume
+RESUME_FIXED = ("full_finetune", "lora_rank", "lora_alpha", "lora_targets")
 
 
 def find_checkpoint(path: str) -> Path:
-    """A checkpoint folder, or a run folder (→ its latest checkpoint). Raises ValueError."""
-    p = Path(path)
+    """A checkpoint folder, or a run folder (→ its latest checkpoint). Raises ConfigError."""
+    p, latest = Path(path), Path(path, "checkpoints", "latest")
+    if not (p / CKPT_STATE).is_file() and latest.is_file():
+        p = latest.parent / latest.read_text().strip()
     if (p / CKPT_STATE).is_file():
         return p
-    latest = p / "checkpoints" / "latest"
-    if latest.is_file():
-        c = p / "checkpoints" / latest.read_text().strip()
-        if (c / CKPT_STATE).is_file():
-            return c
     raise ConfigError(f"--resume {path!r}: no checkpoint there (expected {CKPT_STATE} in it, or "
-                     "checkpoints/latest in a run folder)")
+                      "checkpoints/latest in a run folder)")
 
 
 def read_checkpoint(path: str) -> tuple[Path, dict]:
-    """Validate and read a checkpoint's trainer state before anything else happens."""
+    """(folder, trainer state) of a checkpoint, validated before anything else happens."""
     ckpt = find_checkpoint(path)
     try:
         state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
@@ -1373,63 +1329,45 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
             load_file(str(ckpt / LORA_FILE))
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
-                         f"({type(e).__name__}: {e}); pick another with --resume") from e
+                          f"({type(e).__name__}: {e}); pick another with --resume") from e
     return ckpt, state
 
 
-RESUME_FIXED = ("full_finetune", "lora_rank", "lora_alpha", "lora_targets")
-
-
-def check_resume_compat(args: "Args", saved: dict, ckpt) -> None:
-    """Flags that change the shape of what a checkpoint holds cannot change on --resume."""
-    for k in RESUME_FIXED:
-        if k in saved and saved[k] != getattr(args, k):
-            raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
-                              f"{saved[k]!r} ({ckpt}); drop --{k} to resume, or start a new run")
-
-
 def checkpoint_config(path: str) -> dict:
-    """The resolved config saved with a checkpoint (config.json), without loading its weights or
+    """The resolved config saved with a checkpoint (config.json), read without its weights or
     optimizer state; setup() validates and loads the rest."""
     ckpt = find_checkpoint(path)
     try:
         return json.loads((ckpt / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
-                          f"({type(e).__name__}: {e}); "
-                         "pick another with --resume") from e
+                          f"({type(e).__name__}: {e}); pick another with --resume") from e
 
 
-def trainable_state(transformer, full: bool) -> dict:
-    if full:
-        return {}
-    from peft.utils import get_peft_model_state_dict
-    return get_peft_model_state_dict(transformer)
-
-
-def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optimizer,
-                    scaler=None) -> Path:
+def save_checkpoint(run: Run, it: int) -> Path:
     """Write checkpoints/iter_XXXXXX and point checkpoints/latest at it. At every instant `latest`
     names a complete checkpoint: the new one is written to a temporary folder, renamed to a name
     no folder has, `latest` is switched atomically, and only then is an older copy removed.
     Folders and files follow the user's umask. A failed write (disk full) removes its temporary
     folder and raises ConfigError."""
-    ckdir = run_dir / "checkpoints"
+    ckdir, name = run.run_dir / "checkpoints", f"iter_{it:06d}"
     ckdir.mkdir(parents=True, exist_ok=True)
-    name = f"iter_{it:06d}"
     tmp = ckdir / f".tmp-{name}-{os.getpid()}-{time.time_ns()}"
     tmp.mkdir()                                            # umask applies (mkdtemp would give 0700)
+    config = dataclasses.asdict(run.args)
     try:
-        if args.full_finetune:
-            adapter.transformer.save_pretrained(tmp / "transformer")
+        if run.args.full_finetune:
+            run.adapter.transformer.save_pretrained(tmp / "transformer")
         else:
-            adapter.save_lora(str(tmp), trainable_state(adapter.transformer, False), lora_cfg)
+            from peft.utils import get_peft_model_state_dict
+            lora = get_peft_model_state_dict(run.adapter.transformer)
+            run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        torch.save({"iteration": it, "config": dataclasses.asdict(args),
-                    "optimizer": optimizer.state_dict(), "rng": rng,
-                    "scaler": scaler.state_dict() if scaler is not None else None}, tmp / CKPT_STATE)
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        scaler = run.scaler.state_dict() if run.scaler is not None else None
+        torch.save({"iteration": it, "config": config, "optimizer": run.opt.state_dict(),
+                    "rng": rng, "scaler": scaler}, tmp / CKPT_STATE)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         umask = os.umask(0)
         os.umask(umask)
         for f in tmp.rglob("*"):                           # safetensors writes files 0600
@@ -1438,7 +1376,7 @@ def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optim
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({e.strerror or e}); "
-                          f"free space there, then continue with --resume {run_dir}") from None
+                          f"free space there, then continue with --resume {run.run_dir}") from None
     latest = ckdir / "latest"
     current = latest.read_text().strip() if latest.is_file() else None
     # a re-save of the same iteration goes to the other of two names, never over `latest`'s folder
@@ -1446,9 +1384,8 @@ def save_checkpoint(run_dir: Path, it: int, adapter, args: Args, lora_cfg, optim
     if final.exists():
         shutil.rmtree(final)                               # not what `latest` names: safe to remove
     os.replace(tmp, final)
-    tmp_latest = ckdir / ".latest.tmp"
-    tmp_latest.write_text(final.name)
-    os.replace(tmp_latest, latest)                         # atomic switch
+    (ckdir / ".latest.tmp").write_text(final.name)
+    os.replace(ckdir / ".latest.tmp", latest)              # atomic switch
     for old in (ckdir / name, ckdir / (name + "-b")):      # the replaced copy of this iteration
         if old != final and old.exists():
             shutil.rmtree(old)
@@ -1473,12 +1410,10 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
 
 def setup_device(args: Args, local_rank: int = 0) -> tuple:
     """Device, compute dtype and the one autocast context used for every model call."""
-    if args.device == "auto":
-        dev = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    else:
-        dev = torch.device(args.device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device(f"cuda:{local_rank}")
+    dev = torch.device(args.device if args.device != "auto"
+                       else "cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device(f"cuda:{local_rank}")
     name = args.dtype if args.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
     if dev.type == "cuda":
@@ -1487,17 +1422,15 @@ def setup_device(args: Args, local_rank: int = 0) -> tuple:
         torch.backends.cudnn.allow_tf32 = True
     # SDPA kernels: the process-wide switches (not a context manager), so that gradient
     # checkpointing's recompute in backward uses the same kernel as the forward. Reset every setup.
+    # auto: everything but cuDNN on CUDA — its fused attention failed in the backward pass of
+    # FLUX.1-dev (head dim 128) on an H200 with torch 2.11 ("mha_graph.execute(...).is_good()").
     b = torch.backends.cuda
-    flags = {"flash": b.enable_flash_sdp, "efficient": b.enable_mem_efficient_sdp,
-             "math": b.enable_math_sdp, "cudnn": b.enable_cudnn_sdp}
-    for name, enable in flags.items():
-        # auto: everything but cuDNN on CUDA — its fused attention failed in the backward pass of
-        # FLUX.1-dev (head dim 128) on an H200 with torch 2.11 ("mha_graph.execute(...).is_good()").
+    for name, enable in {"flash": b.enable_flash_sdp, "efficient": b.enable_mem_efficient_sdp,
+                         "math": b.enable_math_sdp, "cudnn": b.enable_cudnn_sdp}.items():
         enable(name == args.attention_backend if args.attention_backend != "auto"
                else not (name == "cudnn" and dev.type == "cuda"))
-    ctx = (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
-           else contextlib.nullcontext())
-    return dev, dtype, ctx
+    return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
+                        else contextlib.nullcontext())
 
 
 # ---- data parallelism: `torchrun --nproc_per_node=N vgrpo.py ...` ------------------------------
@@ -1517,29 +1450,27 @@ def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate a tensor across ranks along its last dim, in rank order (identity if alone)."""
     if world == 1:
         return x
-    import torch.distributed as dist
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
+    torch.distributed.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
 
 
 def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Average a tensor over ranks, in place; returns it."""
     if world > 1:
-        import torch.distributed as dist
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM)
         x /= world
     return x
 
 
 class Shard:
-    """This rank's share of the global batch of N = P·G samples: whole groups, contiguous. Every
-    rank draws the same global prompts, noise and pairs; this is the one place that slices them."""
+    """This rank's share of the global batch of N = P·G samples, whole groups, contiguous: the one
+    place that slices what every rank draws alike (prompts, noise, pairs)."""
 
     def __init__(self, rank: int, world: int, P: int, G: int):
-        self.rank, self.world, self.P, self.G = rank, world, P, G
-        self.N = P * G
-        self.Pl, self.Nl = P // world, self.N // world        # prompts and samples of this rank
-        self.lo = rank * self.Nl                             # first global sample index of this rank
+        self.rank, self.N = rank, P * G
+        self.Pl, self.Nl = P // world, self.N // world     # prompts and samples of this rank
+        self.lo = rank * self.Nl                           # first global sample index of this rank
 
     def local(self, x):
         """This rank's rows of a global batch-first tensor (N, ...)."""
@@ -1584,14 +1515,13 @@ class Run:
 
 def check_world(args: Args, world: int) -> None:
     """Under torchrun, every rank must hold whole groups and split them into μ equal minibatches."""
-    if world == 1:
-        return
-    if args.prompts_per_iter % world:
-        raise ConfigError(f"--prompts_per_iter {args.prompts_per_iter} must be divisible by the "
-                          f"{world} processes: a group is never split across ranks")
-    if (args.prompts_per_iter // world * args.group_size) % args.mu:
-        raise ConfigError(f"each rank's {args.prompts_per_iter // world * args.group_size} samples "
-                          f"must split into --mu {args.mu} equal minibatches")
+    P, G = args.prompts_per_iter, args.group_size
+    if world > 1 and P % world:
+        raise ConfigError(f"--prompts_per_iter {P} must be divisible by the {world} processes: "
+                          "a group is never split across ranks")
+    if world > 1 and P // world * G % args.mu:
+        raise ConfigError(f"each rank's {P // world * G} samples must split into --mu {args.mu} "
+                          "equal minibatches")
 
 
 def make_trainable(tr, args: Args) -> tuple:
@@ -1610,38 +1540,25 @@ def make_trainable(tr, args: Args) -> tuple:
     return lora_cfg, params, opt
 
 
-def restore_checkpoint(adapter, ckpt: Path, state: dict, args: Args, opt, scaler) -> int:
-    """Load weights, optimizer, loss scale and RNG states of a checkpoint; returns its iteration."""
-    load_trainable(adapter, ckpt, args.full_finetune)
-    opt.load_state_dict(state["optimizer"])
-    if state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
-    rng = state["rng"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return state["iteration"]
-
-
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     """Validate, load the model and rewards, attach LoRA, build the optimizer, restore a checkpoint.
     Writes nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
     check_args(args)
     train_prompts, eval_prompts = load_prompts(args)
     ckpt, ck_state = read_checkpoint(args.resume) if args.resume else (None, None)
-    if ckpt is not None:
-        check_resume_compat(args, ck_state["config"], ckpt)
+    saved = ck_state["config"] if ckpt is not None else {}
+    for k in RESUME_FIXED:
+        if k in saved and saved[k] != getattr(args, k):
+            raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
+                              f"{saved[k]!r} ({ckpt}); drop --{k} to resume, or start a new run")
     location = resolve_model(args.model) if pipe is None else None
     if location is not None and os.path.isdir(location):
         check_local_pipeline(location)
     rank, world, local_rank = dist_info()
     check_world(args, world)
     dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
-    if world > 1:
-        import torch.distributed as dist
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     torch.manual_seed(args.seed)                           # same LoRA init on every rank
     random.seed(args.seed)
     rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
@@ -1660,107 +1577,26 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op).
     scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
     start = 0
-    if ckpt is not None:
-        start = restore_checkpoint(adapter, ckpt, ck_state, args, opt, scaler)
+    if ckpt is not None:                      # weights, optimizer, loss scale and RNG states
+        load_trainable(adapter, ckpt, args.full_finetune)
+        opt.load_state_dict(ck_state["optimizer"])
+        if ck_state.get("scaler"):
+            scaler.load_state_dict(ck_state["scaler"])
+        rng = ck_state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        start = ck_state["iteration"]
     if world > 1:
-        import torch.distributed as dist
         for p in params:                                   # identical start on every rank
-            dist.broadcast(p.data, src=0)
-    sigmas = adapter.sigmas(args.num_steps)
+            torch.distributed.broadcast(p.data, src=0)
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
                lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
-               dev=dev, dtype=dtype, ctx=ctx,
-               sigmas=sigmas, eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
+               dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
+               eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
                D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world,
                scaler=scaler)
-
-
-def open_run_dir(run: Run, run_dir: Path) -> Path:
-    """Rank 0 decides the output folder's name, every rank learns it (sets run.run_dir)."""
-    if run.world > 1:
-        import torch.distributed as dist
-        box = [str(run_dir)]
-        dist.broadcast_object_list(box, src=0)
-        run_dir = Path(box[0])
-    run.run_dir = run_dir
-    return run_dir
-
-
-def start_log(run: Run) -> tuple:
-    """Rank 0: create the run folder, clear half-written checkpoints, write config.json, trim
-    metrics.jsonl on resume, print the banner. Returns (open log file, iterations evaluated)."""
-    args, run_dir = run.args, run.run_dir
-    mpath = run_dir / "metrics.jsonl"
-    done_evals: set = set()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    if mpath.exists():
-        done_evals = trim_metrics(mpath, run.start) if args.resume else set()
-    log_f = open(mpath, "a")
-    print(banner(run))
-    return log_f, done_evals
-
-
-def train(args: Args) -> list[dict]:
-    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
-    from tqdm.auto import tqdm
-    run_dir = plan_run_dir(args)                           # checked writable, not created yet
-    run = setup(args)                              # bad input fails here, having written nothing
-    main_rank = run.rank == 0
-
-    run_dir = open_run_dir(run, run_dir)
-    log_f, done_evals = None, set()
-    if main_rank:
-        log_f, done_evals = start_log(run)
-
-    def log(m: dict) -> None:
-        if log_f is not None:
-            log_f.write(json.dumps(m) + "\n")
-            log_f.flush()
-
-    def checkpoint(done: int) -> Optional[Path]:
-        path = save_checkpoint(run_dir, done, run.adapter, args, run.lora_cfg, run.opt,
-                               run.scaler) if main_rank else None
-        _barrier(run.world)
-        return path
-
-    history: list[dict] = []
-    bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
-               desc="V-GRPO", unit="it", disable=not main_rank)
-    try:
-        for it in bar:
-            if args.eval_every and it % args.eval_every == 0 and it not in done_evals and main_rank:
-                log(evaluate(run, it))
-            m = iteration(run, it)
-            history.append(m)
-            log(m)
-            bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
-            if main_rank:
-                tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
-                           f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  "
-                           f"cv {m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
-            if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
-                checkpoint(it + 1)
-        if args.eval_every and run.start < args.iterations and main_rank:
-            ev = evaluate(run, args.iterations)
-            log(ev)
-            tqdm.write(f"eval after {args.iterations} iterations: reward {ev['eval_reward_mean']:.4f}")
-    except KeyboardInterrupt:
-        done = history[-1]["iter"] + 1 if history else run.start
-        path = checkpoint(done)
-        if main_rank:
-            print(f"\ninterrupted: saved {path}; continue with --resume {run_dir}")
-    finally:
-        bar.close()
-        if log_f is not None:
-            log_f.close()
-        if run.world > 1:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    return history
 
 
 def plan_run_dir(args: Args) -> Path:
@@ -1786,52 +1622,111 @@ def plan_run_dir(args: Args) -> Path:
     return run_dir
 
 
-def trim_metrics(mpath: Path, start: int) -> set:
-    """On resume from the checkpoint after iteration `start`: drop the lines logged after it (they
-    are logged again), so each iteration appears once. Returns the iterations already evaluated."""
-    keep = []
-    for line in mpath.read_text().splitlines():
-        try:
-            m = json.loads(line)
-        except ValueError:
-            continue                                       # a line cut short by a kill
-        if m.get("iter", math.inf) < start or ("eval_reward_mean" in m and m["iter"] <= start):
-            keep.append(line)
-    tmp = mpath.with_name(mpath.name + ".tmp")
-    tmp.write_text("".join(l + "\n" for l in keep))
-    os.replace(tmp, mpath)
-    return {json.loads(l)["iter"] for l in keep if "eval_reward_mean" in l}
+def open_run_dir(run: Run, run_dir: Path) -> tuple:
+    """Every rank learns rank 0's run folder (sets run.run_dir). Rank 0 creates it, clears
+    half-written checkpoints, writes config.json, prints the banner and, on resume, drops the
+    lines of metrics.jsonl logged after the checkpoint (they are logged again, so each iteration
+    appears once). Returns (metrics.jsonl open to append or None, iterations already evaluated)."""
+    if run.world > 1:                                      # rank 0's time stamp names the folder
+        box = [str(run_dir)]
+        torch.distributed.broadcast_object_list(box, src=0)
+        run_dir = Path(box[0])
+    run.run_dir, mpath, evaluated = run_dir, run_dir / "metrics.jsonl", set()
+    if run.rank > 0:
+        return None, evaluated
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
+        shutil.rmtree(stale, ignore_errors=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
+    if run.args.resume and mpath.exists():
+        keep = []
+        for line in mpath.read_text().splitlines():
+            try:
+                m = json.loads(line)
+            except ValueError:
+                continue                                   # a line cut short by a kill
+            is_eval = "eval_reward_mean" in m
+            if m.get("iter", math.inf) < run.start or (is_eval and m["iter"] <= run.start):
+                keep.append(line)
+                if is_eval:
+                    evaluated.add(m["iter"])
+        tmp = mpath.with_name(mpath.name + ".tmp")
+        tmp.write_text("".join(l + "\n" for l in keep))
+        os.replace(tmp, mpath)
+    log_f = open(mpath, "a")
+    print(banner(run))
+    return log_f, evaluated
 
 
-def _barrier(world: int) -> None:
-    if world > 1:
-        import torch.distributed as dist
-        dist.barrier()
+def train(args: Args) -> list[dict]:
+    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
+    from tqdm.auto import tqdm
+    run_dir = plan_run_dir(args)                           # checked writable, not created yet
+    run = setup(args)                              # bad input fails here, having written nothing
+    log_f, done_evals = open_run_dir(run, run_dir)
+    main_rank = run.rank == 0
+
+    def checkpoint(done: int) -> Optional[Path]:           # rank 0 writes, every rank waits
+        path = save_checkpoint(run, done) if main_rank else None
+        if run.world > 1:
+            torch.distributed.barrier()
+        return path
+
+    history: list[dict] = []
+    bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
+               desc="V-GRPO", unit="it", disable=not main_rank)
+    try:
+        for it in bar:
+            if args.eval_every and it % args.eval_every == 0 and it not in done_evals and main_rank:
+                print(json.dumps(evaluate(run, it)), file=log_f, flush=True)
+            m = iteration(run, it)
+            history.append(m)
+            bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
+            if main_rank:
+                print(json.dumps(m), file=log_f, flush=True)
+                tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
+                           f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv "
+                           f"{m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}  "
+                           f"{m['time_iter']:.1f}s")
+            if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
+                checkpoint(it + 1)
+        if args.eval_every and run.start < args.iterations and main_rank:
+            ev = evaluate(run, args.iterations)
+            print(json.dumps(ev), file=log_f, flush=True)
+            tqdm.write(f"eval after {args.iterations} iterations: "
+                       f"reward {ev['eval_reward_mean']:.4f}")
+    except KeyboardInterrupt:
+        path = checkpoint(history[-1]["iter"] + 1 if history else run.start)
+        if main_rank:
+            print(f"\ninterrupted: saved {path}; continue with --resume {run.run_dir}")
+    finally:
+        bar.close()
+        if log_f is not None:
+            log_f.close()
+        if run.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return history
 
 
 @torch.no_grad()
 def evaluate(run: Run, it: int) -> dict:
     """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
-    with eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png and scores every --eval_rewards."""
-    args, ad = run.args, run.adapter
+    with eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png, scores every --eval_rewards."""
+    args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
     with lora_merged(ad.transformer, args.merge_lora_rollout):
         lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
                       run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
-    raw, imgs = decode_and_reward(ad, run.rewards, [n for n, _ in run.rewards.eval], lat, prompts,
-                                  args.reward_batch, keep_images=True,
-                                  ctx=run.ctx if args.vae_autocast else None)
+    raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval], lat, prompts, args.reward_batch,
+                                  keep_images=True, ctx=run.ctx if args.vae_autocast else None)
     if run.run_dir is not None:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
-    head = run.rewards.summary(raw, run.rewards.eval)
-    ev = {"iter": it, "eval_reward_unit": run.rewards.unit(run.rewards.eval),
-          "eval_nfe": len(run.eval_sigmas) - 1,
+    head = rw.summary(raw, rw.eval)
+    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval), "eval_nfe": len(run.eval_sigmas) - 1,
           "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
-    # non-finite rewards are dropped (and counted above)
-    ev["eval_reward_mean"], ev["eval_reward_std"] = _finite_mean_std(head)
-    for n, r in raw.items():
+    for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
     if ev["eval_n_nonfinite"]:
         from tqdm.auto import tqdm
@@ -2094,7 +1989,7 @@ P11 = "[paper P11] SD3.5-M Stage 1"
 class Args:
     # --- io --------------------------------------------------------------------------------------
     run_dir: Optional[str] = _f(None, "output folder (default runs/<model>-<reward>-<date>)")
-    prompts: Optional[str] = _f(None, "training prompts, one per line (default: built-in list)")
+    prompts: Optional[str] = _f(None, "training prompts file (default: examples/prompts.txt)")
     eval_prompts: Optional[str] = _f(None, "held-out prompts (default: split off --prompts)")
     eval_holdout: float = _f(0.1, "fraction of --prompts held out if no --eval_prompts")
     resume: Optional[str] = _f(None, "checkpoint folder, or a run folder (its latest checkpoint)")

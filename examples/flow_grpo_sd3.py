@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--reward", default="jpeg",
       help="as vgrpo.py: pickscore | jpeg | ... | module.path:function; weights a:1,b:1")
     a("--prompts", default=None,
-      help="training prompts file, one per line (default: vgrpo's built-in set)")
+      help="training prompts file, one per line (default: examples/prompts.txt)")
     a("--eval_prompts", default=None,
       help="held-out prompts file (default: split off --prompts, as vgrpo)")
     a("--prompts_per_iter", type=int, default=None, help="P (default: vgrpo's per-model preset)")
@@ -591,8 +591,9 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
         emit({"method": method, "iter": mine.iterations, "eval_reward_mean": after,
               **({"eval_reward_mean_raw": after_raw, "ema": True} if use_ema else {})})
         if out is not None:
+            from peft.utils import get_peft_model_state_dict
             adapter.save_lora(str(out / f"lora_{method}"),
-                              V.trainable_state(adapter.transformer, False), lora_cfg)
+                              get_peft_model_state_dict(adapter.transformer), lora_cfg)
         if use_ema:
             state["ema"].swap()                         # back to the trained weights
         moved = torch.sqrt(sum((p.detach().float() - init[n].float()).square().sum()
