@@ -70,8 +70,8 @@ CONTENTS (top-down, as the algorithm box reads; §2–§6 are the pure math)
     §1  imports, ConfigError         §6  GRPO loss and diagnostics
     §2  flow-matching math           §7  rewards: the contract, the models, the aggregate
     §3  ODE samplers                 §8  models: loading, SD3/FLUX adapters, LoRA
-    §4  group-relative advantages    §9  the loop: setup, iteration, evaluation, checkpoints,
-                                         torchrun
+    §4  group-relative advantages    §9  the loop: iteration and its steps, setup, train,
+                                         evaluation, run folder, checkpoints, torchrun
     §5  stratified pairs + surrogate §10 configuration (Args, presets, CLI), banner, main()
 """
 
@@ -171,7 +171,7 @@ def pack_latents(lat: torch.Tensor) -> torch.Tensor:
 def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
     """Inverse of pack_latents: (B, (H/2)·(W/2), 4C) → (B, C, H, W)."""
     B, _, C4 = x.shape
-    patches = x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # B, C, H/2, 2, W/2, 2
+    patches = x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # B,C,H/2,2,W/2,2
     return patches.reshape(B, C4 // 4, H, W)
 
 
@@ -1200,8 +1200,468 @@ def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True)
 
 
 # ------------------------------------------------------------------------------------------------
-# §9  Training loop: the algorithm box (§0) line by line, with logging, evaluation, checkpoints.
+# §9  Training loop, top-down: `iteration` is the algorithm box of §0, and its five steps follow
+#     it; then the run around it (state, setup, the outer loop, evaluation), then the plumbing a
+#     reader of the method can skip: the run folder and checkpoints, and torchrun.
 # ------------------------------------------------------------------------------------------------
+# ---- one iteration: the algorithm box of §0, step by step --------------------------------------
+def iteration(run: Run, it: int) -> dict:
+    """One V-GRPO iteration: the algorithm box in §0, Alg. steps 1–5. Returns host-side metrics
+    (one sync at the end)."""
+    timer = PhaseTimer(run.dev)
+    with timer("time_rollout"):
+        batch = collect_rollouts(run, it)                                   # step 1
+    with timer("time_reward", sync=False):
+        reward_and_advantages(run, batch)                                   # step 2
+    pairs = draw_iteration_pairs(run, it)                                   # step 3
+    mbs = minibatches(run, it)
+    with timer("time_old"):
+        s_old, x0h_old, cv = old_surrogates(run, batch, pairs, mbs)         # step 4
+    with timer("time_update"):
+        stats_acc, grad_norms = update_steps(run, batch, pairs, mbs, s_old, x0h_old)   # step 5
+    return iteration_metrics(run, it, batch, cv, stats_acc, grad_norms, timer)
+
+
+@dataclass
+class Rollouts:
+    """This rank's share of one iteration's rollout batch (Alg. steps 1–2); Nl = N / world rows."""
+    prompts: list                  # Pl prompts of this rank
+    cond: object                   # their encodings, Pl rows
+    prompt_idx: torch.Tensor       # (Nl,) row of cond per sample
+    x0: torch.Tensor               # (Nl, *D) fp32 actions o
+    raw_all: dict = None           # {reward name: (N,) raw, all ranks}, CPU
+    raw: torch.Tensor = None       # (N,) headline reward
+    adv: torch.Tensor = None       # (Nl,) advantages on dev
+    adv_stats: dict = None
+    skipped: bool = False          # every advantage is 0: nothing to learn
+
+
+def collect_rollouts(run: Run, it: int) -> Rollouts:
+    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (this rank's
+    whole groups only)."""
+    args, ad, sh = run.args, run.adapter, run.shard
+    P, n_tr = args.prompts_per_iter, len(run.train_prompts)
+    g_prompt, g_noise = _gen(args.seed, it, 0), _gen(args.seed, it, 1)
+    pick = (torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr
+            else torch.randint(n_tr, (P,), generator=g_prompt))
+    prompts = sh.local_prompts([run.train_prompts[i] for i in pick.tolist()])
+    cond = ad.encode(prompts)                                               # Pl rows
+    prompt_idx = (torch.arange(sh.Nl) // args.group_size).to(run.dev)       # (Nl,)
+    x1 = sh.local(torch.randn((sh.N,) + run.D, generator=g_noise)).to(run.dev)   # (Nl, *D)
+    with lora_merged(ad.transformer, args.merge_lora_rollout):     # θ_old = θ, merged or not
+        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
+    return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)
+
+
+def reward_and_advantages(run: Run, b: Rollouts) -> None:
+    """[Alg. step 2] rewards (all-gathered: advantages see the global batch) and advantages;
+    fills b.raw_all, b.raw, b.adv, b.adv_stats, b.skipped."""
+    args, sh, G = run.args, run.shard, run.args.group_size
+    names = [n for n, _ in run.rewards.train]
+    raw_loc, _ = decode_and_reward(run.adapter, run.rewards, names, b.x0,
+                                   [b.prompts[i // G] for i in range(sh.Nl)], args.reward_batch,
+                                   ctx=run.ctx if args.vae_autocast else None)
+    gathered = _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(run.dev), run.world)
+    b.raw_all = dict(zip(names, gathered.cpu()))                            # {name: (N,)}
+    values = run.rewards.training_values(b.raw_all, run.rewards.train)
+    values = values.view(-1, args.prompts_per_iter, G)                      # (R, P, G)
+    weights = torch.tensor([w for _, w in run.rewards.train])
+    aggregate = (per_reward_advantages if args.reward_aggregation == "per_reward"
+                 else weighted_sum_advantages)
+    adv, b.adv_stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
+                                 clamp=args.adv_clamp, eta=args.soft_clip_eta)
+    b.skipped = bool((adv == 0).all())           # nothing to learn (e.g. every reward dropped)
+    b.adv = sh.local(adv.flatten()).to(run.dev)                             # (Nl,)
+    b.raw = run.rewards.summary(b.raw_all, run.rewards.train)               # (N,) headline reward
+
+
+def draw_iteration_pairs(run: Run, it: int) -> Pairs:
+    """[Alg. step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ
+    step; drawn from the same generator on every rank, then broadcast from rank 0 to be safe."""
+    args, N, G = run.args, run.shard.N, run.args.group_size
+    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [ours C4]
+             "group": torch.arange(N) // G, "none": torch.arange(N)}[args.pair_sharing]
+    pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
+                       generator=_gen(args.seed, it, 2))
+    pairs = Pairs(t=pairs.t.to(run.dev), eps=pairs.eps.to(run.dev), index=pairs.index.to(run.dev))
+    if run.world > 1:
+        import torch.distributed as dist
+        dist.broadcast(pairs.t, src=0)
+        dist.broadcast(pairs.eps, src=0)
+    return pairs
+
+
+def minibatches(run: Run, it: int) -> tuple:
+    """The μ optimizer steps' disjoint minibatches of local rows, drawn before Alg. step 4 so that
+    S_old is computed in exactly the micro-batches (rows and shapes) the first step uses: its
+    ratio is then exactly 1 for any μ."""
+    args, Nl, dev = run.args, run.shard.Nl, run.dev
+    perm = (torch.randperm(Nl, generator=_gen(args.seed, it, 3)).to(dev) if args.mu > 1
+            else torch.arange(Nl, device=dev))
+    return perm.tensor_split(args.mu)
+
+
+@torch.no_grad()
+def old_surrogates(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple):
+    """[Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
+    Returns s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only with the KL), surrogate-CV stats."""
+    args, Nl, J = run.args, run.shard.Nl, run.args.n_mc
+    want_kl = args.kl_coef > 0
+    s_old = torch.empty(Nl, J, device=run.dev)
+    x0h_old = torch.empty((Nl, J) + run.D, device=run.dev) if want_kl else None
+    for rows in (r for mb in mbs for r in mb.split(args.micro_batch)):
+        s, x0h = local_surrogates(run, b, pairs, rows, want_kl)
+        s_old[rows] = s
+        if want_kl:
+            x0h_old[rows] = x0h
+    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)            # (N,)
+    cv = surrogate_cv(S_all.view(args.prompts_per_iter, args.group_size))
+    return s_old, x0h_old, cv
+
+
+def local_surrogates(run: Run, b: Rollouts, pairs: Pairs, rows: torch.Tensor, want_x0_hat: bool):
+    """(s (m, J), x̂0 (m, J, *D) or None) of local samples `rows` with the current parameters."""
+    args = run.args
+    t_r, e_r = pairs.take(run.shard.global_rows(rows))             # pairs are indexed globally
+    with run.ctx:
+        call = (run.adapter.velocity, b.x0[rows], select(b.cond, b.prompt_idx[rows]), t_r, e_r)
+        kw = dict(parameterization=args.parameterization, adaptive=args.adaptive_weighting,
+                  mae_floor=args.mae_floor)
+        if want_x0_hat:
+            return pair_surrogates_with_x0(*call, **kw)
+        return pair_surrogates(*call, **kw), None
+
+
+def update_steps(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple, s_old, x0h_old):
+    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
+    Returns ({stat: [per micro-batch tensors]}, [grad norm per step])."""
+    args, want_kl = run.args, run.args.kl_coef > 0
+    stats_acc: dict[str, list] = {}
+    grad_norms = []
+    for step, mb in enumerate(mbs if not b.skipped else []):
+        run.opt.zero_grad(set_to_none=True)
+        for rows in mb.split(args.micro_batch):
+            s_new, x0h = local_surrogates(run, b, pairs, rows, want_kl)
+            kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
+            loss, st = vgrpo_loss(s_new, s_old[rows], b.adv[rows], clip_eps=args.clip_eps, kl=kl,
+                                  kl_coef=args.kl_coef)
+            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [ours C16]
+            (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+            for k, v in st.items():
+                stats_acc.setdefault(k, []).append(v)
+            if step == 0:
+                stats_acc.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
+        grad_norms.append(optimizer_step(run))
+    run.opt.zero_grad(set_to_none=True)
+    return stats_acc, grad_norms
+
+
+def optimizer_step(run: Run) -> torch.Tensor:
+    """Average gradients over ranks, unscale (fp16), clip, step unless the norm is non-finite.
+    Returns the pre-clip gradient norm (fp32 tensor)."""
+    for p in run.params:                              # average gradients over ranks (DDP); a
+        if p.grad is not None:                        # None grad is None on every rank (same graph)
+            _all_reduce_mean(p.grad, run.world)
+    if run.scaler:
+        run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
+    gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
+    if torch.isfinite(gn):
+        run.scaler.step(run.opt) if run.scaler else run.opt.step()
+    if run.scaler:
+        run.scaler.update()                           # halve the scale after an overflow
+    return gn.detach().float()
+
+
+def iteration_metrics(run: Run, it: int, b: Rollouts, cv: dict, stats_acc: dict,
+                      grad_norms: list, timer: PhaseTimer) -> dict:
+    """One host sync for everything logged; local stats averaged over ranks."""
+    args, world = run.args, run.world
+    gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
+    scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
+    scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
+    vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), world)
+    scal = {**dict(zip(scal, vec)), **b.adv_stats, **cv}
+    if world > 1:                                         # all ranks must hold the same parameters
+        fp = torch.stack([p.detach().double().sum() for p in run.params]).sum().reshape(1)
+        fps = _all_gather_cat(fp, world)
+        scal["param_desync"] = (fps.max() - fps.min()).float()
+    host = dict(zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist()))
+    mean, std = _finite_mean_std(b.raw)
+    scaled = run.scaler is not None and run.scaler.is_enabled()
+    m = {"iter": it, "reward_mean": mean, "reward_std": std,
+         "reward_unit": run.rewards.unit(run.rewards.train),
+         "n_nonfinite_reward": int((~torch.isfinite(b.raw)).sum()), "skipped": b.skipped,
+         **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
+         "grad_scale": float(run.scaler.get_scale()) if scaled else 1.0,
+         "nfe_rollout": args.num_steps, "nfe_old": args.num_steps + args.n_mc,
+         "nfe_theta": args.n_mc}
+    if len(b.raw_all) > 1:
+        for n, r in b.raw_all.items():
+            m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
+    for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
+        m.setdefault(k, float("nan") if b.skipped else 0.0)
+    if m["n_nonfinite_reward"] and run.rank == 0:
+        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
+        tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
+                   f"dropped (advantage 0){'; update skipped' if b.skipped else ''}",
+                   file=sys.stderr)
+    m["time_iter"] = timer.total()
+    return m
+
+
+def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
+    """Mean and population std of the finite entries of r; (nan, nan) if there are none."""
+    f = r[torch.isfinite(r)]
+    return ((f.mean().item(), f.std(unbiased=False).item()) if len(f)
+            else (float("nan"), float("nan")))
+
+
+@torch.no_grad()
+def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
+            solver: str, batch: int, ctx) -> torch.Tensor:
+    """ODE-solve every row of x1 (N, C, H, W) with the current policy, `batch` rows at a time.
+    Returns latents (N, C, H, W) fp32 — the actions o."""
+    out = []
+    for rows in torch.arange(len(x1)).split(batch):
+        with ctx:
+            x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
+            out.append(x0.float())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
+                      prompts: list[str], batch: int, keep_images: bool = False, ctx=None):
+    """Decode once and score with every named reward, in chunks of `batch` images; the VAE decodes
+    in fp32, or under `ctx` (the compute-dtype autocast) if given.
+    Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
+    raw: dict[str, list] = {n: [] for n in names}
+    imgs = []
+    for rows in torch.arange(len(latents)).split(batch):
+        with ctx or contextlib.nullcontext():
+            im = adapter.decode(latents[rows])
+        for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
+            raw[n].append(r)
+        if keep_images:
+            imgs.append((im * 255).round().to(torch.uint8).cpu())
+    return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
+
+
+def select(cond, rows: torch.Tensor):
+    """Rows of every tensor in a (dict of) batch-first tensors."""
+    return {k: v[rows] for k, v in cond.items()} if isinstance(cond, dict) else cond[rows]
+
+
+def _gen(seed: int, it: int, stream: int) -> torch.Generator:
+    """An independent CPU generator per (seed, iteration, stream): a resumed run redraws exactly
+    the prompts, noises and pairs the uninterrupted run would have drawn."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase, `with timer("time_old"): ...`; syncs the GPU before reading
+    the clock (sync=False for host-bound phases). `timer.times` holds {key: seconds}."""
+
+    def __init__(self, dev: torch.device):
+        self.dev, self.times, self.t0 = dev, {}, time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, key: str, sync: bool = True):
+        t = time.perf_counter()
+        yield
+        if sync:
+            _sync(self.dev)
+        self.times[key] = time.perf_counter() - t
+
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _sync(dev: torch.device) -> None:
+    """Wait for the GPU before reading a wall clock (phase timings only)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# ---- the run: state, setup, the outer loop, evaluation -----------------------------------------
+@dataclass
+class Run:
+    """Everything an iteration needs, built once by `setup` (the loop's state, no globals)."""
+    args: Args
+    adapter: object
+    rewards: Rewards
+    opt: torch.optim.Optimizer
+    params: list
+    lora_cfg: object
+    train_prompts: list
+    eval_prompts: list
+    dev: torch.device
+    dtype: torch.dtype
+    ctx: object
+    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
+    eval_sigmas: torch.Tensor     # (K_eval + 1,)
+    D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
+    start: int = 0                # first iteration (> 0 when resumed)
+    rank: int = 0
+    world: int = 1
+    run_dir: Optional[Path] = None
+    scaler: Optional[object] = None  # torch.amp.GradScaler, active under --dtype fp16
+
+    @property
+    def shard(self) -> Shard:
+        return Shard(self.rank, self.world, self.args.prompts_per_iter, self.args.group_size)
+
+
+def train(args: Args) -> list[dict]:
+    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
+    from tqdm.auto import tqdm
+    run_dir = plan_run_dir(args)                           # checked writable, not created yet
+    run = setup(args)                              # bad input fails here, having written nothing
+    log_f, done_evals = open_run_dir(run, run_dir)
+    main_rank = run.rank == 0
+
+    def checkpoint(done: int) -> Optional[Path]:           # rank 0 writes, every rank waits
+        path = save_checkpoint(run, done) if main_rank else None
+        if run.world > 1:
+            torch.distributed.barrier()
+        return path
+
+    history: list[dict] = []
+    bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
+               desc="V-GRPO", unit="it", disable=not main_rank)
+    try:
+        for it in bar:
+            if args.eval_every and it % args.eval_every == 0 and it not in done_evals and main_rank:
+                print(json.dumps(evaluate(run, it)), file=log_f, flush=True)
+            m = iteration(run, it)
+            history.append(m)
+            bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
+            if main_rank:
+                print(json.dumps(m), file=log_f, flush=True)
+                tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
+                           f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv "
+                           f"{m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}  "
+                           f"{m['time_iter']:.1f}s")
+            if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
+                checkpoint(it + 1)
+        if args.eval_every and run.start < args.iterations and main_rank:
+            ev = evaluate(run, args.iterations)
+            print(json.dumps(ev), file=log_f, flush=True)
+            tqdm.write(f"eval after {args.iterations} iterations: "
+                       f"reward {ev['eval_reward_mean']:.4f}")
+    except KeyboardInterrupt:
+        path = checkpoint(history[-1]["iter"] + 1 if history else run.start)
+        if main_rank:
+            print(f"\ninterrupted: saved {path}; continue with --resume {run.run_dir}")
+    finally:
+        bar.close()
+        if log_f is not None:
+            log_f.close()
+        if run.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return history
+
+
+def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
+    """Validate, load the model and rewards, attach LoRA, build the optimizer, restore a checkpoint.
+    Writes nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
+    check_args(args)
+    train_prompts, eval_prompts = load_prompts(args)
+    ckpt, ck_state = read_checkpoint(args.resume) if args.resume else (None, None)
+    saved = ck_state["config"] if ckpt is not None else {}
+    for k in RESUME_FIXED:
+        if k in saved and saved[k] != getattr(args, k):
+            raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
+                              f"{saved[k]!r} ({ckpt}); drop --{k} to resume, or start a new run")
+    location = resolve_model(args.model) if pipe is None else None
+    if location is not None and os.path.isdir(location):
+        check_local_pipeline(location)
+    rank, world, local_rank = dist_info()
+    check_world(args, world)
+    dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    torch.manual_seed(args.seed)                           # same LoRA init on every rank
+    random.seed(args.seed)
+    rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
+    for m in rewards.models.values():                      # plug-ins fail here, in one line
+        if isinstance(m, PluginReward):
+            m.probe(min(args.resolution, 256), dev, train_prompts)
+    pipe = pipe if pipe is not None else load_pipeline(args.model, dtype)
+    pipe.to(dev)
+    pipe.vae.to(torch.float32)
+    adapter = make_adapter(pipe, args, dev)
+    if args.offload_text_encoders:                   # embed every prompt once, free the encoders
+        adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
+
+    lora_cfg, params, opt = make_trainable(adapter.transformer, args)
+    # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
+    # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op).
+    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
+    start = 0
+    if ckpt is not None:                      # weights, optimizer, loss scale and RNG states
+        load_trainable(adapter, ckpt, args.full_finetune)
+        opt.load_state_dict(ck_state["optimizer"])
+        if ck_state.get("scaler"):
+            scaler.load_state_dict(ck_state["scaler"])
+        rng = ck_state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        start = ck_state["iteration"]
+    if world > 1:
+        for p in params:                                   # identical start on every rank
+            torch.distributed.broadcast(p.data, src=0)
+    return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
+               lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
+               dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
+               eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
+               D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world,
+               scaler=scaler)
+
+
+def make_trainable(tr, args: Args) -> tuple:
+    """Trainable parameters, LoRA (default) or the whole transformer, and their AdamW.
+    Returns (lora_cfg or None, params, optimizer)."""
+    lora_cfg = None
+    if args.full_finetune:
+        tr.to(torch.float32).requires_grad_(True)      # fp32 master weights, bf16 autocast compute
+    else:
+        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+    if args.gradient_checkpointing:
+        tr.enable_gradient_checkpointing()
+    compile_blocks(tr, args.compile_backend, enabled=args.compile)   # after LoRA: compiles it too
+    params = [p for p in tr.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    return lora_cfg, params, opt
+
+
+def setup_device(args: Args, local_rank: int = 0) -> tuple:
+    """Device, compute dtype and the one autocast context used for every model call."""
+    dev = torch.device(args.device if args.device != "auto"
+                       else "cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device(f"cuda:{local_rank}")
+    name = args.dtype if args.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        torch.backends.cuda.matmul.allow_tf32 = True   # fp32 matmuls (surrogate math): tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    # SDPA kernels: the process-wide switches (not a context manager), so that gradient
+    # checkpointing's recompute in backward uses the same kernel as the forward. Reset every setup.
+    # auto: everything but cuDNN on CUDA — its fused attention failed in the backward pass of
+    # FLUX.1-dev (head dim 128) on an H200 with torch 2.11 ("mha_graph.execute(...).is_good()").
+    b = torch.backends.cuda
+    for name, enable in {"flash": b.enable_flash_sdp, "efficient": b.enable_mem_efficient_sdp,
+                         "math": b.enable_math_sdp, "cudnn": b.enable_cudnn_sdp}.items():
+        enable(name == args.attention_backend if args.attention_backend != "auto"
+               else not (name == "cudnn" and dev.type == "cuda"))
+    return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
+                        else contextlib.nullcontext())
+
+
 def load_prompts(args: Args) -> tuple[list[str], list[str]]:
     """(train, eval) prompt lists: --prompts / --eval_prompts files, or examples/prompts.txt (40
     varied prompts written for this project, so a run works out of the box; every 5th held out)."""
@@ -1244,46 +1704,31 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
     return train, held or train[:1]
 
 
-def select(cond, rows: torch.Tensor):
-    """Rows of every tensor in a (dict of) batch-first tensors."""
-    return {k: v[rows] for k, v in cond.items()} if isinstance(cond, dict) else cond[rows]
-
-
-def _gen(seed: int, it: int, stream: int) -> torch.Generator:
-    """An independent CPU generator per (seed, iteration, stream): a resumed run redraws exactly
-    the prompts, noises and pairs the uninterrupted run would have drawn."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
-
-
 @torch.no_grad()
-def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
-            solver: str, batch: int, ctx) -> torch.Tensor:
-    """ODE-solve every row of x1 (N, C, H, W) with the current policy, `batch` rows at a time.
-    Returns latents (N, C, H, W) fp32 — the actions o."""
-    out = []
-    for rows in torch.arange(len(x1)).split(batch):
-        with ctx:
-            x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
-            out.append(x0.float())
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
-                      prompts: list[str], batch: int, keep_images: bool = False, ctx=None):
-    """Decode once and score with every named reward, in chunks of `batch` images; the VAE decodes
-    in fp32, or under `ctx` (the compute-dtype autocast) if given.
-    Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
-    raw: dict[str, list] = {n: [] for n in names}
-    imgs = []
-    for rows in torch.arange(len(latents)).split(batch):
-        with ctx or contextlib.nullcontext():
-            im = adapter.decode(latents[rows])
-        for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
-            raw[n].append(r)
-        if keep_images:
-            imgs.append((im * 255).round().to(torch.uint8).cpu())
-    return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
+def evaluate(run: Run, it: int) -> dict:
+    """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
+    with eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png, scores every --eval_rewards."""
+    args, ad, rw = run.args, run.adapter, run.rewards
+    prompts = run.eval_prompts[:args.n_eval]
+    x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
+    with lora_merged(ad.transformer, args.merge_lora_rollout):
+        lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
+                      run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
+    raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval], lat, prompts, args.reward_batch,
+                                  keep_images=True, ctx=run.ctx if args.vae_autocast else None)
+    if run.run_dir is not None:
+        (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
+        save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
+    head = rw.summary(raw, rw.eval)
+    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval), "eval_nfe": len(run.eval_sigmas) - 1,
+          "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
+    for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
+        ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
+    if ev["eval_n_nonfinite"]:
+        from tqdm.auto import tqdm
+        tqdm.write(f"warning: evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite "
+                   "reward(s) dropped", file=sys.stderr)
+    return ev
 
 
 def save_grid(images_u8: torch.Tensor, path: Path) -> None:
@@ -1296,6 +1741,66 @@ def save_grid(images_u8: torch.Tensor, path: Path) -> None:
     grid[:n] = images_u8
     grid = grid.view(rows, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, cols * w, 3)
     Image.fromarray(grid.numpy()).save(path)
+
+
+# ---- the run folder: planned before anything loads, created by rank 0 -------------------------
+def plan_run_dir(args: Args) -> Path:
+    """The run folder (--run_dir, the resumed run's folder, or runs/<model>-<rewards>-<time>),
+    checked writable before anything loads; nothing is created here."""
+    if args.resume and args.run_dir is None:
+        run_dir = find_checkpoint(args.resume).parent.parent
+    else:
+        tag = "+".join(n.split(":")[-1] for n, _ in parse_reward_spec(args.reward))
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{stamp}")
+    p = run_dir.absolute()
+    top = next(q for q in (p, *p.parents) if q.exists())     # deepest part that exists
+    if not top.is_dir():
+        raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder; "
+                          "pass another --run_dir")
+    try:
+        with tempfile.TemporaryFile(dir=top):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
+                          f"({e.strerror}); pass a writable --run_dir") from None
+    return run_dir
+
+
+def open_run_dir(run: Run, run_dir: Path) -> tuple:
+    """Every rank learns rank 0's run folder (sets run.run_dir). Rank 0 creates it, clears
+    half-written checkpoints, writes config.json, prints the banner and, on resume, drops the
+    lines of metrics.jsonl logged after the checkpoint (they are logged again, so each iteration
+    appears once). Returns (metrics.jsonl open to append or None, iterations already evaluated)."""
+    if run.world > 1:                                      # rank 0's time stamp names the folder
+        box = [str(run_dir)]
+        torch.distributed.broadcast_object_list(box, src=0)
+        run_dir = Path(box[0])
+    run.run_dir, mpath, evaluated = run_dir, run_dir / "metrics.jsonl", set()
+    if run.rank > 0:
+        return None, evaluated
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
+        shutil.rmtree(stale, ignore_errors=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
+    if run.args.resume and mpath.exists():
+        keep = []
+        for line in mpath.read_text().splitlines():
+            try:
+                m = json.loads(line)
+            except ValueError:
+                continue                                   # a line cut short by a kill
+            is_eval = "eval_reward_mean" in m
+            if m.get("iter", math.inf) < run.start or (is_eval and m["iter"] <= run.start):
+                keep.append(line)
+                if is_eval:
+                    evaluated.add(m["iter"])
+        tmp = mpath.with_name(mpath.name + ".tmp")
+        tmp.write_text("".join(l + "\n" for l in keep))
+        os.replace(tmp, mpath)
+    log_f = open(mpath, "a")
+    print(banner(run))
+    return log_f, evaluated
 
 
 # ---- checkpoints: written to a temp folder and renamed, so a crash never leaves half of one -----
@@ -1408,31 +1913,6 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
                           f"{res.unexpected_keys[:3]}")
 
 
-def setup_device(args: Args, local_rank: int = 0) -> tuple:
-    """Device, compute dtype and the one autocast context used for every model call."""
-    dev = torch.device(args.device if args.device != "auto"
-                       else "cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device(f"cuda:{local_rank}")
-    name = args.dtype if args.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-        torch.backends.cuda.matmul.allow_tf32 = True   # fp32 matmuls (surrogate math): tensor cores
-        torch.backends.cudnn.allow_tf32 = True
-    # SDPA kernels: the process-wide switches (not a context manager), so that gradient
-    # checkpointing's recompute in backward uses the same kernel as the forward. Reset every setup.
-    # auto: everything but cuDNN on CUDA — its fused attention failed in the backward pass of
-    # FLUX.1-dev (head dim 128) on an H200 with torch 2.11 ("mha_graph.execute(...).is_good()").
-    b = torch.backends.cuda
-    for name, enable in {"flash": b.enable_flash_sdp, "efficient": b.enable_mem_efficient_sdp,
-                         "math": b.enable_math_sdp, "cudnn": b.enable_cudnn_sdp}.items():
-        enable(name == args.attention_backend if args.attention_backend != "auto"
-               else not (name == "cudnn" and dev.type == "cuda"))
-    return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
-                        else contextlib.nullcontext())
-
-
 # ---- data parallelism: `torchrun --nproc_per_node=N vgrpo.py ...` ------------------------------
 # nanoGPT's pattern: WORLD_SIZE > 1 in the environment ⇒ torch.distributed (NCCL on GPUs, gloo on
 # CPU). Every rank draws the same global prompts, noise and pairs from the (seed, iteration)
@@ -1446,21 +1926,15 @@ def dist_info() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
-def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate a tensor across ranks along its last dim, in rank order (identity if alone)."""
-    if world == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
-
-
-def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Average a tensor over ranks, in place; returns it."""
-    if world > 1:
-        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM)
-        x /= world
-    return x
+def check_world(args: Args, world: int) -> None:
+    """Under torchrun, every rank must hold whole groups and split them into μ equal minibatches."""
+    P, G = args.prompts_per_iter, args.group_size
+    if world > 1 and P % world:
+        raise ConfigError(f"--prompts_per_iter {P} must be divisible by the {world} processes: "
+                          "a group is never split across ranks")
+    if world > 1 and P // world * G % args.mu:
+        raise ConfigError(f"each rank's {P // world * G} samples must split into --mu {args.mu} "
+                          "equal minibatches")
 
 
 class Shard:
@@ -1485,490 +1959,21 @@ class Shard:
         return rows + self.lo
 
 
-@dataclass
-class Run:
-    """Everything an iteration needs, built once by `setup` (the loop's state, no globals)."""
-    args: Args
-    adapter: object
-    rewards: Rewards
-    opt: torch.optim.Optimizer
-    params: list
-    lora_cfg: object
-    train_prompts: list
-    eval_prompts: list
-    dev: torch.device
-    dtype: torch.dtype
-    ctx: object
-    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
-    eval_sigmas: torch.Tensor     # (K_eval + 1,)
-    D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
-    start: int = 0                # first iteration (> 0 when resumed)
-    rank: int = 0
-    world: int = 1
-    run_dir: Optional[Path] = None
-    scaler: Optional[object] = None  # torch.amp.GradScaler, active under --dtype fp16
-
-    @property
-    def shard(self) -> Shard:
-        return Shard(self.rank, self.world, self.args.prompts_per_iter, self.args.group_size)
+def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate a tensor across ranks along its last dim, in rank order (identity if alone)."""
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
 
 
-def check_world(args: Args, world: int) -> None:
-    """Under torchrun, every rank must hold whole groups and split them into μ equal minibatches."""
-    P, G = args.prompts_per_iter, args.group_size
-    if world > 1 and P % world:
-        raise ConfigError(f"--prompts_per_iter {P} must be divisible by the {world} processes: "
-                          "a group is never split across ranks")
-    if world > 1 and P // world * G % args.mu:
-        raise ConfigError(f"each rank's {P // world * G} samples must split into --mu {args.mu} "
-                          "equal minibatches")
-
-
-def make_trainable(tr, args: Args) -> tuple:
-    """Trainable parameters, LoRA (default) or the whole transformer, and their AdamW.
-    Returns (lora_cfg or None, params, optimizer)."""
-    lora_cfg = None
-    if args.full_finetune:
-        tr.to(torch.float32).requires_grad_(True)      # fp32 master weights, bf16 autocast compute
-    else:
-        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
-    if args.gradient_checkpointing:
-        tr.enable_gradient_checkpointing()
-    compile_blocks(tr, args.compile_backend, enabled=args.compile)   # after LoRA: compiles it too
-    params = [p for p in tr.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    return lora_cfg, params, opt
-
-
-def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
-    """Validate, load the model and rewards, attach LoRA, build the optimizer, restore a checkpoint.
-    Writes nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
-    check_args(args)
-    train_prompts, eval_prompts = load_prompts(args)
-    ckpt, ck_state = read_checkpoint(args.resume) if args.resume else (None, None)
-    saved = ck_state["config"] if ckpt is not None else {}
-    for k in RESUME_FIXED:
-        if k in saved and saved[k] != getattr(args, k):
-            raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
-                              f"{saved[k]!r} ({ckpt}); drop --{k} to resume, or start a new run")
-    location = resolve_model(args.model) if pipe is None else None
-    if location is not None and os.path.isdir(location):
-        check_local_pipeline(location)
-    rank, world, local_rank = dist_info()
-    check_world(args, world)
-    dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
-    if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    torch.manual_seed(args.seed)                           # same LoRA init on every rank
-    random.seed(args.seed)
-    rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
-    for m in rewards.models.values():                      # plug-ins fail here, in one line
-        if isinstance(m, PluginReward):
-            m.probe(min(args.resolution, 256), dev, train_prompts)
-    pipe = pipe if pipe is not None else load_pipeline(args.model, dtype)
-    pipe.to(dev)
-    pipe.vae.to(torch.float32)
-    adapter = make_adapter(pipe, args, dev)
-    if args.offload_text_encoders:                   # embed every prompt once, free the encoders
-        adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
-
-    lora_cfg, params, opt = make_trainable(adapter.transformer, args)
-    # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
-    # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op).
-    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
-    start = 0
-    if ckpt is not None:                      # weights, optimizer, loss scale and RNG states
-        load_trainable(adapter, ckpt, args.full_finetune)
-        opt.load_state_dict(ck_state["optimizer"])
-        if ck_state.get("scaler"):
-            scaler.load_state_dict(ck_state["scaler"])
-        rng = ck_state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        start = ck_state["iteration"]
+def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Average a tensor over ranks, in place; returns it."""
     if world > 1:
-        for p in params:                                   # identical start on every rank
-            torch.distributed.broadcast(p.data, src=0)
-    return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
-               lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
-               dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
-               eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
-               D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world,
-               scaler=scaler)
-
-
-def plan_run_dir(args: Args) -> Path:
-    """The run folder (--run_dir, the resumed run's folder, or runs/<model>-<rewards>-<time>),
-    checked writable before anything loads; nothing is created here."""
-    if args.resume and args.run_dir is None:
-        run_dir = find_checkpoint(args.resume).parent.parent
-    else:
-        tag = "+".join(n.split(":")[-1] for n, _ in parse_reward_spec(args.reward))
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{stamp}")
-    p = run_dir.absolute()
-    top = next(q for q in (p, *p.parents) if q.exists())     # deepest part that exists
-    if not top.is_dir():
-        raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder; "
-                          "pass another --run_dir")
-    try:
-        with tempfile.TemporaryFile(dir=top):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
-                          f"({e.strerror}); pass a writable --run_dir") from None
-    return run_dir
-
-
-def open_run_dir(run: Run, run_dir: Path) -> tuple:
-    """Every rank learns rank 0's run folder (sets run.run_dir). Rank 0 creates it, clears
-    half-written checkpoints, writes config.json, prints the banner and, on resume, drops the
-    lines of metrics.jsonl logged after the checkpoint (they are logged again, so each iteration
-    appears once). Returns (metrics.jsonl open to append or None, iterations already evaluated)."""
-    if run.world > 1:                                      # rank 0's time stamp names the folder
-        box = [str(run_dir)]
-        torch.distributed.broadcast_object_list(box, src=0)
-        run_dir = Path(box[0])
-    run.run_dir, mpath, evaluated = run_dir, run_dir / "metrics.jsonl", set()
-    if run.rank > 0:
-        return None, evaluated
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
-    if run.args.resume and mpath.exists():
-        keep = []
-        for line in mpath.read_text().splitlines():
-            try:
-                m = json.loads(line)
-            except ValueError:
-                continue                                   # a line cut short by a kill
-            is_eval = "eval_reward_mean" in m
-            if m.get("iter", math.inf) < run.start or (is_eval and m["iter"] <= run.start):
-                keep.append(line)
-                if is_eval:
-                    evaluated.add(m["iter"])
-        tmp = mpath.with_name(mpath.name + ".tmp")
-        tmp.write_text("".join(l + "\n" for l in keep))
-        os.replace(tmp, mpath)
-    log_f = open(mpath, "a")
-    print(banner(run))
-    return log_f, evaluated
-
-
-def train(args: Args) -> list[dict]:
-    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
-    from tqdm.auto import tqdm
-    run_dir = plan_run_dir(args)                           # checked writable, not created yet
-    run = setup(args)                              # bad input fails here, having written nothing
-    log_f, done_evals = open_run_dir(run, run_dir)
-    main_rank = run.rank == 0
-
-    def checkpoint(done: int) -> Optional[Path]:           # rank 0 writes, every rank waits
-        path = save_checkpoint(run, done) if main_rank else None
-        if run.world > 1:
-            torch.distributed.barrier()
-        return path
-
-    history: list[dict] = []
-    bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
-               desc="V-GRPO", unit="it", disable=not main_rank)
-    try:
-        for it in bar:
-            if args.eval_every and it % args.eval_every == 0 and it not in done_evals and main_rank:
-                print(json.dumps(evaluate(run, it)), file=log_f, flush=True)
-            m = iteration(run, it)
-            history.append(m)
-            bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
-            if main_rank:
-                print(json.dumps(m), file=log_f, flush=True)
-                tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
-                           f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv "
-                           f"{m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}  "
-                           f"{m['time_iter']:.1f}s")
-            if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
-                checkpoint(it + 1)
-        if args.eval_every and run.start < args.iterations and main_rank:
-            ev = evaluate(run, args.iterations)
-            print(json.dumps(ev), file=log_f, flush=True)
-            tqdm.write(f"eval after {args.iterations} iterations: "
-                       f"reward {ev['eval_reward_mean']:.4f}")
-    except KeyboardInterrupt:
-        path = checkpoint(history[-1]["iter"] + 1 if history else run.start)
-        if main_rank:
-            print(f"\ninterrupted: saved {path}; continue with --resume {run.run_dir}")
-    finally:
-        bar.close()
-        if log_f is not None:
-            log_f.close()
-        if run.world > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    return history
-
-
-@torch.no_grad()
-def evaluate(run: Run, it: int) -> dict:
-    """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
-    with eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png, scores every --eval_rewards."""
-    args, ad, rw = run.args, run.adapter, run.rewards
-    prompts = run.eval_prompts[:args.n_eval]
-    x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
-    with lora_merged(ad.transformer, args.merge_lora_rollout):
-        lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
-                      run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
-    raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval], lat, prompts, args.reward_batch,
-                                  keep_images=True, ctx=run.ctx if args.vae_autocast else None)
-    if run.run_dir is not None:
-        (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
-        save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
-    head = rw.summary(raw, rw.eval)
-    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval), "eval_nfe": len(run.eval_sigmas) - 1,
-          "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
-    for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
-        ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
-    if ev["eval_n_nonfinite"]:
-        from tqdm.auto import tqdm
-        tqdm.write(f"warning: evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite "
-                   "reward(s) dropped", file=sys.stderr)
-    return ev
-
-
-class PhaseTimer:
-    """Wall-clock seconds per phase, `with timer("time_old"): ...`; syncs the GPU before reading
-    the clock (sync=False for host-bound phases). `timer.times` holds {key: seconds}."""
-
-    def __init__(self, dev: torch.device):
-        self.dev, self.times, self.t0 = dev, {}, time.perf_counter()
-
-    @contextlib.contextmanager
-    def __call__(self, key: str, sync: bool = True):
-        t = time.perf_counter()
-        yield
-        if sync:
-            _sync(self.dev)
-        self.times[key] = time.perf_counter() - t
-
-    def total(self) -> float:
-        return time.perf_counter() - self.t0
-
-
-def _sync(dev: torch.device) -> None:
-    """Wait for the GPU before reading a wall clock (phase timings only)."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-@dataclass
-class Rollouts:
-    """This rank's share of one iteration's rollout batch (Alg. steps 1–2); Nl = N / world rows."""
-    prompts: list                  # Pl prompts of this rank
-    cond: object                   # their encodings, Pl rows
-    prompt_idx: torch.Tensor       # (Nl,) row of cond per sample
-    x0: torch.Tensor               # (Nl, *D) fp32 actions o
-    raw_all: dict = None           # {reward name: (N,) raw, all ranks}, CPU
-    raw: torch.Tensor = None       # (N,) headline reward
-    adv: torch.Tensor = None       # (Nl,) advantages on dev
-    adv_stats: dict = None
-    skipped: bool = False          # every advantage is 0: nothing to learn
-
-
-def collect_rollouts(run: Run, it: int) -> Rollouts:
-    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (this rank's
-    whole groups only)."""
-    args, ad, sh = run.args, run.adapter, run.shard
-    P, n_tr = args.prompts_per_iter, len(run.train_prompts)
-    g_prompt, g_noise = _gen(args.seed, it, 0), _gen(args.seed, it, 1)
-    pick = (torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr
-            else torch.randint(n_tr, (P,), generator=g_prompt))
-    prompts = sh.local_prompts([run.train_prompts[i] for i in pick.tolist()])
-    cond = ad.encode(prompts)                                               # Pl rows
-    prompt_idx = (torch.arange(sh.Nl) // args.group_size).to(run.dev)       # (Nl,)
-    x1 = sh.local(torch.randn((sh.N,) + run.D, generator=g_noise)).to(run.dev)   # (Nl, *D)
-    with lora_merged(ad.transformer, args.merge_lora_rollout):     # θ_old = θ, merged or not
-        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
-    return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)
-
-
-def reward_and_advantages(run: Run, b: Rollouts) -> None:
-    """[Alg. step 2] rewards (all-gathered: advantages see the global batch) and advantages;
-    fills b.raw_all, b.raw, b.adv, b.adv_stats, b.skipped."""
-    args, sh, G = run.args, run.shard, run.args.group_size
-    names = [n for n, _ in run.rewards.train]
-    raw_loc, _ = decode_and_reward(run.adapter, run.rewards, names, b.x0,
-                                   [b.prompts[i // G] for i in range(sh.Nl)], args.reward_batch,
-                                   ctx=run.ctx if args.vae_autocast else None)
-    gathered = _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(run.dev), run.world)
-    b.raw_all = dict(zip(names, gathered.cpu()))                            # {name: (N,)}
-    values = run.rewards.training_values(b.raw_all, run.rewards.train)
-    values = values.view(-1, args.prompts_per_iter, G)                      # (R, P, G)
-    weights = torch.tensor([w for _, w in run.rewards.train])
-    aggregate = (per_reward_advantages if args.reward_aggregation == "per_reward"
-                 else weighted_sum_advantages)
-    adv, b.adv_stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
-                                 clamp=args.adv_clamp, eta=args.soft_clip_eta)
-    b.skipped = bool((adv == 0).all())           # nothing to learn (e.g. every reward dropped)
-    b.adv = sh.local(adv.flatten()).to(run.dev)                             # (Nl,)
-    b.raw = run.rewards.summary(b.raw_all, run.rewards.train)               # (N,) headline reward
-
-
-def draw_iteration_pairs(run: Run, it: int) -> Pairs:
-    """[Alg. step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ
-    step; drawn from the same generator on every rank, then broadcast from rank 0 to be safe."""
-    args, N, G = run.args, run.shard.N, run.args.group_size
-    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [ours C4]
-             "group": torch.arange(N) // G, "none": torch.arange(N)}[args.pair_sharing]
-    pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
-                       generator=_gen(args.seed, it, 2))
-    pairs = Pairs(t=pairs.t.to(run.dev), eps=pairs.eps.to(run.dev), index=pairs.index.to(run.dev))
-    if run.world > 1:
-        import torch.distributed as dist
-        dist.broadcast(pairs.t, src=0)
-        dist.broadcast(pairs.eps, src=0)
-    return pairs
-
-
-def minibatches(run: Run, it: int) -> tuple:
-    """The μ optimizer steps' disjoint minibatches of local rows, drawn before Alg. step 4 so that
-    S_old is computed in exactly the micro-batches (rows and shapes) the first step uses: its
-    ratio is then exactly 1 for any μ."""
-    args, Nl, dev = run.args, run.shard.Nl, run.dev
-    perm = (torch.randperm(Nl, generator=_gen(args.seed, it, 3)).to(dev) if args.mu > 1
-            else torch.arange(Nl, device=dev))
-    return perm.tensor_split(args.mu)
-
-
-def local_surrogates(run: Run, b: Rollouts, pairs: Pairs, rows: torch.Tensor, want_x0_hat: bool):
-    """(s (m, J), x̂0 (m, J, *D) or None) of local samples `rows` with the current parameters."""
-    args = run.args
-    t_r, e_r = pairs.take(run.shard.global_rows(rows))             # pairs are indexed globally
-    with run.ctx:
-        call = (run.adapter.velocity, b.x0[rows], select(b.cond, b.prompt_idx[rows]), t_r, e_r)
-        kw = dict(parameterization=args.parameterization, adaptive=args.adaptive_weighting,
-                  mae_floor=args.mae_floor)
-        if want_x0_hat:
-            return pair_surrogates_with_x0(*call, **kw)
-        return pair_surrogates(*call, **kw), None
-
-
-@torch.no_grad()
-def old_surrogates(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple):
-    """[Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
-    Returns s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only with the KL), surrogate-CV stats."""
-    args, Nl, J = run.args, run.shard.Nl, run.args.n_mc
-    want_kl = args.kl_coef > 0
-    s_old = torch.empty(Nl, J, device=run.dev)
-    x0h_old = torch.empty((Nl, J) + run.D, device=run.dev) if want_kl else None
-    for rows in (r for mb in mbs for r in mb.split(args.micro_batch)):
-        s, x0h = local_surrogates(run, b, pairs, rows, want_kl)
-        s_old[rows] = s
-        if want_kl:
-            x0h_old[rows] = x0h
-    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)            # (N,)
-    cv = surrogate_cv(S_all.view(args.prompts_per_iter, args.group_size))
-    return s_old, x0h_old, cv
-
-
-def update_steps(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple, s_old, x0h_old):
-    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
-    Returns ({stat: [per micro-batch tensors]}, [grad norm per step])."""
-    args, want_kl = run.args, run.args.kl_coef > 0
-    stats_acc: dict[str, list] = {}
-    grad_norms = []
-    for step, mb in enumerate(mbs if not b.skipped else []):
-        run.opt.zero_grad(set_to_none=True)
-        for rows in mb.split(args.micro_batch):
-            s_new, x0h = local_surrogates(run, b, pairs, rows, want_kl)
-            kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
-            loss, st = vgrpo_loss(s_new, s_old[rows], b.adv[rows], clip_eps=args.clip_eps, kl=kl,
-                                  kl_coef=args.kl_coef)
-            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [ours C16]
-            (run.scaler.scale(scaled) if run.scaler else scaled).backward()
-            for k, v in st.items():
-                stats_acc.setdefault(k, []).append(v)
-            if step == 0:
-                stats_acc.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
-        grad_norms.append(optimizer_step(run))
-    run.opt.zero_grad(set_to_none=True)
-    return stats_acc, grad_norms
-
-
-def optimizer_step(run: Run) -> torch.Tensor:
-    """Average gradients over ranks, unscale (fp16), clip, step unless the norm is non-finite.
-    Returns the pre-clip gradient norm (fp32 tensor)."""
-    for p in run.params:                              # average gradients over ranks (DDP); a
-        if p.grad is not None:                        # None grad is None on every rank (same graph)
-            _all_reduce_mean(p.grad, run.world)
-    if run.scaler:
-        run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
-    gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
-    if torch.isfinite(gn):
-        run.scaler.step(run.opt) if run.scaler else run.opt.step()
-    if run.scaler:
-        run.scaler.update()                           # halve the scale after an overflow
-    return gn.detach().float()
-
-
-def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration: the algorithm box in §0, Alg. steps 1–5. Returns host-side metrics
-    (one sync at the end)."""
-    timer = PhaseTimer(run.dev)
-    with timer("time_rollout"):
-        batch = collect_rollouts(run, it)                                   # step 1
-    with timer("time_reward", sync=False):
-        reward_and_advantages(run, batch)                                   # step 2
-    pairs = draw_iteration_pairs(run, it)                                   # step 3
-    mbs = minibatches(run, it)
-    with timer("time_old"):
-        s_old, x0h_old, cv = old_surrogates(run, batch, pairs, mbs)         # step 4
-    with timer("time_update"):
-        stats_acc, grad_norms = update_steps(run, batch, pairs, mbs, s_old, x0h_old)   # step 5
-    return iteration_metrics(run, it, batch, cv, stats_acc, grad_norms, timer)
-
-
-def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
-    """Mean and population std of the finite entries of r; (nan, nan) if there are none."""
-    f = r[torch.isfinite(r)]
-    return ((f.mean().item(), f.std(unbiased=False).item()) if len(f)
-            else (float("nan"), float("nan")))
-
-
-def iteration_metrics(run: Run, it: int, b: Rollouts, cv: dict, stats_acc: dict,
-                      grad_norms: list, timer: PhaseTimer) -> dict:
-    """One host sync for everything logged; local stats averaged over ranks."""
-    args, world = run.args, run.world
-    gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
-    scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
-    scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
-    vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), world)
-    scal = {**dict(zip(scal, vec)), **b.adv_stats, **cv}
-    if world > 1:                                         # all ranks must hold the same parameters
-        fp = torch.stack([p.detach().double().sum() for p in run.params]).sum().reshape(1)
-        fps = _all_gather_cat(fp, world)
-        scal["param_desync"] = (fps.max() - fps.min()).float()
-    host = dict(zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist()))
-    mean, std = _finite_mean_std(b.raw)
-    scaled = run.scaler is not None and run.scaler.is_enabled()
-    m = {"iter": it, "reward_mean": mean, "reward_std": std,
-         "reward_unit": run.rewards.unit(run.rewards.train),
-         "n_nonfinite_reward": int((~torch.isfinite(b.raw)).sum()), "skipped": b.skipped,
-         **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": float(run.scaler.get_scale()) if scaled else 1.0,
-         "nfe_rollout": args.num_steps, "nfe_old": args.num_steps + args.n_mc,
-         "nfe_theta": args.n_mc}
-    if len(b.raw_all) > 1:
-        for n, r in b.raw_all.items():
-            m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
-    for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, float("nan") if b.skipped else 0.0)
-    if m["n_nonfinite_reward"] and run.rank == 0:
-        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
-        tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
-                   f"dropped (advantage 0){'; update skipped' if b.skipped else ''}",
-                   file=sys.stderr)
-    m["time_iter"] = timer.total()
-    return m
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM)
+        x /= world
+    return x
 
 
 # ------------------------------------------------------------------------------------------------
