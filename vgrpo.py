@@ -73,6 +73,8 @@ CONTENTS (top-down, as the algorithm box reads; §2–§6 are the pure math)
     §4  group-relative advantages    §9  the loop: iteration and its steps, setup, train,
                                          evaluation, run folder, checkpoints, torchrun
     §5  stratified pairs + surrogate §10 configuration (Args, presets, CLI), banner, main()
+    To read the method alone: this overview, §2–§6 and the start of §9 (`iteration` and its five
+    steps), about 780 lines; the rest is the trainer around it.
 """
 
 # ------------------------------------------------------------------------------------------------
