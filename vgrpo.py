@@ -1287,9 +1287,8 @@ def draw_iteration_pairs(run: Run, it: int) -> Pairs:
                        generator=_gen(args.seed, it, 2))
     pairs = Pairs(t=pairs.t.to(run.dev), eps=pairs.eps.to(run.dev), index=pairs.index.to(run.dev))
     if run.world > 1:
-        import torch.distributed as dist
-        dist.broadcast(pairs.t, src=0)
-        dist.broadcast(pairs.eps, src=0)
+        torch.distributed.broadcast(pairs.t, src=0)
+        torch.distributed.broadcast(pairs.eps, src=0)
     return pairs
 
 
@@ -1989,9 +1988,6 @@ def _f(default, help: str, src: str = "our choice", choices=None):
     return field(default=default, metadata=dict(help=help, src=src, choices=choices))
 
 
-P11 = "[paper P11] SD3.5-M Stage 1"
-
-
 @dataclass
 class Args:
     # --- io --------------------------------------------------------------------------------------
@@ -2010,8 +2006,8 @@ class Args:
     max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
     guidance: float = _f(3.5, "FLUX: distilled guidance (no true CFG)", "[ours C1] [peer X9]")
     flux_shift: float = _f(3.0, "FLUX: time shift of the rollout grid", "[ours C8] MixGRPO")
-    lora_rank: int = _f(32, "LoRA rank r", P11)
-    lora_alpha: int = _f(64, "LoRA alpha", P11)
+    lora_rank: int = _f(32, "LoRA rank r", "[paper P11] SD3.5-M Stage 1")
+    lora_alpha: int = _f(64, "LoRA alpha", "[paper P11] SD3.5-M Stage 1")
     lora_targets: str = _f("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out",
                            "comma-separated module names inside the blocks that get LoRA",
                            "[ours C17]")
