@@ -19,8 +19,11 @@ Commands (from the repository root):
     python examples/digits.py quickstart     # build (or reuse), 30 V-GRPO iterations through
                                              # vgrpo.py, before/after grid + prompt accuracy
     python examples/digits.py build          # only the pretrained folder + classifier (cached)
-    python examples/digits.py benchmark      # methods × seeds through vgrpo's trainer (resumable)
-    python examples/digits.py report         # table, curves and grids from the benchmark's JSON
+    python examples/digits.py benchmark      # V-GRPO vs Flow-GRPO, each at its own lr (chosen on
+                                             # a validation set), ablations, long runs, timing;
+                                             # resumable; ~60 min on 2 idle cores
+    python examples/digits.py benchmark --quick   # the same in miniature (~10 min), 1 seed
+    python examples/digits.py report         # summary.json, digits.md, figures, README section
 
     # the folder is an ordinary diffusers pipeline; train on it with vgrpo.py itself:
     python vgrpo.py --model examples/digits_cache/pipeline --reward examples.digits:reward \\
@@ -38,7 +41,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -443,15 +445,25 @@ def reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     return p[torch.arange(len(prompts)), torch.tensor([digit_of(q) for q in prompts])]
 
 
-def eval_set(n_per: int = 10, seed: int = 12345):
-    """Held-out prompts (unseen phrasings, every digit) × n_per noises (a stream that training
-    never draws).
-    Returns (prompts, digits, x1 (10·n_per, 4, 8, 8))."""
+# Held-out set: the unseen EVAL_TEMPLATES with noise seeded HELDOUT_SEED (every reported number).
+# Validation set: four further unseen phrasings with their own noise (only to choose each method's
+# learning rate). Training draws its noise from vgrpo's own per-iteration generators.
+VAL_TEMPLATES = ["an image of a {d}", "digit {d}, written by hand", "a sketch of the digit {d}",
+                 "the figure {d}"]
+HELDOUT_SEED, VAL_SEED = 12345, 4242
+
+
+def eval_set(n_per: int = 10, seed: int = HELDOUT_SEED, templates: list[str] | None = None):
+    """n_per prompts per digit, cycling through `templates` (default EVAL_TEMPLATES), each image
+    with its own initial noise from a generator seeded `seed`. n_per = 40 gives the benchmark's
+    held-out set: 10 digits × 4 phrasings × 10 noises = 400 images.
+    Returns (prompts, digits (n,), x1 (n, 4, 8, 8))."""
+    templates = templates or EVAL_TEMPLATES
     g = torch.Generator().manual_seed(seed)
     prompts, digits = [], []
     for d in range(10):
         for k in range(n_per):
-            prompts.append(EVAL_TEMPLATES[k % len(EVAL_TEMPLATES)].format(d=d))
+            prompts.append(templates[k % len(templates)].format(d=d))
             digits.append(d)
     x1 = torch.randn((len(prompts), 4, RES // 4, RES // 4), generator=g)
     return prompts, torch.tensor(digits), x1
@@ -461,13 +473,14 @@ _REAL_FEAT = None
 
 
 @torch.no_grad()
-def sample_metrics(images: torch.Tensor, digits: torch.Tensor) -> dict:
-    """Prompt accuracy, reward, within-digit diversity and distance to the nearest real digit.
-    images (n, 3, H, W) in [0, 1]. Diversity: mean pairwise L2 distance of classifier features among
-    samples of the same digit, relative to the same number for real (train-split) digits (1 = as
-    varied as real handwriting; mode collapse → 0). Nearest-real: mean L2 distance from each
-    sample's features to the nearest real digit's, relative to the same for real test digits
-    (drifting off the data, e.g. reward hacking → up)."""
+def image_metrics(images: torch.Tensor, digits: torch.Tensor) -> dict:
+    """Per-image measures, each (n,) float64 numpy, images (n, 3, H, W) in [0, 1]:
+    reward  p_classifier(prompted digit);  correct  1 if the classifier's top class is the digit;
+    div     mean L2 distance of its classifier features to the other samples of the same digit,
+            relative to the same number for real (train-split) digits (1 = as varied as real
+            handwriting; mode collapse → 0); the set's diversity is the mean over digits;
+    nn      L2 distance of its features to the nearest real digit's, relative to the same for
+            real test digits (drifting off the data, e.g. reward hacking → up)."""
     global _REAL_FEAT
     clf = classifier()
     if _REAL_FEAT is None:
@@ -477,13 +490,27 @@ def sample_metrics(images: torch.Tensor, digits: torch.Tensor) -> dict:
         nn_test = torch.cdist(ft, fr).min(1).values.mean().item()
         _REAL_FEAT = (fr, yr, _pairwise_div(fr, yr), nn_test)
     fr, yr, div_real, nn_real = _REAL_FEAT
-    x = gray(images)
-    logits = clf.head(f := clf.features(x))
-    p = logits.softmax(1)
-    return {"acc": (logits.argmax(1) == digits).float().mean().item(),
-            "reward": p[torch.arange(len(digits)), digits].mean().item(),
-            "diversity": _pairwise_div(f, digits) / div_real,
-            "nn_real": torch.cdist(f, fr).min(1).values.mean().item() / nn_real}
+    f = clf.features(gray(images))
+    p = clf.head(f).softmax(1)
+    idx = torch.arange(len(digits))
+    div = torch.zeros(len(digits))
+    for d in range(10):
+        rows = torch.nonzero(digits == d).flatten()
+        if len(rows) > 1:
+            div[rows] = torch.cdist(f[rows], f[rows]).sum(1) / (len(rows) - 1) / div_real
+    return {"reward": p[idx, digits].double().numpy(),
+            "correct": (p.argmax(1) == digits).double().numpy(),
+            "div": div.double().numpy(),
+            "nn": (torch.cdist(f, fr).min(1).values / nn_real).double().numpy()}
+
+
+def sample_metrics(images: torch.Tensor, digits: torch.Tensor) -> dict:
+    """The set's prompt accuracy, reward, diversity (mean over digits) and nn-real (see
+    image_metrics)."""
+    m = image_metrics(images, digits)
+    per_digit = [m["div"][(digits == d).numpy()].mean() for d in range(10) if (digits == d).any()]
+    return {"acc": float(m["correct"].mean()), "reward": float(m["reward"].mean()),
+            "diversity": float(sum(per_digit) / len(per_digit)), "nn_real": float(m["nn"].mean())}
 
 
 def _pairwise_div(f: torch.Tensor, y: torch.Tensor) -> float:
@@ -517,19 +544,27 @@ def heldout_metrics(pipe_or_adapter, n_per: int = 10, num_steps: int = 10,
 
 
 # ------------------------------------------------------------------------------------------------
-# Runs through vgrpo's own trainer: vgrpo.setup + vgrpo.iteration (the loop of vgrpo.train), with a
-# held-out evaluation every few iterations instead of the built-in 10-image one.
+# The methods, each through its own trainer: vgrpo.setup + vgrpo.iteration, or
+# examples/flow_grpo_sd3.py's Flow-GRPO iteration with Flow-GRPO's EMA of the LoRA.
 # ------------------------------------------------------------------------------------------------
-# Everything every method shares: the same P × G rollouts per iteration, steps, LoRA and lr
-# (vgrpo's SD3 defaults for LoRA rank/alpha and lr). Speed flags are memory knobs only.
+# Everything every method shares: the same P × G rollouts per iteration, steps and LoRA (vgrpo's
+# SD3 defaults for rank/alpha). --lr here is the quickstart's; benchmark runs append their own.
 COMMON = ["--reward", "examples.digits:reward", "--resolution", str(RES),
           "--max_sequence_length", str(SEQ_LEN), "--num_steps", "10", "--prompts_per_iter", "4",
           "--group_size", "8", "--lr", "2e-3", "--no-gradient_checkpointing", "--micro_batch", "32",
           "--rollout_batch", "64", "--device", "cpu", "--eval_every", "0"]
 
-# name → vgrpo flags (the method as one flag away from the shipped defaults)
-METHODS = {
-    "V-GRPO (shipped)": [],
+# The learning-rate sweep: V-GRPO and Flow-GRPO's two published SD3 recipes. Both papers publish
+# lr 3e-4 for LoRA on SD3.5-M (V-GRPO: its Stage-1 recipe; Flow-GRPO: config/base.py), at a far
+# larger batch (48 × 24) than this benchmark's 4 × 8; every method gets the same grid around it.
+SWEEP = {
+    "V-GRPO": [],
+    "Flow-GRPO (CFG 4.5)": {"mdp": "cfg4.5"},
+    "Flow-GRPO (no CFG)": {"mdp": "nocfg"},
+}
+PUBLISHED_LR = {"V-GRPO": 3e-4, "Flow-GRPO (CFG 4.5)": 3e-4, "Flow-GRPO (no CFG)": 3e-4}
+# V-GRPO one switch away from the shipped recipe, run at V-GRPO's chosen learning rate
+ABLATIONS = {
     "pair sharing: group": ["--pair_sharing", "group"],
     "pair sharing: none": ["--pair_sharing", "none"],
     "no stratification": ["--no-stratified"],
@@ -539,20 +574,13 @@ METHODS = {
     "per-group std": ["--no-global_std"],
     "naive FPO-style": ["--parameterization", "v", "--pair_sharing", "none", "--no-stratified",
                         "--no-adaptive_weighting", "--soft_clip_eta", "0"],
-    # examples/flow_grpo_sd3.py's update at Flow-GRPO's published recipes
-    "MDP: Flow-GRPO (CFG 4.5)": {"mdp": "cfg4.5"},
 }
-# Runnable with --methods, not part of the default benchmark (time): Flow-GRPO's no-CFG recipe.
-EXTRA_METHODS = {"MDP: Flow-GRPO no-CFG": {"mdp": "nocfg"}}
-# The reward-hacking regime: long runs at a high learning rate, with and without the paper's
-# controls. The ratio clip and the x-space KL (to θ_old) only act from the second optimizer step
-# of an iteration on, so their rows use μ = 2.
-HACKING = {
-    "unconstrained (soft-clip off)": ["--soft_clip_eta", "0"],
-    "soft-clip η = 3 (shipped)": [],
-    "ratio clip ε = 0.01, μ = 2": ["--soft_clip_eta", "0", "--mu", "2", "--clip_eps", "0.01"],
-    "x-space KL β = 1, μ = 2": ["--soft_clip_eta", "0", "--mu", "2", "--kl_coef", "1"],
-}
+# The long runs: V-GRPO, V-GRPO with the paper's KL term (x-space, to θ_old, β = 0.3; it only acts
+# from the second optimizer step of an iteration, hence μ = 2, as in its OCR stage), and the
+# Flow-GRPO recipe with the better validation reward at its chosen lr.
+KL_FLAGS = ["--kl_coef", "0.3", "--mu", "2"]
+LONG = {"V-GRPO": [], "V-GRPO + KL (β = 0.3, μ = 2)": KL_FLAGS, "Flow-GRPO": "better"}
+DIVERSITY_KEEP = 0.9      # an lr is eligible if its validation diversity ≥ 0.9 × the base model's
 
 
 def vgrpo_flags(folder: Path, seed: int, extra: list[str]) -> list[str]:
@@ -560,79 +588,143 @@ def vgrpo_flags(folder: Path, seed: int, extra: list[str]) -> list[str]:
             "--eval_prompts", str(CACHE / "eval_prompts.txt"), "--seed", str(seed), *COMMON, *extra]
 
 
-def run_method(folder: Path, method: str, flags, seed: int, iterations: int, eval_at: list[int],
-               n_per: int = 10, log=print, keep_images: bool = False, base=None) -> dict:
-    """One run; returns {"iters": per-iteration vgrpo metrics, "evals": held-out metrics}."""
-    if isinstance(flags, dict):
-        return run_mdp(folder, flags["mdp"], seed, iterations, eval_at, n_per, log, keep_images,
-                       base)
-    args = V.parse_args(vgrpo_flags(folder, seed, flags))
-    run = V.setup(args)
-    return _loop(run.adapter, lambda it: V.iteration(run, it), iterations, eval_at, n_per, method,
-                 log, keep_images, base)
-
-
-def _loop(adapter, step, iterations, eval_at, n_per, method, log, keep_images, base=None,
-          cfg=None):
-    """Train `iterations` steps, evaluating at eval_at and at the end. `base`: the iteration-0
-    evaluation if already computed (LoRA starts at B = 0, so iteration 0 IS the base model)."""
-    prompts, digits, x1 = eval_set(n_per)
-    out = {"iters": [], "evals": [], "images": {}}
-    for it in range(iterations + 1):
-        if it in eval_at or it == iterations:
-            if it == 0 and base is not None:
-                ev, imgs = {"iter": 0, **base[0]}, base[1]
-            else:
-                imgs = generate(adapter, prompts, x1)
-                ev = {"iter": it, **sample_metrics(imgs, digits)}
-            if cfg is not None:
-                m_cfg = sample_metrics(generate(cfg, prompts, x1), digits)
-                ev.update({f"{k}_cfg": v for k, v in m_cfg.items()})
-            out["evals"].append(ev)
-            if keep_images:
-                out["images"][it] = imgs
-            log(f"{method:32s} iter {it:3d}  held-out acc {ev['acc']:.3f}  "
-                f"reward {ev['reward']:.3f}  diversity {ev['diversity']:.2f}  "
-                f"nn-real {ev['nn_real']:.2f}")
-        if it == iterations:
-            break
-        m = step(it)
-        out["iters"].append({k: v for k, v in m.items() if isinstance(v, (int, float))})
-    return out
-
-
-def run_mdp(folder, recipe, seed, iterations, eval_at, n_per, log, keep_images, base=None):
-    """The Flow-GRPO MDP baseline: examples/flow_grpo_sd3.py's iteration at its published recipe
-    (`recipe`: cfg4.5 or nocfg), on the same model, LoRA, optimizer, lr, prompts and P × G.
-    Held-out metrics use the same CFG-free ODE sampler as every other row; with CFG, the metrics
-    of its own guided ODE sampler are added as *_cfg."""
+def _flow_grpo():
     sys.path.insert(0, str(Path(__file__).parent))
     import flow_grpo_sd3 as FG
-    mine, args = FG.parse(vgrpo_flags(folder, seed, ["--recipe", recipe, "--methods", "flow_grpo"]))
-    run = V.setup(args)                                    # LoRA + optimizer exactly as V-GRPO's
-    guided = FG.Guided(run.adapter, run.adapter.encode([""]), mine.rec["guidance"])
-    f_sigmas = run.adapter.sigmas(mine.flow_steps)
+    return FG
 
-    def step(it):
-        return FG.flow_grpo_iteration(mine, args, run.adapter, guided, run.rewards, run.opt,
-                                      run.params, run.train_prompts, it, run.D, f_sigmas, run.dev,
-                                      run.ctx)
 
-    class WithCFG:                                         # the adapter's seam, guided velocity
-        encode, sigmas, decode = run.adapter.encode, run.adapter.sigmas, run.adapter.decode
-        velocity = staticmethod(guided.velocity)
-    cfg = WithCFG() if guided.forwards == 2 else None
-    return _loop(run.adapter, step, iterations, eval_at, n_per, f"MDP ({recipe})", log,
-                 keep_images, base, cfg)
+class Trainer:
+    """One method at one lr and seed. V-GRPO: vgrpo.setup + vgrpo.iteration. Flow-GRPO:
+    examples/flow_grpo_sd3.py's iteration at a published recipe, on the same model, LoRA, AdamW,
+    prompts and P × G, carrying its optimizer-step count and the EMA of the LoRA that Flow-GRPO
+    evaluates and saves (flow_grpo_sd3.LoraEMA). `sampler()` is the adapter the evaluations
+    sample with: the CFG-free policy; `cfg` (the CFG-4.5 recipe only) samples the guided policy
+    as Flow-GRPO does."""
+
+    def __init__(self, folder: Path, spec, seed: int, lr: float):
+        self.mdp = isinstance(spec, dict)
+        extra = ["--lr", repr(float(lr))]
+        if not self.mdp:
+            self.args = V.parse_args(vgrpo_flags(folder, seed, [*spec, *extra]))
+            self.run = V.setup(self.args)
+            self.ema = self.cfg = None
+            self.N = self.args.prompts_per_iter * self.args.group_size
+            return
+        FG = _flow_grpo()
+        self.FG = FG
+        self.mine, self.args = FG.parse(vgrpo_flags(
+            folder, seed, ["--recipe", spec["mdp"], "--methods", "flow_grpo", *extra]))
+        self.run = run = V.setup(self.args)                # LoRA + optimizer exactly as V-GRPO's
+        self.N = self.args.prompts_per_iter * self.args.group_size
+        self.guided = FG.Guided(run.adapter, run.adapter.encode([""]), self.mine.rec["guidance"])
+        self.f_sigmas = run.adapter.sigmas(self.mine.flow_steps)
+        self.state = {"step": 0, "ema": FG.LoraEMA(run.params)}
+        self.ema = self.state["ema"]
+        guided = self.guided
+
+        class WithCFG:                                      # the adapter's seam, guided velocity
+            encode, sigmas, decode = run.adapter.encode, run.adapter.sigmas, run.adapter.decode
+            velocity = staticmethod(guided.velocity)
+        self.cfg = WithCFG() if guided.forwards == 2 else None
+
+    @property
+    def adapter(self):
+        return self.run.adapter
+
+    def step(self, it: int) -> dict:
+        """One training iteration; returns its numeric metrics plus nfe_total, the transformer
+        forwards of the whole iteration (CFG counts 2 per step; backward passes not counted)."""
+        if not self.mdp:
+            m = V.iteration(self.run, it)
+            nfe = self.N * (m["nfe_old"] + m["nfe_theta"])      # rollout + θ_old pass + θ pass
+        else:
+            r = self.run
+            m = self.FG.flow_grpo_iteration(self.mine, self.args, r.adapter, self.guided, r.rewards,
+                                            r.opt, r.params, r.train_prompts, it, r.D,
+                                            self.f_sigmas, r.dev, r.ctx, self.state)
+            nfe = (self.N * m["nfe_rollout"]                   # the SDE rollout (θ_old terms free)
+                   + m["n_trained_samples"] * (m["nfe_theta"] + m["nfe_ref"]))
+        out = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out["nfe_total"] = int(nfe)
+        return out
+
+    def swap_ema(self) -> None:
+        """Exchange the trained LoRA weights and the EMA in place (call again to swap back)."""
+        self.ema.swap()
+
+
+# ------------------------------------------------------------------------------------------------
+# The benchmark: a plan written before any training run, jobs run by one or more worker
+# processes (each takes the next unclaimed job whose inputs exist; resumable), one JSON per run.
+# ------------------------------------------------------------------------------------------------
+THRESHOLD_RULE = ("half of the base model's remaining held-out error removed: "
+                  "accuracy ≥ base + (1 − base)/2")
+PLANS = {
+    # seeds, lrs, sweep iterations and held-out evaluation interval, the long runs, the timing
+    # rounds; held-out 40 per digit (400 images), validation 20 per digit (200)
+    "full": dict(seeds=[0, 1, 2], lrs=[3e-4, 1e-3, 3e-3], iterations=16, eval_every=4,
+                 ablation_evals=[], long_iterations=100, long_eval_every=20,
+                 timing_rounds=8, n_heldout=40, n_val=20, ablations=list(ABLATIONS)),
+    "quick": dict(seeds=[0], lrs=[3e-4, 1e-3, 3e-3], iterations=8, eval_every=8,
+                  ablation_evals=[], long_iterations=24, long_eval_every=8,
+                  timing_rounds=2, n_heldout=40, n_val=20, ablations=[]),
+    # the machinery end to end in a minute or two (development only)
+    "smoke": dict(seeds=[0, 1], lrs=[1e-3, 3e-3], iterations=2, eval_every=1,
+                  ablation_evals=[1], long_iterations=3, long_eval_every=3,
+                  timing_rounds=1, n_heldout=4, n_val=2, ablations=["naive FPO-style"]),
+}
 
 
 def slug(name: str) -> str:
     return "".join(c if c.isascii() and c.isalnum() else "_" for c in name.lower()).strip("_")
 
 
+def jobs_of(plan: dict) -> list[dict]:
+    """Every run of the plan, in the order workers take them. lr None: the method's chosen lr
+    (known once its sweep is done); method "Flow-GRPO" of the long runs: the better recipe."""
+    jobs = []
+    sweep = lambda m: [dict(kind="sweep", method=m, lr=lr, seed=s)
+                       for s in plan["seeds"] for lr in plan["lrs"]]
+    jobs += sweep("V-GRPO")
+    jobs += [dict(kind="long", method=m, lr=None, seed=0) for m in LONG if m != "Flow-GRPO"]
+    for m in SWEEP:
+        if m != "V-GRPO":
+            jobs += sweep(m)
+    jobs.append(dict(kind="long", method="Flow-GRPO", lr=None, seed=0))
+    jobs += [dict(kind="ablation", method=m, lr=None, seed=s)
+             for s in plan["seeds"] for m in plan["ablations"]]
+    jobs.append(dict(kind="timing", method="all", lr=None, seed=0))
+    for j in jobs:
+        lr = f"__lr{j['lr']:g}" if j["lr"] is not None else ""
+        j["id"] = f"{j['kind']}__{slug(j['method'])}{lr}__s{j['seed']}"
+    return jobs
+
+
+def _needs(job: dict, jobs: list[dict]) -> list[str]:
+    """Ids of the jobs whose results this one needs (its lr is chosen from them)."""
+    sweep = lambda f: [j["id"] for j in jobs if j["kind"] == "sweep" and f(j["method"])]
+    if job["kind"] == "sweep":
+        return []
+    if job["kind"] == "ablation" or (job["kind"] == "long" and job["method"] != "Flow-GRPO"):
+        return sweep(lambda m: m == "V-GRPO")
+    if job["kind"] == "long":
+        return sweep(lambda m: m != "V-GRPO")
+    return [j["id"] for j in jobs if j["kind"] != "timing"]
+
+
+def load_results(out: Path) -> dict:
+    """{job id: result dict} of every finished run in `out`."""
+    res = {}
+    for p in sorted(out.glob("*.json")):
+        if p.name not in ("plan.json", "base.json", "summary.json"):
+            res[p.stem] = json.loads(p.read_text())
+    return res
+
+
 def _claim(path: Path) -> bool:
-    """Take a job for this process (several benchmark processes may share one results folder).
-    A claim whose process is gone is taken over, so an interrupted benchmark resumes."""
+    """Take a job for this process (several worker processes share one results folder). A claim
+    whose process is gone is taken over, so an interrupted benchmark resumes."""
     claim = path.with_suffix(".claim")
     try:
         fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -648,141 +740,1187 @@ def _claim(path: Path) -> bool:
     return True
 
 
-def benchmark(seeds=(0, 1, 2), iterations: int = 20, eval_every: int = 5, hack_iterations: int = 60,
-              hack_lr: float = 1e-3, methods=None, hacking: bool = True, out: Path = RESULTS,
-              n_per: int = 6, log=print):
-    """Every method × seed (seed-major, so machine load hits all methods alike), then the hacking
-    runs. One JSON per finished run in `out`; finished runs are skipped (resumable), and several
-    processes may run it at once on the same folder (each takes the next unclaimed run)."""
+def _pack(m: dict, full: bool) -> dict:
+    """An evaluation for the JSON: means, the image count and the per-image reward and
+    correctness (for the bootstrap); the per-image div and nn too if `full` (final evaluations)."""
+    out = {"n": int(len(m["reward"])), "acc": float(m["correct"].mean()),
+           "reward": float(m["reward"].mean()), "diversity": float(m["div"].mean()),
+           "nn_real": float(m["nn"].mean()),
+           "img_reward": [round(float(x), 4) for x in m["reward"]],
+           "img_correct": "".join("1" if c else "0" for c in m["correct"])}
+    if full:
+        out["img_div"] = [round(float(x), 4) for x in m["div"]]
+        out["img_nn"] = [round(float(x), 4) for x in m["nn"]]
+    return out
+
+
+def evaluate(adapter, data, full: bool = True) -> tuple[dict, torch.Tensor]:
+    prompts, digits, x1 = data
+    imgs = generate(adapter, prompts, x1)
+    return _pack(image_metrics(imgs, digits), full), imgs
+
+
+def eval_sets(plan: dict) -> dict:
+    return {"heldout": eval_set(plan["n_heldout"], HELDOUT_SEED, EVAL_TEMPLATES),
+            "val": eval_set(plan["n_val"], VAL_SEED, VAL_TEMPLATES)}
+
+
+def evaluate_base(folder: Path, plan: dict, log=print) -> dict:
+    """The base model (LoRA B = 0, so iteration 0 of every run) on both sets, CFG-free and with
+    the CFG-4.5 sampler of Flow-GRPO's recipe; also the held-out grids' images."""
+    sets = eval_sets(plan)
+    tr = Trainer(folder, SWEEP["Flow-GRPO (CFG 4.5)"], 0, 1e-3)
+    base = {}
+    for name, data in sets.items():
+        base[name], imgs = evaluate(tr.adapter, data)
+        base[name + "_cfg"], imgs_cfg = evaluate(tr.cfg, data)
+        if name == "heldout":
+            save_grid(imgs, data[1], plan["grids"] / "base.png")
+            save_grid(imgs_cfg, data[1], plan["grids"] / "base__cfg.png")
+    log(f"base model: held-out acc {base['heldout']['acc']:.3f} reward "
+        f"{base['heldout']['reward']:.3f} diversity {base['heldout']['diversity']:.3f}; "
+        f"with CFG 4.5 acc {base['heldout_cfg']['acc']:.3f} diversity "
+        f"{base['heldout_cfg']['diversity']:.3f}; validation reward {base['val']['reward']:.3f} "
+        f"diversity {base['val']['diversity']:.3f}")
+    return base
+
+
+def spec_of(job: dict, chosen: dict):
+    """(method name as run, its flags or Flow-GRPO recipe, lr) of a job, given the chosen lrs."""
+    m = job["method"]
+    if job["kind"] == "sweep":
+        return m, SWEEP[m], job["lr"]
+    if job["kind"] == "ablation":
+        return m, ABLATIONS[m], chosen["V-GRPO"]["lr"]
+    if m == "Flow-GRPO":
+        best = chosen["better_flow"]
+        return best, SWEEP[best], chosen[best]["lr"]
+    return m, LONG[m], chosen["V-GRPO"]["lr"]
+
+
+def run_job(job: dict, folder: Path, plan: dict, base: dict, chosen: dict, log=print) -> dict:
+    """One training run with held-out evaluations (the EMA's too for Flow-GRPO, and at the end
+    the trained weights', the validation set's and the CFG sampler's)."""
+    method, spec, lr = spec_of(job, chosen)
+    iters = {"sweep": plan["iterations"], "ablation": plan["iterations"],
+             "long": plan["long_iterations"]}[job["kind"]]
+    if job["kind"] == "ablation":
+        at = set(plan["ablation_evals"]) | {0, iters}
+    else:
+        every = plan["long_eval_every"] if job["kind"] == "long" else plan["eval_every"]
+        at = set(range(0, iters + 1, every)) | {iters}
+    sets = eval_sets(plan)
+    t0 = time.perf_counter()
+    tr = Trainer(folder, spec, job["seed"], lr)
+    key = "ema" if tr.ema is not None else "raw"             # what Flow-GRPO evaluates: its EMA
+    evals, log_iters, final = [], [], {}
+    for it in range(iters + 1):
+        if it in at:
+            ev = {"iter": it}
+            if it == 0:                                     # LoRA B = 0: the base model
+                ev[key] = {k: v for k, v in base["heldout"].items()
+                           if k not in ("img_div", "img_nn")}
+            else:
+                if tr.ema is not None:
+                    tr.swap_ema()
+                ev[key], imgs = evaluate(tr.adapter, sets["heldout"], full=it == iters)
+                if it == iters:
+                    save_grid(imgs, sets["heldout"][1], plan["grids"] / f"{job['id']}__{key}.png")
+                    final["val_" + key], _ = evaluate(tr.adapter, sets["val"])
+                    if tr.cfg is not None:
+                        final["heldout_cfg_" + key], imgs_c = evaluate(tr.cfg, sets["heldout"])
+                        save_grid(imgs_c, sets["heldout"][1],
+                                  plan["grids"] / f"{job['id']}__cfg_{key}.png")
+                if tr.ema is not None:
+                    tr.swap_ema()
+                    if it == iters:                         # and the trained weights themselves
+                        final["heldout_raw"], _ = evaluate(tr.adapter, sets["heldout"])
+                        final["val_raw"], _ = evaluate(tr.adapter, sets["val"])
+            evals.append(ev)
+            e = ev[key]
+            log(f"{job['id']:44s} iter {it:3d}  held-out acc {e['acc']:.3f}  reward "
+                f"{e['reward']:.3f}  diversity {e['diversity']:.3f}  nn-real {e['nn_real']:.3f}")
+        if it == iters:
+            break
+        log_iters.append(tr.step(it))
+    return dict(job, method=method, lr=lr, iterations=iters, evals=evals, final=final,
+                iters=log_iters, ema=tr.ema is not None, eval_key=key,
+                n_heldout=len(sets["heldout"][0]), n_val=len(sets["val"][0]),
+                flags=spec, seconds=time.perf_counter() - t0, threads=torch.get_num_threads(),
+                finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def timing_job(folder: Path, chosen: dict, rounds: int, log=print) -> dict:
+    """Wall-clock as a ratio within one process: V-GRPO and both Flow-GRPO recipes at their
+    chosen lrs, one iteration of each in turn, `rounds` times (all see the same machine load)."""
+    trainers = {m: Trainer(folder, SWEEP[m], 0, chosen[m]["lr"]) for m in SWEEP}
+    secs = {m: [] for m in SWEEP}
+    for r in range(rounds):
+        for m, tr in trainers.items():
+            t0 = time.perf_counter()
+            tr.step(r)
+            secs[m].append(time.perf_counter() - t0)
+        log(f"timing round {r}: " + ", ".join(f"{m} {s[-1]:.2f} s" for m, s in secs.items()))
+    return dict(kind="timing", method="all", seed=0, rounds=rounds, seconds_per_iter=secs,
+                lrs={m: chosen[m]["lr"] for m in SWEEP}, threads=torch.get_num_threads(),
+                finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def worker(out: Path, log=print) -> None:
+    """Run jobs until none is left: each time the first unclaimed job whose inputs are done."""
+    plan = json.loads((out / "plan.json").read_text())
+    plan["grids"] = out / "grids"
+    base = json.loads((out / "base.json").read_text())
+    folder = CACHE / "pipeline"
+    jobs = jobs_of(plan)
+    while True:
+        done = {p.stem for p in out.glob("*.json")} | {p.stem for p in out.glob("*.failed")}
+        todo = [j for j in jobs if j["id"] not in done]
+        if not todo:
+            return
+        ready = [j for j in todo if all(n in done for n in _needs(j, jobs))]
+        job = next((j for j in ready if _claim(out / f"{j['id']}.json")), None)
+        if job is None:
+            time.sleep(5)                                   # waiting for another worker's run
+            continue
+        path = out / f"{job['id']}.json"
+        try:
+            chosen = choose(load_results(out), plan, base) if _needs(job, jobs) else {}
+            if job["kind"] == "timing":
+                res = timing_job(folder, chosen, plan["timing_rounds"], log)
+            else:
+                res = run_job(job, folder, plan, base, chosen, log)
+        except Exception as e:                              # recorded; the others go on
+            import traceback
+            traceback.print_exc()
+            path.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
+        else:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(res))
+            tmp.rename(path)
+            log(f"-> {path.name} ({res.get('seconds', 0):.0f} s)")
+        path.with_suffix(".claim").unlink(missing_ok=True)
+
+
+def benchmark(out: Path, mode: str = "full", workers: int = 2, threads: int = 1,
+              log=print) -> None:
+    """Build (or reuse) the model, write the plan and the base model's evaluation (before any
+    training run: the threshold is fixed here), run every job with `workers` processes of
+    `threads` threads each, then the report."""
     folder = build(log=log)
     out.mkdir(parents=True, exist_ok=True)
     (out / "grids").mkdir(exist_ok=True)
-    eval_at = list(range(0, iterations + 1, eval_every))
-    every = {**METHODS, **EXTRA_METHODS}
-    jobs = [("main", m, every[m], s, iterations, eval_at)
-            for s in seeds for m in (methods or METHODS)]
-    if hacking:
-        h_at = list(range(0, hack_iterations + 1, 10))
-        jobs += [("hacking", m, [*f, "--lr", str(hack_lr)], 0, hack_iterations, h_at)
-                 for m, f in HACKING.items()]
-    _, digits, _ = eval_set(n_per)
-    base = None
-    for kind, method, flags, seed, iters, at in jobs:
-        path = out / f"{kind}__{slug(method)}__s{seed}.json"
-        if path.is_file() or not _claim(path):
+    plan_path = out / "plan.json"
+    if plan_path.is_file():
+        plan = json.loads(plan_path.read_text())
+        if plan["mode"] != mode:
+            raise ValueError(f"{out} holds a {plan['mode']!r} benchmark; pass another --out")
+    else:
+        plan = dict(PLANS[mode], mode=mode, common_flags=COMMON, sweep=SWEEP,
+                    ablation_flags={m: ABLATIONS[m] for m in PLANS[mode]["ablations"]},
+                    long=LONG, diversity_keep=DIVERSITY_KEEP, threshold_rule=THRESHOLD_RULE,
+                    heldout_templates=EVAL_TEMPLATES, val_templates=VAL_TEMPLATES,
+                    heldout_seed=HELDOUT_SEED, val_seed=VAL_SEED, workers=workers,
+                    threads=threads, started=time.strftime("%Y-%m-%d %H:%M:%S"),
+                    commit=_commit())
+    if not (out / "base.json").is_file():
+        torch.set_num_threads(max(threads, 1) * max(workers, 1))
+        base = evaluate_base(folder, dict(plan, grids=out / "grids"), log)
+        plan["base_acc"] = base["heldout"]["acc"]
+        plan["threshold"] = base["heldout"]["acc"] + (1 - base["heldout"]["acc"]) / 2
+        (out / "base.json").write_text(json.dumps(base))
+    plan_path.write_text(json.dumps(plan, indent=1))
+    log(f"threshold (fixed before the runs): {THRESHOLD_RULE} = {plan['threshold']:.4f}")
+    import subprocess
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VGRPO_DIGITS_CACHE=str(CACHE))
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "worker", "--out",
+                               str(out), "--threads", str(threads)], env=env)
+             for _ in range(workers - 1)]
+    torch.set_num_threads(threads)
+    worker(out, log)
+    for p in procs:
+        p.wait()
+    report(out, log=log)
+
+
+def _commit() -> str:
+    import subprocess
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        return "?"
+
+
+# ------------------------------------------------------------------------------------------------
+# Statistics: each method's lr chosen on the validation set; 95 % intervals by a bootstrap over
+# seeds and images (seeds drawn with replacement, then the held-out images within each drawn seed;
+# the same draws for every method, so differences are paired; percentile intervals).
+# ------------------------------------------------------------------------------------------------
+N_BOOT = 1000
+
+
+def final_eval(r: dict, split: str = "heldout", variant: str | None = None):
+    """A run's last evaluation on `split` ("heldout" / "val" / "heldout_cfg") of `variant`
+    ("raw" trained weights, "ema" Flow-GRPO's EMA; default the run's own eval_key) or None."""
+    v = variant or r["eval_key"]
+    if split == "heldout" and v == r["eval_key"]:
+        return r["evals"][-1].get(v)
+    return r["final"].get(f"{split}_{v}")
+
+
+def runs_of(results: dict, kind: str, method: str, lr=None) -> list[dict]:
+    rs = [r for r in results.values() if r.get("kind") == kind and r["method"] == method
+          and (lr is None or abs(r["lr"] - lr) < 1e-12)]
+    return sorted(rs, key=lambda r: r["seed"])
+
+
+def choose(results: dict, plan: dict, base: dict) -> dict:
+    """Each sweep method's lr: the best mean final validation reward among the lrs whose mean
+    validation diversity is ≥ DIVERSITY_KEEP × the base model's (if none is, the most diverse lr,
+    flagged). Flow-GRPO is judged by its EMA (what it evaluates); "lr_raw": the choice by its
+    trained weights. "better_flow": the recipe with the higher validation reward at its lr."""
+    keep = plan["diversity_keep"] * base["val"]["diversity"]
+    chosen = {}
+    for m in SWEEP:
+        rows = []
+        for lr in plan["lrs"]:
+            rs = runs_of(results, "sweep", m, lr)
+            if not rs:
+                continue
+            row = {"lr": lr, "seeds": len(rs)}
+            for v in ("raw", "ema"):
+                vals = [final_eval(r, "val", v) for r in rs]
+                if all(x is not None for x in vals):
+                    row[f"val_reward_{v}"] = sum(x["reward"] for x in vals) / len(vals)
+                    row[f"val_diversity_{v}"] = sum(x["diversity"] for x in vals) / len(vals)
+                    row[f"eligible_{v}"] = row[f"val_diversity_{v}"] >= keep
+            rows.append(row)
+        if not rows:
             continue
-        if base is None:                                   # the base model, evaluated once
-            base = heldout_metrics(load_pipe(folder), n_per=n_per, return_images=True)
-        t0 = time.perf_counter()
-        res = run_method(folder, method, flags, seed, iters, at, n_per=n_per, log=log,
-                         keep_images=seed == 0 or kind == "hacking", base=base)
-        for it, imgs in res.pop("images").items():
-            if it in (0, iters):                           # first and last evaluation only
-                grid_image(imgs, digits, n_per, scale=1).save(
-                    out / "grids" / f"{kind}__{slug(method)}__s{seed}__it{it}.png", optimize=True)
-        res.update(kind=kind, method=method, flags=flags, seed=seed, iterations=iters, n_per=n_per,
-                   seconds=time.perf_counter() - t0, threads=torch.get_num_threads(),
-                   finished=time.strftime("%Y-%m-%d %H:%M:%S"))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res))
-        tmp.rename(path)
-        path.with_suffix(".claim").unlink(missing_ok=True)
-        log(f"-> {path.name} ({res['seconds']:.0f} s)")
+        entry = {"rows": rows, "diversity_floor": keep}
+        for v in ("raw", "ema"):
+            cand = [r for r in rows if f"val_reward_{v}" in r]
+            if not cand:
+                continue
+            ok = [r for r in cand if r[f"eligible_{v}"]]
+            pick = (max(ok, key=lambda r: r[f"val_reward_{v}"]) if ok
+                    else max(cand, key=lambda r: r[f"val_diversity_{v}"]))
+            entry["lr_" + v], entry["fallback_" + v] = pick["lr"], not ok
+        entry["variant"] = "ema" if "lr_ema" in entry else "raw"
+        entry["lr"] = entry["lr_" + entry["variant"]]
+        chosen[m] = entry
+    flows = [m for m in SWEEP if m != "V-GRPO" and m in chosen]
+    if flows:
+        def val_at(m):
+            e = chosen[m]
+            return next(r[f"val_reward_{e['variant']}"] for r in e["rows"] if r["lr"] == e["lr"])
+        chosen["better_flow"] = max(flows, key=val_at)
+    return chosen
+
+
+def _np():
+    import numpy as np
+    return np
+
+
+_IDX = {}
+
+
+def boot_index(S: int, n: int):
+    """(seed draws (B, S), image draws (B, S, n)); fixed per (S, n) so that all statistics of a
+    report share them (paired)."""
+    np = _np()
+    if (S, n) not in _IDX:
+        rng = np.random.default_rng(0)
+        _IDX[(S, n)] = (rng.integers(0, S, (N_BOOT, S)), rng.integers(0, n, (N_BOOT, S, n)))
+    return _IDX[(S, n)]
+
+
+def boot_mean(X):
+    """X (S, n) per seed and image → (point estimate, (B,) bootstrap replicates)."""
+    np = _np()
+    X = np.asarray(X, dtype=np.float64)
+    si, ii = boot_index(*X.shape)
+    return float(X.mean()), X[si[:, :, None], ii].mean(axis=(1, 2))
+
+
+def interval(reps) -> tuple[float, float]:
+    np = _np()
+    reps = np.sort(np.asarray(reps, dtype=np.float64))
+    lo, hi = reps[int(0.025 * (len(reps) - 1))], reps[int(round(0.975 * (len(reps) - 1)))]
+    return float(lo), float(hi)
+
+
+def _arrays(evs: list[dict], key: str):
+    np = _np()
+    if key == "correct":
+        return np.array([[c == "1" for c in e["img_correct"]] for e in evs], dtype=np.float64)
+    return np.array([e[{"reward": "img_reward", "div": "img_div", "nn": "img_nn"}[key]]
+                     for e in evs], dtype=np.float64)
+
+
+def final_stats(rs: list[dict], split: str = "heldout", variant: str | None = None) -> dict:
+    """{acc, reward, diversity, nn_real: (point, lo, hi)} of the runs' final evaluations, plus the
+    bootstrap replicates under "_reps" and the image count "n"."""
+    evs = [final_eval(r, split, variant) for r in rs]
+    if not evs or any(e is None for e in evs):
+        return {}
+    out, reps = {"n": evs[0]["n"], "seeds": len(evs)}, {}
+    for name, key in (("acc", "correct"), ("reward", "reward"), ("diversity", "div"),
+                      ("nn_real", "nn")):
+        if key in ("div", "nn") and "img_div" not in evs[0]:
+            continue
+        p, b = boot_mean(_arrays(evs, key))
+        out[name], reps[name] = (p, *interval(b)), b
+    out["_reps"] = reps
+    return out
+
+
+def hit_times(rs: list[dict], thr: float):
+    """Iterations to reach held-out accuracy ≥ thr (linear interpolation between evaluations; inf
+    if never). Returns (per-seed point estimates (S,), replicates (B, S))."""
+    np = _np()
+    key = rs[0]["eval_key"]
+    its = np.array([e["iter"] for e in rs[0]["evals"]], dtype=np.float64)
+    X = np.stack([_arrays([e[key] for e in r["evals"]], "correct") for r in rs])   # (S, E, n)
+    S, E, n = X.shape
+    si, ii = boot_index(S, n)
+    acc_b = X[si[:, :, None, None], np.arange(E)[None, None, :, None],
+              ii[:, :, None, :]].mean(-1)                                        # (B, S, E)
+
+    def first(acc):                                                               # (..., E)
+        ok = acc >= thr
+        e = ok.argmax(-1)
+        a1 = np.take_along_axis(acc, e[..., None], -1)[..., 0]
+        a0 = np.take_along_axis(acc, np.maximum(e - 1, 0)[..., None], -1)[..., 0]
+        frac = np.where(e > 0, (thr - a0) / np.maximum(a1 - a0, 1e-12), 0.0)
+        h = its[np.maximum(e - 1, 0)] + frac * (its[e] - its[np.maximum(e - 1, 0)])
+        return np.where(ok.any(-1), h, np.inf)
+    return first(X.mean(-1)), first(acc_b)
+
+
+def nfe_per_iter(r: dict) -> float:
+    return sum(x["nfe_total"] for x in r["iters"]) / max(len(r["iters"]), 1)
+
+
+def efficiency(rs: list[dict], thr: float, timing: dict | None, method: str) -> dict:
+    """Iterations, network evaluations and wall-clock seconds to the threshold, each with its
+    interval (wall-clock: iterations × the method's seconds per iteration in the timing run,
+    whose rounds are resampled too)."""
+    np = _np()
+    pt, reps = hit_times(rs, thr)
+    si, _ = boot_index(len(rs), rs[0]["evals"][-1][rs[0]["eval_key"]]["n"])
+    nfe = np.array([nfe_per_iter(r) for r in rs])
+    out = {"reached": int(np.isfinite(pt).sum()), "seeds": len(rs),
+           "iters": (float(pt.mean()), *interval(reps.mean(1))),
+           "nfe": (float((pt * nfe).mean()), *interval((reps * nfe[si]).mean(1))),
+           "nfe_per_iter": float(nfe.mean()), "_iters_reps": reps.mean(1),
+           "_nfe_reps": (reps * nfe[si]).mean(1)}
+    if timing and method in timing["seconds_per_iter"]:
+        s = np.array(timing["seconds_per_iter"][method])
+        rng = np.random.default_rng(1)
+        s_b = s[rng.integers(0, len(s), (N_BOOT, len(s)))].mean(1)
+        out["sec_per_iter"] = (float(s.mean()), *interval(s_b))
+        out["seconds"] = (float(pt.mean() * s.mean()), *interval(reps.mean(1) * s_b))
+        out["_sec_reps"] = reps.mean(1) * s_b
+    return out
+
+
+def ratio(a_reps, b_reps, a_pt, b_pt) -> tuple:
+    """b / a with its interval from paired replicates (inf where b never reached)."""
+    np = _np()
+    a, b = np.asarray(a_reps, dtype=np.float64), np.asarray(b_reps, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = b / a                                   # both never reached: nan (undefined)
+    r = r[~np.isnan(r)]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pt = float(np.float64(b_pt) / np.float64(a_pt)) if a_pt > 0 else float("inf")
+    return (pt, *interval(r)) if len(r) else (pt, float("nan"), float("nan"))
+
+
+def frontier_margin(v_pts, d: float):
+    """Height of V-GRPO's reward–diversity frontier at diversity d: the upper envelope of its
+    (diversity, reward) points (Pareto points joined linearly; at lower diversity than all of
+    them, the best reward). None beyond its most diverse point."""
+    pareto = sorted([p for p in v_pts if not any(q[0] >= p[0] and q[1] >= p[1] and q != p
+                                                 for q in v_pts)])
+    if d > pareto[-1][0]:
+        return None
+    if d <= pareto[0][0]:
+        return max(p[1] for p in pareto)
+    for (d0, r0), (d1, r1) in zip(pareto, pareto[1:]):
+        if d0 <= d <= d1:
+            return r0 + (r1 - r0) * (d - d0) / max(d1 - d0, 1e-12)
+    return None
 
 
 # ------------------------------------------------------------------------------------------------
-# Pictures with PIL only (no plotting library needed): sample grids and line charts.
+# Report: the runs' JSON → summary.json, digits.md, the README's digits section, the figures.
 # ------------------------------------------------------------------------------------------------
-def grid_image(images: torch.Tensor, digits: torch.Tensor, per_digit: int, scale: int = 2):
-    """Rows = digits 0-9, `per_digit` samples each; images (n, 3, 32, 32) in [0, 1] → PIL."""
-    from PIL import Image
-    x = gray(images)[:, 0]
+def _ci(t, fmt="{:.3f}") -> str:
+    if not t or any(isinstance(x, float) and math.isnan(x) for x in t):
+        return "—"
+    p, lo, hi = t
+    if math.isinf(p) or math.isinf(hi):
+        inner = f"[{fmt.format(lo)}, not reached]" if not math.isinf(lo) else "[not reached]"
+        return (f"not reached {inner}" if math.isinf(p) else f"{fmt.format(p)} {inner}")
+    return f"{fmt.format(p)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def _lr(x) -> str:
+    return f"{x:.0e}".replace("e-0", "e-")
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def _label(m: str, variant: str) -> str:
+    if m == "V-GRPO" or m in ABLATIONS or m.startswith("V-GRPO"):
+        return m
+    return f"{m}, {'EMA' if variant == 'ema' else 'trained weights'}"
+
+
+def analyse(out: Path) -> dict:
+    """Everything the report shows, from the runs in `out` (machine-readable: summary.json)."""
+    plan = json.loads((out / "plan.json").read_text())
+    base = json.loads((out / "base.json").read_text())
+    results = load_results(out)
+    failed = sorted(p.stem for p in out.glob("*.failed"))
+    timing = next((r for r in results.values() if r.get("kind") == "timing"), None)
+    chosen = choose(results, plan, base)
+    thr = plan["threshold"]
+    S = {"plan": {k: v for k, v in plan.items() if k != "grids"}, "threshold": thr,
+         "failed": failed, "chosen": chosen, "timing": timing}
+    S["base"] = {k: {m: v[m] for m in ("n", "acc", "reward", "diversity", "nn_real")}
+                 for k, v in base.items()}
+    bh = base["heldout"]
+    S["base_ci"] = {}
+    for name, key in (("acc", "correct"), ("reward", "reward"), ("diversity", "div"),
+                      ("nn_real", "nn")):
+        p, b = boot_mean(_arrays([bh], key))
+        S["base_ci"][name] = (p, *interval(b))
+    # the runs themselves: curves, image counts, EMA flag
+    S["runs"] = []
+    for rid, r in sorted(results.items()):
+        if r.get("kind") == "timing":
+            continue
+        curves = {}
+        for v in ("raw", "ema"):
+            pts = [(e["iter"], e[v]["acc"], e[v]["reward"], e[v]["diversity"], e[v]["nn_real"])
+                   for e in r["evals"] if v in e]
+            if pts:
+                curves[v] = [dict(zip(("iter", "acc", "reward", "diversity", "nn_real"), p))
+                             for p in pts]
+        fin = {}
+        for split in ("heldout", "val", "heldout_cfg"):
+            for v in ("raw", "ema"):
+                e = final_eval(r, split, v)
+                if e is not None:
+                    fin[f"{split}_{v}"] = {k: e[k] for k in ("n", "acc", "reward", "diversity",
+                                                             "nn_real")}
+        S["runs"].append(dict(id=rid, kind=r["kind"], method=r["method"], lr=r["lr"],
+                              seed=r["seed"], iterations=r["iterations"], ema=r["ema"],
+                              evaluated=r["eval_key"], n_heldout=r["n_heldout"],
+                              n_val=r["n_val"], heldout_curve=curves, final=fin,
+                              train_reward=[x["reward_mean"] for x in r["iters"]],
+                              nfe_per_iter=nfe_per_iter(r), seconds=r["seconds"],
+                              surrogate_cv=_mean([x.get("surrogate_cv") for x in r["iters"]]),
+                              final_ci_images={k: v for k, v in final_stats([r]).items()
+                                               if k != "_reps"}))
+    # the sweep: every (method, lr, weights) with intervals; the frontier
+    S["sweep"] = []
+    for m in SWEEP:
+        for lr in plan["lrs"]:
+            rs = runs_of(results, "sweep", m, lr)
+            if not rs:
+                continue
+            for v in (["ema", "raw"] if rs[0]["ema"] else ["raw"]):
+                fs = final_stats(rs, "heldout", v)
+                vs = final_stats(rs, "val", v)
+                row = dict(method=m, lr=lr, variant=v, seeds=len(rs), n=fs.get("n"),
+                           heldout={k: fs[k] for k in fs if k not in ("_reps", "n", "seeds")},
+                           val={k: vs[k] for k in vs if k not in ("_reps", "n", "seeds")},
+                           chosen=m in chosen and chosen[m].get("lr_" + v) == lr,
+                           _reps=fs.get("_reps"))
+                if rs[0]["final"].get("heldout_cfg_" + v):
+                    cs = final_stats(rs, "heldout_cfg", v)
+                    row["heldout_cfg"] = {k: cs[k] for k in cs if k not in ("_reps", "n",
+                                                                           "seeds")}
+                S["sweep"].append(row)
+    S["frontier"] = frontier(S["sweep"])
+    # efficiency at the chosen lrs
+    S["efficiency"] = {}
+    for m in SWEEP:
+        if m not in chosen:
+            continue
+        rs = runs_of(results, "sweep", m, chosen[m]["lr"])
+        if rs and rs[0]["eval_key"] == chosen[m]["variant"]:
+            e = efficiency(rs, thr, timing, m)
+            e["final"] = {k: v for k, v in final_stats(rs).items() if k not in ("_reps",)}
+            S["efficiency"][m] = e
+    ev = S["efficiency"].get("V-GRPO")
+    if ev:
+        for m, e in S["efficiency"].items():
+            if m == "V-GRPO":
+                continue
+            e["vs_vgrpo"] = {k: ratio(ev[r], e[r], ev[k][0], e[k][0])
+                             for k, r in (("iters", "_iters_reps"), ("nfe", "_nfe_reps"),
+                                          ("seconds", "_sec_reps")) if r in e and r in ev}
+    # ablations at V-GRPO's lr, paired against the shipped recipe at that lr
+    S["ablations"] = []
+    if "V-GRPO" in chosen:
+        ref = runs_of(results, "sweep", "V-GRPO", chosen["V-GRPO"]["lr"])
+        ref_fs = final_stats(ref) if ref else {}
+        for m in ["V-GRPO", *ABLATIONS]:
+            rs = ref if m == "V-GRPO" else runs_of(results, "ablation", m)
+            if not rs:
+                continue
+            fs = final_stats(rs)
+            row = dict(method=m, lr=chosen["V-GRPO"]["lr"], seeds=len(rs),
+                       heldout={k: fs[k] for k in fs if k not in ("_reps", "n", "seeds")},
+                       n=fs["n"], surrogate_cv=_mean([x.get("surrogate_cv") for r in rs
+                                                      for x in r["iters"]]),
+                       surrogate_cv_group=_mean([x.get("surrogate_cv_group") for r in rs
+                                                 for x in r["iters"]]))
+            if m != "V-GRPO" and len(rs) == len(ref) and ref_fs:
+                d = fs["_reps"]["reward"] - ref_fs["_reps"]["reward"]
+                row["delta_reward"] = (fs["reward"][0] - ref_fs["reward"][0], *interval(d))
+            pt, reps = hit_times(rs, thr)
+            row["iters_to_threshold"] = (float(pt.mean()), *interval(reps.mean(1)))
+            row["reached"] = int(sum(math.isfinite(x) for x in pt))
+            row["n_evals"] = len(rs[0]["evals"])
+            S["ablations"].append(row)
+    # long runs
+    S["long"] = []
+    for r in sorted((r for r in results.values() if r.get("kind") == "long"),
+                    key=lambda r: list(LONG).index(_long_name(r))):
+        key = r["eval_key"]
+        fs = final_stats([r])
+        S["long"].append(dict(method=r["method"], name=_long_name(r), lr=r["lr"],
+                              iterations=r["iterations"], ema=r["ema"],
+                              curve=[dict(iter=e["iter"], **{k: e[key][k] for k in
+                                     ("acc", "reward", "diversity", "nn_real")})
+                                     for e in r["evals"]],
+                              train_reward=[x["reward_mean"] for x in r["iters"]],
+                              final={k: fs[k] for k in fs if k not in ("_reps",)},
+                              final_raw={k: v for k, v in final_stats([r], "heldout", "raw")
+                                         .items() if k != "_reps"} if r["ema"] else None))
+    return S
+
+
+def _long_name(r: dict) -> str:
+    return "Flow-GRPO" if r["method"] in SWEEP and r["method"] != "V-GRPO" else r["method"]
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else None
+
+
+def frontier(sweep: list[dict]) -> dict:
+    """Each Flow-GRPO point's distance below V-GRPO's reward–diversity frontier (held-out, final),
+    with its interval from the paired replicates. positive margin = the point lies below."""
+    np = _np()
+    vpts = [r for r in sweep if r["method"] == "V-GRPO" and r["_reps"]]
+    if not vpts:
+        return {}
+    pts = lambda rows: [(r["heldout"]["diversity"][0], r["heldout"]["reward"][0]) for r in rows]
+    out = {"vgrpo_points": pts(vpts), "points": []}
+    for r in sweep:
+        if r["method"] == "V-GRPO" or not r["_reps"]:
+            continue
+        d, rew = r["heldout"]["diversity"][0], r["heldout"]["reward"][0]
+        f = frontier_margin(pts(vpts), d)
+        item = dict(method=r["method"], lr=r["lr"], variant=r["variant"], diversity=d, reward=rew)
+        if f is None:
+            item["position"] = "more diverse than every V-GRPO point"
+            best = max(vpts, key=lambda q: q["heldout"]["diversity"][0])
+            item["reward_vs_most_diverse_vgrpo"] = rew - best["heldout"]["reward"][0]
+        else:
+            reps = []
+            for b in range(N_BOOT):
+                vb = [(q["_reps"]["diversity"][b], q["_reps"]["reward"][b]) for q in vpts]
+                fb = frontier_margin(vb, r["_reps"]["diversity"][b])
+                reps.append(np.nan if fb is None else fb - r["_reps"]["reward"][b])
+            reps = np.array(reps)
+            reps = reps[~np.isnan(reps)]
+            item["margin"] = (f - rew, *interval(reps)) if len(reps) else (f - rew, f - rew,
+                                                                             f - rew)
+            item["position"] = "below V-GRPO's frontier" if f - rew > 0 else \
+                "above V-GRPO's frontier"
+        out["points"].append(item)
+    inside = [p for p in out["points"] if "margin" in p]
+    out["all_below"] = bool(inside) and all(p["margin"][0] > 0 for p in inside)
+    out["all_below_ci"] = bool(inside) and all(p["margin"][1] > 0 for p in inside)
+    out["outside"] = [p for p in out["points"] if "margin" not in p]
+    return out
+
+
+def _setup_text(S: dict, cmd: str) -> str:
+    p, b = S["plan"], S["base"]
+    info = json.loads((CACHE / "build.json").read_text()) if (CACHE / "build.json").is_file() \
+        else {}
+    nan = float("nan")
+    return (
+        f"Produced by `{cmd}` (plan `{p['mode']}`, commit {p.get('commit', '?')}, started "
+        f"{p['started']}, {p['workers']} worker processes × {p['threads']} thread on a 2-core "
+        f"machine shared with other jobs). Model: the tiny SD3 pipeline of `examples/digits.py "
+        f"build` ({info.get('transformer_params', 0) / 1e6:.2f}M-parameter "
+        f"SD3Transformer2DModel); reward p(prompted digit) from a conv classifier "
+        f"({info.get('classifier_heldout_acc', nan):.1%} on held-out real digits). Every run: "
+        f"P × G = 4 × 8 rollouts per iteration, 10 steps, LoRA rank 32; V-GRPO through "
+        f"vgrpo's `setup` + `iteration`, Flow-GRPO through examples/flow_grpo_sd3.py's "
+        f"iteration at its published recipes, with its EMA of the LoRA (decay 0.9, updated "
+        f"every 8 optimizer steps), which is what Flow-GRPO evaluates; its trained weights are "
+        f"shown as a second row.\n\n"
+        f"* **Held-out set** (every reported number): {b['heldout']['n']} images, the 4 unseen "
+        f"phrasings ({', '.join(repr(t.format(d='N')) for t in p['heldout_templates'])}) × 10 "
+        f"digits × {p['n_heldout'] // 4} noises. **Validation set** (only to choose each "
+        f"method's lr): {b['val']['n']} images from 4 other unseen phrasings and other noise. "
+        f"Sampler: deterministic 10-step Euler ODE without CFG for every method (the CFG-4.5 "
+        f"recipe's policy also with its own CFG-4.5 sampler, marked \"CFG sampler\").\n"
+        f"* **lr choice**: the best final validation reward among the lrs whose validation "
+        f"diversity is ≥ {p['diversity_keep']:.0%} of the base model's "
+        f"({b['val']['diversity']:.3f} → floor {S['chosen'].get('V-GRPO', {}).get('diversity_floor', nan):.3f}); "
+        f"grid {', '.join(_lr(x) for x in p['lrs'])} for every method (both papers publish "
+        f"3e-4 at batch 48 × 24).\n"
+        f"* **Intervals**: 95 % percentile bootstrap, {N_BOOT} draws: seeds drawn with "
+        f"replacement, then the held-out images within each drawn seed; the same draws for every "
+        f"method (differences are paired). Diversity and nn-real are bootstrapped through their "
+        f"per-image terms (each image's mean feature distance to the other samples of its "
+        f"digit; its distance to the nearest real digit). One-seed rows (long runs) resample "
+        f"images only.\n"
+        f"* **Measures**: accuracy = the classifier's top class is the prompted digit; reward = "
+        f"its probability; diversity = within-digit feature distance, real handwriting = 1; "
+        f"nn-real = distance to the nearest real digit, real test digits = 1 (off the data → "
+        f"up).\n"
+        f"* **Threshold** (fixed before the runs, from the base evaluation): "
+        f"{p['threshold_rule']}; base {p['base_acc']:.4f} → {p['threshold']:.4f}. Iterations to "
+        f"it are interpolated linearly between evaluations (every {p['eval_every']} "
+        f"iterations); NFE = transformer forwards of training (rollout, θ_old and θ passes, "
+        f"Flow-GRPO's reference pass; CFG counts 2; backward passes not counted); wall-clock = "
+        f"iterations × seconds per iteration measured in one process that ran one iteration of "
+        f"each method in turn, {p['timing_rounds']} rounds.\n")
+
+
+def _sweep_rows(S: dict) -> list[list[str]]:
     rows = []
-    for d in range(10):
-        sel = x[digits == d][:per_digit]
-        rows.append(torch.cat(list(sel), dim=1))
-    canvas = (torch.cat(rows, dim=0) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
-    im = Image.fromarray(canvas, mode="L")
-    return im.resize((im.width * scale, im.height * scale), Image.NEAREST)
+    for r in S["sweep"]:
+        h, v = r["heldout"], r["val"]
+        primary = r["variant"] == S["chosen"].get(r["method"], {}).get("variant")
+        mark = (" **(chosen)**" if primary else " (chosen by its trained weights)") \
+            if r["chosen"] else ""
+        rows.append([_label(r["method"], r["variant"]) + mark,
+                     _lr(r["lr"]), str(r["seeds"]),
+                     f"{v['reward'][0]:.3f}" if v else "—",
+                     f"{v['diversity'][0]:.3f}" if v else "—",
+                     _ci(h.get("acc")), _ci(h.get("reward")), _ci(h.get("diversity")),
+                     _ci(h.get("nn_real"))])
+        if r.get("heldout_cfg"):
+            c = r["heldout_cfg"]
+            rows.append([_label(r["method"], r["variant"]) + ", CFG sampler", _lr(r["lr"]),
+                         str(r["seeds"]), "", "", _ci(c.get("acc")), _ci(c.get("reward")),
+                         _ci(c.get("diversity")), _ci(c.get("nn_real"))])
+    return rows
 
 
-def titled(images: list, titles: list[str], gap: int = 12):
-    """Side-by-side PIL images with a one-line title above each."""
-    from PIL import Image, ImageDraw
-    h = max(i.height for i in images) + 18
-    w = sum(i.width for i in images) + gap * (len(images) - 1)
-    out = Image.new("L", (w, h), 255)
-    draw = ImageDraw.Draw(out)
-    x = 0
-    for im, t in zip(images, titles):
-        out.paste(im, (x, 18))
-        draw.text((x + 2, 3), t, fill=0)
-        x += im.width + gap
-    return out
+SWEEP_HEAD = ["method", "lr", "seeds", "val reward", "val diversity", "held-out acc",
+              "held-out reward", "held-out diversity", "nn-real"]
 
 
-COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-          (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207),
-          (0, 0, 0)]
+def _frontier_text(S: dict) -> str:
+    F = S.get("frontier") or {}
+    if not F.get("points"):
+        return "Frontier: not enough runs.\n"
+    lines = []
+    for v, name in (("ema", "Flow-GRPO's EMA (what it evaluates)"),
+                    ("raw", "Flow-GRPO's trained weights")):
+        pts = [p for p in F["points"] if p["variant"] == v]
+        if not pts:
+            continue
+        inside = [p for p in pts if "margin" in p]
+        below = [p for p in inside if p["margin"][0] > 0]
+        sure = [p for p in inside if p["margin"][1] > 0]
+        out = [p for p in pts if "margin" not in p]
+        verdict = ("lies above" if inside and len(below) == len(inside) else
+                   "does not lie above")
+        s = (f"* **{name}:** V-GRPO's frontier {verdict} Flow-GRPO's where both have points: "
+             f"{len(below)} of the {len(inside)} Flow-GRPO points within V-GRPO's diversity "
+             f"range lie below it ({len(sure)} with the whole interval of the gap above 0)")
+        if out:
+            s += ("; " + ", ".join(f"{p['method']} at lr {_lr(p['lr'])} (diversity "
+                                   f"{p['diversity']:.3f}, reward {p['reward']:.3f})"
+                                   for p in out)
+                  + " lie beyond V-GRPO's most diverse point, so the frontier says nothing "
+                    "about them")
+        lines.append(s + ".")
+        for p in inside:
+            lines.append(f"  * {p['method']} lr {_lr(p['lr'])}: reward {p['reward']:.3f} at "
+                         f"diversity {p['diversity']:.3f}; V-GRPO's frontier there is "
+                         f"{_ci(p['margin'])} higher")
+    return "\n".join(lines) + "\n"
 
 
-_ASCII_GREEK = {ord("ε"): "eps", ord("β"): "beta", ord("η"): "eta", ord("μ"): "mu"}  # PIL's font
+def _eff_rows(S: dict) -> list[list[str]]:
+    rows = []
+    for m, e in S["efficiency"].items():
+        f = e["final"]
+        vs = e.get("vs_vgrpo", {})
+        rows.append([_label(m, S["chosen"][m]["variant"]), _lr(S["chosen"][m]["lr"]),
+                     f"{e['reached']}/{e['seeds']}", _ci(e["iters"], "{:.1f}"),
+                     _ci(e["nfe"], "{:,.0f}"), _ci(e.get("seconds"), "{:.0f}"),
+                     _ci(e.get("sec_per_iter"), "{:.2f}"),
+                     _ci(vs.get("iters"), "{:.2f}") if vs else "1",
+                     _ci(vs.get("nfe"), "{:.2f}") if vs else "1",
+                     _ci(vs.get("seconds"), "{:.2f}") if vs else "1",
+                     _ci(f.get("reward")), _ci(f.get("acc"))])
+    return rows
 
 
-def line_chart(series: dict, title: str, xlabel: str, ylabel: str, size=(520, 360), ylim=None):
-    """series: name → (xs, ys[, y_err]). A plain PIL line chart with a legend."""
-    from PIL import Image, ImageDraw
-    W, H = size
-    L, R, T, B = 50, 10, 24, 36
-    im = Image.new("RGB", (W, H + 14 * ((len(series) + 1) // 2)), "white")
-    d = ImageDraw.Draw(im)
-    xs_all = [x for s in series.values() for x in s[0]]
-    ys_all = [y for s in series.values() for y in s[1]]
-    x0, x1 = min(xs_all), max(xs_all)
-    y0, y1 = ylim or (min(ys_all), max(ys_all))
-    if y1 - y0 < 1e-9:
-        y1 = y0 + 1
-    px = lambda x: L + (x - x0) / max(x1 - x0, 1e-9) * (W - L - R)
-    py = lambda y: T + (1 - (y - y0) / (y1 - y0)) * (H - T - B)
-    d.rectangle([L, T, W - R, H - B], outline="black")
-    for k in range(5):
-        yv = y0 + (y1 - y0) * k / 4
-        d.line([L - 3, py(yv), L, py(yv)], fill="black")
-        d.text((2, py(yv) - 6), f"{yv:.2f}", fill="black")
-        xv = x0 + (x1 - x0) * k / 4
-        d.line([px(xv), H - B, px(xv), H - B + 3], fill="black")
-        d.text((px(xv) - 8, H - B + 5), f"{xv:.0f}", fill="black")
-    d.text((L, 5), title, fill="black")
-    d.text((W // 2 - 30, H - 16), xlabel, fill="black")
-    d.text((L + 4, T + 2), ylabel, fill=(90, 90, 90))
-    for i, (name, s) in enumerate(series.items()):
-        c = COLORS[i % len(COLORS)]
-        pts = [(px(x), py(min(max(y, y0), y1))) for x, y in zip(s[0], s[1])]
-        d.line(pts, fill=c, width=2)
-        for p in pts:
-            d.ellipse([p[0] - 2, p[1] - 2, p[0] + 2, p[1] + 2], fill=c)
-        lx, ly = 8 + (i % 2) * (W // 2), H + 2 + 14 * (i // 2)
-        d.line([lx, ly + 6, lx + 14, ly + 6], fill=c, width=3)
-        d.text((lx + 18, ly), name.translate(_ASCII_GREEK), fill="black")
-    return im
+EFF_HEAD = ["method", "lr", "seeds reaching", "iterations to thr.", "NFE to thr.",
+            "seconds to thr.", "s / iteration", "iterations ÷ V-GRPO's", "NFE ÷ V-GRPO's",
+            "seconds ÷ V-GRPO's", "final held-out reward", "final held-out acc"]
 
 
-def stack(images: list, horizontal: bool = False):
+def _abl_rows(S: dict) -> list[list[str]]:
+    rows = []
+    for a in S["ablations"]:
+        h = a["heldout"]
+        rows.append([a["method"] + (" (shipped)" if a["method"] == "V-GRPO" else ""),
+                     str(a["seeds"]), _ci(h.get("acc")), _ci(h.get("reward")),
+                     _ci(a.get("delta_reward"), "{:+.3f}") if a.get("delta_reward") else "—",
+                     _ci(h.get("diversity")), _ci(h.get("nn_real")),
+                     (f"{_ci(a['iters_to_threshold'], '{:.1f}')} ({a['reached']}/{a['seeds']})"
+                      if a["n_evals"] > 2 else "—"),
+                     f"{a['surrogate_cv']:.3f}" if a["surrogate_cv"] is not None else "—",
+                     f"{a['surrogate_cv_group']:.3f}" if a["surrogate_cv_group"] is not None
+                     else "—"])
+    return rows
+
+
+ABL_HEAD = ["method", "seeds", "held-out acc", "held-out reward", "Δ reward vs shipped",
+            "diversity", "nn-real", "iterations to thr. (seeds reaching)", "surrogate CV",
+            "CV within group"]
+
+
+def _long_text(S: dict) -> str:
+    if not S["long"]:
+        return "Long runs: not run.\n"
+    b = S["base"]["heldout"]
+    its = sorted({c["iter"] for L in S["long"] for c in L["curve"]})
+    head = ["run", "lr"] + [f"@{i}: acc / div / nn" for i in its] + ["final reward (CI)"]
+    rows, notes = [], []
+    for L in S["long"]:
+        by = {c["iter"]: c for c in L["curve"]}
+        rows.append([L["method"] + (", EMA" if L["ema"] else ""), _lr(L["lr"])]
+                    + [f"{by[i]['acc']:.3f} / {by[i]['diversity']:.2f} / {by[i]['nn_real']:.2f}"
+                       if i in by else "—" for i in its] + [_ci(L["final"].get("reward"))])
+        peak = max(L["curve"], key=lambda c: c["acc"])
+        last = L["curve"][-1]
+        tr = L["train_reward"]
+        k = max(1, len(tr) // 10)
+        signs = []
+        if last["diversity"] < DIVERSITY_KEEP * b["diversity"]:
+            signs.append(f"diversity fell to {last['diversity']:.2f} "
+                         f"({last['diversity'] / b['diversity']:.0%} of the base model's)")
+        if last["nn_real"] > 1.1 * b["nn_real"]:
+            signs.append(f"samples moved off the data (nn-real {b['nn_real']:.2f} → "
+                         f"{last['nn_real']:.2f})")
+        if peak["acc"] - last["acc"] >= 0.03:
+            signs.append(f"held-out accuracy fell from its peak {peak['acc']:.3f} "
+                         f"(@{peak['iter']}) to {last['acc']:.3f}")
+        notes.append(f"* **{L['method']}**: training reward {sum(tr[:k]) / k:.3f} (first "
+                     f"{k} iterations) → {sum(tr[-k:]) / k:.3f} (last {k}); held-out accuracy "
+                     f"{L['curve'][0]['acc']:.3f} → {last['acc']:.3f}, diversity "
+                     f"{L['curve'][0]['diversity']:.3f} → {last['diversity']:.3f}, nn-real "
+                     f"{L['curve'][0]['nn_real']:.3f} → {last['nn_real']:.3f}. "
+                     + (("Signs of over-optimisation: " + "; ".join(signs) + ".") if signs else
+                        "No sign of reward hacking by these measures (diversity ≥ "
+                        f"{DIVERSITY_KEEP:.0%} of the base model's, nn-real within 10 %, "
+                        "accuracy within 0.03 of its peak)."))
+    return _table(head, rows) + "\n" + "\n".join(notes) + "\n"
+
+
+def _paper_text(S: dict) -> str:
+    """Where the measurements agree or disagree with the paper's claims, computed."""
+    out = []
+    E = S["efficiency"]
+    ev = E.get("V-GRPO")
+    for m, e in E.items():
+        if m == "V-GRPO" or not ev:
+            continue
+        r = e.get("vs_vgrpo", {}).get("iters")
+        fin_v, fin_f = ev["final"].get("reward"), e["final"].get("reward")
+        if r is None or fin_v is None or fin_f is None:
+            continue
+        it = S["plan"]["iterations"]
+        reach = f"V-GRPO reached it on {ev['reached']}/{ev['seeds']} seeds, {m} on " \
+                f"{e['reached']}/{e['seeds']} within {it} iterations"
+        if ev["reached"] == 0:
+            verdict = "not resolved (V-GRPO did not reach the threshold)"
+        elif e["reached"] == 0 and ev["reached"] == ev["seeds"]:
+            verdict = "agrees"
+        elif not math.isnan(r[1]) and r[1] > 1:
+            verdict = "agrees"
+        elif not math.isnan(r[2]) and r[2] < 1:
+            verdict = "disagrees"
+        else:
+            verdict = "not resolved (interval includes 1)"
+        s = reach + (f"; {m} needed {_ci(r, '{:.2f}')}× V-GRPO's iterations"
+                     if math.isfinite(r[0]) and r[0] > 0 else "")
+        out.append(f"* **Fewer iterations than the MDP baseline (the paper's efficiency claim):"
+                   f" {verdict}** against {m}: {s}; final held-out reward {_ci(fin_v)} (V-GRPO) "
+                   f"vs {_ci(fin_f)}.")
+    F = S.get("frontier") or {}
+    if F.get("points"):
+        out.append(f"* **On the reward–diversity frontier** (not a claim of the paper, the "
+                   f"question a faster-moving method must answer): V-GRPO's frontier "
+                   f"{'lies above' if F['all_below'] else 'does not lie above'} every "
+                   f"Flow-GRPO point in its range"
+                   f"{' (every gap interval above 0)' if F['all_below_ci'] else ''}.")
+    A = {a["method"]: a for a in S["ablations"]}
+    claims = [("naive FPO-style", "the naive surrogate is worse"),
+              ("no adaptive weighting", "adaptive weighting helps"),
+              ("no stratification", "stratification helps"),
+              ("pair sharing: none", "pair sharing helps"),
+              ("v-parameterisation", "x-parameterisation beats v")]
+    for m, claim in claims:
+        a = A.get(m)
+        if a and a.get("delta_reward"):
+            d = a["delta_reward"]
+            verdict = ("agrees" if d[2] < 0 else "disagrees" if d[1] > 0 else
+                       "not resolved (interval includes 0)")
+            out.append(f"* **Ablation, {claim}: {verdict}** — {m} minus shipped, final "
+                       f"held-out reward {_ci(d, '{:+.3f}')}.")
+    cvs = {a["method"]: a["surrogate_cv"] for a in S["ablations"]}
+    if cvs.get("V-GRPO") and cvs.get("naive FPO-style"):
+        agree = cvs["V-GRPO"] < cvs["naive FPO-style"]
+        out.append(f"* **Lower surrogate CV with the three techniques: "
+                   f"{'agrees' if agree else 'disagrees'}** — {cvs['naive FPO-style']:.3f} "
+                   f"(naive) → {cvs['V-GRPO']:.3f} (shipped); the paper: 0.230 → 0.128.")
+    return "\n".join(out) + "\n" if out else ""
+
+
+def write_report(S: dict, cmd: str, figs: dict) -> tuple[str, str]:
+    """(digits.md text, README section body)."""
+    ch = S["chosen"]
+    chosen_line = "; ".join(f"{_label(m, ch[m]['variant'])} {_lr(ch[m]['lr'])}"
+                            + (" (no lr kept the diversity floor: the most diverse one)"
+                               if ch[m].get(f"fallback_{ch[m]['variant']}") else "")
+                            for m in SWEEP if m in ch)
+    raw_line = "; ".join(f"{m} {_lr(ch[m]['lr_raw'])}" for m in SWEEP
+                         if m in ch and "lr_raw" in ch[m] and m != "V-GRPO")
+    better = ch.get("better_flow", "—")
+    edge = [m for m in SWEEP if m in ch and ch[m]["lr"] == max(S["plan"]["lrs"])]
+    if edge:
+        chosen_line += (f". The largest lr of the grid was chosen for {', '.join(edge)}: its best "
+                        "lr may lie above the grid")
+    parts = {
+        "setup": _setup_text(S, cmd),
+        "sweep": (f"Chosen on the validation set: {chosen_line}. (Chosen by the trained weights "
+                  f"instead of the EMA: {raw_line or '—'}.) Better Flow-GRPO recipe on "
+                  f"validation: {better}. Base model: held-out acc "
+                  f"{_ci(S['base_ci']['acc'])}, reward {_ci(S['base_ci']['reward'])}, diversity "
+                  f"{_ci(S['base_ci']['diversity'])}, nn-real {_ci(S['base_ci']['nn_real'])}; "
+                  f"with the CFG-4.5 sampler acc {S['base']['heldout_cfg']['acc']:.3f}, "
+                  f"diversity {S['base']['heldout_cfg']['diversity']:.3f}.\n\n"
+                  + _table(SWEEP_HEAD, _sweep_rows(S))),
+        "frontier": _frontier_text(S),
+        "eff": _table(EFF_HEAD, _eff_rows(S)) if S["efficiency"] else "Not run.\n",
+        "abl": (_table(ABL_HEAD, _abl_rows(S)) if S["ablations"] else "Not run.\n"),
+        "long": _long_text(S),
+        "paper": _paper_text(S),
+    }
+    fail = (f"\nFailed runs (see the benchmark's log): {', '.join(S['failed'])}.\n"
+            if S["failed"] else "")
+    img = lambda k, alt: f"![{alt}]({figs[k]})\n" if k in figs else ""
+    md = ("# V-GRPO and Flow-GRPO on handwritten digits: each at its own learning rate\n\n"
+          + parts["setup"] + fail
+          + "\n## Learning-rate sweep (final held-out numbers, 95 % intervals)\n\n"
+          + parts["sweep"]
+          + "\n## The reward–diversity frontier\n\n" + img("frontier", "frontier")
+          + "\n" + parts["frontier"]
+          + "\n## Efficiency at each method's chosen lr\n\n" + parts["eff"]
+          + "\n## Ablations at V-GRPO's chosen lr\n\n" + parts["abl"]
+          + "\n## Long runs\n\n" + img("long", "long runs") + "\n" + parts["long"]
+          + "\n## Against the paper\n\n" + parts["paper"]
+          + "\n" + img("main", "curves and samples"))
+    readme = (
+        "\nThe 2-D toy cannot say whether V-GRPO improves an image model. `examples/digits.py` "
+        "(see the [quickstart](#a-pretrained-model-on-a-cpu-handwritten-digits)) gives a "
+        "genuinely pretrained SD3-architecture pipeline on a CPU and a learned reward (a digit "
+        "classifier's probability of the prompted digit, the analogue of the paper's GenEval). "
+        "The benchmark compares V-GRPO with a faithful Flow-GRPO (examples/flow_grpo_sd3.py, "
+        "both of its published SD3 recipes, evaluated through its EMA as upstream does) with "
+        "every method at its own learning rate, chosen on a validation set. Command and cost:\n\n"
+        "```bash\npython examples/digits.py benchmark           # the full plan, resumable; "
+        "~60 min on 2 idle cores\npython examples/digits.py benchmark --quick   # 1 seed, short "
+        "runs: ~10 min\npython examples/digits.py report              # tables and figures "
+        "from the JSON\n```\n\n"
+        "Everything below is generated by `report` from `examples/digits_results/summary.json` "
+        "(per method, lr and seed: held-out curves, image counts, intervals, the EMA flag); the "
+        "full tables are in [examples/digits.md](examples/digits.md).\n\n"
+        + parts["setup"] + fail
+        + "\n**Learning-rate sweep** (final held-out numbers, 95 % intervals):\n\n"
+        + parts["sweep"] + "\n" + img("frontier", "reward–diversity frontier") + "\n"
+        + parts["frontier"]
+        + "\n**Efficiency at the chosen learning rates** (threshold, NFE and wall-clock as "
+          "defined above):\n\n" + parts["eff"]
+        + "\n**Ablations at V-GRPO's chosen lr:**\n\n" + parts["abl"]
+        + "\n**Long runs** (held-out accuracy / diversity / nn-real at each evaluation):\n\n"
+        + img("long", "long runs") + "\n" + parts["long"]
+        + "\n**Against the paper** (computed from the numbers above):\n\n" + parts["paper"]
+        + "\n" + img("main", "digits curves and samples") + "\n")
+    return md, readme
+
+
+def _strip(x):
+    """JSON-ready copy: numpy → float, private keys (leading _) and infinities dropped."""
+    np = _np()
+    if isinstance(x, dict):
+        return {k: _strip(v) for k, v in x.items() if not str(k).startswith("_")}
+    if isinstance(x, (list, tuple)):
+        return [_strip(v) for v in x]
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    return x
+
+
+README_SECTION = "## Results on real handwritten digits: a pretrained model, a learned reward"
+
+
+def replace_readme_section(readme: Path, body: str) -> None:
+    text = readme.read_text()
+    start = text.index(README_SECTION) + len(README_SECTION)
+    end = text.index("\n## ", start)
+    readme.write_text(text[:start] + "\n" + body.rstrip("\n") + "\n" + text[end:])
+
+
+def report(out: Path = RESULTS, md: Path | None = None, readme: Path | None = None,
+           cmd: str | None = None, log=print) -> str:
+    """summary.json, the markdown and the figures from the runs in `out`. Defaults: for the
+    shipped results folder, examples/digits.md, examples/digits*.png and the README section; for
+    any other folder, report.md and figures inside it."""
+    out = Path(out)
+    shipped = out.resolve() == RESULTS.resolve()
+    md = Path(md) if md else (Path(__file__).with_name("digits.md") if shipped
+                              else out / "report.md")
+    fig_dir = md.parent
+    S = analyse(out)
+    if cmd is None:
+        cmd = "python examples/digits.py benchmark" + (
+            " --quick" if S["plan"]["mode"] == "quick" else "") + (
+            "" if shipped else f" --out {out}")
+    figs = figures(S, out, fig_dir, prefix="digits" if fig_dir == Path(__file__).parent
+                   else "report")
+    rel = {k: os.path.relpath(v, md.parent) for k, v in figs.items()}
+    text, body = write_report(S, cmd, rel)
+    md.write_text(text)
+    (out / "summary.json").write_text(json.dumps(_strip(S), indent=1))
+    if readme or shipped:
+        rfig = {k: os.path.relpath(v, ROOT) for k, v in figs.items()}
+        _, body = write_report(S, cmd, rfig)
+        replace_readme_section(Path(readme) if readme else ROOT / "README.md", body)
+    log(text)
+    log(f"wrote {md}, {out / 'summary.json'}, " + ", ".join(str(v) for v in figs.values()))
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
+# Pictures: sample grids (PNG files) and the charts (matplotlib).
+# ------------------------------------------------------------------------------------------------
+def grid_array(images: torch.Tensor, digits: torch.Tensor, per_digit: int):
+    """Rows = digits 0-9, the first `per_digit` samples of each; → (10·32, per_digit·32) uint8."""
+    x = gray(images)[:, 0]
+    rows = [torch.cat(list(x[digits == d][:per_digit]), dim=1) for d in range(10)]
+    return (torch.cat(rows, dim=0) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+
+
+def save_grid(images: torch.Tensor, digits: torch.Tensor, path: Path, per_digit: int = 10):
     from PIL import Image
-    if horizontal:
-        size = (sum(i.width for i in images), max(i.height for i in images))
-        out = Image.new("RGB", size, "white")
-        x = 0
-        for i in images:
-            out.paste(i.convert("RGB"), (x, 0))
-            x += i.width
-        return out
-    out = Image.new("RGB", (max(i.width for i in images), sum(i.height for i in images)), "white")
-    y = 0
-    for i in images:
-        out.paste(i.convert("RGB"), (0, y))
-        y += i.height
-    return out
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(grid_array(images, digits, per_digit), mode="L").save(path, optimize=True)
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+STYLE = {"V-GRPO": dict(color="tab:blue", marker="o"),
+         "Flow-GRPO (CFG 4.5)": dict(color="tab:red", marker="s"),
+         "Flow-GRPO (no CFG)": dict(color="tab:orange", marker="^")}
+
+
+def figures(S: dict, out: Path, fig_dir: Path, prefix: str) -> dict:
+    """The frontier, the long runs and the main figure (curves at the chosen lrs + samples).
+    Returns {name: path} of those written."""
+    plt = _plt()
+    np = _np()
+    figs = {}
+    b = S["base_ci"]
+    # 1. reward–diversity frontier: every (method, lr) point, final held-out, with intervals
+    if S["sweep"]:
+        fig, ax = plt.subplots(figsize=(7.5, 5.2))
+        for m in SWEEP:
+            for v in ("ema", "raw"):
+                rows = sorted([r for r in S["sweep"] if r["method"] == m and r["variant"] == v],
+                              key=lambda r: r["lr"])
+                if not rows:
+                    continue
+                fill = m == "V-GRPO" or v == "ema"          # Flow-GRPO's trained weights: hollow
+                st = STYLE[m]
+                xs = [r["heldout"]["diversity"][0] for r in rows]
+                ys = [r["heldout"]["reward"][0] for r in rows]
+                xe = np.array([[x - r["heldout"]["diversity"][1], r["heldout"]["diversity"][2] - x]
+                               for x, r in zip(xs, rows)]).T
+                ye = np.array([[y - r["heldout"]["reward"][1], r["heldout"]["reward"][2] - y]
+                               for y, r in zip(ys, rows)]).T
+                lab = m if m == "V-GRPO" else f"{m}, {'EMA' if v == 'ema' else 'trained weights'}"
+                ax.errorbar(xs, ys, xerr=xe, yerr=ye, color=st["color"], marker=st["marker"],
+                            ls="-" if fill else ":", mfc=st["color"] if fill else "white",
+                            capsize=2, lw=1.2, ms=7, label=lab)
+                for x, y, r in zip(xs, ys, rows):
+                    ax.annotate(_lr(r["lr"]) + (" ★" if r["chosen"] else ""), (x, y),
+                                textcoords="offset points", xytext=(5, 4), fontsize=7,
+                                color=st["color"])
+        cfg = [r for r in S["sweep"] if r.get("heldout_cfg") and r["variant"] == "ema"]
+        if cfg:
+            ax.scatter([r["heldout_cfg"]["diversity"][0] for r in cfg],
+                       [r["heldout_cfg"]["reward"][0] for r in cfg], marker="x", color="tab:red",
+                       label="Flow-GRPO (CFG 4.5), EMA, sampled with CFG 4.5")
+            bc = S["base"]["heldout_cfg"]
+            ax.scatter([bc["diversity"]], [bc["reward"]], marker="X", color="black", s=50,
+                       label="base model, sampled with CFG 4.5")
+        ax.errorbar([b["diversity"][0]], [b["reward"][0]],
+                    xerr=[[b["diversity"][0] - b["diversity"][1]], [b["diversity"][2] -
+                                                                     b["diversity"][0]]],
+                    yerr=[[b["reward"][0] - b["reward"][1]], [b["reward"][2] - b["reward"][0]]],
+                    color="black", marker="D", ms=7, capsize=2, label="base model")
+        ax.axvline(1.0, color="gray", lw=0.8, ls="--")
+        ax.text(1.0, ax.get_ylim()[0], " real handwriting", color="gray", fontsize=7,
+                va="bottom")
+        ax.axvline(DIVERSITY_KEEP * b["diversity"][0], color="gray", lw=0.8, ls=":")
+        ax.set_xlabel("held-out diversity (within-digit, real digits = 1)")
+        ax.set_ylabel("held-out reward  p(prompted digit)")
+        it = S["plan"]["iterations"]
+        ax.set_title(f"Reward–diversity frontier after {it} iterations "
+                     f"({S['sweep'][0]['seeds']} seeds × {S['sweep'][0]['n']} images; "
+                     "★ chosen lr)", fontsize=9)
+        ax.legend(fontsize=7, loc="best")
+        ax.grid(alpha=0.3)
+        figs["frontier"] = fig_dir / f"{prefix}_frontier.png"
+        fig.tight_layout()
+        fig.savefig(figs["frontier"], dpi=110)
+        plt.close(fig)
+    # 2. long runs: training reward, held-out accuracy, diversity, nn-real against iterations
+    if S["long"]:
+        fig, axs = plt.subplots(1, 4, figsize=(15, 3.6))
+        colors = {"V-GRPO": "tab:blue", "Flow-GRPO": "tab:red"}
+        for i, L in enumerate(S["long"]):
+            c = colors.get(L["name"], "tab:green")
+            lab = f"{L['method']}{', EMA' if L['ema'] else ''} (lr {_lr(L['lr'])})"
+            tr = np.array(L["train_reward"])
+            axs[0].plot(np.arange(len(tr)), tr, color=c, alpha=0.35, lw=0.8)
+            k = 5
+            if len(tr) >= k:
+                axs[0].plot(np.arange(k - 1, len(tr)), np.convolve(tr, np.ones(k) / k, "valid"),
+                            color=c, lw=1.6, label=lab)
+            its = [p["iter"] for p in L["curve"]]
+            for ax, key in zip(axs[1:], ("acc", "diversity", "nn_real")):
+                ax.plot(its, [p[key] for p in L["curve"]], color=c, marker="o", ms=3, label=lab)
+        bb = S["base"]["heldout"]
+        for ax, key, title in zip(axs[1:], ("acc", "diversity", "nn_real"),
+                                  ("held-out accuracy", "held-out diversity (real = 1)",
+                                   "distance to nearest real digit (real = 1)")):
+            ax.axhline(bb[key], color="black", lw=0.8, ls=":", label="base model")
+            ax.set_title(title, fontsize=9)
+        axs[2].axhline(1.0, color="gray", lw=0.8, ls="--", label="real digits")
+        axs[3].axhline(1.0, color="gray", lw=0.8, ls="--")
+        axs[0].set_title("training reward (rollouts; Flow-GRPO: SDE)", fontsize=9)
+        for ax in axs:
+            ax.set_xlabel("iteration")
+            ax.grid(alpha=0.3)
+        axs[0].legend(fontsize=7)
+        axs[2].legend(fontsize=7)
+        figs["long"] = fig_dir / f"{prefix}_long.png"
+        fig.tight_layout()
+        fig.savefig(figs["long"], dpi=100)
+        plt.close(fig)
+    # 3. main: held-out accuracy against iterations and against NFE at the chosen lrs, samples
+    runs = {m: [r for r in S["runs"] if r["kind"] == "sweep" and r["method"] == m
+                and abs(r["lr"] - S["chosen"][m]["lr"]) < 1e-12]
+            for m in SWEEP if m in S["chosen"]}
+    runs = {m: rs for m, rs in runs.items() if rs}
+    grids = [("base model", out / "grids" / "base.png")]
+    for m, rs in runs.items():
+        r0 = rs[0]
+        grids.append((f"{m} @{r0['iterations']}, lr {_lr(r0['lr'])}",
+                      out / "grids" / f"{r0['id']}__{r0['evaluated']}.png"))
+    for L in S["long"]:
+        rid = f"long__{slug(L['name'])}__s0"
+        grids.append((f"long: {L['method']} @{L['iterations']}",
+                      out / "grids" / f"{rid}__{'ema' if L['ema'] else 'raw'}.png"))
+    grids = [(t, p) for t, p in grids if p.is_file()]
+    if runs or grids:
+        from PIL import Image
+        fig = plt.figure(figsize=(15, 8.5))
+        gs = fig.add_gridspec(2, max(len(grids), 2), height_ratios=[1, 1.25])
+        ax1 = fig.add_subplot(gs[0, : max(len(grids), 2) // 2])
+        ax2 = fig.add_subplot(gs[0, max(len(grids), 2) // 2:])
+        for m, rs in runs.items():
+            key = rs[0]["evaluated"]
+            its = [p["iter"] for p in rs[0]["heldout_curve"][key]]
+            acc = np.array([[p["acc"] for p in r["heldout_curve"][key]] for r in rs])
+            nfe = np.array(its) * _mean([r["nfe_per_iter"] for r in rs])
+            st = STYLE[m]
+            lab = f"{_label(m, key)}, lr {_lr(rs[0]['lr'])} ({len(rs)} seeds)"
+            for ax, x in ((ax1, its), (ax2, nfe)):
+                ax.plot(x, acc.mean(0), color=st["color"], marker=st["marker"], label=lab)
+                if len(rs) > 1:
+                    ax.fill_between(x, acc.min(0), acc.max(0), color=st["color"], alpha=0.15)
+        for ax, xl in ((ax1, "iteration"), (ax2, "training NFE (transformer forwards)")):
+            ax.axhline(S["threshold"], color="gray", ls="--", lw=0.8, label="threshold")
+            ax.set_xlabel(xl)
+            ax.set_ylabel("held-out accuracy")
+            ax.grid(alpha=0.3)
+        ax1.set_title("held-out accuracy at each method's chosen lr (band: min–max over seeds)",
+                      fontsize=9)
+        ax2.set_title("the same against training network evaluations", fontsize=9)
+        ax1.legend(fontsize=7)
+        for i, (t, p) in enumerate(grids):
+            ax = fig.add_subplot(gs[1, i])
+            ax.imshow(np.asarray(Image.open(p)), cmap="gray", vmin=0, vmax=255)
+            ax.set_title(t, fontsize=8)
+            ax.axis("off")
+        figs["main"] = fig_dir / f"{prefix}.png"
+        fig.tight_layout()
+        fig.savefig(figs["main"], dpi=90)
+        plt.close(fig)
+    return figs
+
+
+def before_after_figure(imgs0, imgs1, digits, titles: list[str], path: Path, per_digit: int = 8):
+    """Two sample grids side by side (rows: digits 0-9, same noise), matplotlib."""
+    plt = _plt()
+    fig, axs = plt.subplots(1, 2, figsize=(7, 4.6))
+    for ax, imgs, t in zip(axs, (imgs0, imgs1), titles):
+        ax.imshow(grid_array(imgs, digits, per_digit), cmap="gray", vmin=0, vmax=255)
+        ax.set_title(t, fontsize=9)
+        ax.axis("off")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -803,197 +1941,14 @@ def quickstart(iterations: int = 30, run_dir: str = "runs/digits-quickstart", se
     pipe = StableDiffusion3Pipeline.from_pretrained(str(folder), torch_dtype=torch.float32)
     pipe.load_lora_weights(str(V.find_checkpoint(run_dir)))
     after, imgs1 = heldout_metrics(pipe, n_per=10, return_images=True)
-    pic = titled([grid_image(imgs0, digits, 8), grid_image(imgs1, digits, 8)],
-                 [f"base model: {before['acc']:.0%} correct",
-                  f"after {iterations} V-GRPO iterations: {after['acc']:.0%}"])
-    Path(grid).parent.mkdir(parents=True, exist_ok=True)
-    pic.save(grid)
+    before_after_figure(imgs0, imgs1, digits,
+                        [f"base model: {before['acc']:.0%} correct",
+                         f"after {iterations} V-GRPO iterations: {after['acc']:.0%}"], grid)
     log(f"held-out prompt accuracy (10 digits × 10 samples, unseen phrasings and noise): "
         f"{before['acc']:.1%} → {after['acc']:.1%}; reward {before['reward']:.3f} → "
         f"{after['reward']:.3f}; diversity {before['diversity']:.2f} → {after['diversity']:.2f}")
     log(f"before/after grid (rows: digits 0-9, same noise): {grid}")
     return {"before": before, "after": after}
-
-
-# ------------------------------------------------------------------------------------------------
-# Report: the benchmark's JSON → examples/digits.md (tables), examples/digits.png (curves, grids).
-# ------------------------------------------------------------------------------------------------
-THRESHOLD_RULE = ("half of the base model's remaining held-out error removed: "
-                  "acc ≥ base + (1 − base)/2")
-
-
-def _ms(vals, fmt="{:.3f}"):
-    vals = [v for v in vals if v is not None and not math.isnan(v)]
-    if not vals:
-        return "—"
-    m = sum(vals) / len(vals)
-    if len(vals) == 1:
-        return fmt.format(m)
-    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
-    return f"{fmt.format(m)} ± {fmt.format(sd)}"
-
-
-def _at(res, it, key):
-    for e in res["evals"]:
-        if e["iter"] == it:
-            return e[key]
-    return None
-
-
-def _setup_notes(plan: dict, main: list, hack: list) -> str:
-    """The header of digits.md: what was run, from the benchmark's own records."""
-    bj = CACHE / "build.json"
-    info = json.loads(bj.read_text()) if bj.is_file() else {}
-    nan = float("nan")
-    flags = " ".join(plan.get("common_flags", COMMON))
-    secs = sum(r["seconds"] for r in main + hack)
-    start, end = plan.get("started", "?"), max((r["finished"] for r in main + hack), default="?")
-    return (
-        "# V-GRPO on handwritten digits: results of `python examples/digits.py benchmark`\n\n"
-        f"Model: the tiny SD3 pipeline pretrained by `examples/digits.py build` "
-        f"({info.get('transformer_params', 0) / 1e6:.2f}M-parameter SD3Transformer2DModel, "
-        f"{info.get('recipe', {}).get('pretrain_steps', '?')} rectified-flow steps; VAE "
-        f"reconstructions classified {info.get('vae_recon_acc', nan):.1%} correct). Reward: "
-        "p(prompted digit) from a conv classifier with "
-        f"{info.get('classifier_heldout_acc', nan):.1%} held-out accuracy on real digits. "
-        "Every method: vgrpo's own `setup` + `iteration` (the "
-        f"MDP rows: examples/flow_grpo_sd3.py's iteration), flags `{flags}` plus the method's own; "
-        "LoRA rank 32 / alpha 64 (vgrpo's SD3 default); lr 2e-3 for every method (at 3e-4 V-GRPO "
-        "moved an earlier checkpoint of this model by 2 points in 10 iterations, at 2e-3 by "
-        "13). Held-out evaluation: the 4 unseen phrasings × "
-        f"{plan.get('n_per', 6)} fixed noises per digit ({10 * plan.get('n_per', 6)} images), "
-        "deterministic 10-step Euler ODE without CFG for every row (for the CFG recipe, its own "
-        "CFG-4.5 sampler is reported too), every "
-        f"{plan.get('eval_every', 4)} iterations; iteration 0 is the base model for every method "
-        "(LoRA starts at B = 0) and is evaluated once. Diversity: mean pairwise distance of "
-        "classifier features within a digit, real digits = 1. nn-real: distance to the nearest "
-        "real digit in that feature space, real test digits = 1. Surrogate CV: vgrpo's logged "
-        "`surrogate_cv` and `surrogate_cv_group` (CV of S_old over the batch and within groups), "
-        "mean over iterations. "
-        f"Wall clock: {secs / 60:.0f} min of run time in two processes, {start} → {end}, "
-        "on a 2-core machine shared with other jobs (times are only roughly comparable; "
-        "iterations are the primary measure).\n\n")
-
-
-def report(out: Path = RESULTS, md: Path = Path(__file__).with_name("digits.md"),
-           png: Path = Path(__file__).with_name("digits.png"), log=print) -> str:
-    from PIL import Image
-    runs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.name != "plan.json"]
-    main = [r for r in runs if r["kind"] == "main"]
-    hack = [r for r in runs if r["kind"] == "hacking"]
-    plan = json.loads((out / "plan.json").read_text()) if (out / "plan.json").is_file() else {}
-    by = {}
-    for r in main:
-        by.setdefault(r["method"], []).append(r)
-    order = [m for m in {**METHODS, **EXTRA_METHODS} if m in by]
-    lines = []
-    if main:
-        base = sum(r["evals"][0]["acc"] for r in main) / len(main)
-        thr = base + (1 - base) / 2
-        its = sorted({e["iter"] for r in main for e in r["evals"]})
-        last = max(its)
-        shown = its
-        lines.append(f"Threshold (fixed before the runs): {THRESHOLD_RULE}; base {base:.3f} → "
-                     f"threshold {thr:.3f}.\n")
-        head = (["method", "seeds"] + [f"acc @{i}" for i in shown] +
-                [f"reward @{last}", "iters to thr.", "train s to thr.", f"diversity @{last}",
-                 f"nn-real @{last}", "surrogate CV", "CV within group", "s / iter (median)"])
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        for m in order:
-            rs = by[m]
-            reach_it, reach_s = [], []
-            for r in rs:
-                hit = next((e["iter"] for e in r["evals"] if e["acc"] >= thr), None)
-                if hit is not None:
-                    reach_it.append(hit)
-                    reach_s.append(sum(x["time_iter"] for x in r["iters"][:hit]))
-            cv = [sum(x["surrogate_cv"] for x in r["iters"]) / len(r["iters"]) for r in rs
-                  if r["iters"] and "surrogate_cv" in r["iters"][0]]
-            cvg = [sum(x["surrogate_cv_group"] for x in r["iters"]) / len(r["iters"]) for r in rs
-                   if r["iters"] and "surrogate_cv_group" in r["iters"][0]]
-            spi = [statistics.median(x["time_iter"] for x in r["iters"]) for r in rs if r["iters"]]
-            reached = f"{len(reach_it)}/{len(rs)}"
-            row = ([m, str(len(rs))] + [_ms([_at(r, i, "acc") for r in rs]) for i in shown] +
-                   [_ms([_at(r, last, "reward") for r in rs]),
-                    (_ms(reach_it, "{:.1f}") + f" ({reached})") if reach_it
-                    else f"not reached (0/{len(rs)})",
-                    _ms(reach_s, "{:.0f}") if reach_s else "—",
-                    _ms([_at(r, last, "diversity") for r in rs], "{:.2f}"),
-                    _ms([_at(r, last, "nn_real") for r in rs], "{:.2f}"),
-                    _ms(cv, "{:.3f}"), _ms(cvg, "{:.3f}"), _ms(spi, "{:.2f}")])
-            lines.append("| " + " | ".join(row) + " |")
-    cfg_rows = [m for m in order if "acc_cfg" in by[m][0]["evals"][0]]
-    if cfg_rows:
-        lines.append("\nThe CFG recipe's policy sampled as Flow-GRPO samples it (10-step Euler ODE "
-                     "with CFG 4.5, same held-out prompts and noise):\n")
-        head = ["method", "seeds"] + [f"acc @{i}" for i in shown] + [
-            f"reward @{last}", f"diversity @{last}", f"nn-real @{last}"]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        for m in cfg_rows:
-            rs = by[m]
-            lines.append("| " + " | ".join(
-                [m + ", CFG 4.5 sampler", str(len(rs))] +
-                [_ms([_at(r, i, "acc_cfg") for r in rs]) for i in shown] +
-                [_ms([_at(r, last, "reward_cfg") for r in rs]),
-                 _ms([_at(r, last, "diversity_cfg") for r in rs], "{:.2f}"),
-                 _ms([_at(r, last, "nn_real_cfg") for r in rs], "{:.2f}")]) + " |")
-    if hack:
-        hits = sorted({e["iter"] for r in hack for e in r["evals"]})
-        shown = hits
-        hack.sort(key=lambda r: list(HACKING).index(r["method"]) if r["method"] in HACKING else 99)
-        lines.append(f"\nPast the stable learning rate (seed 0, lr {plan.get('hack_lr', '?')}, "
-                     f"{hits[-1]} iterations; held-out acc / diversity at each iteration):\n")
-        head = ["run"] + [f"@{i}" for i in shown] + ["peak acc", "final nn-real", "s / iter"]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        for r in hack:
-            cells = [f"{_at(r, i, 'acc'):.3f} / {_at(r, i, 'diversity'):.2f}" for i in shown]
-            peak = max(e["acc"] for e in r["evals"])
-            spi = sum(x["time_iter"] for x in r["iters"]) / len(r["iters"])
-            lines.append("| " + " | ".join([r["method"], *cells, f"{peak:.3f}",
-                                            f"{r['evals'][-1]['nn_real']:.2f}", f"{spi:.2f}"])
-                         + " |")
-    text = _setup_notes(plan, main, hack) + "\n".join(lines) + "\n"
-    charts = []
-    if main:
-        series = {}
-        for m in order:
-            rs = by[m]
-            xs = [e["iter"] for e in rs[0]["evals"]]
-            ys = [sum(_at(r, x, "acc") for r in rs) / len(rs) for x in xs]
-            series[m] = (xs, ys)
-        charts.append(line_chart(series, "held-out prompt accuracy (mean of "
-                                 f"{len(by[order[0]])} seeds)", "iteration", "accuracy"))
-    if hack:
-        for key, title in (("acc", "4x learning rate: held-out accuracy"),
-                           ("diversity", "4x learning rate: within-digit diversity (real = 1)")):
-            charts.append(line_chart({r["method"]: ([e["iter"] for e in r["evals"]],
-                                                    [e[key] for e in r["evals"]]) for r in hack},
-                                     title, "iteration", key))
-    pics = []
-    gdir = out / "grids"
-    want = [("main", "V-GRPO (shipped)", 0, 0, "base model"),
-            ("main", "V-GRPO (shipped)", 0, None, "V-GRPO (shipped)"),
-            ("main", "MDP: Flow-GRPO (CFG 4.5)", 0, None, "MDP (Flow-GRPO, CFG 4.5)"),
-            ("hacking", list(HACKING)[0], 0, None, "unconstrained, long"),
-            ("hacking", list(HACKING)[1], 0, None, "soft-clip, long")]
-    for kind, m, s, it, title in want:
-        found = sorted(gdir.glob(f"{kind}__{slug(m)}__s{s}__it*.png"),
-                       key=lambda p: int(p.stem.split("__it")[-1]))
-        if found:
-            p = found[0] if it == 0 else found[-1]
-            pics.append((Image.open(p), f"{title} @{p.stem.split('__it')[-1]}"))
-    if charts or pics:
-        rows = [stack(charts, horizontal=True)] if charts else []
-        if pics:
-            big = [p.resize((p.width * 2, p.height * 2), Image.NEAREST) for p, _ in pics]
-            rows.append(titled(big, [t for _, t in pics]))
-        stack(rows).save(png, optimize=True)
-    md.write_text(text)
-    log(text)
-    return text
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1008,20 +1963,22 @@ def main(argv=None) -> int:
     q.add_argument("--run_dir", default="runs/digits-quickstart")
     q.add_argument("--grid", default="runs/digits-quickstart/before_after.png")
     q.add_argument("--seed", type=int, default=0)
-    k = sub.add_parser("benchmark", help="methods × seeds, then the reward-hacking runs "
+    k = sub.add_parser("benchmark", help="lr sweep, ablations, long runs, timing; then the report "
                        "(resumable)")
-    k.add_argument("--seeds", default="0,1,2")
-    k.add_argument("--iterations", type=int, default=16)
-    k.add_argument("--hack_iterations", type=int, default=30)
-    k.add_argument("--n_per", type=int, default=6, help="held-out samples per digit")
-    k.add_argument("--eval_every", type=int, default=4)
-    k.add_argument("--hack_lr", type=float, default=8e-3)
-    k.add_argument("--no_hacking", action="store_true")
-    k.add_argument("--methods", default=None,
-                   help="comma-separated method names (default: all of METHODS)")
-    k.add_argument("--out", default=str(RESULTS))
-    r = sub.add_parser("report", help="tables and figure from the benchmark's JSON")
+    k.add_argument("--quick", action="store_true",
+                   help="1 seed, 8-iteration sweep, 24-iteration long runs, no ablations "
+                   "(default out: runs/digits-quick)")
+    k.add_argument("--out", default=None, help=f"results folder (default {RESULTS})")
+    k.add_argument("--workers", type=int, default=2, help="worker processes")
+    k.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    k.add_argument("--plan", default=None, choices=tuple(PLANS), help=argparse.SUPPRESS)
+    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w.add_argument("--out", required=True)
+    w.add_argument("--threads", type=int, default=1)
+    r = sub.add_parser("report", help="summary.json, markdown and figures from a results folder")
     r.add_argument("--out", default=str(RESULTS))
+    r.add_argument("--md", default=None, help="markdown path (default: see report())")
+    r.add_argument("--readme", default=None, help="also rewrite this README's digits section")
     a = p.parse_args(argv)
     try:
         if a.cmd == "build":
@@ -1029,27 +1986,13 @@ def main(argv=None) -> int:
         elif a.cmd == "quickstart":
             quickstart(a.iterations, a.run_dir, a.seed, a.grid)
         elif a.cmd == "benchmark":
-            out = Path(a.out)
-            out.mkdir(parents=True, exist_ok=True)
-            if not (out / "plan.json").is_file():         # written once, before the first run
-                (out / "plan.json").write_text(json.dumps(dict(
-                    threshold=THRESHOLD_RULE, seeds=a.seeds, iterations=a.iterations,
-                    hack_iterations=a.hack_iterations, hack_lr=a.hack_lr, common_flags=COMMON,
-                    n_per=a.n_per, eval_every=a.eval_every,
-                    methods=METHODS, hacking=HACKING, started=time.strftime("%Y-%m-%d %H:%M:%S")),
-                    indent=1))
-            methods = [m.strip() for m in a.methods.split(",")] if a.methods else None
-            every = {**METHODS, **EXTRA_METHODS}
-            if methods and set(methods) - set(every):
-                raise ValueError(f"--methods: unknown {sorted(set(methods) - set(every))}; "
-                                 f"choose from {list(every)}")
-            benchmark(tuple(int(s) for s in a.seeds.split(",")), a.iterations, methods=methods,
-                      hack_iterations=a.hack_iterations, hack_lr=a.hack_lr,
-                      hacking=not a.no_hacking,
-                      out=out, n_per=a.n_per, eval_every=a.eval_every)
-            report(out)
+            out = Path(a.out or ("runs/digits-quick" if a.quick else RESULTS))
+            benchmark(out, a.plan or ("quick" if a.quick else "full"), a.workers, a.threads)
+        elif a.cmd == "worker":
+            torch.set_num_threads(a.threads)
+            worker(Path(a.out))
         else:
-            report(Path(a.out))
+            report(Path(a.out), md=a.md, readme=a.readme)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

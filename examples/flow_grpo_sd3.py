@@ -269,10 +269,14 @@ def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, kl_std: float) -
 
 
 class LoraEMA:
-    """Flow-GRPO's EMA of the trainable weights (flow_grpo/ema.py EMAModuleWrapper as train_sd3.py
-    builds it: decay 0.9, update_step_interval 8): step(n) after every training batch, with n the
-    optimizer steps so far, moves the copy by (1 − min((1 + n)/(10 + n), 0.9)) when (n + 1) % 8
-    == 0. Their evaluation and checkpoints use the EMA weights; swap() exchanges them in place."""
+    """Flow-GRPO's EMA of the trainable weights, as read in yifan123/flow_grpo:
+    scripts/train_sd3.py builds `EMAModuleWrapper(transformer_trainable_parameters, decay=0.9,
+    update_step_interval=8)` (flow_grpo/ema.py) and calls `ema.step(params, global_step)` after
+    every training batch, global_step counting optimizer steps; its eval() and save_ckpt() copy
+    the EMA into the model first (`copy_ema_to`) and back after; config/grpo.py sets
+    `train.ema = True` for its SD3 configs (config/base.py's default is False).
+    step(n) moves the copy by (1 − min((1 + n)/(10 + n), 0.9)) when (n + 1) % 8 == 0 (ema.py's
+    get_current_decay); swap() exchanges trained and EMA weights in place (evaluate, swap back)."""
 
     def __init__(self, params: list, decay: float = 0.9, interval: int = 8):
         self.params, self.decay, self.interval = params, decay, interval
