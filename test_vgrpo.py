@@ -1847,3 +1847,65 @@ def test_digits_pretrained_base_loads_and_vgrpo_raises_heldout_accuracy(tmp_path
 # V-GRPO iterations 0.61 (1 thread), 0.55 / 0.54 (2 threads), i.e. gains of +0.22 to +0.33.
 # Margins: 8 points below the lowest base, a third of the smallest gain.
 FAST_DIGITS = dict(classifier=0.85, vae_recon=0.85, base=0.18, gain=0.10)
+
+
+@pytest.mark.examples
+def test_digits_benchmark_statistics_lr_choice_intervals_threshold(tmp_path, monkeypatch):
+    """examples/digits.py's benchmark statistics on synthetic runs (no model): the lr choice skips
+    an lr whose validation diversity fell below 90 % of the base model's even though its reward
+    is best; Flow-GRPO is judged by its EMA; the bootstrap interval over seeds and images holds
+    the mean; iterations to the threshold are interpolated between evaluations (inf if never);
+    the frontier height interpolates V-GRPO's Pareto points."""
+    import numpy as np
+    D = _load_digits(monkeypatch, tmp_path)
+    n = 40
+
+    def ev(acc, reward=0.5, div=1.0):
+        k = round(acc * n)
+        return {"n": n, "acc": k / n, "reward": reward, "diversity": div, "nn_real": 1.0,
+                "img_reward": [reward] * n, "img_correct": "1" * k + "0" * (n - k),
+                "img_div": [div] * n, "img_nn": [1.0] * n}
+
+    def run(method, lr, seed, val, accs=(0.5, 0.7, 0.9), key="raw", val_ema=None):
+        final = {"val_raw": val}
+        if key == "ema":
+            final.update(val_ema=val_ema, heldout_raw=ev(accs[-1]))
+        return {"kind": "sweep", "method": method, "lr": lr, "seed": seed, "eval_key": key,
+                "ema": key == "ema", "final": final, "iters": [{"nfe_total": 100}] * 4,
+                "evals": [{"iter": i, key: ev(a)} for i, a in zip((0, 2, 4), accs)]}
+
+    plan = {"lrs": [1e-3, 3e-3], "diversity_keep": 0.9}
+    base = {"val": {"diversity": 1.0}}
+    results = {}
+    for s in (0, 1):
+        # V-GRPO: 3e-3 has the best reward but collapsed diversity (0.8 < 0.9) → 1e-3
+        results[f"v1{s}"] = run("V-GRPO", 1e-3, s, ev(0.8, 0.7, 0.95))
+        results[f"v3{s}"] = run("V-GRPO", 3e-3, s, ev(0.9, 0.9, 0.8))
+        # Flow-GRPO: the trained weights prefer 1e-3, its EMA 3e-3 → 3e-3
+        for lr, raw_r, ema_r in ((1e-3, 0.8, 0.6), (3e-3, 0.6, 0.7)):
+            results[f"f{lr}{s}"] = run("Flow-GRPO (no CFG)", lr, s, ev(0.8, raw_r, 1.0),
+                                       key="ema", val_ema=ev(0.8, ema_r, 1.0))
+    ch = D.choose(results, plan, base)
+    assert ch["V-GRPO"]["lr"] == 1e-3 and not ch["V-GRPO"]["fallback_raw"]
+    assert ch["Flow-GRPO (no CFG)"]["variant"] == "ema"
+    assert ch["Flow-GRPO (no CFG)"]["lr"] == 3e-3 and ch["Flow-GRPO (no CFG)"]["lr_raw"] == 1e-3
+    assert ch["better_flow"] == "Flow-GRPO (no CFG)"
+    # bootstrap: the point is the grand mean and lies inside its interval; constant → zero width
+    X = np.random.default_rng(0).random((3, 200))
+    p, reps = D.boot_mean(X)
+    lo, hi = D.interval(reps)
+    assert p == pytest.approx(X.mean()) and lo < p < hi and hi - lo < 0.2
+    assert D.interval(D.boot_mean(np.ones((3, 50)))[1]) == (1.0, 1.0)
+    # threshold 0.8 between 0.7 @2 and 0.9 @4 → 3.0; never reached → inf
+    rs = D.runs_of(results, "sweep", "V-GRPO", 1e-3)
+    pt, _ = D.hit_times(rs, 0.8)
+    assert pt.tolist() == pytest.approx([3.0, 3.0])
+    assert np.isinf(D.hit_times(rs, 0.95)[0]).all()
+    eff = D.efficiency(rs, 0.8, {"seconds_per_iter": {"V-GRPO": [2.0, 2.0]}}, "V-GRPO")
+    assert eff["iters"][0] == pytest.approx(3.0) and eff["nfe"][0] == pytest.approx(300.0)
+    assert eff["seconds"][0] == pytest.approx(6.0)
+    # V-GRPO's frontier through (1.0, 0.8) and (1.2, 0.6); a dominated point lies under it
+    pts = [(1.0, 0.8), (1.2, 0.6), (0.9, 0.5)]
+    assert D.frontier_margin(pts, 1.1) == pytest.approx(0.7)
+    assert D.frontier_margin(pts, 0.8) == pytest.approx(0.8)
+    assert D.frontier_margin(pts, 1.3) is None
