@@ -1374,8 +1374,9 @@ def _setup_text(S: dict, cmd: str) -> str:
         f"P × G = 4 × 8 rollouts per iteration, 10 steps, LoRA rank 32; V-GRPO through "
         f"vgrpo's `setup` + `iteration`, Flow-GRPO through examples/flow_grpo_sd3.py's "
         f"iteration at its published recipes, with its EMA of the LoRA (decay 0.9, updated "
-        f"every 8 optimizer steps), which is what Flow-GRPO evaluates; its trained weights are "
-        f"shown as a second row.\n\n"
+        f"every 8 optimizer steps), which is what Flow-GRPO evaluates (its curves are the EMA's; "
+        f"its trained weights were evaluated at the end of each run and are shown as a second "
+        f"row).\n\n"
         f"* **Held-out set** (every reported number): {b['heldout']['n']} images, the 4 unseen "
         f"phrasings ({', '.join(repr(t.format(d='N')) for t in p['heldout_templates'])}) × 10 "
         f"digits × {p['n_heldout'] // 4} noises. **Validation set** (only to choose each "
@@ -1710,6 +1711,7 @@ def report(out: Path = RESULTS, md: Path | None = None, readme: Path | None = No
     any other folder, report.md and figures inside it."""
     out = Path(out)
     shipped = out.resolve() == RESULTS.resolve()
+    readme = readme or (ROOT / "README.md" if shipped and md is None else None)
     md = Path(md) if md else (Path(__file__).with_name("digits.md") if shipped
                               else out / "report.md")
     fig_dir = md.parent
@@ -1724,10 +1726,10 @@ def report(out: Path = RESULTS, md: Path | None = None, readme: Path | None = No
     text, body = write_report(S, cmd, rel)
     md.write_text(text)
     (out / "summary.json").write_text(json.dumps(_strip(S), indent=1))
-    if readme or shipped:
-        rfig = {k: os.path.relpath(v, ROOT) for k, v in figs.items()}
+    if readme:
+        rfig = {k: os.path.relpath(v, Path(readme).parent) for k, v in figs.items()}
         _, body = write_report(S, cmd, rfig)
-        replace_readme_section(Path(readme) if readme else ROOT / "README.md", body)
+        replace_readme_section(Path(readme), body)
     log(text)
     log(f"wrote {md}, {out / 'summary.json'}, " + ", ".join(str(v) for v in figs.values()))
     return text
