@@ -39,10 +39,10 @@ def _load_example(name):
 
 @pytest.fixture(autouse=True)
 def _restore_sdpa_switches():
-    """`--attention_backend` sets torch's process-wide SDPA switches (vgrpo's setup_device). Tests
-    share one process, so restore them after each test: a run that ended on `flash` alone (e.g. the
-    GPU check's smoke run keeping the lever that measured fastest) must not leave later code, such
-    as a CLIP text encoder with an attention mask, without a usable kernel."""
+    """examples/gpu_check.py's attention levers set torch's process-wide SDPA switches. Tests share
+    one process, so restore them after each test even if a lever's own restore failed: a run that
+    ended on `flash` alone must not leave later code, such as a CLIP text encoder with an
+    attention mask, without a usable kernel."""
     b = torch.backends.cuda
     saved = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
              b.cudnn_sdp_enabled())
@@ -102,6 +102,27 @@ def test_advantages_soft_clip_bound_and_clamp():
     torch.testing.assert_close(a[0, -1], torch.tensor(3 * math.tanh(math.sqrt(15) / 3)), atol=1e-3, rtol=0)
     a2, _ = V.group_advantages(r, global_std=False, clamp=2.0, eta=0.0)
     assert a2.max() == pytest.approx(2.0)
+
+
+@pytest.mark.math
+def test_clamp_acts_before_the_soft_clip_under_global_std():
+    """The ±5 clamp is not inert at η = 3: under the global std (the SD3 default) one outlier in
+    a 6 × 24 batch has A = (1 − 1/24) / 0.0830 ≈ 11.5, clamped to 5, soft-clipped to
+    3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00 (clip_advantages' docstring)."""
+    r = torch.zeros(6, 24, dtype=torch.float64)
+    r[2, 7] = 1.0
+    p = 1 / 144
+    z = (1 - 1 / 24) / (math.sqrt(p * (1 - p)) + 1e-4)                # the outlier's raw A
+    assert z == pytest.approx(11.5, abs=0.05)
+    a, _ = V.group_advantages(r)                                       # clamp 5, η 3, global std
+    assert a[2, 7].item() == pytest.approx(3 * math.tanh(5 / 3), abs=1e-5)
+    assert a[2, 7].item() == pytest.approx(2.79, abs=5e-3)
+    free, _ = V.group_advantages(r, clamp=math.inf)
+    assert free[2, 7].item() == pytest.approx(3 * math.tanh(z / 3), abs=1e-5)
+    assert free[2, 7].item() == pytest.approx(3.00, abs=5e-3)
+    # a per-group std bounds |A| by √(G − 1) < 5: there the clamp never acts
+    g, _ = V.group_advantages(r, global_std=False, eta=0.0)
+    assert g.abs().max().item() == pytest.approx(math.sqrt(23), rel=1e-3) and g.abs().max() < 5
 
 
 @pytest.mark.math
@@ -231,8 +252,8 @@ def _toy_batch(m=4, d=6, J=4, seed=0):
 def test_ratio_is_one_when_theta_equals_theta_old():
     model, x0, c, t, e = _toy_batch()
     with torch.no_grad():
-        s_old = V.pair_surrogates(model, x0, c, t, e)
-    s_new = V.pair_surrogates(model, x0, c, t, e)                # same pairs, same θ
+        s_old = V.pair_surrogates(model, x0, c, t, e)[0]
+    s_new = V.pair_surrogates(model, x0, c, t, e)[0]                # same pairs, same θ
     adv = torch.tensor([1.0, -0.5, 2.0, 0.0])
     loss, st = V.vgrpo_loss(s_new, s_old, adv, clip_eps=0.01)
     assert st["ratio"] == 1.0 and st["abs_log_ratio"] == 0.0 and st["clip_frac"] == 0.0
@@ -247,14 +268,14 @@ def test_ratio_is_one_when_theta_equals_theta_old():
 def test_one_step_follows_advantage_sign(sign):
     model, x0, c, t, e = _toy_batch()
     with torch.no_grad():
-        s_old = V.pair_surrogates(model, x0, c, t, e)
+        s_old = V.pair_surrogates(model, x0, c, t, e)[0]
     adv = torch.tensor([sign, 0.0, 0.0, 0.0])
-    loss, _ = V.vgrpo_loss(V.pair_surrogates(model, x0, c, t, e), s_old, adv)
+    loss, _ = V.vgrpo_loss(V.pair_surrogates(model, x0, c, t, e)[0], s_old, adv)
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
             p -= 1e-2 * p.grad
-        s_after = V.pair_surrogates(model, x0, c, t, e)
+        s_after = V.pair_surrogates(model, x0, c, t, e)[0]
     _, st = V.vgrpo_loss(s_after[:1], s_old[:1], adv[:1])
     # surrogate loss of sample 0 = −mean_j s: falls for A > 0, rises for A < 0; ratio the other way
     assert sign * (s_after[0].mean() - s_old[0].mean()) > 0
@@ -291,7 +312,7 @@ def test_loss_equals_slow_reference_loop():
 @pytest.mark.math
 def test_pair_surrogates_equals_per_pair_loop():
     model, x0, c, t, e = _toy_batch(m=3, J=5)
-    s, x0h = V.pair_surrogates_with_x0(model, x0, c, t, e)
+    s, x0h = V.pair_surrogates(model, x0, c, t, e)
     for n in range(3):
         for j in range(5):
             z = (1 - t[n, j]) * x0[n] + t[n, j] * e[n, j]
@@ -347,14 +368,15 @@ def test_samplers_exact_for_point_mass():
 
 
 @pytest.mark.math
-def test_sigma_grid_matches_diffusers_scheduler():
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    for K in (8, 10, 40):
-        sc = FlowMatchEulerDiscreteScheduler(shift=3.0)
-        sc.set_timesteps(K)
-        smin = V.time_shift(torch.tensor(1 / 1000, dtype=torch.float64), 3.0).item()
-        torch.testing.assert_close(V.sigma_grid(K, 3.0, sigma_min=smin).float(), sc.sigmas.float(),
-                                   atol=1e-6, rtol=0)
+def test_sigma_grid_is_the_shifted_uniform_grid():
+    """FLUX's rollout grid: K + 1 times from exactly 1 to exactly 0, SD3's resolution shift of
+    linspace(1, 0, K + 1) (checked in float64 against the closed form σ = 3s / (1 + 2s))."""
+    for K in (6, 16):
+        s = torch.linspace(1, 0, K + 1, dtype=torch.float64)
+        g = V.sigma_grid(K, 3.0)
+        assert g.dtype == torch.float64 and g[0] == 1.0 and g[-1] == 0.0
+        torch.testing.assert_close(g, 3 * s / (1 + 2 * s), atol=1e-15, rtol=0)
+        assert (g[1:] < g[:-1]).all()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -790,34 +812,60 @@ def test_kill_and_resume_logs_each_iteration_once(tmp_path, monkeypatch):
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
-@pytest.mark.parametrize("window", ["before_latest", "after_latest"])
 @pytest.mark.trainer
-def test_resave_keeps_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, window):
-    """Re-saving iteration 1 (Ctrl-C right after a resume), killed inside the swap."""
+def test_ctrl_c_finishes_the_iteration_then_saves_and_resume_is_exact(tmp_path, monkeypatch,
+                                                                      capsys):
+    """The first Ctrl-C (a real SIGINT) lets the iteration in flight finish, saves it and stops;
+    --resume then continues exactly as the uninterrupted run (same process: same float ops)."""
+    import signal
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    assert V.main(TINY + ["--iterations", "4", "--save_every", "10", "--run_dir", str(ref)]) == 0
+    real = V.iteration
+
+    def ctrl_c_in_1(r, it):
+        if it == 1:
+            os.kill(os.getpid(), signal.SIGINT)              # arrives mid-iteration
+        return real(r, it)
+
+    monkeypatch.setattr(V, "iteration", ctrl_c_in_1)
+    assert V.main(TINY + ["--iterations", "4", "--save_every", "10", "--run_dir", str(run)]) == 0
+    assert "stopped after iteration 1" in capsys.readouterr().err
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+    monkeypatch.setattr(V, "iteration", real)
+    assert V.main(["--resume", str(run)]) == 0
+    assert _strip_times(_metrics(run)) == _strip_times(_metrics(ref))
+
+
+@pytest.mark.parametrize("where", ["latest_switch", "second_ctrl_c"])
+@pytest.mark.trainer
+def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, capsys, where):
+    """Killed inside the save of iteration 2 just before `latest` is switched, or stopped by a
+    second Ctrl-C in the middle of iteration 2's update: `latest` still names iteration 1's
+    complete checkpoint, and --resume carries on from it."""
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
-    monkeypatch.setattr(V, "iteration", lambda r, it: (_ for _ in ()).throw(KeyboardInterrupt))
-    real_replace, real_rmtree = os.replace, V.shutil.rmtree
+    real_replace = os.replace
 
     def replace(src, dst):
-        if window == "before_latest" and str(dst).endswith("latest"):
+        if str(dst).endswith("latest") and "iter_000002" in Path(src).read_text():
             raise SystemExit("killed")
         return real_replace(src, dst)
 
-    def rmtree(p, *a, **k):
-        if window == "after_latest" and Path(p).name == "iter_000001":
-            raise SystemExit("killed")
-        return real_rmtree(p, *a, **k)
-
-    monkeypatch.setattr(V.os, "replace", replace)
-    monkeypatch.setattr(V.shutil, "rmtree", rmtree)
-    with pytest.raises(SystemExit):
-        V.main(["--resume", str(run), "--iterations", "2"])
+    if where == "latest_switch":
+        monkeypatch.setattr(V.os, "replace", replace)
+        with pytest.raises(SystemExit):
+            V.main(["--resume", str(run), "--iterations", "2"])
+    else:
+        monkeypatch.setattr(V, "optimizer_step", lambda r: (_ for _ in ()).throw(KeyboardInterrupt))
+        assert V.main(["--resume", str(run), "--iterations", "2"]) == 130
+        assert "interrupted" in capsys.readouterr().err
     monkeypatch.undo()
-    name = (run / "checkpoints" / "latest").read_text()
-    assert name == {"before_latest": "iter_000001", "after_latest": "iter_000001-b"}[window]
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
     ckpt, state = V.read_checkpoint(str(run))                     # complete and readable
-    assert ckpt.name == name and state["iteration"] == 1
+    assert ckpt.name == "iter_000001" and state["iteration"] == 1
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
 
 
 @pytest.mark.trainer
@@ -838,14 +886,23 @@ def test_outputs_follow_the_umask(tmp_path):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.math
 def test_readme_loss_snippet_runs():
+    """The README's "Use the loss in your own trainer" block, as written (CPU) and with its one
+    device line set to the meta device, where an operation that mixes in a CPU tensor raises: so
+    the pairs and everything else follow that line (what a GPU user needs)."""
     text = (ROOT / "README.md").read_text()
     section = text.split("## Use the loss in your own trainer", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    line = 'device = torch.device("cpu")'
+    assert code.count(line) == 1 and code.count("torch.device(") == 1
     ns = {}
     exec(compile(code, "README.md", "exec"), ns)
-    assert torch.isfinite(ns["loss"])
+    assert torch.isfinite(ns["loss"]) and torch.isfinite(ns["loss_kl"])
     assert ns["net"].weight.grad is not None and ns["net"].weight.grad.abs().sum() > 0
     assert ns["stats"]["ratio"].item() == pytest.approx(1.0)
+    meta = {}
+    exec(compile(code.replace(line, 'device = torch.device("meta")'), "README.md", "exec"), meta)
+    assert meta["loss"].device.type == "meta" and meta["net"].weight.grad.device.type == "meta"
+    assert meta["t"].device.type == "meta" and meta["eps"].device.type == "meta"
 
 
 def _readme_block(after: str, nth: int = 0) -> str:
@@ -1172,12 +1229,11 @@ def test_multi_reward_run_logs_each_reward_and_eval_rewards(tmp_path, monkeypatc
 # FLUX: packing, the tiny pipeline end to end, the local loading path
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.math
-def test_flux_packing_roundtrips_and_matches_diffusers():
+def test_flux_unpacking_inverts_diffusers_packing():
     from diffusers import FluxPipeline
     lat = torch.randn(2, 16, 6, 10, dtype=torch.float64)
-    packed = V.pack_latents(lat)
+    packed = FluxPipeline._pack_latents(lat, 2, 16, 6, 10)
     assert packed.shape == (2, 15, 64)
-    assert torch.equal(packed, FluxPipeline._pack_latents(lat, 2, 16, 6, 10))
     assert torch.equal(V.unpack_latents(packed, 6, 10), lat)                 # exact: a permutation
     assert torch.equal(V.unpack_latents(packed, 6, 10), FluxPipeline._unpack_latents(packed, 48, 80, 8))
 
@@ -1215,7 +1271,7 @@ def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
     x, t = torch.randn(2, 16, 64), torch.tensor([0.2, 0.9])
     with torch.no_grad():
         torch.testing.assert_close(a.velocity(x, t, a.encode(["a", "b"])), b.velocity(x, t, b.encode(["a", "b"])))
-    small = ["--reward", "jpeg", "--iterations", "2", "--prompts_per_iter", "2", "--group_size", "3",
+    small = ["--reward", "jpeg", "--iterations", "2", "--prompts_per_iter", "2", "--group_size", "4",
              "--num_steps", "4", "--eval_every", "1", "--save_every", "1", "--resolution", "64",
              "--max_sequence_length", "32", "--lora_rank", "4", "--lora_alpha", "8", "--no-gradient_checkpointing"]
     assert V.main(["--model", str(tmp_path / "flux"), "--run_dir", str(tmp_path / "run")] + small) == 0
@@ -1503,7 +1559,6 @@ def test_two_processes_equal_one_process_and_resume(tmp_path, monkeypatch):
     d, s = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "single")
     assert len(d) == len(s) == 3
     for x, y in zip(d, s):
-        assert x["param_desync"] == 0.0                    # both ranks hold identical parameters
         # Each rank runs the transformer on 3 rows instead of 6 and the gradients are summed by
         # an all-reduce: another reduction order, fp32 rounding ~1e-7 relative per operation,
         # grown by 3 Adam steps at lr 1e-2 to ≲ 1e-5 in pixel space. Mean colour (≈ 0.5) moves
@@ -1576,9 +1631,10 @@ def test_paper_and_stage_presets_follow_the_family():
 @pytest.mark.trainer
 def test_first_step_ratio_is_one_for_mu_above_one(tmp_path):
     """S_old is computed in the first step's own micro-batches: ρ ≡ 1 there for μ = 3 and uneven
-    micro-batches too (same rows, same shapes, same parameters: the same float operations)."""
-    assert V.main(TINY + ["--iterations", "1", "--mu", "3", "--micro_batch", "2",
-                          "--group_size", "4", "--run_dir", str(tmp_path)]) == 0
+    micro-batches too (4 samples per step in micro-batches of 3 + 1; same rows, same shapes, same
+    parameters: the same float operations)."""
+    assert V.main(TINY + ["--iterations", "1", "--mu", "3", "--micro_batch", "3",
+                          "--group_size", "6", "--run_dir", str(tmp_path)]) == 0
     m = _metrics(tmp_path)[0]
     assert m["abs_log_ratio_first"] < 1e-7                           # measured: exactly 0.0
     assert m["abs_log_ratio"] > 1e-6                                 # later steps are off-policy
@@ -1631,35 +1687,40 @@ def test_fp16_trains_with_loss_scaling(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Throughput levers: each changes how the same numbers are computed, not what is computed
 # ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
+# examples/gpu_check.py's throughput levers: experiments applied to a live Run from outside
+# ------------------------------------------------------------------------------------------------
 LEVER = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--group_size", "3",
          "--num_steps", "4", "--eval_every", "0", "--device", "cpu"]
 
 
-def _lever_run(extra, its=2):
+def _lever_run(names=(), its=2, extra=(), backend="aot_eager"):
     """setup() on a fresh tiny pipeline with LoRA B ≠ 0 (the default init B = 0 would make a merge
-    a no-op), then `its` iterations. Returns (run, metrics)."""
-    run = V.setup(V.parse_args(LEVER + extra), pipe=TM.build_tiny_sd3_pipeline())
+    a no-op), then `its` iterations with gpu_check's levers `names`. Returns (run, metrics)."""
+    gc = _load_example("gpu_check")
+    run = V.setup(V.parse_args(LEVER + list(extra)), pipe=TM.build_tiny_sd3_pipeline())
     g = torch.Generator().manual_seed(1)
     for n, p in run.adapter.transformer.named_parameters():
         if "lora_B" in n:
             p.data = 0.05 * torch.randn(p.shape, generator=g)
-    return run, [V.iteration(run, it) for it in range(its)]
+    with gc.levers(run, names, backend):
+        return run, [V.iteration(run, it) for it in range(its)]
 
 
-@pytest.mark.trainer
+@pytest.mark.examples
 def test_lora_merge_restores_every_weight_bit_for_bit():
-    """lora_merged: inside, the base weights hold W + (α/r)·B·A and a forward equals the unmerged
-    one up to rounding; after, every parameter (base and LoRA) is bit-identical to before."""
-    run, _ = _lever_run([], its=0)
-    ad = run.adapter
-    tr = ad.transformer
+    """gpu_check.lora_merged: inside, the base weights hold W + (α/r)·B·A and a forward equals the
+    unmerged one up to rounding; after, every parameter (base and LoRA) is bit-identical."""
+    gc = _load_example("gpu_check")
+    run, _ = _lever_run(its=0)
+    ad, tr = run.adapter, run.adapter.transformer
     before = {n: p.detach().clone() for n, p in tr.named_parameters()}
     x = torch.randn((3,) + run.D, generator=torch.Generator().manual_seed(2))
     t = torch.tensor([0.2, 0.5, 0.9])
     c = ad.encode(["a cat", "a dog", "a bird"])
     with torch.no_grad():
         v_ref = ad.velocity(x, t, c)
-        with V.lora_merged(tr):
+        with gc.lora_merged(tr):
             v_merged = ad.velocity(x, t, c)
             changed = [n for n, p in tr.named_parameters() if not torch.equal(p, before[n])]
             assert changed and all("base_layer.weight" in n for n in changed)
@@ -1667,94 +1728,37 @@ def test_lora_merge_restores_every_weight_bit_for_bit():
     assert torch.allclose(v_merged, v_ref, atol=1e-5, rtol=1e-5)
     for n, p in tr.named_parameters():
         assert torch.equal(p, before[n]), f"{n} changed"
-    with torch.no_grad():
-        assert torch.equal(ad.velocity(x, t, c), v_ref)    # peft is back in its unmerged state
     with pytest.raises(RuntimeError, match="inside"):       # restored even when the body raises
-        with V.lora_merged(tr):
+        with gc.lora_merged(tr):
             raise RuntimeError("inside")
     for n, p in tr.named_parameters():
         assert torch.equal(p, before[n]), f"{n} changed after an exception"
 
 
-@pytest.mark.trainer
-def test_merged_rollout_keeps_ratio_one_and_the_same_run():
-    """--merge_lora_rollout: ρ ≡ 1 at μ = 1 (surrogates come from the unmerged path), frozen weights
-    unchanged after two iterations, and the run equals the unmerged one up to rounding."""
-    ref, m_ref = _lever_run([])
-    run, m = _lever_run(["--merge_lora_rollout"])
-    for x in m:
-        assert x["abs_log_ratio"] == 0.0 and x["ratio"] == 1.0
-    frozen = {n: p for n, p in ref.adapter.transformer.named_parameters() if "lora_" not in n}
-    for n, p in run.adapter.transformer.named_parameters():
-        if "lora_" not in n:
-            assert torch.equal(p, frozen[n]), f"frozen weight {n} changed"
-    # the rollout latents differ by fp32 summation order (~1e-7); the JPEG reward is a step function
-    # of pixels, so it is compared loosely, the smooth gradient norm tightly
-    for a, b in zip(m_ref, m):
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=0.05)
-    assert V.main(LEVER + ["--merge_lora_rollout", "--full_finetune"]) == 2
-
-
-@pytest.mark.trainer
-def test_attention_backends_agree_on_cpu():
-    """--attention_backend: on the CPU torch has the math and the flash SDPA kernels; one iteration
-    with each gives the same gradient norm up to fp32 rounding of a different summation order
-    (attention is one term among many in the gradient: 1e-4 relative is ~1000× the rounding seen)."""
-    _, m_math = _lever_run(["--attention_backend", "math"], its=1)
-    assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
-    _, m_flash = _lever_run(["--attention_backend", "flash"], its=1)
-    assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.math_sdp_enabled()
-    _, m_auto = _lever_run([], its=1)
-    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
-    for m in (m_flash, m_auto):
-        assert m[0]["grad_norm"] == pytest.approx(m_math[0]["grad_norm"], rel=1e-4)
-        assert m[0]["abs_log_ratio"] == 0.0
-
-
-@pytest.mark.trainer
-def test_regional_compile_with_lora_checkpointing_and_merge():
-    """--compile: every transformer block is compiled (not the whole model), alongside LoRA,
-    gradient checkpointing and the merged no-grad rollout, and the iteration equals the eager one.
-    The CPU test uses the aot_eager backend (dynamo graph capture + AOT autograd, no code
-    generation): inductor would need minutes of C++ compilation on a small CPU runner; the
-    inductor path is what examples/gpu_check.py times on a GPU."""
+@pytest.mark.examples
+def test_levers_keep_ratio_one_and_the_same_run():
+    """Every CPU lever (merged-LoRA rollouts, the math / flash SDPA kernel, a bf16 VAE decode,
+    regional compile with the aot_eager backend) keeps ρ ≡ 1 at μ = 1, leaves the frozen weights
+    and torch's switches as they were, and gives the same gradient norm as the plain run up to
+    fp32 summation order (1e-4 relative is ~1000× the rounding seen); the JPEG reward is a step
+    function of the pixels, so it is compared loosely."""
     import torch._dynamo
-    flags = ["--gradient_checkpointing", "--merge_lora_rollout"]
-    _, m_ref = _lever_run(flags, its=1)
+    sw = torch.backends.cuda
+    switches = (sw.flash_sdp_enabled(), sw.math_sdp_enabled())
+    ref, m_ref = _lever_run(its=1)
+    frozen = {n: p for n, p in ref.adapter.transformer.named_parameters() if "lora_" not in n}
+    for names in (["merge_lora_rollout"], ["attn_flash"], ["vae_autocast"], ["compile"]):
+        torch._dynamo.reset()
+        run, m = _lever_run(names, its=1)
+        assert m[0]["abs_log_ratio"] == 0.0 and m[0]["ratio"] == 1.0, names
+        assert m[0]["grad_norm"] == pytest.approx(m_ref[0]["grad_norm"], rel=1e-4), names
+        assert m[0]["reward_mean"] == pytest.approx(m_ref[0]["reward_mean"], abs=0.05), names
+        for n, p in run.adapter.transformer.named_parameters():
+            assert "lora_" in n or torch.equal(p, frozen[n]), f"{names}: {n} changed"
+        assert (sw.flash_sdp_enabled(), sw.math_sdp_enabled()) == switches
+        assert all(b._compiled_call_impl is None for b in V.transformer_blocks(run.adapter.transformer))
+        assert "decode" not in run.adapter.__dict__ and V.rollout.__name__ == "rollout"
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    run, m = _lever_run(flags + ["--compile", "--compile_backend", "aot_eager"], its=1)
-    blocks = V.transformer_blocks(run.adapter.transformer)
-    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
-    assert run.adapter.transformer._compiled_call_impl is None          # regional, not whole-model
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0    # dynamo captured graphs
-    assert m[0]["abs_log_ratio"] == 0.0
-    # aot_eager decomposes some ops (e.g. layer norm) into others: fp32 rounding differences only
-    assert m[0]["grad_norm"] == pytest.approx(m_ref[0]["grad_norm"], rel=1e-4)
-    assert m[0]["reward_mean"] == pytest.approx(m_ref[0]["reward_mean"], abs=0.05)
-    V.compile_blocks(run.adapter.transformer, enabled=False)
-    assert all(b._compiled_call_impl is None for b in blocks)
-    torch._dynamo.reset()
-
-
-@pytest.mark.trainer
-def test_vae_autocast_decodes_in_the_compute_dtype():
-    """--vae_autocast: the decode runs under the autocast it is given (bf16 on the CPU here), in
-    chunks of --reward_batch; the images stay fp32 in [0, 1] and close to the fp32 decode
-    (bf16 has 8 mantissa bits: a few 1e-2 of the [0, 1] pixel range at most on the tiny VAE)."""
-    ad = V.SD3Adapter(TM.build_tiny_sd3_pipeline(), torch.device("cpu"), 32)
-    lat = torch.randn(5, 16, 8, 8, generator=torch.Generator().manual_seed(3))
-    seen = []
-    real = ad.decode
-    ad.decode = lambda z: (seen.append((len(z), torch.is_autocast_enabled("cpu"))), real(z))[1]
-    rw = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
-    raw32, im32 = V.decode_and_reward(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16)
-    raw16, im16 = V.decode_and_reward(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True, ctx=ctx)
-    assert seen == [(2, False), (2, False), (1, False), (2, True), (2, True), (1, True)]
-    assert (im16.float() - im32.float()).abs().max() <= 0.05 * 255
-    assert raw16["jpeg"].shape == raw32["jpeg"].shape == (5,)
 
 
 @pytest.mark.examples

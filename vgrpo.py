@@ -86,12 +86,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
+import functools
+import importlib.util
 import io
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -146,32 +150,18 @@ def time_shift(s: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * s / (1 + (shift - 1) * s)
 
 
-def sigma_grid(num_steps: int, shift: float = 1.0,
-               sigma_min: Optional[float] = None) -> torch.Tensor:
-    """A rollout grid: K + 1 decreasing times from 1 to exactly 0 (float64, CPU).
-
-    sigma_min=None: K equal steps of the unshifted time, linspace(1, 0, K + 1), then time-shifted.
-    sigma_min=σ: diffusers' FlowMatchEulerDiscreteScheduler grid — linspace(1, σ, K) shifted, then
-    a terminal 0 appended — with σ = the shifted time of its first training step (a test checks
-    the match). The trainer reads the grid from the model's own scheduler.
+def sigma_grid(num_steps: int, shift: float = 1.0) -> torch.Tensor:
+    """A rollout grid: K + 1 decreasing times from 1 to exactly 0 (float64, CPU): K equal steps of
+    the unshifted time, linspace(1, 0, K + 1), then time-shifted (FLUX's grid here, [ours C8]).
+    SD3 reads its grid from the model's own scheduler instead (SD3Adapter.sigmas).
     Returns: (K + 1,) tensor.
     """
-    if sigma_min is None:
-        return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
-    s = torch.linspace(1.0, sigma_min, num_steps, dtype=torch.float64)
-    return torch.cat([time_shift(s, shift), torch.zeros(1, dtype=torch.float64)])
-
-
-def pack_latents(lat: torch.Tensor) -> torch.Tensor:
-    """FLUX's 2×2 patch packing: (B, C, H, W) → (B, (H/2)·(W/2), 4C), row-major over patches.
-    A pure permutation, so Gaussian noise and per-element means are the same in both layouts."""
-    B, C, H, W = lat.shape
-    patches = lat.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5)  # B, H/2, W/2, C, 2, 2
-    return patches.reshape(B, (H // 2) * (W // 2), 4 * C)
+    return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
 
 
 def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
-    """Inverse of pack_latents: (B, (H/2)·(W/2), 4C) → (B, C, H, W)."""
+    """FLUX's 2×2 patch packing undone: (B, (H/2)·(W/2), 4C) → (B, C, H, W). A pure permutation,
+    so Gaussian noise and per-element means are the same in both layouts."""
     B, _, C4 = x.shape
     patches = x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # B,C,H/2,2,W/2,2
     return patches.reshape(B, C4 // 4, H, W)
@@ -255,13 +245,11 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
             flow_grpo/stat_tracking.py: np.std(rewards) + 1e-4, population std), which
             DiffusionNFT's code base inherits (ours C3).
         std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
-        clamp: hard clamp |A| ≤ clamp (ours C1; inert at η = 3, kept for parity).
-        eta: soft-clip A ← η·tanh(A/η) (paper P9, Eq. 17 per [source S6]); 0 disables it.
+        clamp, eta: the hard clamp and the soft-clip that follows it (see clip_advantages).
         unbiased: std divides by n − 1 (torch.std's default, MixGRPO) instead of n (np.std).
     Returns:
         adv: (P, G) fp32; 0 for dropped samples and for groups with < 2 finite rewards.
         stats: dict of detached scalars (mean, std, max |A|, fraction of dropped samples).
-    Notes: |A| ≤ η < clamp after soft-clipping.
     Reference form: for each group g: m = mean(r[g]); A[g] = (r[g] − m) / (std + std_eps),
         std = np.std(all finite r) if global_std else np.std(r[g])  (ddof = 1 if unbiased).
     """
@@ -278,18 +266,29 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
         std = (dev_all.square().sum() / (n_all - ddof).clamp(min=1)).sqrt()  # ()
     else:
         std = (dev.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)).sqrt()   # (P, 1)
-    adv = dev / (std + std_eps)
+    return clip_advantages(dev / (std + std_eps), ok & (n >= 2), ok, clamp=clamp, eta=eta)
+
+
+def clip_advantages(adv: torch.Tensor, keep: torch.Tensor, ok: torch.Tensor, *, clamp: float,
+                    eta: float):
+    """The tail every aggregation shares: A ← clamp(A, ±clamp), then A ← η·tanh(A/η), 0 where not
+    `keep`.                                                           [ours C1; paper P9, Eq. 17]
+
+    The clamp (Flow-GRPO's ±5) acts BEFORE the soft-clip, so it is not inert whenever |A| > clamp
+    is possible. Under global_std it is: one outlier in a 6 × 24 batch (143 rewards 0, one 1)
+    gets A = (1 − 1/24)/0.083 ≈ 11.5, which the clamp cuts to 5 and the soft-clip maps to
+    3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00. With a per-group std |A| ≤ √(G − 1)
+    (= 4.8 for G = 24) and the clamp never acts. eta = 0 disables the soft-clip.
+    Args: adv, keep (samples that get an advantage), ok (finite rewards): all (P, G).
+    Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η), and detached stats.
+    """
     adv = adv.clamp(-clamp, clamp)
     if eta > 0:
         adv = eta * torch.tanh(adv / eta)
-    adv = torch.where(ok & (n >= 2), adv, torch.zeros_like(adv))
-    return adv, _adv_stats(adv, ok)
-
-
-def _adv_stats(adv: torch.Tensor, ok: torch.Tensor) -> dict:
-    """Detached scalars logged for advantages (P, G) and the finite-reward mask ok (P, G)."""
-    return {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
-            "adv_absmax": adv.abs().max().detach(), "frac_dropped": (~ok).float().mean().detach()}
+    adv = torch.where(keep, adv, torch.zeros_like(adv))
+    return adv, {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
+                 "adv_absmax": adv.abs().max().detach(),
+                 "frac_dropped": (~ok).float().mean().detach()}
 
 
 def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
@@ -320,11 +319,8 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
     w = weights.float() / weights.float().sum().clamp(min=1e-12)                        # (R,)
     parts = [group_advantages(rk, global_std=global_std, std_eps=std_eps, clamp=math.inf, eta=0.0,
                               unbiased=True)[0] for rk in r]
-    adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0).clamp(-clamp, clamp)      # (P, G)
-    if eta > 0:
-        adv = eta * torch.tanh(adv / eta)
-    adv = torch.where(ok, adv, torch.zeros_like(adv))
-    return adv, _adv_stats(adv, ok)
+    adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0)                           # (P, G)
+    return clip_advantages(adv, ok, ok, clamp=clamp, eta=eta)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,7 +356,8 @@ class Pairs:
 
 
 def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.Tensor, *,
-               stratified: bool = True, generator: Optional[torch.Generator] = None) -> Pairs:
+               stratified: bool = True, generator: Optional[torch.Generator] = None,
+               device: Optional[torch.device] = None) -> Pairs:
     """Draw J = n_mc (t, ε) pairs for each of n_scopes = index.max() + 1
     sharing scopes.
 
@@ -373,8 +370,10 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
             `grpo_init_same="batch"`), sample // G = per group (the paper's text), arange(N) = none.
         stratified: split the grid into J contiguous, (near-)equal chunks (torch.tensor_split) and
             pick one grid point uniformly inside each; else J uniform picks from the whole grid.
-        generator: CPU generator; the pairs are drawn on the CPU so they do not depend on device.
-    Returns: Pairs with t (n_scopes, J) float32 and eps (n_scopes, J, *D) float32, on the CPU.
+        generator: CPU generator: the pairs are drawn on the CPU, so they do not depend on the
+            device, and then moved to `device` (default: the CPU).
+    Returns: Pairs with t (n_scopes, J) float32, eps (n_scopes, J, *D) float32 and index (N,),
+        all on `device`.
     """
     grid = torch.as_tensor(grid, dtype=torch.float64).flatten()
     n_scopes = int(index.max()) + 1
@@ -389,7 +388,7 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
     t = grid[idx].float()                                                   # (n_scopes, J)
     eps = torch.randn((n_scopes, n_mc) + tuple(latent_shape),
                       generator=generator)                                  # (n_scopes, J, *D)
-    return Pairs(t=t, eps=eps, index=index.cpu().long())
+    return Pairs(t=t.to(device), eps=eps.to(device), index=index.long().to(device))
 
 
 def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor,
@@ -428,17 +427,19 @@ def _repeat_rows(tree, J: int):
     return tree
 
 
-def pair_surrogates_with_x0(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
-                            eps: torch.Tensor, *, parameterization: str = "x",
-                            adaptive: bool = True, mae_floor: float = 1e-5):
+def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
+                    eps: torch.Tensor, *, parameterization: str = "x", adaptive: bool = True,
+                    mae_floor: float = 1e-5):
     """s[m, j] for m samples × J pairs in ONE batched network call of m·J rows, and the
-    x-prediction x̂0 the KL term needs.                                      [Alg. steps 4, 5]
+    x-prediction x̂0 that the KL term needs (discard it when β = 0).          [Alg. steps 4, 5]
 
     Args:
         velocity_fn: (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D).
         x0: (m, *D) latents; cond: batch-first tensors (or dict/tuple of them) with m rows.
-        t: (m, J) times; eps: (m, J, *D) noises (from Pairs.take).
-    Returns: (s (m, J) fp32, x̂0 (m, J, *D) fp32).
+        t: (m, J) times; eps: (m, J, *D) noises (from Pairs.take), on x0's device.
+    Returns: (s (m, J) fp32, x̂0 (m, J, *D) fp32); both differentiable through velocity_fn.
+    Reference form: for m, j: z = (1 − t)·x0[m] + t·eps[m, j]; v = velocity_fn(z, t, cond[m]);
+                              s[m, j] = surrogate_from_velocity(v, x0[m], eps[m, j], t)
     """
     m, J = t.shape
     D = x0.shape[1:]
@@ -449,12 +450,6 @@ def pair_surrogates_with_x0(velocity_fn: Callable, x0: torch.Tensor, cond, t: to
     s = surrogate_from_velocity(v, x0r, er, tr, parameterization=parameterization,
                                 adaptive=adaptive, mae_floor=mae_floor).reshape(m, J)
     return s, x0_from_v(z.float(), v.float(), tr.float()).reshape(m, J, *D)
-
-
-def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
-                    eps: torch.Tensor, **kw) -> torch.Tensor:
-    """s (m, J) fp32 alone: pair_surrogates_with_x0 without x̂0 (same arguments)."""
-    return pair_surrogates_with_x0(velocity_fn, x0, cond, t, eps, **kw)[0]
 
 
 def surrogate_cv(S: torch.Tensor) -> dict:
@@ -514,10 +509,9 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
     else:
         clipped = torch.zeros_like(ratio)
     loss = pg.mean()
-    kl_mean = torch.zeros((), device=s_new.device)
-    if kl is not None and kl_coef > 0:
-        kl_mean = kl.float().mean()
-        loss = loss + kl_coef * kl.float().mean(dim=1).mean()
+    kl_mean = kl.float().mean() if kl is not None else torch.zeros((), device=s_new.device)
+    if kl_coef > 0:                          # mean over pairs, then samples = mean over (m, J)
+        loss = loss + kl_coef * kl_mean
     stats = {"ratio": ratio.mean().detach(), "abs_log_ratio": log_ratio.abs().mean().detach(),
              "clip_frac": clipped.mean().detach(),
              "approx_kl": (0.5 * log_ratio.square()).mean().detach(),
@@ -964,16 +958,18 @@ def load_pipeline(name: str, dtype: torch.dtype):
         if type(pipe).__name__ not in SUPPORTED_PIPELINES:
             raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
                               f"supported: {SUPPORTED_PIPELINES}")
-    # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs
-    # band). Explicit casts also work around a diffusers loading bug that can leave the
-    # transformer in fp32 when a bf16 dtype is requested [peer X11].
+    return freeze_and_cast(pipe, dtype)
+
+
+def freeze_and_cast(pipe, dtype: torch.dtype):
+    """Every part frozen and in eval mode, in the compute dtype; the VAE stays fp32 (decoding is
+    cheap, fp16/bf16 VAEs band). Explicit casts also work around a diffusers loading bug that can
+    leave the transformer in fp32 when a bf16 dtype is requested [peer X11]."""
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-        want = torch.float32 if part == "vae" else dtype
         m = getattr(pipe, part, None)
         if m is not None:
             m.requires_grad_(False).eval()
-            if m.dtype != want:
-                m.to(want)
+            m.to(torch.float32 if part == "vae" else dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -987,7 +983,6 @@ def tiny_models():
     if not path.is_file():
         raise ConfigError(f"--model tiny / tiny-flux needs {path} (examples/tiny_models.py of the "
                           "repository, beside vgrpo.py); copy it there, or pass a real --model")
-    import importlib.util
     spec = importlib.util.spec_from_file_location("vgrpo_tiny_models", path)
     mod = sys.modules["vgrpo_tiny_models"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -1152,95 +1147,110 @@ def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
     return cfg
 
 
-@contextlib.contextmanager
-def lora_merged(transformer, enabled: bool = True):
-    """Run the body (inference only: rollouts, evaluation) with every LoRA merged into its base
-    weight, W ← W + (α/r)·B·A: one matmul per layer instead of three. On exit W is restored bit for
-    bit from a CPU copy taken before the merge (peft's unmerge subtracts B·A, inexact in floating
-    point); the LoRA factors are never touched. In bf16 the merged W is rounded to bf16, so the
-    rollout policy differs from θ by that rounding; surrogates and ratios run after the exit, so
-    ρ = 1 at μ = 1 stays exact. Cost per call: the targeted base weights copied to the host and
-    back (≈ 1.2 GB in bf16 for SD3.5-M's default targets), no extra GPU memory.    (our choice)"""
-    from peft.tuners.lora import LoraLayer
-    layers = [m for m in transformer.modules() if isinstance(m, LoraLayer)] if enabled else []
-    saved = []                                          # (layer, base parameter, its CPU copy)
-    try:
-        with torch.no_grad():
-            for m in layers:
-                base = m.get_base_layer()
-                saved += [(m, p, p.detach().to("cpu", copy=True))
-                          for p in (base.weight, base.bias) if p is not None]
-                m.merge()                                 # in place: W.data += ΔW
-        yield
-    finally:
-        with torch.no_grad():
-            for m, p, cpu in saved:
-                p.copy_(cpu)
-                m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
-
-
 def transformer_blocks(transformer) -> list:
     """The repeated blocks: SD3's joint blocks; FLUX's double- and single-stream blocks."""
     single = getattr(transformer, "single_transformer_blocks", [])
     return list(transformer.transformer_blocks) + list(single)
 
 
-def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True) -> None:
-    """Regional torch.compile: each block is compiled in place (nn.Module.compile, state-dict keys
-    unchanged), so blocks of one class share one compiled graph and compile time stays in seconds.
-    Works under peft's LoRA layers, gradient checkpointing (diffusers calls the compiled block in
-    torch.utils.checkpoint) and no-grad rollouts (a second graph). enabled=False undoes it."""
-    if not enabled:
-        for blk in transformer_blocks(transformer):
-            blk._compiled_call_impl = None        # nn.Module.compile's slot
-        return
-    import torch._dynamo
-    # grad/no-grad, merged/unmerged LoRA, block variants and batch shapes are separate graphs
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    for blk in transformer_blocks(transformer):
-        blk.compile(backend=backend)
+# ------------------------------------------------------------------------------------------------
+# §9  Training loop, top-down: the loop's state first (Shard, Run), then `iteration`, which is
+#     the algorithm box of §0, and its five steps; then the run around it (setup, the outer loop,
+#     evaluation), then the plumbing a reader of the method can skip: the run folder, checkpoints
+#     and torchrun.
+# ------------------------------------------------------------------------------------------------
+class Shard:
+    """This process's share of the global batch of N = P·G samples: whole groups, contiguous. The
+    one place that slices what every process draws alike (prompts, noise, pairs); one process
+    holds everything (world = 1)."""
+
+    def __init__(self, rank: int, world: int, P: int, G: int):
+        self.rank, self.N = rank, P * G
+        self.Pl, self.Nl = P // world, self.N // world     # prompts and samples of this process
+        self.lo = rank * self.Nl                           # its first global sample index
+
+    def local(self, x):
+        """This process's rows of a global batch-first tensor (N, ...)."""
+        return x[self.lo:self.lo + self.Nl]
+
+    def local_prompts(self, prompts: list) -> list:
+        """This process's prompts of the P global ones."""
+        return prompts[self.rank * self.Pl:(self.rank + 1) * self.Pl]
+
+    def global_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Global sample indices of local rows."""
+        return rows + self.lo
 
 
-# ------------------------------------------------------------------------------------------------
-# §9  Training loop, top-down: `iteration` is the algorithm box of §0, and its five steps follow
-#     it; then the run around it (state, setup, the outer loop, evaluation), then the plumbing a
-#     reader of the method can skip: the run folder and checkpoints, and torchrun.
-# ------------------------------------------------------------------------------------------------
-# ---- one iteration: the algorithm box of §0, step by step --------------------------------------
-def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration: the algorithm box in §0, Alg. steps 1–5. Returns host-side metrics
-    (one sync at the end)."""
-    timer = PhaseTimer(run.dev)
-    with timer("time_rollout"):
-        batch = collect_rollouts(run, it)                                   # step 1
-    with timer("time_reward", sync=False):
-        reward_and_advantages(run, batch)                                   # step 2
-    pairs = draw_iteration_pairs(run, it)                                   # step 3
-    mbs = minibatches(run, it)
-    with timer("time_old"):
-        s_old, x0h_old, cv = old_surrogates(run, batch, pairs, mbs)         # step 4
-    with timer("time_update"):
-        stats_acc, grad_norms = update_steps(run, batch, pairs, mbs, s_old, x0h_old)   # step 5
-    return iteration_metrics(run, it, batch, cv, stats_acc, grad_norms, timer)
+@dataclass
+class Run:
+    """Everything an iteration needs, built once by `setup` (the loop's state, no globals)."""
+    args: Args
+    adapter: object               # SD3Adapter or FluxAdapter (§8)
+    rewards: Rewards
+    opt: torch.optim.Optimizer
+    params: list                  # the trainable parameters (LoRA, or the whole transformer)
+    lora_cfg: object              # peft LoraConfig, None for --full_finetune
+    train_prompts: list
+    eval_prompts: list
+    dev: torch.device
+    dtype: torch.dtype            # compute dtype of the autocast `ctx`
+    ctx: object
+    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
+    eval_sigmas: torch.Tensor     # (K_eval + 1,)
+    D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
+    start: int = 0                # first iteration (> 0 when resumed)
+    rank: int = 0
+    world: int = 1
+    run_dir: Optional[Path] = None
+    scaler: Optional[object] = None  # torch.amp.GradScaler, active under --dtype fp16
+
+    @property
+    def shard(self) -> Shard:
+        return Shard(self.rank, self.world, self.args.prompts_per_iter, self.args.group_size)
 
 
 @dataclass
 class Rollouts:
-    """This rank's share of one iteration's rollout batch (Alg. steps 1–2); Nl = N / world rows."""
-    prompts: list                  # Pl prompts of this rank
+    """[Alg. step 1] This process's share of one iteration's rollouts; Nl = N / world rows."""
+    prompts: list                  # Pl prompts of this process
     cond: object                   # their encodings, Pl rows
     prompt_idx: torch.Tensor       # (Nl,) row of cond per sample
     x0: torch.Tensor               # (Nl, *D) fp32 actions o
-    raw_all: dict = None           # {reward name: (N,) raw, all ranks}, CPU
-    raw: torch.Tensor = None       # (N,) headline reward
-    adv: torch.Tensor = None       # (Nl,) advantages on dev
-    adv_stats: dict = None
-    skipped: bool = False          # every advantage is 0: nothing to learn
+
+
+@dataclass
+class Scored:
+    """[Alg. step 2] Rewards of the whole batch (every process) and this process's advantages."""
+    raw: dict                      # {reward name: (N,) raw values}, CPU
+    headline: torch.Tensor         # (N,) the logged reward (Rewards.headline)
+    adv: torch.Tensor              # (Nl,) advantages, on the device
+    adv_stats: dict
+    skipped: bool                  # every advantage is 0: nothing to learn, no optimizer step
+
+
+# ---- one iteration: the algorithm box of §0, step by step --------------------------------------
+def iteration(run: Run, it: int) -> dict:
+    """One V-GRPO iteration: the algorithm box in §0, Alg. steps 1–5. Returns host-side metrics.
+    Host syncs: the rewards (scored on the host: advantages need all of them), one per optimizer
+    step (the non-finite-gradient check decides whether to step) and one for the metrics."""
+    timer = PhaseTimer(run.dev)
+    with timer("time_rollout"):
+        ro = collect_rollouts(run, it)                                      # step 1
+    with timer("time_reward", sync=False):
+        sc = reward_and_advantages(run, ro)                                 # step 2
+    pairs = draw_iteration_pairs(run, it)                                   # step 3
+    mbs = minibatches(run, it)
+    with timer("time_old"):
+        s_old, x0h_old, cv = old_surrogates(run, ro, pairs, mbs)            # step 4
+    with timer("time_update"):
+        stats, grad_norms = update_steps(run, ro, sc, pairs, mbs, s_old, x0h_old)   # step 5
+    return iteration_metrics(run, it, sc, cv, stats, grad_norms, timer)
 
 
 def collect_rollouts(run: Run, it: int) -> Rollouts:
-    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (this rank's
-    whole groups only)."""
+    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (this
+    process's whole groups only)."""
     args, ad, sh = run.args, run.adapter, run.shard
     P, n_tr = args.prompts_per_iter, len(run.train_prompts)
     g_prompt, g_noise = _gen(args.seed, it, 0), _gen(args.seed, it, 1)
@@ -1250,42 +1260,40 @@ def collect_rollouts(run: Run, it: int) -> Rollouts:
     cond = ad.encode(prompts)                                               # Pl rows
     prompt_idx = (torch.arange(sh.Nl) // args.group_size).to(run.dev)       # (Nl,)
     x1 = sh.local(torch.randn((sh.N,) + run.D, generator=g_noise)).to(run.dev)   # (Nl, *D)
-    with lora_merged(ad.transformer, args.merge_lora_rollout):     # θ_old = θ, merged or not
-        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
+    x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
     return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)
 
 
-def reward_and_advantages(run: Run, b: Rollouts) -> None:
-    """[Alg. step 2] rewards (all-gathered: advantages see the global batch) and advantages;
-    fills b.raw_all, b.raw, b.adv, b.adv_stats, b.skipped."""
-    args, sh, G = run.args, run.shard, run.args.group_size
-    names = [n for n, _ in run.rewards.train]
-    raw_loc, _ = decode_and_reward(run.adapter, run.rewards, names, b.x0,
-                                   [b.prompts[i // G] for i in range(sh.Nl)], args.reward_batch,
-                                   ctx=run.ctx if args.vae_autocast else None)
+def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
+    """[Alg. step 2] Rewards, all-gathered so that advantages see the global batch, then the
+    group-relative advantages of the chosen aggregation (§4)."""
+    args, sh, G, rw = run.args, run.shard, run.args.group_size, run.rewards
+    names = [n for n, _ in rw.train_terms]
+    raw_loc, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
+                                   [ro.prompts[i // G] for i in range(sh.Nl)], args.reward_batch)
     gathered = _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(run.dev), run.world)
-    b.raw_all = dict(zip(names, gathered.cpu()))                            # {name: (N,)}
-    values = run.rewards.training_values(b.raw_all, run.rewards.train)
-    values = values.view(-1, args.prompts_per_iter, G)                      # (R, P, G)
-    weights = torch.tensor([w for _, w in run.rewards.train])
+    raw = dict(zip(names, gathered.cpu()))                                  # {name: (N,)}
+    values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)  # (R,P,G)
+    weights = torch.tensor([w for _, w in rw.train_terms])
     aggregate = (per_reward_advantages if args.reward_aggregation == "per_reward"
                  else weighted_sum_advantages)
-    adv, b.adv_stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
-                                 clamp=args.adv_clamp, eta=args.soft_clip_eta)
-    b.skipped = bool((adv == 0).all())           # nothing to learn (e.g. every reward dropped)
-    b.adv = sh.local(adv.flatten()).to(run.dev)                             # (Nl,)
-    b.raw = run.rewards.summary(b.raw_all, run.rewards.train)               # (N,) headline reward
+    adv, stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
+                           clamp=args.adv_clamp, eta=args.soft_clip_eta)
+    # rows of adv.flatten() are prompt-major (sample n = prompt n // G), as the rollouts are
+    return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms),
+                  adv=sh.local(adv.flatten()).to(run.dev), adv_stats=stats,
+                  skipped=bool((adv == 0).all()))
 
 
 def draw_iteration_pairs(run: Run, it: int) -> Pairs:
     """[Alg. step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ
-    step; drawn from the same generator on every rank, then broadcast from rank 0 to be safe."""
+    step. Every process draws them from the same CPU generator; they are broadcast from rank 0
+    anyway, because CPUs with other vector units may round the Gaussian draw differently."""
     args, N, G = run.args, run.shard.N, run.args.group_size
     scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [ours C4]
              "group": torch.arange(N) // G, "none": torch.arange(N)}[args.pair_sharing]
     pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
-                       generator=_gen(args.seed, it, 2))
-    pairs = Pairs(t=pairs.t.to(run.dev), eps=pairs.eps.to(run.dev), index=pairs.index.to(run.dev))
+                       generator=_gen(args.seed, it, 2), device=run.dev)
     if run.world > 1:
         torch.distributed.broadcast(pairs.t, src=0)
         torch.distributed.broadcast(pairs.eps, src=0)
@@ -1293,118 +1301,115 @@ def draw_iteration_pairs(run: Run, it: int) -> Pairs:
 
 
 def minibatches(run: Run, it: int) -> tuple:
-    """The μ optimizer steps' disjoint minibatches of local rows, drawn before Alg. step 4 so that
-    S_old is computed in exactly the micro-batches (rows and shapes) the first step uses: its
-    ratio is then exactly 1 for any μ."""
+    """The μ optimizer steps' disjoint, equal minibatches of local rows (check_world), drawn
+    before Alg. step 4 so that S_old is computed in exactly the micro-batches (rows and shapes)
+    the first step uses: its ratio is then exactly 1 for any μ."""
     args, Nl, dev = run.args, run.shard.Nl, run.dev
     perm = (torch.randperm(Nl, generator=_gen(args.seed, it, 3)).to(dev) if args.mu > 1
             else torch.arange(Nl, device=dev))
     return perm.tensor_split(args.mu)
 
 
+def micro_batches(run: Run, mbs: tuple):
+    """(step, rows) for every micro-batch of every minibatch, in the order the update visits."""
+    return [(k, rows) for k, mb in enumerate(mbs) for rows in mb.split(run.args.micro_batch)]
+
+
 @torch.no_grad()
-def old_surrogates(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple):
+def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: tuple):
     """[Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
     Returns s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only with the KL), surrogate-CV stats."""
     args, Nl, J = run.args, run.shard.Nl, run.args.n_mc
-    want_kl = args.kl_coef > 0
     s_old = torch.empty(Nl, J, device=run.dev)
-    x0h_old = torch.empty((Nl, J) + run.D, device=run.dev) if want_kl else None
-    for rows in (r for mb in mbs for r in mb.split(args.micro_batch)):
-        s, x0h = local_surrogates(run, b, pairs, rows, want_kl)
-        s_old[rows] = s
-        if want_kl:
+    x0h_old = torch.empty((Nl, J) + run.D, device=run.dev) if args.kl_coef > 0 else None
+    for _, rows in micro_batches(run, mbs):
+        s_old[rows], x0h = surrogates(run, ro, pairs, rows)
+        if x0h_old is not None:
             x0h_old[rows] = x0h
-    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)            # (N,)
+    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)                   # (N,)
     cv = surrogate_cv(S_all.view(args.prompts_per_iter, args.group_size))
     return s_old, x0h_old, cv
 
 
-def local_surrogates(run: Run, b: Rollouts, pairs: Pairs, rows: torch.Tensor, want_x0_hat: bool):
-    """(s (m, J), x̂0 (m, J, *D) or None) of local samples `rows` with the current parameters."""
-    args = run.args
+def surrogates(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
+    """(s (m, J), x̂0 (m, J, *D)) of local samples `rows` with the current parameters (§5)."""
+    a = run.args
     t_r, e_r = pairs.take(run.shard.global_rows(rows))             # pairs are indexed globally
     with run.ctx:
-        call = (run.adapter.velocity, b.x0[rows], select(b.cond, b.prompt_idx[rows]), t_r, e_r)
-        kw = dict(parameterization=args.parameterization, adaptive=args.adaptive_weighting,
-                  mae_floor=args.mae_floor)
-        if want_x0_hat:
-            return pair_surrogates_with_x0(*call, **kw)
-        return pair_surrogates(*call, **kw), None
+        return pair_surrogates(run.adapter.velocity, ro.x0[rows], select(ro.cond, ro.prompt_idx[rows]),
+                               t_r, e_r, parameterization=a.parameterization,
+                               adaptive=a.adaptive_weighting, mae_floor=a.mae_floor)
 
 
-def update_steps(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple, s_old, x0h_old):
+def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: tuple, s_old, x0h_old):
     """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
     Returns ({stat: [per micro-batch tensors]}, [grad norm per step])."""
-    args, want_kl = run.args, run.args.kl_coef > 0
-    stats_acc: dict[str, list] = {}
+    args = run.args
+    stats: dict[str, list] = {}
     grad_norms = []
-    for step, mb in enumerate(mbs if not b.skipped else []):
-        run.opt.zero_grad(set_to_none=True)
-        for rows in mb.split(args.micro_batch):
-            s_new, x0h = local_surrogates(run, b, pairs, rows, want_kl)
-            kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
-            loss, st = vgrpo_loss(s_new, s_old[rows], b.adv[rows], clip_eps=args.clip_eps, kl=kl,
-                                  kl_coef=args.kl_coef)
-            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [ours C16]
-            (run.scaler.scale(scaled) if run.scaler else scaled).backward()
-            for k, v in st.items():
-                stats_acc.setdefault(k, []).append(v)
-            if step == 0:
-                stats_acc.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
-        grad_norms.append(optimizer_step(run))
-    run.opt.zero_grad(set_to_none=True)
-    return stats_acc, grad_norms
+    steps = [] if sc.skipped else micro_batches(run, mbs)
+    for i, (k, rows) in enumerate(steps):
+        last = i + 1 == len(steps) or steps[i + 1][0] != k         # last micro-batch of step k
+        s_new, x0h = surrogates(run, ro, pairs, rows)
+        kl = xspace_kl(x0h, x0h_old[rows]) if x0h_old is not None else None
+        loss, st = vgrpo_loss(s_new, s_old[rows], sc.adv[rows], clip_eps=args.clip_eps, kl=kl,
+                              kl_coef=args.kl_coef)
+        mb_loss = loss * (len(rows) / len(mbs[k]))          # mean over the minibatch [ours C16]
+        with grad_sync(run, last):
+            (run.scaler.scale(mb_loss) if run.scaler else mb_loss).backward()
+        for name, v in st.items():
+            stats.setdefault(name, []).append(v)
+        if k == 0:
+            stats.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
+        if last:
+            grad_norms.append(optimizer_step(run))
+    return stats, grad_norms
 
 
 def optimizer_step(run: Run) -> torch.Tensor:
-    """Average gradients over ranks, unscale (fp16), clip, step unless the norm is non-finite.
-    Returns the pre-clip gradient norm (fp32 tensor)."""
-    for p in run.params:                              # average gradients over ranks (DDP); a
-        if p.grad is not None:                        # None grad is None on every rank (same graph)
-            _all_reduce_mean(p.grad, run.world)
+    """Unscale (fp16), clip, step unless the norm is non-finite, zero the gradients. Under
+    torchrun the gradients are already averaged over processes by FSDP. Returns the pre-clip
+    gradient norm (fp32 tensor)."""
     if run.scaler:
         run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
     gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
-    if torch.isfinite(gn):
+    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn    # a DTensor under FSDP
+    if torch.isfinite(gn):                            # host sync: step, or skip a bad step
         run.scaler.step(run.opt) if run.scaler else run.opt.step()
     if run.scaler:
         run.scaler.update()                           # halve the scale after an overflow
+    run.opt.zero_grad(set_to_none=True)
     return gn.detach().float()
 
 
-def iteration_metrics(run: Run, it: int, b: Rollouts, cv: dict, stats_acc: dict,
-                      grad_norms: list, timer: PhaseTimer) -> dict:
-    """One host sync for everything logged; local stats averaged over ranks."""
-    args, world = run.args, run.world
+def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad_norms: list,
+                      timer: PhaseTimer) -> dict:
+    """One host sync for everything logged; this process's statistics averaged over processes."""
+    args = run.args
     gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
-    scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
+    scal = {k: torch.stack(v).mean() for k, v in stats.items()}
     scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
-    vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), world)
-    scal = {**dict(zip(scal, vec)), **b.adv_stats, **cv}
-    if world > 1:                                         # all ranks must hold the same parameters
-        fp = torch.stack([p.detach().double().sum() for p in run.params]).sum().reshape(1)
-        fps = _all_gather_cat(fp, world)
-        scal["param_desync"] = (fps.max() - fps.min()).float()
+    vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), run.world)
+    scal = {**dict(zip(scal, vec)), **sc.adv_stats, **cv}
     host = dict(zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist()))
-    mean, std = _finite_mean_std(b.raw)
-    scaled = run.scaler is not None and run.scaler.is_enabled()
+    mean, std = _finite_mean_std(sc.headline)
+    fp16 = run.scaler is not None and run.scaler.is_enabled()
     m = {"iter": it, "reward_mean": mean, "reward_std": std,
-         "reward_unit": run.rewards.unit(run.rewards.train),
-         "n_nonfinite_reward": int((~torch.isfinite(b.raw)).sum()), "skipped": b.skipped,
+         "reward_unit": run.rewards.unit(run.rewards.train_terms),
+         "n_nonfinite_reward": int((~torch.isfinite(sc.headline)).sum()), "skipped": sc.skipped,
          **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": float(run.scaler.get_scale()) if scaled else 1.0,
-         "nfe_rollout": args.num_steps, "nfe_old": args.num_steps + args.n_mc,
-         "nfe_theta": args.n_mc}
-    if len(b.raw_all) > 1:
-        for n, r in b.raw_all.items():
+         "grad_scale": float(run.scaler.get_scale()) if fp16 else 1.0,
+         # network evaluations per sample: rollout, θ_old's surrogate, θ's surrogate
+         "nfe_rollout": args.num_steps, "nfe_old": args.n_mc, "nfe_theta": args.n_mc}
+    if len(sc.raw) > 1:
+        for n, r in sc.raw.items():
             m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
     for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, float("nan") if b.skipped else 0.0)
+        m.setdefault(k, float("nan") if sc.skipped else 0.0)
     if m["n_nonfinite_reward"] and run.rank == 0:
         from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
         tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
-                   f"dropped (advantage 0){'; update skipped' if b.skipped else ''}",
+                   f"dropped (advantage 0){'; update skipped' if sc.skipped else ''}",
                    file=sys.stderr)
     m["time_iter"] = timer.total()
     return m
@@ -1419,11 +1424,11 @@ def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
 
 @torch.no_grad()
 def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
-            solver: str, batch: int, ctx) -> torch.Tensor:
-    """ODE-solve every row of x1 (N, C, H, W) with the current policy, `batch` rows at a time.
-    Returns latents (N, C, H, W) fp32 — the actions o."""
+            solver: str, chunk: int, ctx) -> torch.Tensor:
+    """ODE-solve every row of x1 (N, *D) with the current policy, `chunk` rows at a time.
+    Returns latents (N, *D) fp32 — the actions o."""
     out = []
-    for rows in torch.arange(len(x1)).split(batch):
+    for rows in torch.arange(len(x1)).split(chunk):
         with ctx:
             x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
             out.append(x0.float())
@@ -1432,15 +1437,13 @@ def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: t
 
 @torch.no_grad()
 def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
-                      prompts: list[str], batch: int, keep_images: bool = False, ctx=None):
-    """Decode once and score with every named reward, in chunks of `batch` images; the VAE decodes
-    in fp32, or under `ctx` (the compute-dtype autocast) if given.
+                      prompts: list[str], chunk: int, keep_images: bool = False):
+    """Decode once (the VAE in fp32) and score with every named reward, `chunk` images at a time.
     Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
     raw: dict[str, list] = {n: [] for n in names}
     imgs = []
-    for rows in torch.arange(len(latents)).split(batch):
-        with ctx or contextlib.nullcontext():
-            im = adapter.decode(latents[rows])
+    for rows in torch.arange(len(latents)).split(chunk):
+        im = adapter.decode(latents[rows])
         for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
             raw[n].append(r)
         if keep_images:
@@ -1484,158 +1487,129 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-# ---- the run: state, setup, the outer loop, evaluation -----------------------------------------
-@dataclass
-class Run:
-    """Everything an iteration needs, built once by `setup` (the loop's state, no globals)."""
-    args: Args
-    adapter: object
-    rewards: Rewards
-    opt: torch.optim.Optimizer
-    params: list
-    lora_cfg: object
-    train_prompts: list
-    eval_prompts: list
-    dev: torch.device
-    dtype: torch.dtype
-    ctx: object
-    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
-    eval_sigmas: torch.Tensor     # (K_eval + 1,)
-    D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
-    start: int = 0                # first iteration (> 0 when resumed)
-    rank: int = 0
-    world: int = 1
-    run_dir: Optional[Path] = None
-    scaler: Optional[object] = None  # torch.amp.GradScaler, active under --dtype fp16
-
-    @property
-    def shard(self) -> Shard:
-        return Shard(self.rank, self.world, self.args.prompts_per_iter, self.args.group_size)
-
-
+# ---- the run: setup, the outer loop, evaluation ------------------------------------------------
 def train(args: Args) -> list[dict]:
-    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
+    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl).
+    The first Ctrl-C finishes the current iteration, saves a checkpoint and stops; a second one
+    stops at once (`latest` still names the last complete checkpoint)."""
     from tqdm.auto import tqdm
-    run_dir = plan_run_dir(args)                           # checked writable, not created yet
-    run = setup(args)                              # bad input fails here, having written nothing
+    run_dir = plan_run_dir(args)                    # checked writable; locked if it exists
+    run = setup(args)                               # bad input fails here, having written nothing
     log_f, done_evals = open_run_dir(run, run_dir)
-    main_rank = run.rank == 0
+    tracker = Tracker(run) if run.rank == 0 else None
+    history, saved, stop = [], None, []
 
-    def checkpoint(done: int) -> Optional[Path]:           # rank 0 writes, every rank waits
-        path = save_checkpoint(run, done) if main_rank else None
-        if run.world > 1:
-            torch.distributed.barrier()
-        return path
+    def on_sigint(*_):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(True)
+        tqdm.write("Ctrl-C: finishing this iteration, then saving (Ctrl-C again stops at once)",
+                   file=sys.stderr)
 
-    history: list[dict] = []
+    def log(m: dict, evaluation: bool = False) -> None:
+        if run.rank == 0:
+            print(json.dumps(m), file=log_f, flush=True)
+            tracker.log(m, evaluation)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
-               desc="V-GRPO", unit="it", disable=not main_rank)
+               desc="V-GRPO", unit="it", disable=run.rank != 0)
     try:
         for it in bar:
-            if args.eval_every and it % args.eval_every == 0 and it not in done_evals and main_rank:
-                print(json.dumps(evaluate(run, it)), file=log_f, flush=True)
+            if args.eval_every and it % args.eval_every == 0 and it not in done_evals:
+                log(evaluate(run, it), evaluation=True)
             m = iteration(run, it)
             history.append(m)
+            log(m)
             bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
-            if main_rank:
-                print(json.dumps(m), file=log_f, flush=True)
-                tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
-                           f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv "
-                           f"{m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}  "
-                           f"{m['time_iter']:.1f}s")
-            if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
-                checkpoint(it + 1)
-        if args.eval_every and run.start < args.iterations and main_rank:
-            ev = evaluate(run, args.iterations)
-            print(json.dumps(ev), file=log_f, flush=True)
-            tqdm.write(f"eval after {args.iterations} iterations: "
-                       f"reward {ev['eval_reward_mean']:.4f}")
+            if run.rank == 0:
+                tqdm.write(progress_line(m))
+            stopping = _any_rank(bool(stop), run)               # every process stops together
+            if stopping or (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
+                saved = checkpoint(run, it + 1)
+            if stopping:
+                if run.rank == 0:
+                    tqdm.write(f"stopped after iteration {it}: saved {saved}; continue with "
+                               f"--resume {run_dir}", file=sys.stderr)
+                break
+        else:                                              # not stopped: the final evaluation
+            if args.eval_every and run.start < args.iterations:
+                ev = evaluate(run, args.iterations)
+                log(ev, evaluation=True)
+                if run.rank == 0:
+                    tqdm.write(f"eval after {args.iterations} iterations: reward "
+                               f"{ev['eval_reward_mean']:.4f}")
     except KeyboardInterrupt:
-        path = checkpoint(history[-1]["iter"] + 1 if history else run.start)
-        if main_rank:
-            print(f"\ninterrupted: saved {path}; continue with --resume {run.run_dir}")
+        print(f"\ninterrupted: checkpoints/latest still names the last complete checkpoint; "
+              f"continue with --resume {run_dir}", file=sys.stderr)
+        raise
     finally:
+        signal.signal(signal.SIGINT, previous)
         bar.close()
-        if log_f is not None:
+        if run.rank == 0:
             log_f.close()
+            tracker.close()                                # metrics.png, also after a crash
         if run.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return history
 
 
+def progress_line(m: dict) -> str:
+    return (f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
+            f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}/"
+            f"{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
+
+
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
-    """Validate, load the model and rewards, attach LoRA, build the optimizer, restore a checkpoint.
-    Writes nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
-    check_args(args)
+    """Load the model and rewards, attach LoRA, shard under torchrun, build the optimizer, restore
+    a checkpoint. Expects an Args from parse_args / resolve_args (validated there); writes
+    nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
     train_prompts, eval_prompts = load_prompts(args)
-    ckpt, ck_state = read_checkpoint(args.resume) if args.resume else (None, None)
-    saved = ck_state["config"] if ckpt is not None else {}
+    ckpt, state = read_checkpoint(args.resume) if args.resume else (None, None)
     for k in RESUME_FIXED:
-        if k in saved and saved[k] != getattr(args, k):
+        if state and state["config"].get(k, getattr(args, k)) != getattr(args, k):
             raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
-                              f"{saved[k]!r} ({ckpt}); drop --{k} to resume, or start a new run")
-    location = resolve_model(args.model) if pipe is None else None
-    if location is not None and os.path.isdir(location):
-        check_local_pipeline(location)
+                              f"{state['config'][k]!r} ({ckpt}); drop --{k} to resume, or start "
+                              "a new run")
     rank, world, local_rank = dist_info()
     check_world(args, world)
     dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    torch.manual_seed(args.seed)                           # same LoRA init on every rank
+    torch.manual_seed(args.seed)                           # the same LoRA init on every rank
     random.seed(args.seed)
-    rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
+    rewards = rewards if rewards is not None else Rewards.load(args, dev, dtype)
     for m in rewards.models.values():                      # plug-ins fail here, in one line
         if isinstance(m, PluginReward):
             m.probe(min(args.resolution, 256), dev, train_prompts)
-    pipe = pipe if pipe is not None else load_pipeline(args.model, dtype)
-    pipe.to(dev)
-    pipe.vae.to(torch.float32)
-    adapter = make_adapter(pipe, args, dev)
+    pipe = load_pipeline(args.model, dtype) if pipe is None else freeze_and_cast(pipe, dtype)
+    adapter = make_adapter(pipe.to(dev), args, dev)
     if args.offload_text_encoders:                   # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
-
-    lora_cfg, params, opt = make_trainable(adapter.transformer, args)
+    tr = adapter.transformer
+    lora_cfg = None if args.full_finetune else add_lora(tr, args.lora_rank, args.lora_alpha,
+                                                        args.lora_targets.split(","))
+    if args.full_finetune:
+        tr.to(torch.float32).requires_grad_(True)   # fp32 master weights, bf16 autocast compute
+    if ckpt is not None:
+        load_trainable(adapter, ckpt, args.full_finetune)
+    if args.gradient_checkpointing:
+        tr.enable_gradient_checkpointing()
+    if world > 1:
+        shard_transformer(tr, dtype)
+    params = [p for p in tr.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
     # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op).
     scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
-    start = 0
-    if ckpt is not None:                      # weights, optimizer, loss scale and RNG states
-        load_trainable(adapter, ckpt, args.full_finetune)
-        opt.load_state_dict(ck_state["optimizer"])
-        if ck_state.get("scaler"):
-            scaler.load_state_dict(ck_state["scaler"])
-        rng = ck_state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        start = ck_state["iteration"]
-    if world > 1:
-        for p in params:                                   # identical start on every rank
-            torch.distributed.broadcast(p.data, src=0)
+    if ckpt is not None:                      # optimizer, loss scale and RNG states
+        restore_state(tr, opt, scaler, state)
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
                lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
                dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
                eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
-               D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world,
-               scaler=scaler)
-
-
-def make_trainable(tr, args: Args) -> tuple:
-    """Trainable parameters, LoRA (default) or the whole transformer, and their AdamW.
-    Returns (lora_cfg or None, params, optimizer)."""
-    lora_cfg = None
-    if args.full_finetune:
-        tr.to(torch.float32).requires_grad_(True)      # fp32 master weights, bf16 autocast compute
-    else:
-        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
-    if args.gradient_checkpointing:
-        tr.enable_gradient_checkpointing()
-    compile_blocks(tr, args.compile_backend, enabled=args.compile)   # after LoRA: compiles it too
-    params = [p for p in tr.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    return lora_cfg, params, opt
+               D=adapter.latent_shape(args.resolution), start=state["iteration"] if state else 0,
+               rank=rank, world=world, scaler=scaler)
 
 
 def setup_device(args: Args, local_rank: int = 0) -> tuple:
@@ -1650,19 +1624,11 @@ def setup_device(args: Args, local_rank: int = 0) -> tuple:
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = True   # fp32 matmuls (surrogate math): tensor cores
         torch.backends.cudnn.allow_tf32 = True
-    # SDPA kernels: the process-wide switches (not a context manager), so that gradient
-    # checkpointing's recompute in backward uses the same kernel as the forward. Reset every setup.
-    # auto: everything but cuDNN on CUDA — its fused attention failed in the backward pass of
-    # FLUX.1-dev (head dim 128) on an H200 with torch 2.11 ("mha_graph.execute(...).is_good()").
-    b = torch.backends.cuda
-    for name, enable in {"flash": b.enable_flash_sdp, "efficient": b.enable_mem_efficient_sdp,
-                         "math": b.enable_math_sdp, "cudnn": b.enable_cudnn_sdp}.items():
-        enable(name == args.attention_backend if args.attention_backend != "auto"
-               else not (name == "cudnn" and dev.type == "cuda"))
+        # cuDNN's fused attention failed in the backward pass of FLUX.1-dev (head dim 128) on an
+        # H200 with torch 2.11 ("mha_graph.execute(...).is_good()"): SDPA picks among the others
+        torch.backends.cuda.enable_cudnn_sdp(False)
     return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
                         else contextlib.nullcontext())
-
-
 def load_prompts(args: Args) -> tuple[list[str], list[str]]:
     """(train, eval) prompt lists: --prompts / --eval_prompts files, or examples/prompts.txt (40
     varied prompts written for this project, so a run works out of the box; every 5th held out)."""
@@ -1708,50 +1674,133 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
 @torch.no_grad()
 def evaluate(run: Run, it: int) -> dict:
     """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
-    with eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png, scores every --eval_rewards."""
+    with eval_steps; scores every --eval_rewards and saves the grid as run_dir/eval/iter_XXXXXX.png.
+    Every process runs it (under FSDP a forward needs all of them); rank 0 saves."""
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
-    with lora_merged(ad.transformer, args.merge_lora_rollout):
-        lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
-                      run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
-    raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval], lat, prompts, args.reward_batch,
-                                  keep_images=True, ctx=run.ctx if args.vae_autocast else None)
-    if run.run_dir is not None:
+    lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
+                  run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
+    raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval_terms], lat, prompts,
+                                  args.reward_batch, keep_images=True)
+    if run.run_dir is not None and run.rank == 0:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
-    head = rw.summary(raw, rw.eval)
-    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval), "eval_nfe": len(run.eval_sigmas) - 1,
+    head = rw.headline(raw, rw.eval_terms)
+    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms), "eval_nfe": len(run.eval_sigmas) - 1,
           "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
     for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
-    if ev["eval_n_nonfinite"]:
+    if ev["eval_n_nonfinite"] and run.rank == 0:
         from tqdm.auto import tqdm
         tqdm.write(f"warning: evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite "
                    "reward(s) dropped", file=sys.stderr)
     return ev
 
 
-def save_grid(images_u8: torch.Tensor, path: Path) -> None:
-    """Save (n, 3, h, w) uint8 images as one image, ⌈√n⌉ per row, black where the grid has none."""
-    from PIL import Image
+def grid_array(images_u8: torch.Tensor) -> torch.Tensor:
+    """(n, 3, h, w) uint8 images → one (rows·h, cols·w, 3) grid, ⌈√n⌉ per row, black padding."""
     n, _, h, w = images_u8.shape
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
     grid = torch.zeros(rows * cols, 3, h, w, dtype=torch.uint8)
     grid[:n] = images_u8
-    grid = grid.view(rows, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, cols * w, 3)
-    Image.fromarray(grid.numpy()).save(path)
+    return grid.view(rows, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, cols * w, 3)
 
 
-# ---- the run folder: planned before anything loads, created by rank 0 -------------------------
+def save_grid(images_u8: torch.Tensor, path: Path) -> None:
+    from PIL import Image
+    Image.fromarray(grid_array(images_u8).numpy()).save(path)
+
+
+class Tracker:
+    """Live curves: every logged scalar to TensorBoard or W&B (--report_to), the evaluation grids
+    as images, and run_dir/metrics.png redrawn at each evaluation and at the end (rank 0 only).
+    Steps are iterations, so a resumed run continues the same curves: TensorBoard purges the
+    steps logged after the checkpoint (`purge_step`), W&B resumes the run by the id saved in the
+    run folder and ignores steps it already holds."""
+
+    def __init__(self, run: Run):
+        self.run, self.backend, a = run, None, run.args
+        if a.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.backend = SummaryWriter(str(run.run_dir / "tensorboard"),
+                                         purge_step=run.start if run.start else None)
+        elif a.report_to == "wandb":
+            import wandb
+            id_file = run.run_dir / "wandb_id"
+            if not id_file.is_file():
+                id_file.write_text(wandb.util.generate_id())
+            self.backend = wandb.init(project="vgrpo", name=run.run_dir.name, dir=str(run.run_dir),
+                                      id=id_file.read_text(), resume="allow",
+                                      config=dataclasses.asdict(a))
+
+    def log(self, m: dict, evaluation: bool) -> None:
+        step, grid = m["iter"], self.run.run_dir / "eval" / f"iter_{m['iter']:06d}.png"
+        scalars = {k: v for k, v in m.items() if k != "iter" and isinstance(v, (int, float))}
+        image = grid if evaluation and grid.is_file() else None
+        if self.run.args.report_to == "tensorboard":
+            for k, v in scalars.items():
+                self.backend.add_scalar(k, v, step)
+            if image:
+                import numpy as np
+                from PIL import Image
+                self.backend.add_image("eval_grid", np.asarray(Image.open(image).convert("RGB")),
+                                       step, dataformats="HWC")
+        elif self.run.args.report_to == "wandb":
+            import wandb
+            extra = {"eval_grid": wandb.Image(str(image))} if image else {}
+            self.backend.log({**scalars, **extra}, step=step)
+        if evaluation:
+            plot_metrics(self.run.run_dir)
+
+    def close(self) -> None:
+        plot_metrics(self.run.run_dir)
+        if self.backend is not None:
+            (self.backend.close if self.run.args.report_to == "tensorboard" else self.backend.finish)()
+
+
+def plot_metrics(run_dir: Path) -> None:
+    """run_dir/metrics.png from metrics.jsonl: rewards, |log ρ| and clip fraction, surrogate CV,
+    seconds per phase (matplotlib's object API: no GUI backend, safe in any process)."""
+    from matplotlib.figure import Figure
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if l.strip().endswith("}")] if (run_dir / "metrics.jsonl").is_file() else []
+    its = [m for m in lines if "reward_mean" in m]
+    evs = [m for m in lines if "eval_reward_mean" in m]
+    if not its:
+        return
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    axes = fig.subplots(2, 2).flatten()
+    x = [m["iter"] for m in its]
+    panels = [("reward", [("reward_mean", its, "training"), ("eval_reward_mean", evs, "held-out")]),
+              ("|log ρ| and clip fraction", [("abs_log_ratio", its, "|log ρ|"),
+                                             ("clip_frac", its, "clip fraction")]),
+              ("surrogate CV", [("surrogate_cv", its, "batch"), ("surrogate_cv_group", its, "group")]),
+              ("seconds per phase", [(k, its, k[5:]) for k in ("time_rollout", "time_reward",
+                                                              "time_old", "time_update")])]
+    for ax, (title, series) in zip(axes, panels):
+        for key, rows, label in series:
+            ax.plot([m["iter"] for m in rows], [m.get(key, float("nan")) for m in rows],
+                    marker="o" if rows is evs else None, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel(its[-1].get("reward_unit", ""))
+    axes[0].set_xlim(min(x + [e["iter"] for e in evs]) - 0.5, max(x + [e["iter"] for e in evs]) + 0.5)
+    tmp = run_dir / ".metrics.png.tmp"
+    fig.savefig(tmp, format="png", dpi=90)
+    os.replace(tmp, run_dir / "metrics.png")
+
+
+# ---- the run folder: planned before anything loads, one trainer at a time ---------------------
 def plan_run_dir(args: Args) -> Path:
     """The run folder (--run_dir, the resumed run's folder, or runs/<model>-<rewards>-<time>),
-    checked writable before anything loads; nothing is created here."""
+    checked writable and, if it exists, locked before anything loads; nothing is created here."""
     if args.resume and args.run_dir is None:
         run_dir = find_checkpoint(args.resume).parent.parent
     else:
-        tag = "+".join(n.split(":")[-1] for n, _ in parse_reward_spec(args.reward))
+        tag = "+".join(n.split(":")[-1] for n, _ in args.train_terms)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{stamp}")
     p = run_dir.absolute()
@@ -1765,14 +1814,42 @@ def plan_run_dir(args: Args) -> Path:
     except OSError as e:
         raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
                           f"({e.strerror}); pass a writable --run_dir") from None
+    if run_dir.is_dir() and dist_info()[0] == 0:
+        lock_run_dir(run_dir)
     return run_dir
 
 
+_LOCKS: dict = {}                               # run folder → open lock file, held until exit
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """One trainer per run folder: an exclusive flock on run_dir/.lock, which the operating
+    system releases when the holder exits or is killed. A second trainer gets a ConfigError
+    naming the process that holds it, before it changes anything."""
+    key = str(run_dir.resolve())
+    if key in _LOCKS:
+        return
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(f"{str(run_dir)!r} is in use by a running trainer (pid {holder}); wait "
+                          "for it to finish or stop it, or pass another --run_dir") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    _LOCKS[key] = f
+
+
 def open_run_dir(run: Run, run_dir: Path) -> tuple:
-    """Every rank learns rank 0's run folder (sets run.run_dir). Rank 0 creates it, clears
-    half-written checkpoints, writes config.json, prints the banner and, on resume, drops the
-    lines of metrics.jsonl logged after the checkpoint (they are logged again, so each iteration
-    appears once). Returns (metrics.jsonl open to append or None, iterations already evaluated)."""
+    """Every rank learns rank 0's run folder (sets run.run_dir). Rank 0 creates and locks it,
+    clears half-written checkpoints, writes config.json, prints the banner and, on resume, points
+    `latest` at the resumed checkpoint and drops the lines of metrics.jsonl logged after it (they
+    are logged again, so each iteration appears once). Returns (metrics.jsonl open to append or
+    None, iterations already evaluated)."""
     if run.world > 1:                                      # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -1780,13 +1857,17 @@ def open_run_dir(run: Run, run_dir: Path) -> tuple:
     run.run_dir, mpath, evaluated = run_dir, run_dir / "metrics.jsonl", set()
     if run.rank > 0:
         return None, evaluated
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    lock_run_dir(run_dir)
+    for stale in (run_dir / "checkpoints").glob(".tmp-*"):        # left by a killed save
         shutil.rmtree(stale, ignore_errors=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
-    if run.args.resume and mpath.exists():
+    if run.args.resume:
+        ckpt = find_checkpoint(run.args.resume)
+        if ckpt.parent == run_dir / "checkpoints":        # later saves never overwrite `latest`
+            _point_latest(ckpt)
         keep = []
-        for line in mpath.read_text().splitlines():
+        for line in (mpath.read_text().splitlines() if mpath.exists() else []):
             try:
                 m = json.loads(line)
             except ValueError:
@@ -1796,15 +1877,13 @@ def open_run_dir(run: Run, run_dir: Path) -> tuple:
                 keep.append(line)
                 if is_eval:
                     evaluated.add(m["iter"])
-        tmp = mpath.with_name(mpath.name + ".tmp")
-        tmp.write_text("".join(l + "\n" for l in keep))
-        os.replace(tmp, mpath)
-    log_f = open(mpath, "a")
+        mpath.with_name("metrics.jsonl.tmp").write_text("".join(l + "\n" for l in keep))
+        os.replace(mpath.with_name("metrics.jsonl.tmp"), mpath)
     print(banner(run))
-    return log_f, evaluated
+    return open(mpath, "a"), evaluated
 
 
-# ---- checkpoints: written to a temp folder and renamed, so a crash never leaves half of one -----
+# ---- checkpoints: one folder per save, `latest` switched atomically after it is complete ------
 CKPT_STATE = "trainer_state.pt"
 LORA_FILE = "pytorch_lora_weights.safetensors"
 # flags that change the shape of what a checkpoint holds: they cannot change on --resume
@@ -1827,12 +1906,14 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
     ckpt = find_checkpoint(path)
     try:
         state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
-        assert isinstance(state, dict) and {"iteration", "config", "optimizer"} <= set(state)
-        if state["config"]["full_finetune"]:
-            assert (ckpt / "transformer" / "config.json").is_file()
-        else:
+        missing = {"iteration", "config", "optimizer", "rng"} - set(state)
+        full = state["config"]["full_finetune"] if not missing else False
+        weights = ckpt / ("transformer/config.json" if full else LORA_FILE)
+        if missing or not weights.is_file():
+            raise ValueError(f"missing {sorted(missing) or weights.name}")
+        if not full:
             from safetensors.torch import load_file
-            load_file(str(ckpt / LORA_FILE))
+            load_file(str(weights))                        # reads every tensor: catches a cut file
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
                           f"({type(e).__name__}: {e}); pick another with --resume") from e
@@ -1850,63 +1931,75 @@ def checkpoint_config(path: str) -> dict:
                           f"({type(e).__name__}: {e}); pick another with --resume") from e
 
 
-def save_checkpoint(run: Run, it: int) -> Path:
-    """Write checkpoints/iter_XXXXXX and point checkpoints/latest at it. At every instant `latest`
-    names a complete checkpoint: the new one is written to a temporary folder, renamed to a name
-    no folder has, `latest` is switched atomically, and only then is an older copy removed.
-    Folders and files follow the user's umask. A failed write (disk full) removes its temporary
-    folder and raises ConfigError."""
-    ckdir, name = run.run_dir / "checkpoints", f"iter_{it:06d}"
-    ckdir.mkdir(parents=True, exist_ok=True)
-    tmp = ckdir / f".tmp-{name}-{os.getpid()}-{time.time_ns()}"
-    tmp.mkdir()                                            # umask applies (mkdtemp would give 0700)
+def checkpoint(run: Run, it: int) -> Path:
+    """Save after `it` iterations. Every process takes part (under FSDP the full weights and
+    optimizer state are gathered), rank 0 writes, the others wait. Returns the folder."""
+    tr = run.adapter.transformer
+    weights, optim = full_state(tr, run.opt)
+    if run.rank == 0:
+        save_checkpoint(run, it, weights, optim)
+    if run.world > 1:
+        torch.distributed.barrier()
+    return run.run_dir / "checkpoints" / f"iter_{it:06d}"
+
+
+def save_checkpoint(run: Run, it: int, weights: dict, optim: dict) -> Path:
+    """Write checkpoints/iter_XXXXXX: the weights in diffusers' format (a LoRA file that
+    `load_lora_weights` reads, or a `from_pretrained` transformer folder), the trainer state
+    (optimizer, loss scale, RNG) and the config; then point checkpoints/latest at it. It is
+    written to a temporary folder and renamed, and `latest` is switched atomically only then, so
+    at every instant `latest` names a complete checkpoint; a kill loses at most this save. A
+    failed write (disk full) removes the temporary folder and raises ConfigError."""
+    ckdir = run.run_dir / "checkpoints"
+    final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)                                # umask applies (not mkdtemp's 0700)
     config = dataclasses.asdict(run.args)
     try:
         if run.args.full_finetune:
-            run.adapter.transformer.save_pretrained(tmp / "transformer")
+            tr = run.adapter.transformer
+            tr.save_config(tmp / "transformer")
+            from safetensors.torch import save_file
+            save_file(weights, str(tmp / "transformer" / "diffusion_pytorch_model.safetensors"))
         else:
             from peft.utils import get_peft_model_state_dict
-            lora = get_peft_model_state_dict(run.adapter.transformer)
+            lora = get_peft_model_state_dict(run.adapter.transformer, state_dict=weights)
             run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        scaler = run.scaler.state_dict() if run.scaler is not None else None
-        torch.save({"iteration": it, "config": config, "optimizer": run.opt.state_dict(),
-                    "rng": rng, "scaler": scaler}, tmp / CKPT_STATE)
+        torch.save({"iteration": it, "config": config, "optimizer": optim, "rng": rng,
+                    "scaler": run.scaler.state_dict() if run.scaler else None}, tmp / CKPT_STATE)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.rglob("*"):                           # safetensors writes files 0600
-            if f.is_file():
-                f.chmod(0o666 & ~umask)
+        mask = os.umask(0)
+        os.umask(mask)
+        for f in tmp.rglob("*"):                           # safetensors writes its files 0600
+            f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({e.strerror or e}); "
                           f"free space there, then continue with --resume {run.run_dir}") from None
-    latest = ckdir / "latest"
-    current = latest.read_text().strip() if latest.is_file() else None
-    # a re-save of the same iteration goes to the other of two names, never over `latest`'s folder
-    final = next(ckdir / n for n in (name, name + "-b") if n != current)
-    if final.exists():
-        shutil.rmtree(final)                               # not what `latest` names: safe to remove
+    shutil.rmtree(final, ignore_errors=True)    # never `latest`'s: saves only go forward from it
     os.replace(tmp, final)
-    (ckdir / ".latest.tmp").write_text(final.name)
-    os.replace(ckdir / ".latest.tmp", latest)              # atomic switch
-    for old in (ckdir / name, ckdir / (name + "-b")):      # the replaced copy of this iteration
-        if old != final and old.exists():
-            shutil.rmtree(old)
+    _point_latest(final)
     return final
 
 
+def _point_latest(ckpt: Path) -> None:
+    """checkpoints/latest ← the folder name of `ckpt`, atomically (write, then rename)."""
+    tmp = ckpt.parent / ".latest.tmp"
+    tmp.write_text(ckpt.name)
+    os.replace(tmp, ckpt.parent / "latest")
+
+
 def load_trainable(adapter, ckpt: Path, full: bool) -> None:
-    """Load trained weights back into the live transformer (the inverse of save_checkpoint)."""
+    """Load trained weights back into the live (unsharded) transformer: the inverse of
+    save_checkpoint, the same on any number of processes."""
+    from safetensors.torch import load_file
     if full:
-        src = type(adapter.transformer).from_pretrained(ckpt / "transformer",
-                                                        torch_dtype=torch.float32)
-        adapter.transformer.load_state_dict(src.state_dict())
+        sd = load_file(str(ckpt / "transformer" / "diffusion_pytorch_model.safetensors"))
+        adapter.transformer.load_state_dict(sd)
         return
     from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
     sd = {k.removeprefix("transformer."): v for k, v in load_file(str(ckpt / LORA_FILE)).items()}
     res = set_peft_model_state_dict(adapter.transformer, sd)
     if getattr(res, "unexpected_keys", None):
@@ -1914,13 +2007,26 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
                           f"{res.unexpected_keys[:3]}")
 
 
+def restore_state(tr, opt, scaler, state: dict) -> None:
+    """Optimizer, loss scale and RNG states of a checkpoint (saved by any number of processes)."""
+    load_optimizer_state(tr, opt, state["optimizer"])
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    if state["rng"].get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+
 # ---- data parallelism: `torchrun --nproc_per_node=N vgrpo.py ...` ------------------------------
 # nanoGPT's pattern: WORLD_SIZE > 1 in the environment ⇒ torch.distributed (NCCL on GPUs, gloo on
-# CPU). Every rank draws the same global prompts, noise and pairs from the (seed, iteration)
-# generators and works on its own contiguous slice of whole groups (Shard); rewards are
-# all-gathered so advantages (global std included) are computed on the global batch; gradients of
-# the trainable parameters are averaged with all_reduce before clipping. One rank then computes
-# exactly what a single process would.
+# CPU), and PyTorch FSDP2 (`fully_shard`, as Flow-Factory and torchtitan use it) shards the
+# transformer's parameters, gradients and AdamW state over the processes. Every process draws the
+# same global prompts, noise and pairs from the (seed, iteration) generators and works on its own
+# contiguous slice of whole groups (Shard); rewards are all-gathered so advantages (global std
+# included) are computed on the global batch; FSDP averages the gradients (reduce-scatter, in
+# fp32) on the last micro-batch of each optimizer step. One process then computes what a single
+# process would, up to the order of floating-point sums.
 def dist_info() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) otherwise."""
     env = os.environ
@@ -1928,36 +2034,58 @@ def dist_info() -> tuple[int, int, int]:
 
 
 def check_world(args: Args, world: int) -> None:
-    """Under torchrun, every rank must hold whole groups and split them into μ equal minibatches."""
+    """One rule for one process and for many: each process holds whole groups and splits its
+    samples into μ equal minibatches, so every optimizer step sees the same number of samples."""
     P, G = args.prompts_per_iter, args.group_size
-    if world > 1 and P % world:
+    if P % world:
         raise ConfigError(f"--prompts_per_iter {P} must be divisible by the {world} processes: "
-                          "a group is never split across ranks")
-    if world > 1 and P // world * G % args.mu:
-        raise ConfigError(f"each rank's {P // world * G} samples must split into --mu {args.mu} "
-                          "equal minibatches")
+                          "a group is never split across processes")
+    if P // world * G % args.mu:
+        raise ConfigError(f"each process's {P // world * G} samples must split into --mu "
+                          f"{args.mu} equal minibatches")
 
 
-class Shard:
-    """This rank's share of the global batch of N = P·G samples, whole groups, contiguous: the one
-    place that slices what every rank draws alike (prompts, noise, pairs)."""
+def shard_transformer(tr, dtype: torch.dtype) -> None:
+    """FSDP2: each block its own unit, then the root (embedders, final layer). Parameters are
+    all-gathered in the compute dtype and gradients reduce-scattered in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for blk in transformer_blocks(tr):
+        fully_shard(blk, mp_policy=mp)
+    fully_shard(tr, mp_policy=mp)
 
-    def __init__(self, rank: int, world: int, P: int, G: int):
-        self.rank, self.N = rank, P * G
-        self.Pl, self.Nl = P // world, self.N // world     # prompts and samples of this rank
-        self.lo = rank * self.Nl                           # first global sample index of this rank
 
-    def local(self, x):
-        """This rank's rows of a global batch-first tensor (N, ...)."""
-        return x[self.lo:self.lo + self.Nl]
+@contextlib.contextmanager
+def grad_sync(run: Run, last: bool):
+    """Micro-batches accumulate gradients locally; FSDP reduces them on the last of a step."""
+    tr = run.adapter.transformer
+    if run.world > 1:
+        tr.set_requires_gradient_sync(last)
+    yield
 
-    def local_prompts(self, prompts: list) -> list:
-        """This rank's prompts of the P global ones."""
-        return prompts[self.rank * self.Pl:(self.rank + 1) * self.Pl]
 
-    def global_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Global sample indices of local rows."""
-        return rows + self.lo
+def full_state(tr, opt) -> tuple[dict, dict]:
+    """The trainable weights and the optimizer state, whole and on the CPU (gathered from the
+    shards under FSDP; the same on every process count), keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    return get_model_state_dict(tr, options=o), get_optimizer_state_dict(tr, opt, options=o)
+
+
+def load_optimizer_state(tr, opt, optim: dict) -> None:
+    """The inverse of full_state for the optimizer: each process keeps its own shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(tr, opt, optim, options=StateDictOptions(full_state_dict=True))
+
+
+def _any_rank(flag: bool, run: Run) -> bool:
+    """True on every process if it is True on any (e.g. Ctrl-C reached only some of them)."""
+    if run.world == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=run.dev)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
@@ -2075,18 +2203,21 @@ class Args:
     # --- system ----------------------------------------------------------------------------------
     seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
     device: str = _f("auto", "cuda, cpu, or auto")
-    # --- throughput levers (none changes what is computed, beyond floating-point rounding) -------
-    compile: bool = _f(False, "torch.compile each transformer block (regional: seconds of "
-                       "compile); the first iterations include compile time")
-    compile_backend: str = _f("inductor", "backend of --compile (aot_eager, eager: no codegen)")
-    merge_lora_rollout: bool = _f(False, "roll out and evaluate with the LoRA merged into the "
-                                  "base weights (restored bit-exactly after; surrogates unmerged)")
-    attention_backend: str = _f("auto", "SDPA kernel; auto = torch picks, cuDNN off on CUDA (its "
-                                "backward failed on FLUX.1-dev)",
-                                choices=("auto", "flash", "efficient", "math", "cudnn"))
-    vae_autocast: bool = _f(False, "decode latents under the compute-dtype autocast, not fp32")
+    report_to: str = _f("none", "live curves: TensorBoard (run_dir/tensorboard) or W&B (needs "
+                        "`pip install wandb`; WANDB_MODE=offline works without a network)",
+                        choices=("none", "tensorboard", "wandb"))
     preset: Optional[str] = _f(None, "bundle of overrides (README \"Presets\")",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
+
+    @functools.cached_property
+    def train_terms(self) -> list[tuple[str, float]]:
+        """--reward parsed once: [(name, weight), ...] (parse_reward_spec)."""
+        return parse_reward_spec(self.reward)
+
+    @functools.cached_property
+    def eval_terms(self) -> list[tuple[str, float]]:
+        """--eval_rewards parsed once, or the training terms."""
+        return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
 
 # Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
@@ -2111,20 +2242,21 @@ FAMILY_PRESETS: dict[str, dict] = {
                  global_std=False, std_eps=1e-8, max_sequence_length=512,
                  lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
-# "paper" depends on the family: SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
-# MixGRPO's 32 prompts × 12 per iteration [ours C1–C3]. The stage presets are the later
-# SD3.5 stages' controls [ours C9] (our choice where the paper is silent); their rewards
-# (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not included").
-STAGE1_BATCH = {"sd3": dict(prompts_per_iter=48, group_size=24),
-                "flux": dict(prompts_per_iter=32, group_size=12)}
+# --preset NAME, per family. "paper": SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
+# MixGRPO's 32 prompts × 12 per iteration [ours C1–C3]. The stage presets are the later SD3.5
+# stages' controls [ours C9] (our choice where the paper is silent), the same on both families;
+# their rewards (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not
+# included").
+_BOTH = lambda d: {"sd3": d, "flux": d}                         # noqa: E731
 PRESETS: dict[str, dict] = {
-    "paper": STAGE1_BATCH["sd3"],                              # replaced per family in resolve_args
-    "geneval-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
-                          soft_clip_eta=0.0, iterations=200),   # Stages 2 / 4 (Stage 4: 50 its)
-    "ocr-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3, clip_eps=0.0,
-                      iterations=30),                           # Stage 5
-    "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1,
-                  n_eval=2),
+    "paper": {"sd3": dict(prompts_per_iter=48, group_size=24),
+              "flux": dict(prompts_per_iter=32, group_size=12)},
+    "geneval-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
+                                soft_clip_eta=0.0, iterations=200)),   # Stages 2 / 4 (4: 50 its)
+    "ocr-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3,
+                            clip_eps=0.0, iterations=30)),             # Stage 5
+    "smoke": _BOTH(dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1,
+                        save_every=1, n_eval=2)),
 }
 
 
@@ -2154,14 +2286,14 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
 
 
 def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
-    """Layer per-family, per-model and named presets, a resumed run's saved config and the given
-    flags (later layers win); validate; record where each value came from in `args.origin`."""
+    """The one configuration pass: layer per-family, per-model and named presets, a resumed run's
+    saved config and the given flags (later layers win); validate once; record where each value
+    came from in `args.origin`."""
     model = given.get("model", (resumed or {}).get("model", Args.model))
     family, preset = model_family(model), given.get("preset")
     layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
               (f"{model} preset (our choice)", MODEL_PRESETS.get(model, {})),
-              (f"--preset {preset}", STAGE1_BATCH[family] if preset == "paper"
-               else PRESETS.get(preset or "", {})),
+              (f"--preset {preset}", PRESETS[preset][family] if preset else {}),
               ("the resumed run's config", resumed or {}),
               ("command line", given)]
     values, origin = {}, {}
@@ -2179,7 +2311,7 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
 
 def check_args(args: Args) -> None:
     """Every bad value or combination, in one message, before anything is loaded or written."""
-    v, n = vars(args), args.prompts_per_iter * args.group_size
+    v = vars(args)
     counts = ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
               "iterations", "reward_batch", "resolution", "eval_steps")
     rates = ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta")
@@ -2193,22 +2325,26 @@ def check_args(args: Args) -> None:
         (args.group_size < 2, f"--group_size must be ≥ 2 (got {args.group_size}): a "
          "group-relative advantage needs at least two images per prompt"),
         (not args.adv_clamp >= 0, f"--adv_clamp must be ≥ 0 or inf (got {args.adv_clamp})"),
-        (args.mu > n, f"--mu {args.mu} exceeds the {n} samples of an iteration"),
         (args.stratified and args.n_mc > args.num_steps, f"--n_mc {args.n_mc} > --num_steps "
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
-        (args.merge_lora_rollout and args.full_finetune,
-         "--merge_lora_rollout needs a LoRA to merge: drop it or --full_finetune"),
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
         (not 0 <= args.eval_holdout < 1,
-         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})")]
+         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})"),
+        (args.report_to == "wandb" and importlib.util.find_spec("wandb") is None,
+         "--report_to wandb needs the optional package wandb: pip install wandb")]
     problems += [msg for failed, msg in checks if failed]
-    for spec in (args.reward, args.eval_rewards):
+    for terms in ("train_terms", "eval_terms"):
         try:
-            spec is None or parse_reward_spec(spec)
-        except ValueError as e:
+            getattr(args, terms)                          # parsed here, once, and kept
+        except ConfigError as e:
+            problems.append(str(e))
+    if not problems and args.prompts_per_iter >= 1 and args.mu >= 1:
+        try:
+            check_world(args, dist_info()[1])
+        except ConfigError as e:
             problems.append(str(e))
     if problems:
-        raise ConfigError("; ".join(problems))
+        raise ConfigError("; ".join(dict.fromkeys(problems)))
 
 
 def banner(run: Run) -> str:
@@ -2221,8 +2357,8 @@ def banner(run: Run) -> str:
              f"  batch: {a.prompts_per_iter} prompts × {a.group_size} images = {N} rollouts/"
              f"iteration ({N // run.world} per process); {a.mu} optimizer step(s) of "
              f"{N // a.mu} samples; micro-batch {a.micro_batch} × {a.n_mc} pairs",
-             f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {grid}…; NFE/sample old "
-             f"{a.num_steps}+{a.n_mc}, θ {a.n_mc}",
+             f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {grid}…; NFE/sample: rollout "
+             f"{a.num_steps}, θ_old {a.n_mc}, θ {a.n_mc}",
              f"  surrogate: {a.parameterization}-pred, adaptive={a.adaptive_weighting}, "
              f"stratified={a.stratified}, sharing={a.pair_sharing}",
              f"  controls: clip ε={a.clip_eps or 'off'}, KL β={a.kl_coef or 'off'}, soft-clip "
@@ -2247,6 +2383,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                              # a second Ctrl-C (train says where)
+        return 130
     return 0
 
 
