@@ -86,6 +86,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -530,10 +531,18 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 #     They need weights, so they live outside the pure math, which only sees a tensor of rewards
 #     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
 # ------------------------------------------------------------------------------------------------
-# Every reward has a `name`, the `unit` its raw value is logged in, and a `train_scale`: the value
-# the advantages see is raw · train_scale (only matters for sums of several rewards and std_eps).
-# Frozen reward models run in the compute dtype (bf16 on CUDA); images never leave the device:
-# preprocessing is torch (resize, crop/pad, normalise), no PIL round trip, except JPEG/ImageReward.
+# A reward is any such function, returning CPU fp32; `raw` always means {reward name: (N,) raw
+# values}. Rewards with weights come from factories that load the model once and return a scoring
+# closure, as Flow-GRPO's rewards.py does. Frozen reward models run in the compute dtype (bf16 on
+# CUDA); images never leave the device: preprocessing is torch (resize, crop/pad, normalise), no
+# PIL round trip, except JPEG/ImageReward. Each reward's logged unit and train_scale (a plug-in's:
+# "raw", 1): the advantages see raw · train_scale (only matters for sums of rewards and std_eps).
+REWARD_UNITS = {"pickscore": ("raw", 1 / 26),   # raw ≈ 18–24; trained on raw/26 [ours C17]
+                "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0), "aesthetic": ("1-10", 1.0),
+                "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
+BUILTIN_REWARDS = tuple(REWARD_UNITS)
+
+
 def _fetch(location: str, flag: str) -> str:
     """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
     if os.path.isfile(location):
@@ -551,190 +560,145 @@ def _fetch(location: str, flag: str) -> str:
                           f"and pass `{flag} /path/to/file`.") from e
 
 
-class JpegReward:
+def _to_pil(images: torch.Tensor) -> list:
+    """(N, 3, H, W) in [0, 1] → N PIL images, rounded to uint8, for the scorers that take PIL."""
+    from PIL import Image
+    u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+    return [Image.fromarray(im.numpy()) for im in u8.permute(0, 2, 3, 1)]      # (H, W, 3) each
+
+
+def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [peer X10].
     Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
-    name, train_scale, unit = "jpeg", 1.0, "-kB"
-
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-        out = []
-        for im in u8.permute(0, 2, 3, 1).numpy():
-            buf = io.BytesIO()
-            Image.fromarray(im).save(buf, format="JPEG", quality=95)
-            out.append(-buf.tell() / 1000.0)
-        return torch.tensor(out, dtype=torch.float32)
+    sizes = []
+    for im in _to_pil(images):
+        buf = io.BytesIO()
+        im.save(buf, format="JPEG", quality=95)
+        sizes.append(-buf.tell() / 1000.0)
+    return torch.tensor(sizes, dtype=torch.float32)
 
 
-class PickScoreReward:
-    """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
-    [peer X10]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [ours C17].
-    Preprocessing: shortest edge resized (bicubic, antialiased), centre crop, normalise, with
-    the processor's own sizes and mean/std."""
-    name, train_scale, unit = "pickscore", 1 / 26, "raw"
-    use_logit_scale = True
-    flags = ("--pickscore_model", "--pickscore_processor")
+def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
+    """A transformers CLIPImageProcessor in torch, on the images' device: shortest edge resized
+    (bicubic, antialiased), centre crop, normalise, with the processor's own sizes and mean/std.
+    (N, 3, H, W) in [0, 1] → (N, 3, crop_h, crop_w) fp32."""
+    ip, x, (h, w) = image_processor, images.float(), images.shape[-2:]
+    # sizes are dicts in transformers 4.x and SizeDict objects in 5.x; crop_size may be an int
+    get = lambda d, k: (d if isinstance(d, int) else d.get(k) if isinstance(d, dict)
+                        else getattr(d, k, None))
+    size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
+    ch, cw = int(get(ip.crop_size, "height")), int(get(ip.crop_size, "width"))
+    scale = size / min(h, w)
+    nh, nw = max(size, int(h * scale)), max(size, int(w * scale))            # HF floors
+    x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+    top, left = (nh - ch) // 2, (nw - cw) // 2
+    x = x[..., top:top + ch, left:left + cw]                                 # (N, 3, ch, cw)
+    return (x - x.new_tensor(ip.image_mean).view(1, 3, 1, 1)) / x.new_tensor(
+        ip.image_std).view(1, 3, 1, 1)
 
-    def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
-        """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
-        self.model = model.eval().requires_grad_(False).to(device, dtype)
-        self.processor, self.device, self.dtype = processor, device, dtype
-        ip = processor.image_processor
-        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x; crop_size may be an int
-        get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
-        crop = ip.crop_size
-        crop = {"height": crop, "width": crop} if isinstance(crop, int) else crop
-        self.size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
-        self.crop = (int(get(crop, "height")), int(get(crop, "width")))
-        self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
 
-    @classmethod
-    def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype):
-        """From hub ids or local folders; offline failures say which flag points at local files."""
-        from transformers import AutoModel, AutoProcessor
-        _quiet_hf()
-        proc = _from_pretrained(AutoProcessor, processor, f"the {cls.name} processor", cls.flags[1])
-        net = _from_pretrained(AutoModel, model, f"the {cls.name} model", cls.flags[0])
-        return cls(net, proc, device, dtype)
+def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
+    """HPSv2's preprocessing in torch, on the images' device: longest side → size (bicubic,
+    antialiased), zero-pad to a square, OpenAI CLIP mean/std.
+    (N, 3, H, W) in [0, 1] → (N, 3, size, size) fp32."""
+    import open_clip
+    x, (h, w) = images.float(), images.shape[-2:]
+    scale = size / max(h, w)
+    nh, nw = round(h * scale), round(w * scale)
+    x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+    top, left = (size - nh) // 2, (size - nw) // 2
+    x = F.pad(x, (left, size - nw - left, top, size - nh - top), value=0.0)  # black bars
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    return (x - x.new_tensor(mean).view(1, 3, 1, 1)) / x.new_tensor(std).view(1, 3, 1, 1)
 
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """(N, 3, H, W) in [0, 1] → normalised (N, 3, crop_h, crop_w) pixel values."""
-        x = images.to(self.device, torch.float32)
-        h, w = x.shape[-2:]
-        scale = self.size / min(h, w)
-        nh, nw = max(self.size, int(h * scale)), max(self.size, int(w * scale))  # HF floors
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        top, left = (nh - self.crop[0]) // 2, (nw - self.crop[1]) // 2
-        x = x[..., top:top + self.crop[0], left:left + self.crop[1]]
-        return ((x - self.mean) / self.std).to(self.dtype)
+
+def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
+                logit_scale: bool = False, head: Optional[torch.nn.Module] = None) -> Callable:
+    """A transformers CLIPModel (+ its CLIPProcessor) as a reward: one scorer, three rewards.
+        pickscore  logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on
+                   Pick-a-Pic (logit_scale=True) [peer X10].
+        clipscore  cos(image, text) of CLIP ViT-L/14, i.e. its logits/100 [peer X10].
+        aesthetic  head(L2-normalised image features) of CLIP ViT-L/14, with head the LAION
+                   improved aesthetic predictor (aesthetic_head); prompts are unused [peer X10].
+    """
+    model = model.eval().requires_grad_(False).to(device, dtype)
+    if head is not None:
+        head = head.eval().requires_grad_(False).to(device, torch.float32)
 
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        text = self.processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
-                                        return_tensors="pt").to(self.device)
-        out = self.model(input_ids=text.input_ids, attention_mask=text.attention_mask,
-                         pixel_values=self.preprocess(images))
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        px = clip_pixels(images.to(device), processor.image_processor).to(dtype)
+        if head is not None:
+            f = model.get_image_features(pixel_values=px)
+            f = f if torch.is_tensor(f) else f.pooler_output       # transformers ≥ 5 wraps it
+            return head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
+        text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
+                                   return_tensors="pt").to(device)
+        out = model(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=px)
         img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
         txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
         cos = (img * txt).sum(-1)                                    # (N,)
-        return ((self.model.logit_scale.exp().float() * cos) if self.use_logit_scale else cos).cpu()
+        return (model.logit_scale.exp().float() * cos if logit_scale else cos).cpu()
+    return score
 
 
-class CLIPScoreReward(PickScoreReward):
-    """CLIPScore: cosine of CLIP ViT-L/14 image and text embeddings (logits/100) [peer X10]."""
-    name, train_scale, unit = "clipscore", 1.0, "cos"
-    use_logit_scale = False
-    flags = ("--clip_model", "--clip_model")
+def aesthetic_head() -> torch.nn.Module:
+    """The LAION improved aesthetic predictor's MLP (weights: sac+logos+ava1-l14-linearMSE; output
+    on its ≈ 1–10 scale): 768 → 1024 → 128 → 64 → 16 → 1, dropouts inert in eval, parameters
+    named like the original's so its state dict loads as is."""
+    nn = torch.nn
+    m = nn.Module()
+    m.layers = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128),
+                             nn.Dropout(0.2), nn.Linear(128, 64), nn.Dropout(0.1),
+                             nn.Linear(64, 16), nn.Linear(16, 1))
+    m.forward = m.layers.forward
+    return m
 
 
-class AestheticReward(PickScoreReward):
-    """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
-    output on its ≈ 1–10 scale [peer X10]. Weights: sac+logos+ava1-l14-linearMSE."""
-    name, train_scale, unit = "aesthetic", 1.0, "1-10"
-
-    def __init__(self, model, processor, device, dtype, head: torch.nn.Module):
-        super().__init__(model, processor, device, dtype)
-        self.head = head.eval().requires_grad_(False).to(device, torch.float32)
-
-    @staticmethod
-    def make_head() -> torch.nn.Module:
-        """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
-        nn = torch.nn
-        m = nn.Module()
-        m.layers = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128),
-                                 nn.Dropout(0.2), nn.Linear(128, 64), nn.Dropout(0.1),
-                                 nn.Linear(64, 16), nn.Linear(16, 1))
-        m.forward = m.layers.forward
-        return m
-
-    @classmethod
-    def load(cls, model: str, processor: str, device, dtype, weights: str = ""):
-        """The CLIP model as clipscore loads it, plus the head (a file or owner/repo/file)."""
-        clip = CLIPScoreReward.load(model, processor, device, dtype)
-        head = cls.make_head()
-        head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
-        return cls(clip.model, clip.processor, device, dtype, head)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        f = self.model.get_image_features(pixel_values=self.preprocess(images))
-        f = f if torch.is_tensor(f) else f.pooler_output    # transformers ≥ 5 wraps it [peer X10]
-        return self.head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
-
-
-class HPSv2Reward:
+def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
     """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
-    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10]. HPS preprocessing: longest side
-    → 224 (bicubic), zero-pad to square, OpenAI CLIP mean/std — here in torch on the device."""
-    name, train_scale, unit = "hpsv2", 1.0, "cos"
-
-    def __init__(self, model, tokenizer, device, dtype, size: int = 224):
-        import open_clip
-        self.model = model.eval().requires_grad_(False).to(device, dtype)
-        self.tokenizer, self.size, self.device, self.dtype = tokenizer, size, device, dtype
-        self.mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(open_clip.OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1)
-
-    @classmethod
-    def load(cls, arch: str, checkpoint: str, device, dtype):
-        """arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config."""
-        import open_clip
-        if arch.endswith(".json"):
-            open_clip.add_model_config(arch)
-            arch = Path(arch).stem
-        ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
-                          weights_only=False)
-        model = open_clip.create_model(arch, pretrained=None)
-        model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
-        size = model.visual.image_size
-        size = size if isinstance(size, int) else size[0]
-        return cls(model, open_clip.get_tokenizer(arch), device, dtype, size)
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.to(self.device, torch.float32)
-        h, w = x.shape[-2:]
-        scale = self.size / max(h, w)
-        nh, nw = round(h * scale), round(w * scale)
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        top, left = (self.size - nh) // 2, (self.size - nw) // 2
-        pad = (left, self.size - nw - left, top, self.size - nh - top)
-        x = F.pad(x, pad, value=0.0)                                         # black bars
-        return ((x - self.mean) / self.std).to(self.dtype)
+    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10], preprocessed as hps_pixels.
+    arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config; checkpoint:
+    a file or owner/repo/file."""
+    import open_clip
+    if arch.endswith(".json"):
+        open_clip.add_model_config(arch)
+        arch = Path(arch).stem
+    ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
+                      weights_only=False)
+    model = open_clip.create_model(arch, pretrained=None)
+    model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
+    model = model.eval().requires_grad_(False).to(device, dtype)
+    size, tokenizer = model.visual.image_size, open_clip.get_tokenizer(arch)
+    size = size if isinstance(size, int) else size[0]
 
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        img = self.model.encode_image(self.preprocess(images), normalize=True).float()
-        tokens = self.tokenizer(prompts).to(self.device)
-        txt = self.model.encode_text(tokens, normalize=True).float()
-        return (img * txt).sum(-1).cpu()
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        img = model.encode_image(hps_pixels(images.to(device), size).to(dtype), normalize=True)
+        txt = model.encode_text(tokenizer(prompts).to(device), normalize=True)
+        return (img.float() * txt.float()).sum(-1).cpu()                    # (N,)
+    return score
 
 
-class ImageRewardReward:
-    """ImageReward (THUDM), only when the optional `image-reward` package is importable."""
-    name, train_scale, unit = "imagereward", 1.0, "raw"
-
-    def __init__(self, location: str, device):
-        try:
-            import ImageReward as RM  # noqa: N813 — the package's own name
-        except ImportError as e:
-            raise ConfigError("--reward imagereward needs the optional package `image-reward` "
-                              "(pip install image-reward), not in requirements.txt: its pins "
-                              "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
-        self.model = RM.load(location, device=str(device))
+def imagereward_reward(location: str, device: torch.device) -> Callable:
+    """ImageReward (THUDM), only when the optional `image-reward` package is importable; it
+    preprocesses PIL images itself."""
+    try:
+        import ImageReward as RM  # noqa: N813 — the package's own name
+    except ImportError as e:
+        raise ConfigError("--reward imagereward needs the optional package `image-reward` "
+                          "(pip install image-reward), not in requirements.txt: its pins "
+                          "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
+    model = RM.load(location, device=str(device))
 
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-        pil = [Image.fromarray(im.numpy()) for im in u8.permute(0, 2, 3, 1)]
-        return torch.tensor([float(self.model.score(p, im)) for p, im in zip(prompts, pil)])
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return torch.tensor([float(model.score(p, im)) for p, im in zip(prompts, _to_pil(images))])
+    return score
 
 
 class PluginReward:
     """A user's `module.path:function`: (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
-    train_scale, unit = 1.0, "raw"
 
     def __init__(self, spec: str):
         import importlib
@@ -779,9 +743,6 @@ class PluginReward:
                               f"on {batch}; return finite numbers")
 
 
-BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
-
-
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ConfigError."""
     out = []
@@ -808,51 +769,60 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     return out
 
 
-def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype):
-    """One reward model by name (built-in or plug-in), loaded from the locations in args."""
-    loaders = {
-        "pickscore": lambda: PickScoreReward.load(args.pickscore_model, args.pickscore_processor,
-                                                  device, dtype),
-        "hpsv2": lambda: HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype),
-        "clipscore": lambda: CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype),
-        "aesthetic": lambda: AestheticReward.load(args.clip_model, args.clip_model, device, dtype,
-                                                  args.aesthetic_weights),
-        "imagereward": lambda: ImageRewardReward(args.imagereward_model, device),
-        "jpeg": JpegReward,
-    }
-    return loaders.get(name, lambda: PluginReward(name))()
+def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype) -> Callable:
+    """One reward function by name (built-in or plug-in), loaded from the locations in args;
+    offline failures name the flag that then takes local files."""
+    if name in ("pickscore", "clipscore", "aesthetic"):      # flag names are field names (§10)
+        from transformers import AutoModel, AutoProcessor
+        _quiet_hf()
+        mf, pf = (("pickscore_model", "pickscore_processor") if name == "pickscore"
+                  else ("clip_model", "clip_model"))
+        proc = _from_pretrained(AutoProcessor, getattr(args, pf), f"the {name} processor",
+                                f"--{pf}")
+        model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
+        if name != "aesthetic":
+            return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore")
+        head = aesthetic_head()
+        head.load_state_dict(torch.load(_fetch(args.aesthetic_weights, "--aesthetic_weights"),
+                                        map_location="cpu"))
+        return clip_reward(model, proc, device, dtype, head=head)
+    if name == "hpsv2":
+        return hpsv2_reward(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
+    if name == "imagereward":
+        return imagereward_reward(args.imagereward_model, device)
+    return jpeg_reward if name == "jpeg" else PluginReward(name)
 
 
 class Rewards:
-    """The rewards of a run, each model loaded once and shared by training and evaluation."""
+    """The rewards of a run: models {name: reward_fn}, each loaded once and shared by training
+    and evaluation; train_terms / eval_terms: the [(name, weight), ...] each of them scores."""
 
-    def __init__(self, args: Args, device: torch.device, dtype: torch.dtype):
-        self.train = parse_reward_spec(args.reward)
-        self.eval = parse_reward_spec(args.eval_rewards) if args.eval_rewards else self.train
-        names = dict.fromkeys(n for n, _ in self.train + self.eval)      # each once, in order
-        self.models = {n: build_reward(n, args, device, dtype) for n in names}
+    def __init__(self, models: dict, train_terms: list, eval_terms: Optional[list] = None):
+        self.models, self.train_terms = dict(models), train_terms
+        self.eval_terms = eval_terms or train_terms
 
     @classmethod
-    def of(cls, models: dict, train: list, eval: Optional[list] = None) -> "Rewards":
-        """Wrap already-built reward objects, e.g. {"pickscore": PickScoreReward(...)}."""
-        self = cls.__new__(cls)
-        self.models, self.train, self.eval = dict(models), train, eval or train
-        return self
-
-    def unit(self, terms) -> str:
-        if len(terms) == 1:
-            return self.models[terms[0][0]].unit
-        return "weighted sum of training-scaled rewards"
+    def load(cls, args: Args, device: torch.device, dtype: torch.dtype) -> "Rewards":
+        """Every reward args.train_terms or args.eval_terms names, built once each, in order."""
+        names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)
+        models = {n: build_reward(n, args, device, dtype) for n in names}
+        return cls(models, args.train_terms, args.eval_terms)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
+        """raw {name: (N,)} of every named reward on these images."""
         return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
 
-    def training_values(self, raw: dict, terms) -> torch.Tensor:
-        """raw per reward → (R, N) values the advantages see (raw · train_scale)."""
-        return torch.stack([raw[n] * self.models[n].train_scale for n, _ in terms])
+    def unit(self, terms) -> str:
+        """The unit of headline(raw, terms)."""
+        return (REWARD_UNITS.get(terms[0][0], ("raw",))[0] if len(terms) == 1
+                else "weighted sum of training-scaled rewards")
 
-    def summary(self, raw: dict, terms) -> torch.Tensor:
-        """The headline number: the raw reward when there is one, else Σ_k w_k·raw_k·scale_k."""
+    def training_values(self, raw: dict, terms) -> torch.Tensor:
+        """raw {name: (N,)} → (R, N) values the advantages see (raw · train_scale)."""
+        return torch.stack([raw[n] * REWARD_UNITS.get(n, ("raw", 1.0))[1] for n, _ in terms])
+
+    def headline(self, raw: dict, terms) -> torch.Tensor:
+        """The headline (N,): the raw reward when there is one, else Σ_k w_k · raw_k · scale_k."""
         if len(terms) == 1:
             return raw[terms[0][0]]
         w = torch.tensor([wt for _, wt in terms])
@@ -1259,22 +1229,22 @@ def reward_and_advantages(run: Run, b: Rollouts) -> None:
     """[Alg. step 2] rewards (all-gathered: advantages see the global batch) and advantages;
     fills b.raw_all, b.raw, b.adv, b.adv_stats, b.skipped."""
     args, sh, G = run.args, run.shard, run.args.group_size
-    names = [n for n, _ in run.rewards.train]
+    names = [n for n, _ in run.rewards.train_terms]
     raw_loc, _ = decode_and_reward(run.adapter, run.rewards, names, b.x0,
                                    [b.prompts[i // G] for i in range(sh.Nl)], args.reward_batch,
                                    ctx=run.ctx if args.vae_autocast else None)
     gathered = _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(run.dev), run.world)
     b.raw_all = dict(zip(names, gathered.cpu()))                            # {name: (N,)}
-    values = run.rewards.training_values(b.raw_all, run.rewards.train)
+    values = run.rewards.training_values(b.raw_all, run.rewards.train_terms)
     values = values.view(-1, args.prompts_per_iter, G)                      # (R, P, G)
-    weights = torch.tensor([w for _, w in run.rewards.train])
+    weights = torch.tensor([w for _, w in run.rewards.train_terms])
     aggregate = (per_reward_advantages if args.reward_aggregation == "per_reward"
                  else weighted_sum_advantages)
     adv, b.adv_stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
                                  clamp=args.adv_clamp, eta=args.soft_clip_eta)
     b.skipped = bool((adv == 0).all())           # nothing to learn (e.g. every reward dropped)
     b.adv = sh.local(adv.flatten()).to(run.dev)                             # (Nl,)
-    b.raw = run.rewards.summary(b.raw_all, run.rewards.train)               # (N,) headline reward
+    b.raw = run.rewards.headline(b.raw_all, run.rewards.train_terms)        # (N,) headline reward
 
 
 def draw_iteration_pairs(run: Run, it: int) -> Pairs:
@@ -1390,7 +1360,7 @@ def iteration_metrics(run: Run, it: int, b: Rollouts, cv: dict, stats_acc: dict,
     mean, std = _finite_mean_std(b.raw)
     scaled = run.scaler is not None and run.scaler.is_enabled()
     m = {"iter": it, "reward_mean": mean, "reward_std": std,
-         "reward_unit": run.rewards.unit(run.rewards.train),
+         "reward_unit": run.rewards.unit(run.rewards.train_terms),
          "n_nonfinite_reward": int((~torch.isfinite(b.raw)).sum()), "skipped": b.skipped,
          **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
          "grad_scale": float(run.scaler.get_scale()) if scaled else 1.0,
@@ -1584,7 +1554,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
         torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     torch.manual_seed(args.seed)                           # same LoRA init on every rank
     random.seed(args.seed)
-    rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
+    rewards = rewards if rewards is not None else Rewards.load(args, dev, dtype)
     for m in rewards.models.values():                      # plug-ins fail here, in one line
         if isinstance(m, PluginReward):
             m.probe(min(args.resolution, 256), dev, train_prompts)
@@ -1715,13 +1685,15 @@ def evaluate(run: Run, it: int) -> dict:
     with lora_merged(ad.transformer, args.merge_lora_rollout):
         lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
                       run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
-    raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval], lat, prompts, args.reward_batch,
-                                  keep_images=True, ctx=run.ctx if args.vae_autocast else None)
+    raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval_terms], lat, prompts,
+                                  args.reward_batch, keep_images=True,
+                                  ctx=run.ctx if args.vae_autocast else None)
     if run.run_dir is not None:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
-    head = rw.summary(raw, rw.eval)
-    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval), "eval_nfe": len(run.eval_sigmas) - 1,
+    head = rw.headline(raw, rw.eval_terms)
+    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms),
+          "eval_nfe": len(run.eval_sigmas) - 1,
           "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
     for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
@@ -2087,6 +2059,16 @@ class Args:
     vae_autocast: bool = _f(False, "decode latents under the compute-dtype autocast, not fp32")
     preset: Optional[str] = _f(None, "bundle of overrides (README \"Presets\")",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
+
+    @functools.cached_property
+    def train_terms(self) -> list[tuple[str, float]]:
+        """--reward parsed once: [(name, weight), ...] (parse_reward_spec)."""
+        return parse_reward_spec(self.reward)
+
+    @functools.cached_property
+    def eval_terms(self) -> list[tuple[str, float]]:
+        """--eval_rewards parsed once, or the training terms."""
+        return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
 
 # Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
