@@ -537,7 +537,8 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # CUDA); images never leave the device: preprocessing is torch (resize, crop/pad, normalise), no
 # PIL round trip, except JPEG/ImageReward. Each reward's logged unit and train_scale (a plug-in's:
 # "raw", 1): the advantages see raw · train_scale (only matters for sums of rewards and std_eps).
-REWARD_UNITS = {"pickscore": ("raw", 1 / 26),   # raw ≈ 18–24; trained on raw/26 [ours C17]
+# PickScore is logged raw (≈ 18–24) and trained on raw/26, as Flow-GRPO and DiffusionNFT do.
+REWARD_UNITS = {"pickscore": ("raw", 1 / 26),                                        # [ours C17]
                 "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0), "aesthetic": ("1-10", 1.0),
                 "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
@@ -593,23 +594,8 @@ def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
     x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
     top, left = (nh - ch) // 2, (nw - cw) // 2
     x = x[..., top:top + ch, left:left + cw]                                 # (N, 3, ch, cw)
-    return (x - x.new_tensor(ip.image_mean).view(1, 3, 1, 1)) / x.new_tensor(
-        ip.image_std).view(1, 3, 1, 1)
-
-
-def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
-    """HPSv2's preprocessing in torch, on the images' device: longest side → size (bicubic,
-    antialiased), zero-pad to a square, OpenAI CLIP mean/std.
-    (N, 3, H, W) in [0, 1] → (N, 3, size, size) fp32."""
-    import open_clip
-    x, (h, w) = images.float(), images.shape[-2:]
-    scale = size / max(h, w)
-    nh, nw = round(h * scale), round(w * scale)
-    x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-    top, left = (size - nh) // 2, (size - nw) // 2
-    x = F.pad(x, (left, size - nw - left, top, size - nh - top), value=0.0)  # black bars
-    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
-    return (x - x.new_tensor(mean).view(1, 3, 1, 1)) / x.new_tensor(std).view(1, 3, 1, 1)
+    mean, std = (x.new_tensor(v).view(1, 3, 1, 1) for v in (ip.image_mean, ip.image_std))
+    return (x - mean) / std
 
 
 def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
@@ -646,13 +632,26 @@ def aesthetic_head() -> torch.nn.Module:
     """The LAION improved aesthetic predictor's MLP (weights: sac+logos+ava1-l14-linearMSE; output
     on its ≈ 1–10 scale): 768 → 1024 → 128 → 64 → 16 → 1, dropouts inert in eval, parameters
     named like the original's so its state dict loads as is."""
+    from collections import OrderedDict
     nn = torch.nn
-    m = nn.Module()
-    m.layers = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128),
-                             nn.Dropout(0.2), nn.Linear(128, 64), nn.Dropout(0.1),
-                             nn.Linear(64, 16), nn.Linear(16, 1))
-    m.forward = m.layers.forward
-    return m
+    return nn.Sequential(OrderedDict(layers=nn.Sequential(
+        nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))))
+
+
+def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
+    """HPSv2's preprocessing in torch, on the images' device: longest side → size (bicubic,
+    antialiased), zero-pad to a square, OpenAI CLIP mean/std.
+    (N, 3, H, W) in [0, 1] → (N, 3, size, size) fp32."""
+    import open_clip
+    x, (h, w) = images.float(), images.shape[-2:]
+    scale = size / max(h, w)
+    nh, nw = round(h * scale), round(w * scale)
+    x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+    top, left = (size - nh) // 2, (size - nw) // 2
+    x = F.pad(x, (left, size - nw - left, top, size - nh - top), value=0.0)  # black bars
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    return (x - x.new_tensor(mean).view(1, 3, 1, 1)) / x.new_tensor(std).view(1, 3, 1, 1)
 
 
 def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
