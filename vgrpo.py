@@ -527,7 +527,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 
 # === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
 # ------------------------------------------------------------------------------------------------
-# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> raw (N,).
+# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> scores (N,).
 #     They need weights, so they live outside the pure math, which only sees a tensor of rewards
 #     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
 # ------------------------------------------------------------------------------------------------
@@ -536,7 +536,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # closure, as Flow-GRPO's rewards.py does. Frozen reward models run in the compute dtype (bf16 on
 # CUDA); images never leave the device: preprocessing is torch (resize, crop/pad, normalise), no
 # PIL round trip, except JPEG/ImageReward. Each reward's logged unit and train_scale (a plug-in's:
-# "raw", 1): the advantages see raw · train_scale (only matters for sums of rewards and std_eps).
+# "raw", 1): advantages see raw[name] · train_scale (only matters for sums of rewards, std_eps).
 # PickScore is logged raw (≈ 18–24) and trained on raw/26, as Flow-GRPO and DiffusionNFT do.
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26),                                        # [ours C17]
                 "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0), "aesthetic": ("1-10", 1.0),
@@ -628,15 +628,19 @@ def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
     return score
 
 
-def aesthetic_head() -> torch.nn.Module:
+def aesthetic_head(weights: Optional[str] = None) -> torch.nn.Module:
     """The LAION improved aesthetic predictor's MLP (weights: sac+logos+ava1-l14-linearMSE; output
     on its ≈ 1–10 scale): 768 → 1024 → 128 → 64 → 16 → 1, dropouts inert in eval, parameters
-    named like the original's so its state dict loads as is."""
+    named like the original's so its state dict loads as is. weights: a file or owner/repo/file;
+    None leaves the head randomly initialised."""
     from collections import OrderedDict
     nn = torch.nn
-    return nn.Sequential(OrderedDict(layers=nn.Sequential(
+    head = nn.Sequential(OrderedDict(layers=nn.Sequential(
         nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
         nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))))
+    if weights is not None:
+        head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
+    return head
 
 
 def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
@@ -779,12 +783,8 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
         proc = _from_pretrained(AutoProcessor, getattr(args, pf), f"the {name} processor",
                                 f"--{pf}")
         model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
-        if name != "aesthetic":
-            return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore")
-        head = aesthetic_head()
-        head.load_state_dict(torch.load(_fetch(args.aesthetic_weights, "--aesthetic_weights"),
-                                        map_location="cpu"))
-        return clip_reward(model, proc, device, dtype, head=head)
+        head = aesthetic_head(args.aesthetic_weights) if name == "aesthetic" else None
+        return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore", head=head)
     if name == "hpsv2":
         return hpsv2_reward(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
     if name == "imagereward":
@@ -817,11 +817,11 @@ class Rewards:
                 else "weighted sum of training-scaled rewards")
 
     def training_values(self, raw: dict, terms) -> torch.Tensor:
-        """raw {name: (N,)} → (R, N) values the advantages see (raw · train_scale)."""
+        """raw {name: (N,)} → (R, N) values the advantages see: raw[name] · train_scale."""
         return torch.stack([raw[n] * REWARD_UNITS.get(n, ("raw", 1.0))[1] for n, _ in terms])
 
     def headline(self, raw: dict, terms) -> torch.Tensor:
-        """The headline (N,): the raw reward when there is one, else Σ_k w_k · raw_k · scale_k."""
+        """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
         if len(terms) == 1:
             return raw[terms[0][0]]
         w = torch.tensor([wt for _, wt in terms])
