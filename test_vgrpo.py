@@ -527,7 +527,9 @@ def _tiny_pickscore(folder):
 def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     from transformers import AutoModel, AutoProcessor
     _tiny_pickscore(tmp_path / "ps")
-    rw = V.PickScoreReward.load(str(tmp_path / "ps"), str(tmp_path / "ps"), torch.device("cpu"), torch.float32)
+    ps = str(tmp_path / "ps")
+    rw = V.build_reward("pickscore", V.Args(pickscore_model=ps, pickscore_processor=ps), torch.device("cpu"),
+                        torch.float32)
     torch.manual_seed(0)
     imgs = torch.rand(3, 3, 48, 64)
     prompts = ["a red fox", "a blue car", "a cat"]
@@ -540,7 +542,7 @@ def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     with torch.no_grad():
         ref = model(input_ids=ti.input_ids, attention_mask=ti.attention_mask, pixel_values=px).logits_per_image.diag()
     # torch preprocessing vs the processor's own (its backends differ by ≤ 0.04 [ours C19])
-    torch.testing.assert_close(rw.preprocess(imgs), px, atol=0.05, rtol=0)
+    torch.testing.assert_close(V.clip_pixels(imgs, proc.image_processor), px, atol=0.05, rtol=0)
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0)
 
 
@@ -607,18 +609,16 @@ def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(run)], tmp_path, capsys, r"unreadable or incomplete")
 
 
-class _FirstRewardNan(V.JpegReward):
+def _first_reward_nan(images, prompts):
     """The JPEG reward with the first image of every call scored NaN."""
-
-    def __call__(self, images, prompts):
-        r = super().__call__(images, prompts)
-        r[0] = float("nan")
-        return r
+    r = V.jpeg_reward(images, prompts)
+    r[0] = float("nan")
+    return r
 
 
 @pytest.mark.trainer
 def test_nonfinite_reward_is_dropped_and_logged(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(V, "build_reward", lambda *a, **k: _FirstRewardNan())
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: _first_reward_nan)
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path)]) == 0
     m = _metrics(tmp_path)[0]
     assert m["n_nonfinite_reward"] == 1 and math.isfinite(m["reward_mean"]) and math.isfinite(m["grad_norm"])
@@ -627,11 +627,10 @@ def test_nonfinite_reward_is_dropped_and_logged(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.trainer
 def test_all_rewards_nonfinite_skips_the_step(tmp_path, monkeypatch):
-    class Broken(V.JpegReward):
-        def __call__(self, images, prompts):
-            return torch.full((len(images),), float("inf"))
+    def broken(images, prompts):
+        return torch.full((len(images),), float("inf"))
 
-    monkeypatch.setattr(V, "build_reward", lambda *a, **k: Broken())
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: broken)
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path)]) == 0
     assert _metrics(tmp_path)[0]["skipped"] is True
 
@@ -777,7 +776,7 @@ def test_resume_with_changed_lora_rank_is_one_line(tmp_path, capsys, monkeypatch
 
 @pytest.mark.trainer
 def test_nonfinite_warning_has_its_own_line_and_eval_drops_nonfinite(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(V, "build_reward", lambda *a, **k: _FirstRewardNan())
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: _first_reward_nan)
     assert V.main(TINY + ["--iterations", "1", "--eval_every", "1",
                           "--run_dir", str(tmp_path)]) == 0
     err = capsys.readouterr().err
@@ -1073,7 +1072,8 @@ def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
     import open_clip
     from PIL import Image
     cfg, ckpt, ref_model = _tiny_open_clip(tmp_path)
-    rw = V.HPSv2Reward.load(str(cfg), str(ckpt), torch.device("cpu"), torch.float32)
+    rw = V.build_reward("hpsv2", V.Args(hpsv2_arch=str(cfg), hpsv2_checkpoint=str(ckpt)), torch.device("cpu"),
+                        torch.float32)
     torch.manual_seed(1)
     imgs = torch.rand(3, 3, 40, 64)                                  # non-square: exercises the padding
     prompts = ["a red fox", "a blue car", "a cat"]
@@ -1084,7 +1084,7 @@ def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
                                              std=open_clip.OPENAI_DATASET_STD, resize_mode="longest", fill_color=0)
     pil = [Image.fromarray((im.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()) for im in imgs]
     px = torch.stack([tf(p) for p in pil])
-    mine = rw.preprocess((imgs * 255).round() / 255)
+    mine = V.hps_pixels((imgs * 255).round() / 255, 32)
     assert (mine - px).abs().mean() < 0.02 and (mine - px).abs().max() < 0.5     # resampler kernels differ a bit
     with torch.no_grad():
         ref = (ref_model.encode_image(px, normalize=True) *
@@ -1096,7 +1096,7 @@ def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
 def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
     from transformers import AutoModel, AutoProcessor
     _tiny_pickscore(tmp_path / "clip")
-    rw = V.CLIPScoreReward.load(str(tmp_path / "clip"), str(tmp_path / "clip"), torch.device("cpu"), torch.float32)
+    rw = V.build_reward("clipscore", V.Args(clip_model=str(tmp_path / "clip")), torch.device("cpu"), torch.float32)
     imgs, prompts = torch.rand(2, 3, 32, 32), ["a dog", "a tree"]
     got = rw(imgs, prompts)
     proc, model = AutoProcessor.from_pretrained(tmp_path / "clip"), AutoModel.from_pretrained(tmp_path / "clip")
@@ -1124,14 +1124,16 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
     CLIPModel(cfg).save_pretrained(d)
     CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
                   tokenizer=tok).save_pretrained(d)
-    head = V.AestheticReward.make_head()
+    head = V.aesthetic_head()
     torch.save(head.state_dict(), tmp_path / "aesthetic.pth")
-    rw = V.AestheticReward.load(str(d), str(d), torch.device("cpu"), torch.float32, str(tmp_path / "aesthetic.pth"))
+    rw = V.build_reward("aesthetic", V.Args(clip_model=str(d), aesthetic_weights=str(tmp_path / "aesthetic.pth")),
+                        torch.device("cpu"), torch.float32)
     imgs = torch.rand(4, 3, 32, 32)
     got = rw(imgs, ["x"] * 4)
     assert got.shape == (4,) and torch.isfinite(got).all()
     with torch.no_grad():
-        f = CLIPModel.from_pretrained(d).get_image_features(pixel_values=rw.preprocess(imgs))
+        px = V.clip_pixels(imgs, CLIPProcessor.from_pretrained(d).image_processor)
+        f = CLIPModel.from_pretrained(d).get_image_features(pixel_values=px)
         f = f if torch.is_tensor(f) else f.pooler_output                # transformers ≥ 5 wraps it
         torch.testing.assert_close(got, head.eval()(torch.nn.functional.normalize(f, dim=-1)).squeeze(-1))
     assert sorted(k for k in head.state_dict()) == sorted(

@@ -520,14 +520,23 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 
 # === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
 # ------------------------------------------------------------------------------------------------
-# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> raw (N,).
+# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> scores (N,).
 #     They need weights, so they live outside the pure math, which only sees a tensor of rewards
 #     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
 # ------------------------------------------------------------------------------------------------
-# Every reward has a `name`, the `unit` its raw value is logged in, and a `train_scale`: the value
-# the advantages see is raw · train_scale (only matters for sums of several rewards and std_eps).
-# Frozen reward models run in the compute dtype (bf16 on CUDA); images never leave the device:
-# preprocessing is torch (resize, crop/pad, normalise), no PIL round trip, except JPEG/ImageReward.
+# A reward is any such function, returning CPU fp32; `raw` always means {reward name: (N,) raw
+# values}. Rewards with weights come from factories that load the model once and return a scoring
+# closure, as Flow-GRPO's rewards.py does. Frozen reward models run in the compute dtype (bf16 on
+# CUDA); images never leave the device: preprocessing is torch (resize, crop/pad, normalise), no
+# PIL round trip, except JPEG/ImageReward. Each reward's logged unit and train_scale (a plug-in's:
+# "raw", 1): advantages see raw[name] · train_scale (only matters for sums of rewards, std_eps).
+# PickScore is logged raw (≈ 18–24) and trained on raw/26, as Flow-GRPO and DiffusionNFT do.
+REWARD_UNITS = {"pickscore": ("raw", 1 / 26),                                        # [ours C17]
+                "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0), "aesthetic": ("1-10", 1.0),
+                "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
+BUILTIN_REWARDS = tuple(REWARD_UNITS)
+
+
 def _fetch(location: str, flag: str) -> str:
     """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
     if os.path.isfile(location):
@@ -545,190 +554,147 @@ def _fetch(location: str, flag: str) -> str:
                           f"and pass `{flag} /path/to/file`.") from e
 
 
-class JpegReward:
+def _to_pil(images: torch.Tensor) -> list:
+    """(N, 3, H, W) in [0, 1] → N PIL images, rounded to uint8, for the scorers that take PIL."""
+    from PIL import Image
+    u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+    return [Image.fromarray(im.numpy()) for im in u8.permute(0, 2, 3, 1)]      # (H, W, 3) each
+
+
+def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [peer X10].
     Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
-    name, train_scale, unit = "jpeg", 1.0, "-kB"
-
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-        out = []
-        for im in u8.permute(0, 2, 3, 1).numpy():
-            buf = io.BytesIO()
-            Image.fromarray(im).save(buf, format="JPEG", quality=95)
-            out.append(-buf.tell() / 1000.0)
-        return torch.tensor(out, dtype=torch.float32)
+    sizes = []
+    for im in _to_pil(images):
+        buf = io.BytesIO()
+        im.save(buf, format="JPEG", quality=95)
+        sizes.append(-buf.tell() / 1000.0)
+    return torch.tensor(sizes, dtype=torch.float32)
 
 
-class PickScoreReward:
-    """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
-    [peer X10]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [ours C17].
-    Preprocessing: shortest edge resized (bicubic, antialiased), centre crop, normalise, with
-    the processor's own sizes and mean/std."""
-    name, train_scale, unit = "pickscore", 1 / 26, "raw"
-    use_logit_scale = True
-    flags = ("--pickscore_model", "--pickscore_processor")
+def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
+    """A transformers CLIPImageProcessor in torch, on the images' device: shortest edge resized
+    (bicubic, antialiased), centre crop, normalise, with the processor's own sizes and mean/std.
+    (N, 3, H, W) in [0, 1] → (N, 3, crop_h, crop_w) fp32."""
+    ip, x, (h, w) = image_processor, images.float(), images.shape[-2:]
+    # sizes are dicts in transformers 4.x and SizeDict objects in 5.x; crop_size may be an int
+    get = lambda d, k: (d if isinstance(d, int) else d.get(k) if isinstance(d, dict)
+                        else getattr(d, k, None))
+    size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
+    ch, cw = int(get(ip.crop_size, "height")), int(get(ip.crop_size, "width"))
+    scale = size / min(h, w)
+    nh, nw = max(size, int(h * scale)), max(size, int(w * scale))            # HF floors
+    x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+    top, left = (nh - ch) // 2, (nw - cw) // 2
+    x = x[..., top:top + ch, left:left + cw]                                 # (N, 3, ch, cw)
+    mean, std = (x.new_tensor(v).view(1, 3, 1, 1) for v in (ip.image_mean, ip.image_std))
+    return (x - mean) / std
 
-    def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
-        """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
-        self.model = model.eval().requires_grad_(False).to(device, dtype)
-        self.processor, self.device, self.dtype = processor, device, dtype
-        ip = processor.image_processor
-        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x; crop_size may be an int
-        get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
-        crop = ip.crop_size
-        crop = {"height": crop, "width": crop} if isinstance(crop, int) else crop
-        self.size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
-        self.crop = (int(get(crop, "height")), int(get(crop, "width")))
-        self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
 
-    @classmethod
-    def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype):
-        """From hub ids or local folders; offline failures say which flag points at local files."""
-        from transformers import AutoModel, AutoProcessor
-        _quiet_hf()
-        proc = _from_pretrained(AutoProcessor, processor, f"the {cls.name} processor", cls.flags[1])
-        net = _from_pretrained(AutoModel, model, f"the {cls.name} model", cls.flags[0])
-        return cls(net, proc, device, dtype)
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """(N, 3, H, W) in [0, 1] → normalised (N, 3, crop_h, crop_w) pixel values."""
-        x = images.to(self.device, torch.float32)
-        h, w = x.shape[-2:]
-        scale = self.size / min(h, w)
-        nh, nw = max(self.size, int(h * scale)), max(self.size, int(w * scale))  # HF floors
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        top, left = (nh - self.crop[0]) // 2, (nw - self.crop[1]) // 2
-        x = x[..., top:top + self.crop[0], left:left + self.crop[1]]
-        return ((x - self.mean) / self.std).to(self.dtype)
+def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
+                logit_scale: bool = False, head: Optional[torch.nn.Module] = None) -> Callable:
+    """A transformers CLIPModel (+ its CLIPProcessor) as a reward: one scorer, three rewards.
+        pickscore  logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on
+                   Pick-a-Pic (logit_scale=True) [peer X10].
+        clipscore  cos(image, text) of CLIP ViT-L/14, i.e. its logits/100 [peer X10].
+        aesthetic  head(L2-normalised image features) of CLIP ViT-L/14, with head the LAION
+                   improved aesthetic predictor (aesthetic_head); prompts are unused [peer X10].
+    """
+    model = model.eval().requires_grad_(False).to(device, dtype)
+    if head is not None:
+        head = head.eval().requires_grad_(False).to(device, torch.float32)
 
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        text = self.processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
-                                        return_tensors="pt").to(self.device)
-        out = self.model(input_ids=text.input_ids, attention_mask=text.attention_mask,
-                         pixel_values=self.preprocess(images))
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        px = clip_pixels(images.to(device), processor.image_processor).to(dtype)
+        if head is not None:
+            f = model.get_image_features(pixel_values=px)
+            f = f if torch.is_tensor(f) else f.pooler_output       # transformers ≥ 5 wraps it
+            return head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
+        text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
+                                   return_tensors="pt").to(device)
+        out = model(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=px)
         img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
         txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
         cos = (img * txt).sum(-1)                                    # (N,)
-        return ((self.model.logit_scale.exp().float() * cos) if self.use_logit_scale else cos).cpu()
+        return (model.logit_scale.exp().float() * cos if logit_scale else cos).cpu()
+    return score
 
 
-class CLIPScoreReward(PickScoreReward):
-    """CLIPScore: cosine of CLIP ViT-L/14 image and text embeddings (logits/100) [peer X10]."""
-    name, train_scale, unit = "clipscore", 1.0, "cos"
-    use_logit_scale = False
-    flags = ("--clip_model", "--clip_model")
-
-
-class AestheticReward(PickScoreReward):
-    """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
-    output on its ≈ 1–10 scale [peer X10]. Weights: sac+logos+ava1-l14-linearMSE."""
-    name, train_scale, unit = "aesthetic", 1.0, "1-10"
-
-    def __init__(self, model, processor, device, dtype, head: torch.nn.Module):
-        super().__init__(model, processor, device, dtype)
-        self.head = head.eval().requires_grad_(False).to(device, torch.float32)
-
-    @staticmethod
-    def make_head() -> torch.nn.Module:
-        """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
-        nn = torch.nn
-        m = nn.Module()
-        m.layers = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128),
-                                 nn.Dropout(0.2), nn.Linear(128, 64), nn.Dropout(0.1),
-                                 nn.Linear(64, 16), nn.Linear(16, 1))
-        m.forward = m.layers.forward
-        return m
-
-    @classmethod
-    def load(cls, model: str, processor: str, device, dtype, weights: str = ""):
-        """The CLIP model as clipscore loads it, plus the head (a file or owner/repo/file)."""
-        clip = CLIPScoreReward.load(model, processor, device, dtype)
-        head = cls.make_head()
+def aesthetic_head(weights: Optional[str] = None) -> torch.nn.Module:
+    """The LAION improved aesthetic predictor's MLP (weights: sac+logos+ava1-l14-linearMSE; output
+    on its ≈ 1–10 scale): 768 → 1024 → 128 → 64 → 16 → 1, dropouts inert in eval, parameters
+    named like the original's so its state dict loads as is. weights: a file or owner/repo/file;
+    None leaves the head randomly initialised."""
+    from collections import OrderedDict
+    nn = torch.nn
+    head = nn.Sequential(OrderedDict(layers=nn.Sequential(
+        nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))))
+    if weights is not None:
         head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
-        return cls(clip.model, clip.processor, device, dtype, head)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        f = self.model.get_image_features(pixel_values=self.preprocess(images))
-        f = f if torch.is_tensor(f) else f.pooler_output    # transformers ≥ 5 wraps it [peer X10]
-        return self.head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
+    return head
 
 
-class HPSv2Reward:
+def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
+    """HPSv2's preprocessing in torch, on the images' device: longest side → size (bicubic,
+    antialiased), zero-pad to a square, OpenAI CLIP mean/std.
+    (N, 3, H, W) in [0, 1] → (N, 3, size, size) fp32."""
+    import open_clip
+    x, (h, w) = images.float(), images.shape[-2:]
+    scale = size / max(h, w)
+    nh, nw = round(h * scale), round(w * scale)
+    x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+    top, left = (size - nh) // 2, (size - nw) // 2
+    x = F.pad(x, (left, size - nw - left, top, size - nh - top), value=0.0)  # black bars
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    return (x - x.new_tensor(mean).view(1, 3, 1, 1)) / x.new_tensor(std).view(1, 3, 1, 1)
+
+
+def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
     """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
-    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10]. HPS preprocessing: longest side
-    → 224 (bicubic), zero-pad to square, OpenAI CLIP mean/std — here in torch on the device."""
-    name, train_scale, unit = "hpsv2", 1.0, "cos"
-
-    def __init__(self, model, tokenizer, device, dtype, size: int = 224):
-        import open_clip
-        self.model = model.eval().requires_grad_(False).to(device, dtype)
-        self.tokenizer, self.size, self.device, self.dtype = tokenizer, size, device, dtype
-        self.mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(open_clip.OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1)
-
-    @classmethod
-    def load(cls, arch: str, checkpoint: str, device, dtype):
-        """arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config."""
-        import open_clip
-        if arch.endswith(".json"):
-            open_clip.add_model_config(arch)
-            arch = Path(arch).stem
-        ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
-                          weights_only=False)
-        model = open_clip.create_model(arch, pretrained=None)
-        model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
-        size = model.visual.image_size
-        size = size if isinstance(size, int) else size[0]
-        return cls(model, open_clip.get_tokenizer(arch), device, dtype, size)
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.to(self.device, torch.float32)
-        h, w = x.shape[-2:]
-        scale = self.size / max(h, w)
-        nh, nw = round(h * scale), round(w * scale)
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        top, left = (self.size - nh) // 2, (self.size - nw) // 2
-        pad = (left, self.size - nw - left, top, self.size - nh - top)
-        x = F.pad(x, pad, value=0.0)                                         # black bars
-        return ((x - self.mean) / self.std).to(self.dtype)
+    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10], preprocessed as hps_pixels.
+    arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config; checkpoint:
+    a file or owner/repo/file."""
+    import open_clip
+    if arch.endswith(".json"):
+        open_clip.add_model_config(arch)
+        arch = Path(arch).stem
+    ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
+                      weights_only=False)
+    model = open_clip.create_model(arch, pretrained=None)
+    model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
+    model = model.eval().requires_grad_(False).to(device, dtype)
+    size, tokenizer = model.visual.image_size, open_clip.get_tokenizer(arch)
+    size = size if isinstance(size, int) else size[0]
 
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        img = self.model.encode_image(self.preprocess(images), normalize=True).float()
-        tokens = self.tokenizer(prompts).to(self.device)
-        txt = self.model.encode_text(tokens, normalize=True).float()
-        return (img * txt).sum(-1).cpu()
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        img = model.encode_image(hps_pixels(images.to(device), size).to(dtype), normalize=True)
+        txt = model.encode_text(tokenizer(prompts).to(device), normalize=True)
+        return (img.float() * txt.float()).sum(-1).cpu()                    # (N,)
+    return score
 
 
-class ImageRewardReward:
-    """ImageReward (THUDM), only when the optional `image-reward` package is importable."""
-    name, train_scale, unit = "imagereward", 1.0, "raw"
-
-    def __init__(self, location: str, device):
-        try:
-            import ImageReward as RM  # noqa: N813 — the package's own name
-        except ImportError as e:
-            raise ConfigError("--reward imagereward needs the optional package `image-reward` "
-                              "(pip install image-reward), not in requirements.txt: its pins "
-                              "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
-        self.model = RM.load(location, device=str(device))
+def imagereward_reward(location: str, device: torch.device) -> Callable:
+    """ImageReward (THUDM), only when the optional `image-reward` package is importable; it
+    preprocesses PIL images itself."""
+    try:
+        import ImageReward as RM  # noqa: N813 — the package's own name
+    except ImportError as e:
+        raise ConfigError("--reward imagereward needs the optional package `image-reward` "
+                          "(pip install image-reward), not in requirements.txt: its pins "
+                          "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
+    model = RM.load(location, device=str(device))
 
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-        pil = [Image.fromarray(im.numpy()) for im in u8.permute(0, 2, 3, 1)]
-        return torch.tensor([float(self.model.score(p, im)) for p, im in zip(prompts, pil)])
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return torch.tensor([float(model.score(p, im)) for p, im in zip(prompts, _to_pil(images))])
+    return score
 
 
 class PluginReward:
     """A user's `module.path:function`: (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
-    train_scale, unit = 1.0, "raw"
 
     def __init__(self, spec: str):
         import importlib
@@ -773,9 +739,6 @@ class PluginReward:
                               f"on {batch}; return finite numbers")
 
 
-BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
-
-
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ConfigError."""
     out = []
@@ -802,51 +765,56 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     return out
 
 
-def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype):
-    """One reward model by name (built-in or plug-in), loaded from the locations in args."""
-    loaders = {
-        "pickscore": lambda: PickScoreReward.load(args.pickscore_model, args.pickscore_processor,
-                                                  device, dtype),
-        "hpsv2": lambda: HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype),
-        "clipscore": lambda: CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype),
-        "aesthetic": lambda: AestheticReward.load(args.clip_model, args.clip_model, device, dtype,
-                                                  args.aesthetic_weights),
-        "imagereward": lambda: ImageRewardReward(args.imagereward_model, device),
-        "jpeg": JpegReward,
-    }
-    return loaders.get(name, lambda: PluginReward(name))()
+def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype) -> Callable:
+    """One reward function by name (built-in or plug-in), loaded from the locations in args;
+    offline failures name the flag that then takes local files."""
+    if name in ("pickscore", "clipscore", "aesthetic"):      # flag names are field names (§10)
+        from transformers import AutoModel, AutoProcessor
+        _quiet_hf()
+        mf, pf = (("pickscore_model", "pickscore_processor") if name == "pickscore"
+                  else ("clip_model", "clip_model"))
+        proc = _from_pretrained(AutoProcessor, getattr(args, pf), f"the {name} processor",
+                                f"--{pf}")
+        model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
+        head = aesthetic_head(args.aesthetic_weights) if name == "aesthetic" else None
+        return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore", head=head)
+    if name == "hpsv2":
+        return hpsv2_reward(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
+    if name == "imagereward":
+        return imagereward_reward(args.imagereward_model, device)
+    return jpeg_reward if name == "jpeg" else PluginReward(name)
 
 
 class Rewards:
-    """The rewards of a run, each model loaded once and shared by training and evaluation."""
+    """The rewards of a run: models {name: reward_fn}, each loaded once and shared by training
+    and evaluation; train_terms / eval_terms: the [(name, weight), ...] each of them scores."""
 
-    def __init__(self, args: Args, device: torch.device, dtype: torch.dtype):
-        self.train = parse_reward_spec(args.reward)
-        self.eval = parse_reward_spec(args.eval_rewards) if args.eval_rewards else self.train
-        names = dict.fromkeys(n for n, _ in self.train + self.eval)      # each once, in order
-        self.models = {n: build_reward(n, args, device, dtype) for n in names}
+    def __init__(self, models: dict, train_terms: list, eval_terms: Optional[list] = None):
+        self.models, self.train_terms = dict(models), train_terms
+        self.eval_terms = eval_terms or train_terms
 
     @classmethod
-    def of(cls, models: dict, train: list, eval: Optional[list] = None) -> "Rewards":
-        """Wrap already-built reward objects, e.g. {"pickscore": PickScoreReward(...)}."""
-        self = cls.__new__(cls)
-        self.models, self.train, self.eval = dict(models), train, eval or train
-        return self
-
-    def unit(self, terms) -> str:
-        if len(terms) == 1:
-            return self.models[terms[0][0]].unit
-        return "weighted sum of training-scaled rewards"
+    def load(cls, args: Args, device: torch.device, dtype: torch.dtype) -> "Rewards":
+        """Every reward args.train_terms or args.eval_terms names, built once each, in order."""
+        names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)
+        models = {n: build_reward(n, args, device, dtype) for n in names}
+        return cls(models, args.train_terms, args.eval_terms)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
+        """raw {name: (N,)} of every named reward on these images."""
         return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
 
-    def training_values(self, raw: dict, terms) -> torch.Tensor:
-        """raw per reward → (R, N) values the advantages see (raw · train_scale)."""
-        return torch.stack([raw[n] * self.models[n].train_scale for n, _ in terms])
+    def unit(self, terms) -> str:
+        """The unit of headline(raw, terms)."""
+        return (REWARD_UNITS.get(terms[0][0], ("raw",))[0] if len(terms) == 1
+                else "weighted sum of training-scaled rewards")
 
-    def summary(self, raw: dict, terms) -> torch.Tensor:
-        """The headline number: the raw reward when there is one, else Σ_k w_k·raw_k·scale_k."""
+    def training_values(self, raw: dict, terms) -> torch.Tensor:
+        """raw {name: (N,)} → (R, N) values the advantages see: raw[name] · train_scale."""
+        return torch.stack([raw[n] * REWARD_UNITS.get(n, ("raw", 1.0))[1] for n, _ in terms])
+
+    def headline(self, raw: dict, terms) -> torch.Tensor:
+        """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
         if len(terms) == 1:
             return raw[terms[0][0]]
         w = torch.tensor([wt for _, wt in terms])
@@ -1687,7 +1655,8 @@ def evaluate(run: Run, it: int) -> dict:
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
         save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
     head = rw.headline(raw, rw.eval_terms)
-    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms), "eval_nfe": len(run.eval_sigmas) - 1,
+    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms),
+          "eval_nfe": len(run.eval_sigmas) - 1,
           "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
     for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)

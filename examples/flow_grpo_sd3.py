@@ -392,18 +392,18 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
 
     # 2. rewards (weighted sum, as their multi_score), stat-tracker advantages, zero-adv. filter
     t1 = time.perf_counter()
-    names = [n for n, _ in rewards.train]
+    names = [n for n, _ in rewards.train_terms]
     sample_prompts = [prompts[i // G] for i in range(N)]
     raw_all, _ = V.decode_and_reward(adapter, rewards, names, traj[:, -1], sample_prompts, args.reward_batch)
-    w = torch.tensor([wt for _, wt in rewards.train])
-    r = (rewards.training_values(raw_all, rewards.train) * w[:, None]).sum(0)          # (N,)
+    w = torch.tensor([wt for _, wt in rewards.train_terms])
+    r = (rewards.training_values(raw_all, rewards.train_terms) * w[:, None]).sum(0)    # (N,)
     adv = stat_tracker_advantages(sample_prompts, r)                                   # (N,) fp64
     n_zero = int((adv == 0).sum())
     num_batches = N // mine.batch
     keep = (keep_mask(adv, num_batches, g_perm) if rec["filter_zero_adv"]
             else torch.ones(N, dtype=torch.bool))
     adv = adv.float().clamp(-args.adv_clamp, args.adv_clamp).to(dev)       # adv_clip_max 5
-    raw = rewards.summary(raw_all, rewards.train)
+    raw = rewards.headline(raw_all, rewards.train_terms)
     times["time_reward"] = time.perf_counter() - t1
     times["time_old"] = 0.0                          # old log-probs were stored by the rollout
 
@@ -496,9 +496,9 @@ def evaluate(guided, rewards, args, eval_prompts, D, dev, ctx) -> float:
     lat = V.rollout(guided, x1, cond, torch.arange(n, device=dev),
                     guided.adapter.sigmas(args.eval_steps or args.num_steps), args.solver,
                     args.rollout_batch, ctx)
-    names = [name for name, _ in rewards.eval]
+    names = [name for name, _ in rewards.eval_terms]
     raw, _ = V.decode_and_reward(guided.adapter, rewards, names, lat, prompts, args.reward_batch)
-    return float(rewards.summary(raw, rewards.eval).mean())
+    return float(rewards.headline(raw, rewards.eval_terms).mean())
 
 
 def setup_dtype(mine, args):
@@ -540,7 +540,7 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
     named = {n: p for n, p in adapter.transformer.named_parameters() if p.requires_grad}
     init = {n: p.detach().clone() for n, p in named.items()}          # every method starts here
     params = list(named.values())
-    rewards = rewards if rewards is not None else V.Rewards(args, dev, prec["vgrpo"][0])
+    rewards = rewards if rewards is not None else V.Rewards.load(args, dev, prec["vgrpo"][0])
     train_prompts, eval_prompts = V.load_prompts(args)
     D = adapter.latent_shape(args.resolution)
     v_sigmas, f_sigmas = adapter.sigmas(args.num_steps), adapter.sigmas(mine.flow_steps)

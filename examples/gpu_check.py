@@ -268,7 +268,8 @@ def build_pickscore_random(device, dtype):
     proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 224},
                                                             crop_size={"height": 224, "width": 224}),
                          tokenizer=tok)
-    return V.Rewards.of({"pickscore": V.PickScoreReward(model, proc, device, dtype)}, [("pickscore", 1.0)])
+    return V.Rewards({"pickscore": V.clip_reward(model, proc, device, dtype, logit_scale=True)},
+                     [("pickscore", 1.0)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -692,7 +693,7 @@ def main(argv=None):
                      "--group_size", "4"]
         flux_only = stages == ["flux"] or (stages == ["configs"] and a.family == "flux")
         env.pipe = TM.build_tiny_flux_pipeline() if flux_only else TM.build_tiny_sd3_pipeline()
-        env.reward = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
+        env.reward = V.Rewards({"jpeg": V.jpeg_reward}, [("jpeg", 1.0)])
         global LEVER_BASE, MEMORY_TRIAL
         LEVER_BASE = ["--prompts_per_iter", "1", "--group_size", "4"]
         MEMORY_TRIAL = ["--prompts_per_iter", "1", "--group_size", "4"]

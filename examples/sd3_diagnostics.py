@@ -111,13 +111,13 @@ def parse(argv):
 def score_and_advantages(adapter, rewards, args, x0, sample_prompts, P, G):
     """Decode + score the N latents, then group-relative advantages. Returns raw (N,), A (N,)."""
     kw = dict(global_std=args.global_std, std_eps=args.std_eps, clamp=args.adv_clamp, eta=args.soft_clip_eta)
-    names = [n for n, _ in rewards.train]
+    names = [n for n, _ in rewards.train_terms]
     raw_all, _ = V.decode_and_reward(adapter, rewards, names, x0, sample_prompts, args.reward_batch)
-    values = rewards.training_values(raw_all, rewards.train).view(-1, P, G)          # (K, P, G)
-    weights = torch.tensor([w for _, w in rewards.train])
+    values = rewards.training_values(raw_all, rewards.train_terms).view(-1, P, G)    # (K, P, G)
+    weights = torch.tensor([w for _, w in rewards.train_terms])
     agg = V.per_reward_advantages if args.reward_aggregation == "per_reward" else V.weighted_sum_advantages
     adv, _ = agg(values, weights, **kw)                                                # (P, G)
-    return rewards.summary(raw_all, rewards.train), adv.flatten()                      # (N,), (N,)
+    return rewards.headline(raw_all, rewards.train_terms), adv.flatten()               # (N,), (N,)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def measure(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict],
     if args.gradient_checkpointing:
         adapter.transformer.enable_gradient_checkpointing()
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
-    rewards = rewards if rewards is not None else V.Rewards(args, dev, dtype)
+    rewards = rewards if rewards is not None else V.Rewards.load(args, dev, dtype)
 
     # ---- ONE fixed rollout batch: P prompts × G images, as vgrpo.iteration() draws them ----------
     P, G, J = args.prompts_per_iter, args.group_size, args.n_mc
