@@ -1531,10 +1531,10 @@ DDP = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--grou
        "--eval_every", "0", "--save_every", "1", "--mu", "1", "--device", "cpu"]
 
 
-def _torchrun(args, tmp_path):
+def _torchrun(args, tmp_path, **env_extra):
     import subprocess
     import sys
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **env_extra)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(ROOT / "vgrpo.py")] + args, env=env, cwd=tmp_path, capture_output=True, text=True,
                        timeout=600)
@@ -1552,34 +1552,91 @@ def _smooth_reward(folder, monkeypatch=None) -> str:
     return "meancolour:mean_colour"
 
 
-@pytest.mark.multiprocess
-def test_two_processes_equal_one_process_and_resume(tmp_path, monkeypatch):
+def _trained(run_dir, it, full=False) -> dict:
+    """The trained weights saved after `it` iterations: the LoRA file, or the full transformer."""
     from safetensors.torch import load_file
-    smooth = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch)]
-    _torchrun(smooth + ["--iterations", "3", "--run_dir", str(tmp_path / "ddp")], tmp_path)
-    assert V.main(smooth + ["--iterations", "3", "--run_dir", str(tmp_path / "single")]) == 0
-    d, s = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "single")
-    assert len(d) == len(s) == 3
-    for x, y in zip(d, s):
-        # Each rank runs the transformer on 3 rows instead of 6 and the gradients are summed by
-        # an all-reduce: another reduction order, fp32 rounding ~1e-7 relative per operation,
-        # grown by 3 Adam steps at lr 1e-2 to ≲ 1e-5 in pixel space. Mean colour (≈ 0.5) moves
-        # by as much: 1e-4 absolute leaves a 10× margin. (Measured on a 2-core Xeon: 0.0 reward
-        # difference, 2e-6 relative on grad_norm and surrogate_cv_group, 4e-5 on the LoRA.)
+    ck = Path(run_dir, "checkpoints", f"iter_{it:06d}")
+    return load_file(str(ck / ("transformer/diffusion_pytorch_model.safetensors" if full
+                               else "pytorch_lora_weights.safetensors")))
+
+
+def _close_runs(a_dir, b_dir, it, full=False):
+    """Two runs that differ only in how the batch is split over processes. Each process runs the
+    transformer on half the rows and FSDP reduce-scatters the gradients: another summation
+    order, fp32 rounding ~1e-7 relative per operation. The gradient norm is a smooth function of
+    it (measured: equal to 8 digits), so 1e-3 relative is a wide margin; the mean-colour reward
+    moves by ≲ 1e-5 (measured 0.0): 1e-4 absolute. Adam moves each weight by ≈ lr·sign(g) per
+    step, and a weight whose gradient is at rounding level may take the other sign: the largest
+    difference may reach lr = 1e-2 per step, but the weights as a whole (relative norm of the
+    difference, measured ≤ 4e-7) must agree to 1e-4."""
+    for x, y in zip(_strip_times(_metrics(a_dir)), _strip_times(_metrics(b_dir))):
+        assert x["iter"] == y["iter"]
         assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-4)
-        # gradient norm and surrogate CV are smooth functions of the same numbers: 1e-3 relative
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-3)
         assert x["surrogate_cv_group"] == pytest.approx(y["surrogate_cv_group"], rel=1e-3)
-    a = load_file(str(tmp_path / "ddp/checkpoints/iter_000003/pytorch_lora_weights.safetensors"))
-    b = load_file(str(tmp_path / "single/checkpoints/iter_000003/pytorch_lora_weights.safetensors"))
-    # Adam's first steps move each weight by ≈ lr·sign(g) = 1e-2; an entry whose gradient is at
-    # rounding level can take another sign: allow 1e-3 on the largest difference over 3 steps
-    assert set(a) == set(b) and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3
-    # resume under torchrun: 1 iteration, then continue to 3. Same world size, same thread count
-    # (OMP_NUM_THREADS=1 in _torchrun), same shapes: the same reduction order, so exactly equal.
+    a, b = _trained(a_dir, it, full), _trained(b_dir, it, full)
+    assert set(a) == set(b) and a
+    diff = math.sqrt(sum((a[k].double() - b[k].double()).square().sum().item() for k in a))
+    norm = math.sqrt(sum(a[k].double().square().sum().item() for k in a))
+    assert diff / norm < 1e-4 and max((a[k] - b[k]).abs().max().item() for k in a) < 2e-2
+
+
+@pytest.mark.multiprocess
+def test_fsdp_two_processes_equal_one_and_resume_two_to_one(tmp_path, monkeypatch):
+    """LoRA under FSDP2: 2 processes (half the groups each) compute what 1 process computes; a
+    2-process run resumed by 1 process continues like the uninterrupted 2-process run."""
+    smooth = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch)]
+    _torchrun(smooth + ["--iterations", "2", "--run_dir", str(tmp_path / "fsdp")], tmp_path)
+    assert V.main(smooth + ["--iterations", "2", "--run_dir", str(tmp_path / "single")]) == 0
+    _close_runs(tmp_path / "fsdp", tmp_path / "single", 2)
     _torchrun(smooth + ["--iterations", "1", "--run_dir", str(tmp_path / "part")], tmp_path)
-    _torchrun(["--resume", str(tmp_path / "part"), "--iterations", "3"], tmp_path)
-    assert _strip_times(_metrics(tmp_path / "part")) == _strip_times(d)
+    assert V.main(["--resume", str(tmp_path / "part"), "--iterations", "2"]) == 0      # 2 → 1
+    _close_runs(tmp_path / "part", tmp_path / "fsdp", 2)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_full_finetune_equals_one_process_and_resumes_one_to_two(tmp_path, monkeypatch):
+    """Full fine-tuning under FSDP2 (fp32 master weights and AdamW state sharded): 2 processes
+    equal 1, and a 1-process run resumed by 2 processes equals the uninterrupted 1-process run."""
+    full = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch), "--full_finetune",
+                  "--lr", "1e-4"]
+    _torchrun(full + ["--iterations", "2", "--run_dir", str(tmp_path / "fsdp")], tmp_path)
+    assert V.main(full + ["--iterations", "2", "--run_dir", str(tmp_path / "single")]) == 0
+    _close_runs(tmp_path / "fsdp", tmp_path / "single", 2, full=True)
+    from diffusers import SD3Transformer2DModel
+    SD3Transformer2DModel.from_pretrained(tmp_path / "fsdp/checkpoints/iter_000002/transformer")
+    assert V.main(full + ["--iterations", "1", "--run_dir", str(tmp_path / "part")]) == 0
+    _torchrun(["--resume", str(tmp_path / "part"), "--iterations", "2"], tmp_path)    # 1 → 2
+    _close_runs(tmp_path / "part", tmp_path / "single", 2, full=True)
+
+
+@pytest.mark.multiprocess
+def test_sigkill_during_a_sharded_checkpoint_write_leaves_latest_loadable(tmp_path, monkeypatch):
+    """Rank 0 is SIGKILLed in the middle of writing iteration 2's checkpoint (after the gather,
+    inside torch.save of the optimizer state; injected through sitecustomize in every process):
+    torchrun ends the run, `latest` still names iteration 1, and a resume finishes the run."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, signal, torch\n"
+        "_save = torch.save\n"
+        "def save(obj, f, *a, **k):\n"
+        "    if str(f).endswith('iter_000002/optimizer.pt'):\n"
+        "        _save(obj, f, *a, **k)\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return _save(obj, f, *a, **k)\n"
+        "torch.save = save\n")
+    smooth = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch)]
+    run = tmp_path / "run"
+    with pytest.raises(AssertionError):
+        _torchrun(smooth + ["--iterations", "3", "--run_dir", str(run)], tmp_path,
+                  PYTHONPATH=str(hook))
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
+    assert V.read_checkpoint(str(run))[1]["iteration"] == 1
+    assert not (run / "checkpoints" / "iter_000002").exists()        # only its temporary folder
+    assert V.main(["--resume", str(run)]) == 0
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000003"
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2]
 
 
 @pytest.mark.multiprocess

@@ -1228,7 +1228,8 @@ def collect_rollouts(run: Run, it: int) -> Rollouts:
     cond = ad.encode(prompts)                                               # Pl rows
     prompt_idx = (torch.arange(sh.Nl) // args.group_size).to(run.dev)       # (Nl,)
     x1 = sh.local(torch.randn((sh.N,) + run.D, generator=g_noise)).to(run.dev)   # (Nl, *D)
-    x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
+    with gathered(run):
+        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
     return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)
 
 
@@ -1460,9 +1461,18 @@ def train(args: Args) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl).
     The first Ctrl-C finishes the current iteration, saves a checkpoint and stops; a second one
     stops at once (`latest` still names the last complete checkpoint)."""
-    from tqdm.auto import tqdm
     run_dir = plan_run_dir(args)                    # checked writable; locked if it exists
-    run = setup(args)                               # bad input fails here, having written nothing
+    try:
+        return loop(setup(args), run_dir)           # bad input fails in setup, having written nothing
+    finally:                                        # release the run folder (lock_run_dir)
+        if (lock := _LOCKS.pop(str(run_dir.resolve()), None)) is not None:
+            lock.close()
+
+
+def loop(run: Run, run_dir: Path) -> list[dict]:
+    """The outer loop of `train`: evaluate, iterate, log, checkpoint, stop on Ctrl-C."""
+    from tqdm.auto import tqdm
+    args = run.args
     log_f, done_evals = open_run_dir(run, run_dir)
     tracker = Tracker(run) if run.rank == 0 else None
     history, saved, stop = [], None, []
@@ -1564,14 +1574,19 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     if args.gradient_checkpointing:
         tr.enable_gradient_checkpointing()
     if world > 1:
-        shard_transformer(tr, dtype)
+        shard_transformer(tr, dtype)                 # replaces the parameters: before AdamW
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
-    # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op).
-    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
+    # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op). The
+    # sharded scaler agrees on an overflow across processes.
+    if world > 1:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Scaler
+    else:
+        Scaler = torch.amp.GradScaler
+    scaler = Scaler(dev.type, enabled=dtype == torch.float16)
     if ckpt is not None:                      # optimizer, loss scale and RNG states
-        restore_state(tr, opt, scaler, state)
+        restore_state(tr, opt, scaler, ckpt, state)
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
                lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
                dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
@@ -1647,8 +1662,9 @@ def evaluate(run: Run, it: int) -> dict:
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
-    lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
-                  run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
+    with gathered(run):
+        lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
+                      run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
     raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval_terms], lat, prompts,
                                   args.reward_batch, keep_images=True)
     if run.run_dir is not None and run.rank == 0:
@@ -1788,7 +1804,7 @@ def plan_run_dir(args: Args) -> Path:
     return run_dir
 
 
-_LOCKS: dict = {}                               # run folder → open lock file, held until exit
+_LOCKS: dict = {}                               # run folder → its open lock file, until train ends
 
 
 def lock_run_dir(run_dir: Path) -> None:
@@ -1853,7 +1869,7 @@ def open_run_dir(run: Run, run_dir: Path) -> tuple:
 
 
 # ---- checkpoints: one folder per save, `latest` switched atomically after it is complete ------
-CKPT_STATE = "trainer_state.pt"
+CKPT_STATE, OPTIM_FILE = "trainer_state.pt", "optimizer.pt"
 LORA_FILE = "pytorch_lora_weights.safetensors"
 # flags that change the shape of what a checkpoint holds: they cannot change on --resume
 RESUME_FIXED = ("full_finetune", "lora_rank", "lora_alpha", "lora_targets")
@@ -1875,11 +1891,12 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
     ckpt = find_checkpoint(path)
     try:
         state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
-        missing = {"iteration", "config", "optimizer", "rng"} - set(state)
+        missing = {"iteration", "config", "optimizer_saved", "rng"} - set(state)
         full = state["config"]["full_finetune"] if not missing else False
         weights = ckpt / ("transformer/config.json" if full else LORA_FILE)
-        if missing or not weights.is_file():
-            raise ValueError(f"missing {sorted(missing) or weights.name}")
+        optim = ckpt / OPTIM_FILE if not missing and state["optimizer_saved"] else weights
+        if missing or not weights.is_file() or not optim.is_file():
+            raise ValueError(f"missing {sorted(missing) or weights.name + ' or ' + OPTIM_FILE}")
         if not full:
             from safetensors.torch import load_file
             load_file(str(weights))                        # reads every tensor: catches a cut file
@@ -1914,8 +1931,8 @@ def checkpoint(run: Run, it: int) -> Path:
 
 def save_checkpoint(run: Run, it: int, weights: dict, optim: dict) -> Path:
     """Write checkpoints/iter_XXXXXX: the weights in diffusers' format (a LoRA file that
-    `load_lora_weights` reads, or a `from_pretrained` transformer folder), the trainer state
-    (optimizer, loss scale, RNG) and the config; then point checkpoints/latest at it. It is
+    `load_lora_weights` reads, or a `from_pretrained` transformer folder), the optimizer state,
+    the trainer state (iteration, loss scale, RNG) and the config; then point checkpoints/latest at it. It is
     written to a temporary folder and renamed, and `latest` is switched atomically only then, so
     at every instant `latest` names a complete checkpoint; a kill loses at most this save. A
     failed write (disk full) removes the temporary folder and raises ConfigError."""
@@ -1936,7 +1953,9 @@ def save_checkpoint(run: Run, it: int, weights: dict, optim: dict) -> Path:
             run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        torch.save({"iteration": it, "config": config, "optimizer": optim, "rng": rng,
+        if optim:
+            torch.save(optim, tmp / OPTIM_FILE)
+        torch.save({"iteration": it, "config": config, "optimizer_saved": bool(optim), "rng": rng,
                     "scaler": run.scaler.state_dict() if run.scaler else None}, tmp / CKPT_STATE)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         mask = os.umask(0)
@@ -1976,9 +1995,12 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
                           f"{res.unexpected_keys[:3]}")
 
 
-def restore_state(tr, opt, scaler, state: dict) -> None:
-    """Optimizer, loss scale and RNG states of a checkpoint (saved by any number of processes)."""
-    load_optimizer_state(tr, opt, state["optimizer"])
+def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
+    """Optimizer, loss scale and RNG states of a checkpoint (saved by any number of processes).
+    The optimizer file is memory-mapped: processes on one machine share its pages."""
+    if state["optimizer_saved"]:                 # False if saved before the first step
+        load_optimizer_state(tr, opt, torch.load(ckpt / OPTIM_FILE, map_location="cpu",
+                                                 mmap=True, weights_only=False))
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -2015,10 +2037,13 @@ def check_world(args: Args, world: int) -> None:
 
 
 def shard_transformer(tr, dtype: torch.dtype) -> None:
-    """FSDP2: each block its own unit, then the root (embedders, final layer). Parameters are
-    all-gathered in the compute dtype and gradients reduce-scattered in fp32."""
+    """FSDP2: each block its own unit, then the root (embedders, final layer). Under bf16/fp16
+    the parameters are all-gathered in that dtype (what autocast casts them to for the matmuls
+    anyway; the frozen base already is) and gradients reduce-scattered in fp32; in fp32 (the CPU)
+    nothing is cast. The fp32 master weights and AdamW state stay sharded."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+          if dtype != torch.float32 else MixedPrecisionPolicy())
     for blk in transformer_blocks(tr):
         fully_shard(blk, mp_policy=mp)
     fully_shard(tr, mp_policy=mp)
@@ -2026,20 +2051,45 @@ def shard_transformer(tr, dtype: torch.dtype) -> None:
 
 @contextlib.contextmanager
 def grad_sync(run: Run, last: bool):
-    """Micro-batches accumulate gradients locally; FSDP reduces them on the last of a step."""
-    tr = run.adapter.transformer
+    """LoRA: micro-batches accumulate gradients locally and FSDP reduce-scatters them on the last
+    one of a step. A full fine-tune reduces every micro-batch: accumulating would hold whole,
+    unsharded gradients of the entire transformer on every process."""
     if run.world > 1:
-        tr.set_requires_gradient_sync(last)
+        run.adapter.transformer.set_requires_gradient_sync(last or run.args.full_finetune)
     yield
 
 
+@contextlib.contextmanager
+def gathered(run: Run):
+    """A no-grad rollout of K network calls with the parameters all-gathered ONCE (FSDP's
+    default re-gathers every block at every call: K× the communication). Memory: each process
+    then holds the whole transformer in the compute dtype for the rollout, as every process did
+    before sharding; the shards come back after it."""
+    tr = run.adapter.transformer
+    if run.world == 1:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+    tr.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        tr.set_reshard_after_forward(True)
+        for m in tr.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
 def full_state(tr, opt) -> tuple[dict, dict]:
-    """The trainable weights and the optimizer state, whole and on the CPU (gathered from the
-    shards under FSDP; the same on every process count), keyed by parameter name."""
+    """The trainable weights and the optimizer state, whole, on the CPU and keyed by parameter
+    name: gathered from the shards under FSDP, the same for any number of processes. Every
+    process calls it (a collective). An optimizer that never stepped gives {} (asked for its
+    state, torch.distributed.checkpoint would initialise it with a hidden zero-lr step)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    return get_model_state_dict(tr, options=o), get_optimizer_state_dict(tr, opt, options=o)
+    optim = get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
+    return get_model_state_dict(tr, options=o), optim
 
 
 def load_optimizer_state(tr, opt, optim: dict) -> None:
