@@ -1122,43 +1122,22 @@ def transformer_blocks(transformer) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-# §9  Training loop, top-down: the loop's state first (Shard, Run), then `iteration`, which is
-#     the algorithm box of §0, and its five steps; then the run around it (setup, the outer loop,
-#     evaluation), then the plumbing a reader of the method can skip: the run folder, checkpoints
-#     and torchrun.
+# §9  Training loop, top-down: the loop's state (Run, Rollouts, Scored), then `iteration`, the
+#     algorithm box of §0, and its five steps; then the run around it (setup, the outer loop,
+#     evaluation, live curves), then plumbing a reader of the method can skip: the run folder,
+#     checkpoints and torchrun.
 # ------------------------------------------------------------------------------------------------
-class Shard:
-    """This process's share of the global batch of N = P·G samples: whole groups, contiguous. The
-    one place that slices what every process draws alike (prompts, noise, pairs); one process
-    holds everything (world = 1)."""
-
-    def __init__(self, rank: int, world: int, P: int, G: int):
-        self.rank, self.N = rank, P * G
-        self.Pl, self.Nl = P // world, self.N // world     # prompts and samples of this process
-        self.lo = rank * self.Nl                           # its first global sample index
-
-    def local(self, x):
-        """This process's rows of a global batch-first tensor (N, ...)."""
-        return x[self.lo:self.lo + self.Nl]
-
-    def local_prompts(self, prompts: list) -> list:
-        """This process's prompts of the P global ones."""
-        return prompts[self.rank * self.Pl:(self.rank + 1) * self.Pl]
-
-    def global_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Global sample indices of local rows."""
-        return rows + self.lo
-
-
 @dataclass
 class Run:
-    """Everything an iteration needs, built once by `setup` (the loop's state, no globals)."""
+    """Everything an iteration needs, built once by `setup` (the loop's state, no globals).
+    Under torchrun each process holds whole groups, a contiguous slice of the N = P·G samples
+    that every process draws alike (prompts, noise, pairs): `local` cuts it."""
     args: Args
     adapter: object               # SD3Adapter or FluxAdapter (§8)
     rewards: Rewards
     opt: torch.optim.Optimizer
     params: list                  # the trainable parameters (LoRA, or the whole transformer)
-    lora_cfg: object              # peft LoraConfig, None for --full_finetune
+    lora_cfg: object              # peft LoraConfig; None for --full_finetune
     train_prompts: list
     eval_prompts: list
     dev: torch.device
@@ -1171,17 +1150,26 @@ class Run:
     rank: int = 0
     world: int = 1
     run_dir: Optional[Path] = None
-    scaler: Optional[object] = None  # torch.amp.GradScaler, active under --dtype fp16
+    scaler: Optional[object] = None  # GradScaler, active under --dtype fp16
 
     @property
-    def shard(self) -> Shard:
-        return Shard(self.rank, self.world, self.args.prompts_per_iter, self.args.group_size)
+    def N(self) -> int:
+        return self.args.prompts_per_iter * self.args.group_size
+
+    @property
+    def Nl(self) -> int:
+        return self.N // self.world                        # samples of this process
+
+    def local(self, x):
+        """This process's share of a global batch-first tensor (N, ...) or prompt list (P)."""
+        n = len(x) // self.world
+        return x[self.rank * n:(self.rank + 1) * n]
 
 
 @dataclass
 class Rollouts:
-    """[Alg. step 1] This process's share of one iteration's rollouts; Nl = N / world rows."""
-    prompts: list                  # Pl prompts of this process
+    """[Alg. step 1] This process's rollouts: Pl = P / world prompts, Nl samples."""
+    prompts: list                  # Pl prompts
     cond: object                   # their encodings, Pl rows
     prompt_idx: torch.Tensor       # (Nl,) row of cond per sample
     x0: torch.Tensor               # (Nl, *D) fp32 actions o
@@ -1199,9 +1187,9 @@ class Scored:
 
 # ---- one iteration: the algorithm box of §0, step by step --------------------------------------
 def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration: the algorithm box in §0, Alg. steps 1–5. Returns host-side metrics.
-    Host syncs: the rewards (scored on the host: advantages need all of them), one per optimizer
-    step (the non-finite-gradient check decides whether to step) and one for the metrics."""
+    """One V-GRPO iteration, Alg. steps 1–5 of §0. Returns host-side metrics. Host syncs: the
+    rewards (scored on the host: the advantages need all of them), one per optimizer step (the
+    non-finite-gradient check decides whether to step) and one for the metrics."""
     timer = PhaseTimer(run.dev)
     with timer("time_rollout"):
         ro = collect_rollouts(run, it)                                      # step 1
@@ -1217,50 +1205,50 @@ def iteration(run: Run, it: int) -> dict:
 
 
 def collect_rollouts(run: Run, it: int) -> Rollouts:
-    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (this
-    process's whole groups only)."""
-    args, ad, sh = run.args, run.adapter, run.shard
+    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (θ itself:
+    nothing is copied) — this process's whole groups only."""
+    args, ad, G = run.args, run.adapter, run.args.group_size
     P, n_tr = args.prompts_per_iter, len(run.train_prompts)
     g_prompt, g_noise = _gen(args.seed, it, 0), _gen(args.seed, it, 1)
     pick = (torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr
             else torch.randint(n_tr, (P,), generator=g_prompt))
-    prompts = sh.local_prompts([run.train_prompts[i] for i in pick.tolist()])
+    prompts = run.local([run.train_prompts[i] for i in pick.tolist()])
     cond = ad.encode(prompts)                                               # Pl rows
-    prompt_idx = (torch.arange(sh.Nl) // args.group_size).to(run.dev)       # (Nl,)
-    x1 = sh.local(torch.randn((sh.N,) + run.D, generator=g_noise)).to(run.dev)   # (Nl, *D)
+    prompt_idx = (torch.arange(run.Nl) // G).to(run.dev)                    # (Nl,)
+    x1 = run.local(torch.randn((run.N,) + run.D, generator=g_noise)).to(run.dev)   # (Nl, *D)
     with gathered(run):
         x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
     return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)
 
 
 def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
-    """[Alg. step 2] Rewards, all-gathered so that advantages see the global batch, then the
+    """[Alg. step 2] Rewards, all-gathered so that the advantages see the global batch, then the
     group-relative advantages of the chosen aggregation (§4)."""
-    args, sh, G, rw = run.args, run.shard, run.args.group_size, run.rewards
+    args, G, rw = run.args, run.args.group_size, run.rewards
     names = [n for n, _ in rw.train_terms]
     raw_loc, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
-                                   [ro.prompts[i // G] for i in range(sh.Nl)], args.reward_batch)
-    gathered = _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(run.dev), run.world)
-    raw = dict(zip(names, gathered.cpu()))                                  # {name: (N,)}
+                                   [ro.prompts[i // G] for i in range(run.Nl)], args.reward_batch)
+    gathered_ = _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(run.dev), run.world)
+    raw = dict(zip(names, gathered_.cpu()))                                 # {name: (N,)}
     values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)  # (R,P,G)
     weights = torch.tensor([w for _, w in rw.train_terms])
     aggregate = (per_reward_advantages if args.reward_aggregation == "per_reward"
                  else weighted_sum_advantages)
     adv, stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
                            clamp=args.adv_clamp, eta=args.soft_clip_eta)
-    # rows of adv.flatten() are prompt-major (sample n = prompt n // G), as the rollouts are
+    # adv.flatten() is prompt-major (sample n belongs to prompt n // G), as the rollouts are
     return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms),
-                  adv=sh.local(adv.flatten()).to(run.dev), adv_stats=stats,
+                  adv=run.local(adv.flatten()).to(run.dev), adv_stats=stats,
                   skipped=bool((adv == 0).all()))
 
 
 def draw_iteration_pairs(run: Run, it: int) -> Pairs:
-    """[Alg. step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ
-    step. Every process draws them from the same CPU generator; they are broadcast from rank 0
-    anyway, because CPUs with other vector units may round the Gaussian draw differently."""
-    args, N, G = run.args, run.shard.N, run.args.group_size
-    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [ours C4]
-             "group": torch.arange(N) // G, "none": torch.arange(N)}[args.pair_sharing]
+    """[Alg. step 3] One set of stratified (t, ε) pairs per sharing scope [ours C4], for θ_old
+    and every θ step. Every process draws them from the same CPU generator; rank 0's are
+    broadcast anyway (CPUs with other vector units may round the Gaussian draw differently)."""
+    args, N, G = run.args, run.N, run.args.group_size
+    scope = {"batch": torch.zeros(N, dtype=torch.long), "group": torch.arange(N) // G,
+             "none": torch.arange(N)}[args.pair_sharing]
     pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
                        generator=_gen(args.seed, it, 2), device=run.dev)
     if run.world > 1:
@@ -1269,76 +1257,70 @@ def draw_iteration_pairs(run: Run, it: int) -> Pairs:
     return pairs
 
 
-def minibatches(run: Run, it: int) -> tuple:
-    """The μ optimizer steps' disjoint, equal minibatches of local rows (check_world), drawn
-    before Alg. step 4 so that S_old is computed in exactly the micro-batches (rows and shapes)
-    the first step uses: its ratio is then exactly 1 for any μ."""
-    args, Nl, dev = run.args, run.shard.Nl, run.dev
-    perm = (torch.randperm(Nl, generator=_gen(args.seed, it, 3)).to(dev) if args.mu > 1
-            else torch.arange(Nl, device=dev))
-    return perm.tensor_split(args.mu)
-
-
-def micro_batches(run: Run, mbs: tuple):
-    """(step, rows) for every micro-batch of every minibatch, in the order the update visits."""
-    return [(k, rows) for k, mb in enumerate(mbs) for rows in mb.split(run.args.micro_batch)]
+def minibatches(run: Run, it: int) -> list:
+    """The μ optimizer steps' disjoint, equal minibatches of local rows (check_world), split into
+    micro-batches: [(step k, rows), ...] in the order the update visits them. Drawn before Alg.
+    step 4, so that S_old is computed in exactly the micro-batches (rows and shapes) of the first
+    step: its ratio is then exactly 1 for any μ."""
+    args = run.args
+    perm = (torch.randperm(run.Nl, generator=_gen(args.seed, it, 3)).to(run.dev) if args.mu > 1
+            else torch.arange(run.Nl, device=run.dev))
+    return [(k, rows) for k, mb in enumerate(perm.tensor_split(args.mu))
+            for rows in mb.split(args.micro_batch)]
 
 
 @torch.no_grad()
-def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: tuple):
+def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list):
     """[Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
     Returns s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only with the KL), surrogate-CV stats."""
-    args, Nl, J = run.args, run.shard.Nl, run.args.n_mc
-    s_old = torch.empty(Nl, J, device=run.dev)
-    x0h_old = torch.empty((Nl, J) + run.D, device=run.dev) if args.kl_coef > 0 else None
-    for _, rows in micro_batches(run, mbs):
+    args = run.args
+    s_old = torch.empty(run.Nl, args.n_mc, device=run.dev)
+    x0h_old = torch.empty((run.Nl, args.n_mc) + run.D, device=run.dev) if args.kl_coef else None
+    for _, rows in mbs:
         s_old[rows], x0h = surrogates(run, ro, pairs, rows)
         if x0h_old is not None:
             x0h_old[rows] = x0h
     S_all = _all_gather_cat(s_old.mean(dim=1), run.world)                   # (N,)
-    cv = surrogate_cv(S_all.view(args.prompts_per_iter, args.group_size))
-    return s_old, x0h_old, cv
+    return s_old, x0h_old, surrogate_cv(S_all.view(args.prompts_per_iter, args.group_size))
 
 
 def surrogates(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
-    """(s (m, J), x̂0 (m, J, *D)) of local samples `rows` with the current parameters (§5)."""
+    """(s (m, J), x̂0 (m, J, *D)) of local samples `rows` under the current parameters (§5)."""
     a = run.args
-    t_r, e_r = pairs.take(run.shard.global_rows(rows))             # pairs are indexed globally
+    t_r, e_r = pairs.take(rows + run.rank * run.Nl)               # pairs are indexed globally
     with run.ctx:
-        return pair_surrogates(run.adapter.velocity, ro.x0[rows], select(ro.cond, ro.prompt_idx[rows]),
-                               t_r, e_r, parameterization=a.parameterization,
+        return pair_surrogates(run.adapter.velocity, ro.x0[rows],
+                               select(ro.cond, ro.prompt_idx[rows]), t_r, e_r,
+                               parameterization=a.parameterization,
                                adaptive=a.adaptive_weighting, mae_floor=a.mae_floor)
 
 
-def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: tuple, s_old, x0h_old):
+def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_old, x0h_old):
     """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
     Returns ({stat: [per micro-batch tensors]}, [grad norm per step])."""
-    args = run.args
-    stats: dict[str, list] = {}
-    grad_norms = []
-    steps = [] if sc.skipped else micro_batches(run, mbs)
-    for i, (k, rows) in enumerate(steps):
-        last = i + 1 == len(steps) or steps[i + 1][0] != k         # last micro-batch of step k
+    args, stats, grad_norms = run.args, {}, []
+    mbs = [] if sc.skipped else mbs
+    size = {k: sum(len(r) for j, r in mbs if j == k) for k, _ in mbs}       # samples per step
+    for i, (k, rows) in enumerate(mbs):
+        last = i + 1 == len(mbs) or mbs[i + 1][0] != k              # last micro-batch of step k
         s_new, x0h = surrogates(run, ro, pairs, rows)
         kl = xspace_kl(x0h, x0h_old[rows]) if x0h_old is not None else None
         loss, st = vgrpo_loss(s_new, s_old[rows], sc.adv[rows], clip_eps=args.clip_eps, kl=kl,
                               kl_coef=args.kl_coef)
-        mb_loss = loss * (len(rows) / len(mbs[k]))          # mean over the minibatch [ours C16]
-        with grad_sync(run, last):
-            (run.scaler.scale(mb_loss) if run.scaler else mb_loss).backward()
-        for name, v in st.items():
+        mb_loss = loss * (len(rows) / size[k])              # mean over the minibatch [ours C16]
+        grad_sync(run, last)
+        (run.scaler.scale(mb_loss) if run.scaler else mb_loss).backward()
+        for name, v in {**st, **({"abs_log_ratio_first": st["abs_log_ratio"]} if k == 0
+                                 else {})}.items():
             stats.setdefault(name, []).append(v)
-        if k == 0:
-            stats.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
         if last:
             grad_norms.append(optimizer_step(run))
     return stats, grad_norms
 
 
 def optimizer_step(run: Run) -> torch.Tensor:
-    """Unscale (fp16), clip, step unless the norm is non-finite, zero the gradients. Under
-    torchrun the gradients are already averaged over processes by FSDP. Returns the pre-clip
-    gradient norm (fp32 tensor)."""
+    """Unscale (fp16), clip, step unless the norm is non-finite, zero the gradients (under
+    torchrun FSDP has averaged them over processes already). Returns the pre-clip norm."""
     if run.scaler:
         run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
     gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
@@ -1361,25 +1343,20 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
     vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), run.world)
     scal = {**dict(zip(scal, vec)), **sc.adv_stats, **cv}
     host = dict(zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist()))
-    mean, std = _finite_mean_std(sc.headline)
-    fp16 = run.scaler is not None and run.scaler.is_enabled()
-    m = {"iter": it, "reward_mean": mean, "reward_std": std,
-         "reward_unit": run.rewards.unit(run.rewards.train_terms),
-         "n_nonfinite_reward": int((~torch.isfinite(sc.headline)).sum()), "skipped": sc.skipped,
-         **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": float(run.scaler.get_scale()) if fp16 else 1.0,
-         # network evaluations per sample: rollout, θ_old's surrogate, θ's surrogate
+    bad = int((~torch.isfinite(sc.headline)).sum())
+    m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
+         "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
+         "skipped": sc.skipped, **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
+         "grad_scale": float(run.scaler.get_scale()) if run.scaler.is_enabled() else 1.0,
+         # network evaluations per sample: the rollout, θ_old's surrogate, θ's surrogate
          "nfe_rollout": args.num_steps, "nfe_old": args.n_mc, "nfe_theta": args.n_mc}
-    if len(sc.raw) > 1:
-        for n, r in sc.raw.items():
-            m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
+    for n, r in sc.raw.items() if len(sc.raw) > 1 else ():
+        m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
     for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
         m.setdefault(k, float("nan") if sc.skipped else 0.0)
-    if m["n_nonfinite_reward"] and run.rank == 0:
-        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
-        tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
-                   f"dropped (advantage 0){'; update skipped' if sc.skipped else ''}",
-                   file=sys.stderr)
+    if bad and run.rank == 0:
+        _warn(f"iteration {it}: {bad} non-finite reward(s) dropped (advantage 0)"
+              + ("; update skipped" if sc.skipped else ""))
     m["time_iter"] = timer.total()
     return m
 
@@ -1387,8 +1364,12 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
 def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
     """Mean and population std of the finite entries of r; (nan, nan) if there are none."""
     f = r[torch.isfinite(r)]
-    return ((f.mean().item(), f.std(unbiased=False).item()) if len(f)
-            else (float("nan"), float("nan")))
+    return (f.mean().item(), f.std(unbiased=False).item()) if len(f) else (math.nan, math.nan)
+
+
+def _warn(msg: str) -> None:
+    from tqdm.auto import tqdm                            # tqdm.write: not overwritten by the bar
+    tqdm.write(f"warning: {msg}", file=sys.stderr)
 
 
 @torch.no_grad()
@@ -1400,7 +1381,7 @@ def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: t
     for rows in torch.arange(len(x1)).split(chunk):
         with ctx:
             x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
-            out.append(x0.float())
+        out.append(x0.float())
     return torch.cat(out)
 
 
@@ -1409,8 +1390,7 @@ def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
                       prompts: list[str], chunk: int, keep_images: bool = False):
     """Decode once (the VAE in fp32) and score with every named reward, `chunk` images at a time.
     Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
-    raw: dict[str, list] = {n: [] for n in names}
-    imgs = []
+    raw, imgs = {n: [] for n in names}, []
     for rows in torch.arange(len(latents)).split(chunk):
         im = adapter.decode(latents[rows])
         for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
@@ -1432,8 +1412,8 @@ def _gen(seed: int, it: int, stream: int) -> torch.Generator:
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase, `with timer("time_old"): ...`; syncs the GPU before reading
-    the clock (sync=False for host-bound phases). `timer.times` holds {key: seconds}."""
+    """Wall-clock seconds per phase, `with timer("time_old"): ...`, in `timer.times`; syncs the GPU
+    before reading the clock (sync=False for host-bound phases)."""
 
     def __init__(self, dev: torch.device):
         self.dev, self.times, self.t0 = dev, {}, time.perf_counter()
@@ -1456,38 +1436,37 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-# ---- the run: setup, the outer loop, evaluation ------------------------------------------------
+# ---- the run: setup, the outer loop, evaluation, live curves -----------------------------------
 def train(args: Args) -> list[dict]:
-    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl).
-    The first Ctrl-C finishes the current iteration, saves a checkpoint and stops; a second one
-    stops at once (`latest` still names the last complete checkpoint)."""
+    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
     run_dir = plan_run_dir(args)                    # checked writable; locked if it exists
     try:
-        return loop(setup(args), run_dir)           # bad input fails in setup, having written nothing
+        return loop(setup(args), run_dir)           # bad input fails in setup, writing nothing
     finally:                                        # release the run folder (lock_run_dir)
         if (lock := _LOCKS.pop(str(run_dir.resolve()), None)) is not None:
             lock.close()
 
 
 def loop(run: Run, run_dir: Path) -> list[dict]:
-    """The outer loop of `train`: evaluate, iterate, log, checkpoint, stop on Ctrl-C."""
+    """Evaluate, iterate, log, checkpoint. The first Ctrl-C lets the iteration in flight finish,
+    saves it and stops; a second one stops at once, and checkpoints/latest still names the last
+    complete checkpoint."""
     from tqdm.auto import tqdm
-    args = run.args
+    args, history, stop = run.args, [], []
     log_f, done_evals = open_run_dir(run, run_dir)
     tracker = Tracker(run) if run.rank == 0 else None
-    history, saved, stop = [], None, []
 
     def on_sigint(*_):
         if stop:
             raise KeyboardInterrupt
         stop.append(True)
-        tqdm.write("Ctrl-C: finishing this iteration, then saving (Ctrl-C again stops at once)",
-                   file=sys.stderr)
+        tqdm.write("Ctrl-C: finishing this iteration, then saving (again: stop now)", file=sys.stderr)
 
     def log(m: dict, evaluation: bool = False) -> None:
         if run.rank == 0:
             print(json.dumps(m), file=log_f, flush=True)
             tracker.log(m, evaluation)
+            tqdm.write(progress_line(m))
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
@@ -1496,13 +1475,10 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
         for it in bar:
             if args.eval_every and it % args.eval_every == 0 and it not in done_evals:
                 log(evaluate(run, it), evaluation=True)
-            m = iteration(run, it)
-            history.append(m)
+            history.append(m := iteration(run, it))
             log(m)
             bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
-            if run.rank == 0:
-                tqdm.write(progress_line(m))
-            stopping = _any_rank(bool(stop), run)               # every process stops together
+            stopping = _any_rank(bool(stop), run)             # every process stops together
             if stopping or (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
                 saved = checkpoint(run, it + 1)
             if stopping:
@@ -1510,13 +1486,9 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
                     tqdm.write(f"stopped after iteration {it}: saved {saved}; continue with "
                                f"--resume {run_dir}", file=sys.stderr)
                 break
-        else:                                              # not stopped: the final evaluation
+        else:                                                  # not stopped: final evaluation
             if args.eval_every and run.start < args.iterations:
-                ev = evaluate(run, args.iterations)
-                log(ev, evaluation=True)
-                if run.rank == 0:
-                    tqdm.write(f"eval after {args.iterations} iterations: reward "
-                               f"{ev['eval_reward_mean']:.4f}")
+                log(evaluate(run, args.iterations), evaluation=True)
     except KeyboardInterrupt:
         print(f"\ninterrupted: checkpoints/latest still names the last complete checkpoint; "
               f"continue with --resume {run_dir}", file=sys.stderr)
@@ -1526,13 +1498,15 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
         bar.close()
         if run.rank == 0:
             log_f.close()
-            tracker.close()                                # metrics.png, also after a crash
+            tracker.close()                                # metrics.png, after a crash too
         if run.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return history
 
 
 def progress_line(m: dict) -> str:
+    if "eval_reward_mean" in m:
+        return f"eval at iteration {m['iter']}: reward {m['eval_reward_mean']:.4f}"
     return (f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
             f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}/"
             f"{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
@@ -1544,13 +1518,12 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
     train_prompts, eval_prompts = load_prompts(args)
     ckpt, state = read_checkpoint(args.resume) if args.resume else (None, None)
-    for k in RESUME_FIXED:
-        if state and state["config"].get(k, getattr(args, k)) != getattr(args, k):
+    for k in RESUME_FIXED if state else ():
+        if state["config"].get(k, getattr(args, k)) != getattr(args, k):
             raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
                               f"{state['config'][k]!r} ({ckpt}); drop --{k} to resume, or start "
                               "a new run")
     rank, world, local_rank = dist_info()
-    check_world(args, world)
     dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
@@ -1578,14 +1551,12 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
-    # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op). The
+    # underflow without loss scaling; bf16 and fp32 need none (the scaler is then a no-op). The
     # sharded scaler agrees on an overflow across processes.
-    if world > 1:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Scaler
-    else:
-        Scaler = torch.amp.GradScaler
-    scaler = Scaler(dev.type, enabled=dtype == torch.float16)
-    if ckpt is not None:                      # optimizer, loss scale and RNG states
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    scaler = (ShardedGradScaler if world > 1 else torch.amp.GradScaler)(
+        dev.type, enabled=dtype == torch.float16)
+    if ckpt is not None:                                   # optimizer, loss scale, RNG states
         restore_state(tr, opt, scaler, ckpt, state)
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
                lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
@@ -1612,37 +1583,33 @@ def setup_device(args: Args, local_rank: int = 0) -> tuple:
         torch.backends.cuda.enable_cudnn_sdp(False)
     return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
                         else contextlib.nullcontext())
+
+
 def load_prompts(args: Args) -> tuple[list[str], list[str]]:
     """(train, eval) prompt lists: --prompts / --eval_prompts files, or examples/prompts.txt (40
     varied prompts written for this project, so a run works out of the box; every 5th held out)."""
     def read(path, flag):
-        if os.path.isdir(path):
-            raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt "
-                              "per line")
         if not os.path.isfile(path):
-            raise ConfigError(f"{flag} {path!r}: prompt file does not exist")
+            raise ConfigError(f"{flag} {path!r} " + ("is a folder; pass a text file with one "
+                              "prompt per line" if os.path.isdir(path) else "does not exist"))
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            lines = [l for l in (l.strip() for l in open(path, encoding="utf-8")) if l]
         except UnicodeDecodeError as e:
             raise ConfigError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}); save it as "
                               "UTF-8, one prompt per line") from None
         except OSError as e:
             raise ConfigError(f"{flag} {path!r} cannot be read ({e.strerror})") from None
-        lines = [l for l in (l.strip() for l in text.splitlines()) if l]
         if not lines:
-            raise ConfigError(f"{flag} {path!r}: prompt file holds no prompts (one per line "
-                              "expected)")
+            raise ConfigError(f"{flag} {path!r}: the file holds no prompts (one per line)")
         return lines
 
     if args.prompts is None:
         path = Path(__file__).resolve().parent / "examples" / "prompts.txt"
         if not path.is_file():
             raise ConfigError(f"without --prompts, vgrpo needs {str(path)!r} (examples/prompts.txt "
-                              "of the repository, beside vgrpo.py); copy it there, or pass "
-                              "--prompts FILE")
+                              "of the repository); copy it there, or pass --prompts FILE")
         allp = read(str(path), "default prompts")
-        train = [p for i, p in enumerate(allp) if i % 5]
-        held = allp[::5]
+        train, held = [p for i, p in enumerate(allp) if i % 5], allp[::5]
     else:
         allp = read(args.prompts, "--prompts")
         n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
@@ -1657,8 +1624,8 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
 @torch.no_grad()
 def evaluate(run: Run, it: int) -> dict:
     """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
-    with eval_steps; scores every --eval_rewards and saves the grid as run_dir/eval/iter_XXXXXX.png.
-    Every process runs it (under FSDP a forward needs all of them); rank 0 saves."""
+    with eval_steps; scores every --eval_rewards; rank 0 saves the grid to eval/iter_XXXXXX.png.
+    Every process runs it (under FSDP a forward needs all of them)."""
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
@@ -1668,18 +1635,17 @@ def evaluate(run: Run, it: int) -> dict:
     raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval_terms], lat, prompts,
                                   args.reward_batch, keep_images=True)
     if run.run_dir is not None and run.rank == 0:
+        from PIL import Image
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
-        save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
+        Image.fromarray(grid_array(imgs).numpy()).save(run.run_dir / "eval" / f"iter_{it:06d}.png")
     head = rw.headline(raw, rw.eval_terms)
     ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms),
-          "eval_nfe": len(run.eval_sigmas) - 1,
-          "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
+          "eval_nfe": len(run.eval_sigmas) - 1, "eval_n_nonfinite": int((~head.isfinite()).sum())}
     for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
     if ev["eval_n_nonfinite"] and run.rank == 0:
-        from tqdm.auto import tqdm
-        tqdm.write(f"warning: evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite "
-                   "reward(s) dropped", file=sys.stderr)
+        _warn(f"evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite reward(s) "
+              "dropped")
     return ev
 
 
@@ -1693,89 +1659,76 @@ def grid_array(images_u8: torch.Tensor) -> torch.Tensor:
     return grid.view(rows, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, cols * w, 3)
 
 
-def save_grid(images_u8: torch.Tensor, path: Path) -> None:
-    from PIL import Image
-    Image.fromarray(grid_array(images_u8).numpy()).save(path)
-
-
 class Tracker:
-    """Live curves: every logged scalar to TensorBoard or W&B (--report_to), the evaluation grids
-    as images, and run_dir/metrics.png redrawn at each evaluation and at the end (rank 0 only).
-    Steps are iterations, so a resumed run continues the same curves: TensorBoard purges the
-    steps logged after the checkpoint (`purge_step`), W&B resumes the run by the id saved in the
-    run folder and ignores steps it already holds."""
+    """Live curves (rank 0): every logged scalar to TensorBoard or W&B (--report_to), the
+    evaluation grids as images, and run_dir/metrics.png redrawn at each evaluation and at the
+    end. The step is the iteration, so a resumed run continues the same curves: TensorBoard
+    discards what was logged after the checkpoint (`purge_step`); W&B resumes the run by the id
+    saved in the run folder and ignores steps it already holds."""
 
     def __init__(self, run: Run):
-        self.run, self.backend, a = run, None, run.args
-        if a.report_to == "tensorboard":
+        self.run, self.kind, self.out = run, run.args.report_to, None
+        if self.kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
-            self.backend = SummaryWriter(str(run.run_dir / "tensorboard"),
-                                         purge_step=run.start if run.start else None)
-        elif a.report_to == "wandb":
+            self.out = SummaryWriter(str(run.run_dir / "tensorboard"), purge_step=run.start or None)
+        elif self.kind == "wandb":
             import wandb
-            id_file = run.run_dir / "wandb_id"
-            if not id_file.is_file():
-                id_file.write_text(wandb.util.generate_id())
-            self.backend = wandb.init(project="vgrpo", name=run.run_dir.name, dir=str(run.run_dir),
-                                      id=id_file.read_text(), resume="allow",
-                                      config=dataclasses.asdict(a))
+            idf = run.run_dir / "wandb_id"
+            idf.exists() or idf.write_text(wandb.util.generate_id())
+            self.out = wandb.init(project="vgrpo", name=run.run_dir.name, dir=str(run.run_dir),
+                                  id=idf.read_text(), resume="allow",
+                                  config=dataclasses.asdict(run.args))
 
     def log(self, m: dict, evaluation: bool) -> None:
         step, grid = m["iter"], self.run.run_dir / "eval" / f"iter_{m['iter']:06d}.png"
         scalars = {k: v for k, v in m.items() if k != "iter" and isinstance(v, (int, float))}
         image = grid if evaluation and grid.is_file() else None
-        if self.run.args.report_to == "tensorboard":
+        if self.kind == "tensorboard":
+            import numpy as np
+            from PIL import Image
             for k, v in scalars.items():
-                self.backend.add_scalar(k, v, step)
+                self.out.add_scalar(k, v, step)
             if image:
-                import numpy as np
-                from PIL import Image
-                self.backend.add_image("eval_grid", np.asarray(Image.open(image).convert("RGB")),
-                                       step, dataformats="HWC")
-        elif self.run.args.report_to == "wandb":
+                self.out.add_image("eval_grid", np.asarray(Image.open(image).convert("RGB")),
+                                   step, dataformats="HWC")
+        elif self.kind == "wandb":
             import wandb
-            extra = {"eval_grid": wandb.Image(str(image))} if image else {}
-            self.backend.log({**scalars, **extra}, step=step)
+            self.out.log({**scalars, **({"eval_grid": wandb.Image(str(image))} if image else {})},
+                         step=step)
         if evaluation:
             plot_metrics(self.run.run_dir)
 
     def close(self) -> None:
         plot_metrics(self.run.run_dir)
-        if self.backend is not None:
-            (self.backend.close if self.run.args.report_to == "tensorboard" else self.backend.finish)()
+        if self.out is not None:
+            self.out.close() if self.kind == "tensorboard" else self.out.finish()
 
 
 def plot_metrics(run_dir: Path) -> None:
-    """run_dir/metrics.png from metrics.jsonl: rewards, |log ρ| and clip fraction, surrogate CV,
-    seconds per phase (matplotlib's object API: no GUI backend, safe in any process)."""
+    """run_dir/metrics.png from metrics.jsonl: training and held-out reward; |log ρ| and clip
+    fraction; surrogate CV; seconds per phase (matplotlib's object API: no GUI, any process)."""
     from matplotlib.figure import Figure
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if l.strip().endswith("}")] if (run_dir / "metrics.jsonl").is_file() else []
-    its = [m for m in lines if "reward_mean" in m]
-    evs = [m for m in lines if "eval_reward_mean" in m]
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(l) for l in path.read_text().splitlines()] if path.is_file() else []
+    its, evs = [m for m in rows if "reward_mean" in m], [m for m in rows if "eval_reward_mean" in m]
     if not its:
         return
+    panels = {"reward": [("reward_mean", its, "training"), ("eval_reward_mean", evs, "held-out")],
+              "|log ρ| and clip fraction": [("abs_log_ratio", its, "|log ρ|"),
+                                            ("clip_frac", its, "clip fraction")],
+              "surrogate CV": [("surrogate_cv", its, "batch"), ("surrogate_cv_group", its, "group")],
+              "seconds per phase": [(f"time_{k}", its, k)
+                                    for k in ("rollout", "reward", "old", "update")]}
     fig = Figure(figsize=(11, 7), layout="constrained")
-    axes = fig.subplots(2, 2).flatten()
-    x = [m["iter"] for m in its]
-    panels = [("reward", [("reward_mean", its, "training"), ("eval_reward_mean", evs, "held-out")]),
-              ("|log ρ| and clip fraction", [("abs_log_ratio", its, "|log ρ|"),
-                                             ("clip_frac", its, "clip fraction")]),
-              ("surrogate CV", [("surrogate_cv", its, "batch"), ("surrogate_cv_group", its, "group")]),
-              ("seconds per phase", [(k, its, k[5:]) for k in ("time_rollout", "time_reward",
-                                                              "time_old", "time_update")])]
-    for ax, (title, series) in zip(axes, panels):
-        for key, rows, label in series:
-            ax.plot([m["iter"] for m in rows], [m.get(key, float("nan")) for m in rows],
-                    marker="o" if rows is evs else None, label=label)
-        ax.set_title(title)
-        ax.set_xlabel("iteration")
+    for ax, (title, series) in zip(fig.subplots(2, 2).flatten(), panels.items()):
+        for key, ms, label in series:
+            ax.plot([m["iter"] for m in ms], [m.get(key, math.nan) for m in ms], label=label,
+                    marker="o" if ms is evs else None)
+        ax.set(title=title, xlabel="iteration")
         ax.legend(fontsize=8)
-    axes[0].set_ylabel(its[-1].get("reward_unit", ""))
-    axes[0].set_xlim(min(x + [e["iter"] for e in evs]) - 0.5, max(x + [e["iter"] for e in evs]) + 0.5)
-    tmp = run_dir / ".metrics.png.tmp"
-    fig.savefig(tmp, format="png", dpi=90)
-    os.replace(tmp, run_dir / "metrics.png")
+    fig.axes[0].set_ylabel(its[-1]["reward_unit"])
+    fig.savefig(run_dir / ".metrics.png.tmp", format="png", dpi=90)
+    os.replace(run_dir / ".metrics.png.tmp", run_dir / "metrics.png")
 
 
 # ---- the run folder: planned before anything loads, one trainer at a time ---------------------
@@ -1786,16 +1739,14 @@ def plan_run_dir(args: Args) -> Path:
         run_dir = find_checkpoint(args.resume).parent.parent
     else:
         tag = "+".join(n.split(":")[-1] for n, _ in args.train_terms)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{stamp}")
-    p = run_dir.absolute()
-    top = next(q for q in (p, *p.parents) if q.exists())     # deepest part that exists
+        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-"
+                                       f"{time.strftime('%Y%m%d-%H%M%S')}")
+    top = next(q for q in (run_dir.absolute(), *run_dir.absolute().parents) if q.exists())
     if not top.is_dir():
         raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder; "
                           "pass another --run_dir")
     try:
-        with tempfile.TemporaryFile(dir=top):
-            pass
+        tempfile.TemporaryFile(dir=top).close()
     except OSError as e:
         raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
                           f"({e.strerror}); pass a writable --run_dir") from None
@@ -1809,20 +1760,19 @@ _LOCKS: dict = {}                               # run folder → its open lock f
 
 def lock_run_dir(run_dir: Path) -> None:
     """One trainer per run folder: an exclusive flock on run_dir/.lock, which the operating
-    system releases when the holder exits or is killed. A second trainer gets a ConfigError
+    system releases when the holder exits or is killed; a second trainer gets a ConfigError
     naming the process that holds it, before it changes anything."""
-    key = str(run_dir.resolve())
-    if key in _LOCKS:
+    if (key := str(run_dir.resolve())) in _LOCKS:
         return
     f = open(run_dir / ".lock", "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        holder = f.read().strip() or "another process"
+        holder = f.read().strip()
         f.close()
-        raise ConfigError(f"{str(run_dir)!r} is in use by a running trainer (pid {holder}); wait "
-                          "for it to finish or stop it, or pass another --run_dir") from None
+        raise ConfigError(f"{str(run_dir)!r} is in use by a running trainer (pid {holder}); "
+                          "wait for it or stop it, or pass another --run_dir") from None
     f.truncate(0)
     f.write(str(os.getpid()))
     f.flush()
@@ -1830,11 +1780,11 @@ def lock_run_dir(run_dir: Path) -> None:
 
 
 def open_run_dir(run: Run, run_dir: Path) -> tuple:
-    """Every rank learns rank 0's run folder (sets run.run_dir). Rank 0 creates and locks it,
-    clears half-written checkpoints, writes config.json, prints the banner and, on resume, points
-    `latest` at the resumed checkpoint and drops the lines of metrics.jsonl logged after it (they
-    are logged again, so each iteration appears once). Returns (metrics.jsonl open to append or
-    None, iterations already evaluated)."""
+    """Every rank learns rank 0's run folder. Rank 0 creates and locks it, clears half-written
+    checkpoints, writes config.json, prints the banner and, on resume, points `latest` at the
+    resumed checkpoint (later saves then never overwrite it) and drops the lines of metrics.jsonl
+    logged after it (they are logged again: each iteration appears once). Returns (metrics.jsonl
+    open to append or None, iterations already evaluated)."""
     if run.world > 1:                                      # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -1848,29 +1798,27 @@ def open_run_dir(run: Run, run_dir: Path) -> tuple:
         shutil.rmtree(stale, ignore_errors=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
     if run.args.resume:
-        ckpt = find_checkpoint(run.args.resume)
-        if ckpt.parent == run_dir / "checkpoints":        # later saves never overwrite `latest`
+        if (ckpt := find_checkpoint(run.args.resume)).parent == run_dir / "checkpoints":
             _point_latest(ckpt)
         keep = []
-        for line in (mpath.read_text().splitlines() if mpath.exists() else []):
+        for line in mpath.read_text().splitlines() if mpath.exists() else []:
             try:
                 m = json.loads(line)
             except ValueError:
                 continue                                   # a line cut short by a kill
-            is_eval = "eval_reward_mean" in m
-            if m.get("iter", math.inf) < run.start or (is_eval and m["iter"] <= run.start):
+            if m["iter"] < run.start or ("eval_reward_mean" in m and m["iter"] <= run.start):
                 keep.append(line)
-                if is_eval:
-                    evaluated.add(m["iter"])
-        mpath.with_name("metrics.jsonl.tmp").write_text("".join(l + "\n" for l in keep))
-        os.replace(mpath.with_name("metrics.jsonl.tmp"), mpath)
+                evaluated |= {m["iter"]} if "eval_reward_mean" in m else set()
+        mpath.with_suffix(".tmp").write_text("".join(l + "\n" for l in keep))
+        os.replace(mpath.with_suffix(".tmp"), mpath)
     print(banner(run))
     return open(mpath, "a"), evaluated
 
 
-# ---- checkpoints: one folder per save, `latest` switched atomically after it is complete ------
+# ---- checkpoints: one folder per save, `latest` switched atomically once it is complete --------
 CKPT_STATE, OPTIM_FILE = "trainer_state.pt", "optimizer.pt"
 LORA_FILE = "pytorch_lora_weights.safetensors"
+FULL_FILE = "transformer/diffusion_pytorch_model.safetensors"
 # flags that change the shape of what a checkpoint holds: they cannot change on --resume
 RESUME_FIXED = ("full_finetune", "lora_rank", "lora_alpha", "lora_targets")
 
@@ -1891,15 +1839,15 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
     ckpt = find_checkpoint(path)
     try:
         state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
-        missing = {"iteration", "config", "optimizer_saved", "rng"} - set(state)
-        full = state["config"]["full_finetune"] if not missing else False
-        weights = ckpt / ("transformer/config.json" if full else LORA_FILE)
-        optim = ckpt / OPTIM_FILE if not missing and state["optimizer_saved"] else weights
-        if missing or not weights.is_file() or not optim.is_file():
-            raise ValueError(f"missing {sorted(missing) or weights.name + ' or ' + OPTIM_FILE}")
-        if not full:
-            from safetensors.torch import load_file
-            load_file(str(weights))                        # reads every tensor: catches a cut file
+        need = [CKPT_STATE + ": " + k for k in ("iteration", "config", "optimizer_saved", "rng")
+                if k not in state]
+        if not need:
+            need = [f for f in ([FULL_FILE if state["config"]["full_finetune"] else LORA_FILE]
+                                + [OPTIM_FILE] * state["optimizer_saved"]) if not (ckpt / f).is_file()]
+        if need:
+            raise ValueError(f"missing {', '.join(need)}")
+        from safetensors.torch import load_file
+        load_file(str(ckpt / (FULL_FILE if state["config"]["full_finetune"] else LORA_FILE)))
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
                           f"({type(e).__name__}: {e}); pick another with --resume") from e
@@ -1907,8 +1855,7 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
 
 
 def checkpoint_config(path: str) -> dict:
-    """The resolved config saved with a checkpoint (config.json), read without its weights or
-    optimizer state; setup() validates and loads the rest."""
+    """The resolved config saved with a checkpoint, read without its weights."""
     ckpt = find_checkpoint(path)
     try:
         return json.loads((ckpt / "config.json").read_text())
@@ -1918,10 +1865,9 @@ def checkpoint_config(path: str) -> dict:
 
 
 def checkpoint(run: Run, it: int) -> Path:
-    """Save after `it` iterations. Every process takes part (under FSDP the full weights and
+    """Save after `it` iterations: every process takes part (under FSDP the weights and the
     optimizer state are gathered), rank 0 writes, the others wait. Returns the folder."""
-    tr = run.adapter.transformer
-    weights, optim = full_state(tr, run.opt)
+    weights, optim = full_state(run.adapter.transformer, run.opt)
     if run.rank == 0:
         save_checkpoint(run, it, weights, optim)
     if run.world > 1:
@@ -1930,34 +1876,32 @@ def checkpoint(run: Run, it: int) -> Path:
 
 
 def save_checkpoint(run: Run, it: int, weights: dict, optim: dict) -> Path:
-    """Write checkpoints/iter_XXXXXX: the weights in diffusers' format (a LoRA file that
-    `load_lora_weights` reads, or a `from_pretrained` transformer folder), the optimizer state,
-    the trainer state (iteration, loss scale, RNG) and the config; then point checkpoints/latest at it. It is
-    written to a temporary folder and renamed, and `latest` is switched atomically only then, so
-    at every instant `latest` names a complete checkpoint; a kill loses at most this save. A
-    failed write (disk full) removes the temporary folder and raises ConfigError."""
-    ckdir = run.run_dir / "checkpoints"
+    """checkpoints/iter_XXXXXX: the weights in diffusers' format (a LoRA that `load_lora_weights`
+    reads, or a transformer folder that `from_pretrained` reads), the optimizer state, the
+    trainer state (iteration, loss scale, RNG) and the config. Written to a temporary folder,
+    renamed, and only then `latest` switched atomically: at every instant `latest` names a
+    complete checkpoint, and a kill loses at most this save. A failed write (disk full) removes
+    the temporary folder and raises ConfigError."""
+    ckdir, cfg = run.run_dir / "checkpoints", dataclasses.asdict(run.args)
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)                                # umask applies (not mkdtemp's 0700)
-    config = dataclasses.asdict(run.args)
     try:
         if run.args.full_finetune:
-            tr = run.adapter.transformer
-            tr.save_config(tmp / "transformer")
             from safetensors.torch import save_file
-            save_file(weights, str(tmp / "transformer" / "diffusion_pytorch_model.safetensors"))
+            run.adapter.transformer.save_config(tmp / "transformer")
+            save_file(weights, str(tmp / FULL_FILE))
         else:
             from peft.utils import get_peft_model_state_dict
             lora = get_peft_model_state_dict(run.adapter.transformer, state_dict=weights)
             run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         if optim:
             torch.save(optim, tmp / OPTIM_FILE)
-        torch.save({"iteration": it, "config": config, "optimizer_saved": bool(optim), "rng": rng,
-                    "scaler": run.scaler.state_dict() if run.scaler else None}, tmp / CKPT_STATE)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim), "rng": rng,
+                    "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         mask = os.umask(0)
         os.umask(mask)
         for f in tmp.rglob("*"):                           # safetensors writes its files 0600
@@ -1966,7 +1910,7 @@ def save_checkpoint(run: Run, it: int, weights: dict, optim: dict) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({e.strerror or e}); "
                           f"free space there, then continue with --resume {run.run_dir}") from None
-    shutil.rmtree(final, ignore_errors=True)    # never `latest`'s: saves only go forward from it
+    shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves only move on from it
     os.replace(tmp, final)
     _point_latest(final)
     return final
@@ -1974,50 +1918,47 @@ def save_checkpoint(run: Run, it: int, weights: dict, optim: dict) -> Path:
 
 def _point_latest(ckpt: Path) -> None:
     """checkpoints/latest ← the folder name of `ckpt`, atomically (write, then rename)."""
-    tmp = ckpt.parent / ".latest.tmp"
-    tmp.write_text(ckpt.name)
-    os.replace(tmp, ckpt.parent / "latest")
+    (ckpt.parent / ".latest.tmp").write_text(ckpt.name)
+    os.replace(ckpt.parent / ".latest.tmp", ckpt.parent / "latest")
 
 
 def load_trainable(adapter, ckpt: Path, full: bool) -> None:
-    """Load trained weights back into the live (unsharded) transformer: the inverse of
-    save_checkpoint, the same on any number of processes."""
+    """Trained weights back into the live, still unsharded transformer (any process count)."""
     from safetensors.torch import load_file
     if full:
-        sd = load_file(str(ckpt / "transformer" / "diffusion_pytorch_model.safetensors"))
-        adapter.transformer.load_state_dict(sd)
+        adapter.transformer.load_state_dict(load_file(str(ckpt / FULL_FILE)))
         return
     from peft.utils import set_peft_model_state_dict
     sd = {k.removeprefix("transformer."): v for k, v in load_file(str(ckpt / LORA_FILE)).items()}
-    res = set_peft_model_state_dict(adapter.transformer, sd)
-    if getattr(res, "unexpected_keys", None):
-        raise ConfigError(f"checkpoint {str(ckpt)!r} does not match this model: "
-                          f"{res.unexpected_keys[:3]}")
+    if unexpected := getattr(set_peft_model_state_dict(adapter.transformer, sd),
+                             "unexpected_keys", None):
+        raise ConfigError(f"checkpoint {str(ckpt)!r} does not match this model: {unexpected[:3]}")
 
 
 def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
-    """Optimizer, loss scale and RNG states of a checkpoint (saved by any number of processes).
-    The optimizer file is memory-mapped: processes on one machine share its pages."""
-    if state["optimizer_saved"]:                 # False if saved before the first step
+    """Optimizer, loss scale and RNG states of a checkpoint saved by any number of processes. The
+    optimizer file is memory-mapped: processes on one machine share its pages."""
+    if state["optimizer_saved"]:                 # False when saved before the first step
         load_optimizer_state(tr, opt, torch.load(ckpt / OPTIM_FILE, map_location="cpu",
                                                  mmap=True, weights_only=False))
-    if state.get("scaler"):
+    if state["scaler"]:                          # {} from a disabled (non-fp16) scaler
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    if state["rng"].get("cuda") is not None and torch.cuda.is_available():
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
 
-# ---- data parallelism: `torchrun --nproc_per_node=N vgrpo.py ...` ------------------------------
+# ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` --------------------------------------
 # nanoGPT's pattern: WORLD_SIZE > 1 in the environment ⇒ torch.distributed (NCCL on GPUs, gloo on
-# CPU), and PyTorch FSDP2 (`fully_shard`, as Flow-Factory and torchtitan use it) shards the
+# CPU), and PyTorch FSDP2 (`fully_shard`, the engine Flow-Factory and torchtitan use) shards the
 # transformer's parameters, gradients and AdamW state over the processes. Every process draws the
-# same global prompts, noise and pairs from the (seed, iteration) generators and works on its own
-# contiguous slice of whole groups (Shard); rewards are all-gathered so advantages (global std
-# included) are computed on the global batch; FSDP averages the gradients (reduce-scatter, in
-# fp32) on the last micro-batch of each optimizer step. One process then computes what a single
-# process would, up to the order of floating-point sums.
+# same prompts, noise and pairs from the (seed, iteration) generators and works on its own whole
+# groups (Run.local); rewards are all-gathered, so the advantages (global std included) see the
+# global batch; FSDP averages the gradients (reduce-scatter, fp32) at the end of each optimizer
+# step. The text encoders, the VAE and the reward models are frozen and replicated: they run once
+# per prompt or image and hold no optimizer state. One process computes what a single process
+# would, up to the order of floating-point sums.
 def dist_info() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) otherwise."""
     env = os.environ
@@ -2037,10 +1978,10 @@ def check_world(args: Args, world: int) -> None:
 
 
 def shard_transformer(tr, dtype: torch.dtype) -> None:
-    """FSDP2: each block its own unit, then the root (embedders, final layer). Under bf16/fp16
-    the parameters are all-gathered in that dtype (what autocast casts them to for the matmuls
-    anyway; the frozen base already is) and gradients reduce-scattered in fp32; in fp32 (the CPU)
-    nothing is cast. The fp32 master weights and AdamW state stay sharded."""
+    """FSDP2: each block its own unit, then the root (embedders, final layer). The fp32 master
+    weights and their AdamW state stay sharded; under bf16 / fp16 the parameters are all-gathered
+    in that dtype (what autocast casts them to for the matmuls; the frozen base already is) and
+    the gradients reduce-scattered in fp32. In fp32 (the CPU) nothing is cast."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
           if dtype != torch.float32 else MixedPrecisionPolicy())
@@ -2049,27 +1990,24 @@ def shard_transformer(tr, dtype: torch.dtype) -> None:
     fully_shard(tr, mp_policy=mp)
 
 
-@contextlib.contextmanager
-def grad_sync(run: Run, last: bool):
-    """LoRA: micro-batches accumulate gradients locally and FSDP reduce-scatters them on the last
-    one of a step. A full fine-tune reduces every micro-batch: accumulating would hold whole,
-    unsharded gradients of the entire transformer on every process."""
+def grad_sync(run: Run, last: bool) -> None:
+    """LoRA: micro-batches accumulate locally and FSDP reduce-scatters on the last of a step. A
+    full fine-tune reduces every micro-batch: accumulating would hold the whole, unsharded
+    gradient of the transformer on every process."""
     if run.world > 1:
         run.adapter.transformer.set_requires_gradient_sync(last or run.args.full_finetune)
-    yield
 
 
 @contextlib.contextmanager
 def gathered(run: Run):
-    """A no-grad rollout of K network calls with the parameters all-gathered ONCE (FSDP's
-    default re-gathers every block at every call: K× the communication). Memory: each process
-    then holds the whole transformer in the compute dtype for the rollout, as every process did
-    before sharding; the shards come back after it."""
-    tr = run.adapter.transformer
+    """A no-grad rollout (K network calls) with the parameters all-gathered ONCE: FSDP's default
+    gathers every block again at every call, K times the traffic. Each process then holds the
+    whole transformer in the compute dtype for the rollout, as it did before sharding."""
     if run.world == 1:
         yield
         return
     from torch.distributed.fsdp import FSDPModule
+    tr = run.adapter.transformer
     tr.set_reshard_after_forward(False)
     try:
         yield
@@ -2081,10 +2019,10 @@ def gathered(run: Run):
 
 
 def full_state(tr, opt) -> tuple[dict, dict]:
-    """The trainable weights and the optimizer state, whole, on the CPU and keyed by parameter
-    name: gathered from the shards under FSDP, the same for any number of processes. Every
-    process calls it (a collective). An optimizer that never stepped gives {} (asked for its
-    state, torch.distributed.checkpoint would initialise it with a hidden zero-lr step)."""
+    """The trainable weights and the optimizer state, whole, on the CPU, keyed by parameter name:
+    gathered from the shards under FSDP, the same for any number of processes. Every process
+    calls it (a collective). An optimizer that never stepped gives {}: asked for its state,
+    torch.distributed.checkpoint would first initialise it with a hidden zero-lr step."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -2099,7 +2037,7 @@ def load_optimizer_state(tr, opt, optim: dict) -> None:
 
 
 def _any_rank(flag: bool, run: Run) -> bool:
-    """True on every process if it is True on any (e.g. Ctrl-C reached only some of them)."""
+    """True on every process if it is True on any (Ctrl-C may reach only some of them)."""
     if run.world == 1:
         return flag
     t = torch.tensor([float(flag)], device=run.dev)
