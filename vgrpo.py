@@ -1122,16 +1122,15 @@ def transformer_blocks(transformer) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-# §9  Training loop, top-down: the loop's state (Run, Rollouts, Scored), then `iteration`, the
-#     algorithm box of §0, and its five steps; then the run around it (setup, the outer loop,
-#     evaluation, live curves), then plumbing a reader of the method can skip: the run folder,
-#     checkpoints and torchrun.
+# §9  Training loop, top-down: the loop's state, then `iteration` (the algorithm box of §0) and
+#     its five steps; the run around it (setup, outer loop, evaluation, live curves); then what a
+#     reader of the method can skip: the run folder, checkpoints, torchrun.
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """Everything an iteration needs, built once by `setup` (the loop's state, no globals).
-    Under torchrun each process holds whole groups, a contiguous slice of the N = P·G samples
-    that every process draws alike (prompts, noise, pairs): `local` cuts it."""
+    """Everything an iteration needs, built once by `setup` (no globals). Under torchrun each
+    process holds whole groups: a contiguous slice of the N = P·G samples that every process
+    draws alike (prompts, noise, pairs), cut by `local`."""
     args: Args
     adapter: object               # SD3Adapter or FluxAdapter (§8)
     rewards: Rewards
@@ -1146,11 +1145,11 @@ class Run:
     sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
     eval_sigmas: torch.Tensor     # (K_eval + 1,)
     D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
+    scaler: object                # GradScaler, active under --dtype fp16
     start: int = 0                # first iteration (> 0 when resumed)
     rank: int = 0
     world: int = 1
     run_dir: Optional[Path] = None
-    scaler: Optional[object] = None  # GradScaler, active under --dtype fp16
 
     @property
     def N(self) -> int:
@@ -1187,8 +1186,8 @@ class Scored:
 
 # ---- one iteration: the algorithm box of §0, step by step --------------------------------------
 def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration, Alg. steps 1–5 of §0. Returns host-side metrics. Host syncs: the
-    rewards (scored on the host: the advantages need all of them), one per optimizer step (the
+    """One V-GRPO iteration, Alg. steps 1–5 of §0; returns host-side metrics. Host syncs: the
+    rewards (scored on the host; the advantages need all of them), one per optimizer step (the
     non-finite-gradient check decides whether to step) and one for the metrics."""
     timer = PhaseTimer(run.dev)
     with timer("time_rollout"):
@@ -1205,20 +1204,18 @@ def iteration(run: Run, it: int) -> dict:
 
 
 def collect_rollouts(run: Run, it: int) -> Rollouts:
-    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (θ itself:
-    nothing is copied) — this process's whole groups only."""
-    args, ad, G = run.args, run.adapter, run.args.group_size
-    P, n_tr = args.prompts_per_iter, len(run.train_prompts)
-    g_prompt, g_noise = _gen(args.seed, it, 0), _gen(args.seed, it, 1)
-    pick = (torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr
-            else torch.randint(n_tr, (P,), generator=g_prompt))
+    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (= θ:
+    nothing is copied), for this process's groups."""
+    args, ad = run.args, run.adapter
+    P, n_tr, g = args.prompts_per_iter, len(run.train_prompts), _gen(args.seed, it, 0)
+    pick = torch.randperm(n_tr, generator=g)[:P] if P <= n_tr else torch.randint(n_tr, (P,), generator=g)
     prompts = run.local([run.train_prompts[i] for i in pick.tolist()])
     cond = ad.encode(prompts)                                               # Pl rows
-    prompt_idx = (torch.arange(run.Nl) // G).to(run.dev)                    # (Nl,)
-    x1 = run.local(torch.randn((run.N,) + run.D, generator=g_noise)).to(run.dev)   # (Nl, *D)
+    prompt_idx = (torch.arange(run.Nl) // args.group_size).to(run.dev)      # (Nl,)
+    x1 = run.local(torch.randn((run.N,) + run.D, generator=_gen(args.seed, it, 1))).to(run.dev)
     with gathered(run):
         x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
-    return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)
+    return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)   # x0: (Nl, *D)
 
 
 def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
@@ -1226,15 +1223,15 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
     group-relative advantages of the chosen aggregation (§4)."""
     args, G, rw = run.args, run.args.group_size, run.rewards
     names = [n for n, _ in rw.train_terms]
-    raw_loc, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
-                                   [ro.prompts[i // G] for i in range(run.Nl)], args.reward_batch)
-    gathered_ = _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(run.dev), run.world)
-    raw = dict(zip(names, gathered_.cpu()))                                 # {name: (N,)}
+    mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
+                                [ro.prompts[i // G] for i in range(run.Nl)], args.reward_batch)
+    every = _all_gather_cat(torch.stack([mine[n] for n in names]).to(run.dev), run.world)
+    raw = dict(zip(names, every.cpu()))                                     # {name: (N,)}
     values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)  # (R,P,G)
-    weights = torch.tensor([w for _, w in rw.train_terms])
     aggregate = (per_reward_advantages if args.reward_aggregation == "per_reward"
                  else weighted_sum_advantages)
-    adv, stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
+    adv, stats = aggregate(values, torch.tensor([w for _, w in rw.train_terms]),
+                           global_std=args.global_std, std_eps=args.std_eps,
                            clamp=args.adv_clamp, eta=args.soft_clip_eta)
     # adv.flatten() is prompt-major (sample n belongs to prompt n // G), as the rollouts are
     return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms),
@@ -1244,60 +1241,57 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
 
 def draw_iteration_pairs(run: Run, it: int) -> Pairs:
     """[Alg. step 3] One set of stratified (t, ε) pairs per sharing scope [ours C4], for θ_old
-    and every θ step. Every process draws them from the same CPU generator; rank 0's are
-    broadcast anyway (CPUs with other vector units may round the Gaussian draw differently)."""
-    args, N, G = run.args, run.N, run.args.group_size
-    scope = {"batch": torch.zeros(N, dtype=torch.long), "group": torch.arange(N) // G,
+    and every θ step, from one CPU generator; under torchrun rank 0's set is broadcast (another
+    CPU's vector unit may round the Gaussian draw differently)."""
+    args, N = run.args, run.N
+    scope = {"batch": torch.zeros(N, dtype=torch.long), "group": torch.arange(N) // args.group_size,
              "none": torch.arange(N)}[args.pair_sharing]
     pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
                        generator=_gen(args.seed, it, 2), device=run.dev)
-    if run.world > 1:
-        torch.distributed.broadcast(pairs.t, src=0)
-        torch.distributed.broadcast(pairs.eps, src=0)
+    for x in (pairs.t, pairs.eps) if run.world > 1 else ():
+        torch.distributed.broadcast(x, src=0)
     return pairs
 
 
 def minibatches(run: Run, it: int) -> list:
-    """The μ optimizer steps' disjoint, equal minibatches of local rows (check_world), split into
-    micro-batches: [(step k, rows), ...] in the order the update visits them. Drawn before Alg.
-    step 4, so that S_old is computed in exactly the micro-batches (rows and shapes) of the first
+    """[(step k, rows), ...]: the μ optimizer steps' disjoint, equal minibatches of local rows
+    (check_world) in micro-batches, in the order the update visits them. Drawn before Alg. step
+    4, so that S_old is computed in exactly the micro-batches (rows and shapes) of the first
     step: its ratio is then exactly 1 for any μ."""
-    args = run.args
-    perm = (torch.randperm(run.Nl, generator=_gen(args.seed, it, 3)).to(run.dev) if args.mu > 1
+    a = run.args
+    perm = (torch.randperm(run.Nl, generator=_gen(a.seed, it, 3)).to(run.dev) if a.mu > 1
             else torch.arange(run.Nl, device=run.dev))
-    return [(k, rows) for k, mb in enumerate(perm.tensor_split(args.mu))
-            for rows in mb.split(args.micro_batch)]
+    return [(k, rows) for k, mb in enumerate(perm.tensor_split(a.mu))
+            for rows in mb.split(a.micro_batch)]
 
 
 @torch.no_grad()
 def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list):
-    """[Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
-    Returns s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only with the KL), surrogate-CV stats."""
-    args = run.args
-    s_old = torch.empty(run.Nl, args.n_mc, device=run.dev)
-    x0h_old = torch.empty((run.Nl, args.n_mc) + run.D, device=run.dev) if args.kl_coef else None
+    """[Alg. step 4] S_old, the behaviour policy's surrogate, stored with the rollout. Returns
+    s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only the KL needs it) and surrogate-CV stats."""
+    a = run.args
+    s_old = torch.empty(run.Nl, a.n_mc, device=run.dev)
+    x0h_old = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev) if a.kl_coef else None
     for _, rows in mbs:
         s_old[rows], x0h = surrogates(run, ro, pairs, rows)
         if x0h_old is not None:
             x0h_old[rows] = x0h
     S_all = _all_gather_cat(s_old.mean(dim=1), run.world)                   # (N,)
-    return s_old, x0h_old, surrogate_cv(S_all.view(args.prompts_per_iter, args.group_size))
+    return s_old, x0h_old, surrogate_cv(S_all.view(a.prompts_per_iter, a.group_size))
 
 
 def surrogates(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
     """(s (m, J), x̂0 (m, J, *D)) of local samples `rows` under the current parameters (§5)."""
-    a = run.args
-    t_r, e_r = pairs.take(rows + run.rank * run.Nl)               # pairs are indexed globally
+    a, (t, eps) = run.args, pairs.take(rows + run.rank * run.Nl)    # pairs are indexed globally
     with run.ctx:
-        return pair_surrogates(run.adapter.velocity, ro.x0[rows],
-                               select(ro.cond, ro.prompt_idx[rows]), t_r, e_r,
-                               parameterization=a.parameterization,
+        return pair_surrogates(run.adapter.velocity, ro.x0[rows], select(ro.cond, ro.prompt_idx[rows]),
+                               t, eps, parameterization=a.parameterization,
                                adaptive=a.adaptive_weighting, mae_floor=a.mae_floor)
 
 
 def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_old, x0h_old):
-    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
-    Returns ({stat: [per micro-batch tensors]}, [grad norm per step])."""
+    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollouts. Returns
+    ({stat: [per micro-batch tensors]}, [grad norm per step])."""
     args, stats, grad_norms = run.args, {}, []
     mbs = [] if sc.skipped else mbs
     size = {k: sum(len(r) for j, r in mbs if j == k) for k, _ in mbs}       # samples per step
@@ -1307,9 +1301,8 @@ def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_
         kl = xspace_kl(x0h, x0h_old[rows]) if x0h_old is not None else None
         loss, st = vgrpo_loss(s_new, s_old[rows], sc.adv[rows], clip_eps=args.clip_eps, kl=kl,
                               kl_coef=args.kl_coef)
-        mb_loss = loss * (len(rows) / size[k])              # mean over the minibatch [ours C16]
         grad_sync(run, last)
-        (run.scaler.scale(mb_loss) if run.scaler else mb_loss).backward()
+        run.scaler.scale(loss * len(rows) / size[k]).backward()   # minibatch mean [ours C16]
         for name, v in {**st, **({"abs_log_ratio_first": st["abs_log_ratio"]} if k == 0
                                  else {})}.items():
             stats.setdefault(name, []).append(v)
@@ -1319,16 +1312,14 @@ def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_
 
 
 def optimizer_step(run: Run) -> torch.Tensor:
-    """Unscale (fp16), clip, step unless the norm is non-finite, zero the gradients (under
-    torchrun FSDP has averaged them over processes already). Returns the pre-clip norm."""
-    if run.scaler:
-        run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
+    """Unscale (fp16), clip, step unless the norm is non-finite, zero the gradients (which FSDP
+    has already averaged over processes). Returns the pre-clip norm."""
+    run.scaler.unscale_(run.opt)                      # fp16: the true gradients before the clip
     gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
-    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn    # a DTensor under FSDP
+    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn     # a DTensor under FSDP
     if torch.isfinite(gn):                            # host sync: step, or skip a bad step
-        run.scaler.step(run.opt) if run.scaler else run.opt.step()
-    if run.scaler:
-        run.scaler.update()                           # halve the scale after an overflow
+        run.scaler.step(run.opt)
+    run.scaler.update()                               # fp16: halve the scale after an overflow
     run.opt.zero_grad(set_to_none=True)
     return gn.detach().float()
 
@@ -1336,7 +1327,7 @@ def optimizer_step(run: Run) -> torch.Tensor:
 def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad_norms: list,
                       timer: PhaseTimer) -> dict:
     """One host sync for everything logged; this process's statistics averaged over processes."""
-    args = run.args
+    a = run.args
     gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
     scal = {k: torch.stack(v).mean() for k, v in stats.items()}
     scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
@@ -1347,18 +1338,17 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
     m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
          "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": float(run.scaler.get_scale()) if run.scaler.is_enabled() else 1.0,
+         "grad_scale": run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
          # network evaluations per sample: the rollout, θ_old's surrogate, θ's surrogate
-         "nfe_rollout": args.num_steps, "nfe_old": args.n_mc, "nfe_theta": args.n_mc}
+         "nfe_rollout": a.num_steps, "nfe_old": a.n_mc, "nfe_theta": a.n_mc}
     for n, r in sc.raw.items() if len(sc.raw) > 1 else ():
         m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
     for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, float("nan") if sc.skipped else 0.0)
+        m.setdefault(k, math.nan if sc.skipped else 0.0)
     if bad and run.rank == 0:
         _warn(f"iteration {it}: {bad} non-finite reward(s) dropped (advantage 0)"
               + ("; update skipped" if sc.skipped else ""))
-    m["time_iter"] = timer.total()
-    return m
+    return {**m, "time_iter": timer.total()}
 
 
 def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
@@ -1375,8 +1365,7 @@ def _warn(msg: str) -> None:
 @torch.no_grad()
 def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
             solver: str, chunk: int, ctx) -> torch.Tensor:
-    """ODE-solve every row of x1 (N, *D) with the current policy, `chunk` rows at a time.
-    Returns latents (N, *D) fp32 — the actions o."""
+    """ODE-solve every row of x1 (N, *D), `chunk` rows at a time: the actions o (N, *D) fp32."""
     out = []
     for rows in torch.arange(len(x1)).split(chunk):
         with ctx:
@@ -1412,8 +1401,8 @@ def _gen(seed: int, it: int, stream: int) -> torch.Generator:
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase, `with timer("time_old"): ...`, in `timer.times`; syncs the GPU
-    before reading the clock (sync=False for host-bound phases)."""
+    """Seconds per phase, `with timer("time_old"): ...`, in `timer.times`; the GPU is synced
+    before the clock is read (sync=False for host-bound phases)."""
 
     def __init__(self, dev: torch.device):
         self.dev, self.times, self.t0 = dev, {}, time.perf_counter()
@@ -1422,8 +1411,7 @@ class PhaseTimer:
     def __call__(self, key: str, sync: bool = True):
         t = time.perf_counter()
         yield
-        if sync:
-            _sync(self.dev)
+        _sync(self.dev) if sync else None
         self.times[key] = time.perf_counter() - t
 
     def total(self) -> float:
@@ -1431,8 +1419,7 @@ class PhaseTimer:
 
 
 def _sync(dev: torch.device) -> None:
-    """Wait for the GPU before reading a wall clock (phase timings only)."""
-    if dev.type == "cuda":
+    if dev.type == "cuda":                                 # wait for the GPU before a clock read
         torch.cuda.synchronize(dev)
 
 
@@ -1449,8 +1436,7 @@ def train(args: Args) -> list[dict]:
 
 def loop(run: Run, run_dir: Path) -> list[dict]:
     """Evaluate, iterate, log, checkpoint. The first Ctrl-C lets the iteration in flight finish,
-    saves it and stops; a second one stops at once, and checkpoints/latest still names the last
-    complete checkpoint."""
+    saves it and stops; a second stops at once, `latest` naming the last complete checkpoint."""
     from tqdm.auto import tqdm
     args, history, stop = run.args, [], []
     log_f, done_evals = open_run_dir(run, run_dir)
@@ -1466,7 +1452,11 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
         if run.rank == 0:
             print(json.dumps(m), file=log_f, flush=True)
             tracker.log(m, evaluation)
-            tqdm.write(progress_line(m))
+            tqdm.write(f"eval at iteration {m['iter']}: reward {m['eval_reward_mean']:.4f}"
+                       if evaluation else
+                       f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
+                       f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}"
+                       f"/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
@@ -1504,18 +1494,10 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
     return history
 
 
-def progress_line(m: dict) -> str:
-    if "eval_reward_mean" in m:
-        return f"eval at iteration {m['iter']}: reward {m['eval_reward_mean']:.4f}"
-    return (f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
-            f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}/"
-            f"{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
-
-
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     """Load the model and rewards, attach LoRA, shard under torchrun, build the optimizer, restore
-    a checkpoint. Expects an Args from parse_args / resolve_args (validated there); writes
-    nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
+    a checkpoint; writes nothing. Expects an Args from parse_args / resolve_args (validated
+    there). `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
     train_prompts, eval_prompts = load_prompts(args)
     ckpt, state = read_checkpoint(args.resume) if args.resume else (None, None)
     for k in RESUME_FIXED if state else ():
@@ -1538,10 +1520,10 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     if args.offload_text_encoders:                   # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
     tr = adapter.transformer
-    lora_cfg = None if args.full_finetune else add_lora(tr, args.lora_rank, args.lora_alpha,
-                                                        args.lora_targets.split(","))
     if args.full_finetune:
-        tr.to(torch.float32).requires_grad_(True)   # fp32 master weights, bf16 autocast compute
+        lora_cfg = tr.to(torch.float32).requires_grad_(True) and None   # fp32 masters, autocast
+    else:
+        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
     if ckpt is not None:
         load_trainable(adapter, ckpt, args.full_finetune)
     if args.gradient_checkpointing:
@@ -1562,16 +1544,15 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
                lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
                dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
                eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
-               D=adapter.latent_shape(args.resolution), start=state["iteration"] if state else 0,
-               rank=rank, world=world, scaler=scaler)
+               D=adapter.latent_shape(args.resolution), scaler=scaler,
+               start=state["iteration"] if state else 0, rank=rank, world=world)
 
 
 def setup_device(args: Args, local_rank: int = 0) -> tuple:
     """Device, compute dtype and the one autocast context used for every model call."""
     dev = torch.device(args.device if args.device != "auto"
-                       else "cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device(f"cuda:{local_rank}")
+                       else f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(f"cuda:{local_rank}") if dev.type == "cuda" and dev.index is None else dev
     name = args.dtype if args.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
     if dev.type == "cuda":
@@ -1614,18 +1595,17 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
         allp = read(args.prompts, "--prompts")
         n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
         order = torch.randperm(len(allp), generator=torch.Generator().manual_seed(1234)).tolist()
-        held = [allp[i] for i in sorted(order[:n_eval])]
-        train = [allp[i] for i in sorted(order[n_eval:])]
-    if args.eval_prompts is not None:
-        held = read(args.eval_prompts, "--eval_prompts")
+        held, train = ([allp[i] for i in sorted(order[:n_eval])],
+                       [allp[i] for i in sorted(order[n_eval:])])
+    held = read(args.eval_prompts, "--eval_prompts") if args.eval_prompts else held
     return train, held or train[:1]
 
 
 @torch.no_grad()
 def evaluate(run: Run, it: int) -> dict:
     """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
-    with eval_steps; scores every --eval_rewards; rank 0 saves the grid to eval/iter_XXXXXX.png.
-    Every process runs it (under FSDP a forward needs all of them)."""
+    with eval_steps and scored with every --eval_rewards; rank 0 saves the grid (⌈√n⌉ per row)
+    to eval/iter_XXXXXX.png. Every process runs it: under FSDP a forward needs all of them."""
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
@@ -1636,8 +1616,12 @@ def evaluate(run: Run, it: int) -> dict:
                                   args.reward_batch, keep_images=True)
     if run.run_dir is not None and run.rank == 0:
         from PIL import Image
+        n, _, h, w = imgs.shape
+        cols = math.ceil(math.sqrt(n))
+        grid = torch.cat([imgs, imgs.new_zeros((-n % cols, 3, h, w))])   # black padding
+        grid = grid.view(-1, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(-1, cols * w, 3)
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
-        Image.fromarray(grid_array(imgs).numpy()).save(run.run_dir / "eval" / f"iter_{it:06d}.png")
+        Image.fromarray(grid.numpy()).save(run.run_dir / "eval" / f"iter_{it:06d}.png")
     head = rw.headline(raw, rw.eval_terms)
     ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms),
           "eval_nfe": len(run.eval_sigmas) - 1, "eval_n_nonfinite": int((~head.isfinite()).sum())}
@@ -1649,22 +1633,12 @@ def evaluate(run: Run, it: int) -> dict:
     return ev
 
 
-def grid_array(images_u8: torch.Tensor) -> torch.Tensor:
-    """(n, 3, h, w) uint8 images → one (rows·h, cols·w, 3) grid, ⌈√n⌉ per row, black padding."""
-    n, _, h, w = images_u8.shape
-    cols = math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
-    grid = torch.zeros(rows * cols, 3, h, w, dtype=torch.uint8)
-    grid[:n] = images_u8
-    return grid.view(rows, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, cols * w, 3)
-
-
 class Tracker:
     """Live curves (rank 0): every logged scalar to TensorBoard or W&B (--report_to), the
     evaluation grids as images, and run_dir/metrics.png redrawn at each evaluation and at the
     end. The step is the iteration, so a resumed run continues the same curves: TensorBoard
-    discards what was logged after the checkpoint (`purge_step`); W&B resumes the run by the id
-    saved in the run folder and ignores steps it already holds."""
+    drops what was logged after the checkpoint (`purge_step`); W&B resumes the run by the id
+    kept in the run folder and ignores steps it already holds."""
 
     def __init__(self, run: Run):
         self.run, self.kind, self.out = run, run.args.report_to, None
@@ -1782,9 +1756,9 @@ def lock_run_dir(run_dir: Path) -> None:
 def open_run_dir(run: Run, run_dir: Path) -> tuple:
     """Every rank learns rank 0's run folder. Rank 0 creates and locks it, clears half-written
     checkpoints, writes config.json, prints the banner and, on resume, points `latest` at the
-    resumed checkpoint (later saves then never overwrite it) and drops the lines of metrics.jsonl
-    logged after it (they are logged again: each iteration appears once). Returns (metrics.jsonl
-    open to append or None, iterations already evaluated)."""
+    resumed checkpoint (later saves never overwrite it) and drops the metrics.jsonl lines logged
+    after it (logged again: each iteration appears once). Returns (metrics.jsonl open to append,
+    or None off rank 0; iterations already evaluated)."""
     if run.world > 1:                                      # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -1852,16 +1826,6 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
                           f"({type(e).__name__}: {e}); pick another with --resume") from e
     return ckpt, state
-
-
-def checkpoint_config(path: str) -> dict:
-    """The resolved config saved with a checkpoint, read without its weights."""
-    ckpt = find_checkpoint(path)
-    try:
-        return json.loads((ckpt / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
-                          f"({type(e).__name__}: {e}); pick another with --resume") from e
 
 
 def checkpoint(run: Run, it: int) -> Path:
@@ -1936,11 +1900,12 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
 
 
 def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
-    """Optimizer, loss scale and RNG states of a checkpoint saved by any number of processes. The
-    optimizer file is memory-mapped: processes on one machine share its pages."""
+    """Optimizer, loss scale and RNG states of a checkpoint saved by any number of processes; each
+    process keeps its shard. The optimizer file is memory-mapped: processes share its pages."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     if state["optimizer_saved"]:                 # False when saved before the first step
-        load_optimizer_state(tr, opt, torch.load(ckpt / OPTIM_FILE, map_location="cpu",
-                                                 mmap=True, weights_only=False))
+        optim = torch.load(ckpt / OPTIM_FILE, map_location="cpu", mmap=True, weights_only=False)
+        set_optimizer_state_dict(tr, opt, optim, options=StateDictOptions(full_state_dict=True))
     if state["scaler"]:                          # {} from a disabled (non-fp16) scaler
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -2028,12 +1993,6 @@ def full_state(tr, opt) -> tuple[dict, dict]:
     o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     optim = get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
     return get_model_state_dict(tr, options=o), optim
-
-
-def load_optimizer_state(tr, opt, optim: dict) -> None:
-    """The inverse of full_state for the optimizer: each process keeps its own shard."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(tr, opt, optim, options=StateDictOptions(full_state_dict=True))
 
 
 def _any_rank(flag: bool, run: Run) -> bool:
@@ -2335,7 +2294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         given = given_flags(argv)
         # a resumed run keeps its own configuration; flags given now override it
-        resumed = checkpoint_config(given["resume"]) if given.get("resume") else None
+        resumed = read_checkpoint(given["resume"])[1]["config"] if given.get("resume") else None
         train(resolve_args(given, resumed=resumed))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
