@@ -461,7 +461,9 @@ def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     assert V.main(TINY + ["--run_dir", str(run)]) == 0
     ckpt = run / "checkpoints" / "iter_000002"
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    assert state["iteration"] == 2 and state["config"]["model"] == "tiny" and state["optimizer"]["state"]
+    assert state["iteration"] == 2 and state["config"]["model"] == "tiny" and state["optimizer_saved"]
+    optim = torch.load(ckpt / "optimizer.pt", weights_only=False)    # keyed by parameter name
+    assert optim["state"] and all("lora_" in k for k in optim["state"])
     # trained velocity, reconstructed by the trainer's own loader
     trained = V.load_pipeline("tiny", torch.float32)
     V.add_lora(trained.transformer, 8, 16, V.Args.lora_targets.split(","))
@@ -865,6 +867,79 @@ def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, ca
     assert ckpt.name == "iter_000001" and state["iteration"] == 1
     assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
     assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+
+
+# ------------------------------------------------------------------------------------------------
+# Watching a run: TensorBoard / W&B, metrics.png, one trainer per run folder
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.trainer
+def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, monkeypatch):
+    """--report_to tensorboard: TensorBoard's own reader finds reward_mean once per iteration,
+    also after a kill (iteration 2 was logged, then lost with the kill) and --resume, and the
+    evaluation grids as images; metrics.png is a real image."""
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run, real = tmp_path / "run", V.iteration
+
+    def killed_at_3(r, it):
+        if it == 3:
+            raise SystemExit("killed")
+        return real(r, it)
+
+    monkeypatch.setattr(V, "iteration", killed_at_3)
+    with pytest.raises(SystemExit):
+        V.main(TINY + ["--iterations", "5", "--save_every", "2", "--eval_every", "2",
+                       "--report_to", "tensorboard", "--run_dir", str(run)])
+    monkeypatch.setattr(V, "iteration", real)
+    assert V.main(["--resume", str(run)]) == 0
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward_mean")] == [0, 1, 2, 3, 4]
+    assert [e.step for e in acc.Scalars("eval_reward_mean")] == [0, 2, 4, 5]
+    assert [e.step for e in acc.Images("eval_grid")] == [0, 2, 4, 5]
+    with Image.open(run / "metrics.png") as im:
+        assert im.format == "PNG" and im.size[0] > 500 and im.size[1] > 300
+
+
+@pytest.mark.trainer
+def test_a_second_trainer_on_a_live_run_folder_exits_in_one_line(tmp_path, capsys):
+    """While one trainer holds a run folder, a second (same --run_dir, or --resume) exits at once
+    with one line naming the holder's pid and changes nothing; the lock dies with its holder."""
+    import signal
+    import subprocess
+    import time
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, str(ROOT / "vgrpo.py")] + TINY +
+                             ["--iterations", "1000", "--run_dir", str(run)],
+                             env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):                        # until it has saved a checkpoint
+            if (run / "checkpoints" / "latest").is_file() and (run / ".lock").read_text():
+                break
+            time.sleep(0.1)
+        assert (run / ".lock").read_text() == str(first.pid)
+        before = {p: p.read_bytes() for p in (run / "config.json", run / "checkpoints" / "latest")}
+        for argv in (TINY + ["--run_dir", str(run)], ["--resume", str(run)]):
+            assert V.main(argv) == 2
+            err = capsys.readouterr().err
+            assert re.fullmatch(rf"error: .*in use by a running trainer \(pid {first.pid}\).*\n", err), err
+        assert before == {p: p.read_bytes() for p in before}
+        assert first.poll() is None                 # the first trainer is still running
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert V.main(["--resume", str(run), "--iterations", str(
+        V.read_checkpoint(str(run))[1]["iteration"] + 1)]) == 0      # a SIGKILL frees the lock
+
+
+@pytest.mark.trainer
+def test_report_to_wandb_without_wandb_is_one_line_before_loading(tmp_path, capsys, monkeypatch):
+    real = V.importlib.util.find_spec
+    monkeypatch.setattr(V.importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
+    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+    _one_line(TINY + ["--report_to", "wandb"], tmp_path, capsys, r"--report_to wandb needs the "
+              r"optional package wandb: pip install wandb")
 
 
 @pytest.mark.trainer

@@ -1439,7 +1439,7 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
     saves it and stops; a second stops at once, `latest` naming the last complete checkpoint."""
     from tqdm.auto import tqdm
     args, history, stop = run.args, [], []
-    log_f, done_evals = open_run_dir(run, run_dir)
+    log_f = open_run_dir(run, run_dir)
     tracker = Tracker(run) if run.rank == 0 else None
 
     def on_sigint(*_):
@@ -1463,7 +1463,7 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
                desc="V-GRPO", unit="it", disable=run.rank != 0)
     try:
         for it in bar:
-            if args.eval_every and it % args.eval_every == 0 and it not in done_evals:
+            if args.eval_every and it % args.eval_every == 0:
                 log(evaluate(run, it), evaluation=True)
             history.append(m := iteration(run, it))
             log(m)
@@ -1753,19 +1753,19 @@ def lock_run_dir(run_dir: Path) -> None:
     _LOCKS[key] = f
 
 
-def open_run_dir(run: Run, run_dir: Path) -> tuple:
+def open_run_dir(run: Run, run_dir: Path):
     """Every rank learns rank 0's run folder. Rank 0 creates and locks it, clears half-written
     checkpoints, writes config.json, prints the banner and, on resume, points `latest` at the
-    resumed checkpoint (later saves never overwrite it) and drops the metrics.jsonl lines logged
-    after it (logged again: each iteration appears once). Returns (metrics.jsonl open to append,
-    or None off rank 0; iterations already evaluated)."""
+    resumed checkpoint (later saves never overwrite it) and drops the metrics.jsonl lines from
+    its iteration on: they are logged again, so each appears once (TensorBoard's purge_step does
+    the same there). Returns metrics.jsonl open to append (None off rank 0)."""
     if run.world > 1:                                      # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
         run_dir = Path(box[0])
-    run.run_dir, mpath, evaluated = run_dir, run_dir / "metrics.jsonl", set()
+    run.run_dir, mpath = run_dir, run_dir / "metrics.jsonl"
     if run.rank > 0:
-        return None, evaluated
+        return None
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     lock_run_dir(run_dir)
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):        # left by a killed save
@@ -1780,13 +1780,12 @@ def open_run_dir(run: Run, run_dir: Path) -> tuple:
                 m = json.loads(line)
             except ValueError:
                 continue                                   # a line cut short by a kill
-            if m["iter"] < run.start or ("eval_reward_mean" in m and m["iter"] <= run.start):
+            if m["iter"] < run.start:
                 keep.append(line)
-                evaluated |= {m["iter"]} if "eval_reward_mean" in m else set()
         mpath.with_suffix(".tmp").write_text("".join(l + "\n" for l in keep))
         os.replace(mpath.with_suffix(".tmp"), mpath)
     print(banner(run))
-    return open(mpath, "a"), evaluated
+    return open(mpath, "a")
 
 
 # ---- checkpoints: one folder per save, `latest` switched atomically once it is complete --------
@@ -2044,8 +2043,7 @@ class Args:
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
     # --- model -----------------------------------------------------------------------------------
-    model: str = _f("sd3.5-medium", "alias (tiny, tiny-flux, sd3.5-medium, sd3.5-large, "
-                    "sd3-medium, flux.1-dev), hub id or local dir")
+    model: str = _f("sd3.5-medium", "alias (see resolve_model), hub id or local diffusers folder")
     resolution: int = _f(512, "image side in pixels", "[ours C7] DiffusionNFT's 512")
     max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
     guidance: float = _f(3.5, "FLUX: distilled guidance (no true CFG)", "[ours C1] [peer X9]")
@@ -2053,40 +2051,32 @@ class Args:
     lora_rank: int = _f(32, "LoRA rank r", "[paper P11] SD3.5-M Stage 1")
     lora_alpha: int = _f(64, "LoRA alpha", "[paper P11] SD3.5-M Stage 1")
     lora_targets: str = _f("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out",
-                           "comma-separated module names inside the blocks that get LoRA",
-                           "[ours C17]")
+                           "module names inside the blocks that get LoRA", "[ours C17]")
     full_finetune: bool = _f(False, "train all transformer weights instead of LoRA")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (less memory)")
-    offload_text_encoders: bool = _f(False, "embed all prompts once, then move the text encoders "
-                                     "to the CPU (~10 GB less with T5-XXL)")
+    offload_text_encoders: bool = _f(False, "embed all prompts once, text encoders to the CPU")
     dtype: str = _f("auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", "[ours C10]",
                     choices=("auto", "bf16", "fp16", "fp32"))
     # --- sampler ---------------------------------------------------------------------------------
     num_steps: int = _f(40, "ODE steps per rollout (K)", "[paper P11] 40-step ODE rollouts")
-    solver: str = _f("euler", "deterministic ODE solver for rollouts and evaluation",
-                     "[paper P1; ours C17]", choices=("euler", "dpmpp2m"))
-    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default: the family's "
-                                   "protocol, SD3 40 and FLUX 16; else num_steps)",
-                                   "[paper P11] Flow-GRPO/DiffusionNFT evaluate SD3.5-M at 40")
+    solver: str = _f("euler", "deterministic ODE solver", "[paper P1; ours C17]",
+                     choices=("euler", "dpmpp2m"))
+    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (None: num_steps)",
+                                   "[paper P11] the peers evaluate SD3.5-M at 40")
     rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, same results)")
     # --- reward ----------------------------------------------------------------------------------
-    reward: str = _f("pickscore", "reward(s) with weights: pickscore | hpsv2 | clipscore | "
-                     "aesthetic | imagereward | jpeg | module.path:function, e.g. "
-                     "pickscore:1,hpsv2:1")
-    reward_aggregation: str = _f("sum", "several rewards: weighted sum, then group-normalise "
-                                 "(sum), or the reverse (per_reward)", "[ours C3]",
-                                 choices=("sum", "per_reward"))
+    reward: str = _f("pickscore", "rewards with weights, e.g. pickscore:1,hpsv2:1 (BUILTIN_REWARDS "
+                     "or module.path:function)")
+    reward_aggregation: str = _f("sum", "several rewards: sum then normalise, or the reverse",
+                                 "[ours C3]", choices=("sum", "per_reward"))
     eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: training's)")
-    pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore: hub id or dir",
-                              "[peer X10]")
+    pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore: hub id or dir", "[peer X10]")
     pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
                                   "PickScore processor: hub id or dir", "[peer X10]")
-    hpsv2_arch: str = _f("ViT-H-14", "HPSv2 open_clip architecture (name or JSON config)",
-                         "[peer X10]")
+    hpsv2_arch: str = _f("ViT-H-14", "HPSv2 open_clip architecture (or JSON config)", "[peer X10]")
     hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt",
                                "HPSv2.1 weights: file or owner/repo/file", "[peer X10]")
-    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore and aesthetic",
-                         "[peer X10]")
+    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore, aesthetic", "[peer X10]")
     aesthetic_weights: str = _f("trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
                                 "LAION aesthetic MLP: file or owner/repo/file", "[peer X10]")
     imagereward_model: str = _f("ImageReward-v1.0", "ImageReward name or path (optional package)")
@@ -2102,8 +2092,8 @@ class Args:
                                choices=("x", "v", "eps"))
     adaptive_weighting: bool = _f(True, "divide each pair's MSE by its detached MAE", "[paper P7]")
     mae_floor: float = _f(1e-5, "lower clamp of the MAE denominator", "[ours C5]")
-    global_std: bool = _f(True, "advantage std over the whole batch around the batch mean (else "
-                          "per group)", "[ours C3] flow_grpo/stat_tracking.py")
+    global_std: bool = _f(True, "advantage std over the batch (else per group)",
+                          "[ours C3] flow_grpo/stat_tracking.py")
     std_eps: float = _f(1e-4, "added to the advantage std", "[ours C3] DiffusionNFT")
     adv_clamp: float = _f(5.0, "hard clamp |A| ≤ this before soft-clip", "[ours C1]")
     soft_clip_eta: float = _f(3.0, "η of A ← η·tanh(A/η); 0 = off", "[paper P9] η = 3, Stage 1")
@@ -2119,20 +2109,17 @@ class Args:
     # --- system ----------------------------------------------------------------------------------
     seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
     device: str = _f("auto", "cuda, cpu, or auto")
-    report_to: str = _f("none", "live curves: TensorBoard (run_dir/tensorboard) or W&B (needs "
-                        "`pip install wandb`; WANDB_MODE=offline works without a network)",
+    report_to: str = _f("none", "live curves (wandb: pip install wandb; WANDB_MODE=offline ok)",
                         choices=("none", "tensorboard", "wandb"))
     preset: Optional[str] = _f(None, "bundle of overrides (README \"Presets\")",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
 
     @functools.cached_property
-    def train_terms(self) -> list[tuple[str, float]]:
-        """--reward parsed once: [(name, weight), ...] (parse_reward_spec)."""
+    def train_terms(self) -> list[tuple[str, float]]:   # --reward parsed once: [(name, w), ...]
         return parse_reward_spec(self.reward)
 
     @functools.cached_property
-    def eval_terms(self) -> list[tuple[str, float]]:
-        """--eval_rewards parsed once, or the training terms."""
+    def eval_terms(self) -> list[tuple[str, float]]:    # --eval_rewards, or the training terms
         return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
 
@@ -2254,19 +2241,14 @@ def check_args(args: Args) -> None:
             getattr(args, terms)                          # parsed here, once, and kept
         except ConfigError as e:
             problems.append(str(e))
-    if not problems and args.prompts_per_iter >= 1 and args.mu >= 1:
-        try:
-            check_world(args, dist_info()[1])
-        except ConfigError as e:
-            problems.append(str(e))
     if problems:
-        raise ConfigError("; ".join(dict.fromkeys(problems)))
+        raise ConfigError("; ".join(dict.fromkeys(problems)))      # each once (eval = train terms)
+    check_world(args, dist_info()[1])
 
 
 def banner(run: Run) -> str:
-    """The start-up summary: batch, rollout, surrogate and controls, and every value a preset or
-    a flag changed, with where it came from."""
-    a, N = run.args, run.args.prompts_per_iter * run.args.group_size
+    """The start-up summary, and every value a preset or a flag changed with where it came from."""
+    a, N = run.args, run.N
     grid = [round(float(s), 4) for s in run.sigmas[:3]]
     lines = [f"V-GRPO  model={a.model}  reward={a.reward}  device={run.dev}  dtype={run.dtype}  "
              f"processes={run.world}  run_dir={run.run_dir}",
