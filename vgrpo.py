@@ -1213,8 +1213,7 @@ def collect_rollouts(run: Run, it: int) -> Rollouts:
     cond = ad.encode(prompts)                                               # Pl rows
     prompt_idx = (torch.arange(run.Nl) // args.group_size).to(run.dev)      # (Nl,)
     x1 = run.local(torch.randn((run.N,) + run.D, generator=_gen(args.seed, it, 1))).to(run.dev)
-    with gathered(run):
-        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
+    x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
     return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)   # x0: (Nl, *D)
 
 
@@ -1352,8 +1351,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
 
 
 def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
-    """Mean and population std of the finite entries of r; (nan, nan) if there are none."""
-    f = r[torch.isfinite(r)]
+    f = r[torch.isfinite(r)]                   # mean and population std of the finite entries
     return (f.mean().item(), f.std(unbiased=False).item()) if len(f) else (math.nan, math.nan)
 
 
@@ -1389,8 +1387,7 @@ def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
     return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
 
 
-def select(cond, rows: torch.Tensor):
-    """Rows of every tensor in a (dict of) batch-first tensors."""
+def select(cond, rows: torch.Tensor):           # rows of every tensor in a (dict of) batch-first
     return {k: v[rows] for k, v in cond.items()} if isinstance(cond, dict) else cond[rows]
 
 
@@ -1609,9 +1606,8 @@ def evaluate(run: Run, it: int) -> dict:
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
-    with gathered(run):
-        lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
-                      run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
+    lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
+                  run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
     raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval_terms], lat, prompts,
                                   args.reward_batch, keep_images=True)
     if run.run_dir is not None and run.rank == 0:
@@ -1879,8 +1875,7 @@ def save_checkpoint(run: Run, it: int, weights: dict, optim: dict) -> Path:
     return final
 
 
-def _point_latest(ckpt: Path) -> None:
-    """checkpoints/latest ← the folder name of `ckpt`, atomically (write, then rename)."""
+def _point_latest(ckpt: Path) -> None:          # checkpoints/latest ← ckpt's name, atomically
     (ckpt.parent / ".latest.tmp").write_text(ckpt.name)
     os.replace(ckpt.parent / ".latest.tmp", ckpt.parent / "latest")
 
@@ -1920,11 +1915,13 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
 # same prompts, noise and pairs from the (seed, iteration) generators and works on its own whole
 # groups (Run.local); rewards are all-gathered, so the advantages (global std included) see the
 # global batch; FSDP averages the gradients (reduce-scatter, fp32) at the end of each optimizer
-# step. The text encoders, the VAE and the reward models are frozen and replicated: they run once
-# per prompt or image and hold no optimizer state. One process computes what a single process
-# would, up to the order of floating-point sums.
-def dist_info() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) otherwise."""
+# step. A rollout's K no-grad calls gather each block again at every call (FSDP's default):
+# K× the traffic of gathering once, but no process ever holds more than two blocks unsharded,
+# which is what lets a FLUX full fine-tune fit (README "Memory per process"). The text encoders,
+# the VAE and the reward models are frozen and replicated: they run once per prompt or image and
+# hold no optimizer state. One process computes what a single process would, up to the order of
+# floating-point sums.
+def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0, 1, 0) alone
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
@@ -1962,26 +1959,6 @@ def grad_sync(run: Run, last: bool) -> None:
         run.adapter.transformer.set_requires_gradient_sync(last or run.args.full_finetune)
 
 
-@contextlib.contextmanager
-def gathered(run: Run):
-    """A no-grad rollout (K network calls) with the parameters all-gathered ONCE: FSDP's default
-    gathers every block again at every call, K times the traffic. Each process then holds the
-    whole transformer in the compute dtype for the rollout, as it did before sharding."""
-    if run.world == 1:
-        yield
-        return
-    from torch.distributed.fsdp import FSDPModule
-    tr = run.adapter.transformer
-    tr.set_reshard_after_forward(False)
-    try:
-        yield
-    finally:
-        tr.set_reshard_after_forward(True)
-        for m in tr.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
-
-
 def full_state(tr, opt) -> tuple[dict, dict]:
     """The trainable weights and the optimizer state, whole, on the CPU, keyed by parameter name:
     gathered from the shards under FSDP, the same for any number of processes. Every process
@@ -1994,8 +1971,7 @@ def full_state(tr, opt) -> tuple[dict, dict]:
     return get_model_state_dict(tr, options=o), optim
 
 
-def _any_rank(flag: bool, run: Run) -> bool:
-    """True on every process if it is True on any (Ctrl-C may reach only some of them)."""
+def _any_rank(flag: bool, run: Run) -> bool:    # True everywhere if anywhere (Ctrl-C may not be)
     if run.world == 1:
         return flag
     t = torch.tensor([float(flag)], device=run.dev)
@@ -2003,8 +1979,7 @@ def _any_rank(flag: bool, run: Run) -> bool:
     return bool(t.item())
 
 
-def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate a tensor across ranks along its last dim, in rank order (identity if alone)."""
+def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:   # ranks' x along the last dim
     if world == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world)]
@@ -2012,8 +1987,7 @@ def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Average a tensor over ranks, in place; returns it."""
+def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # mean over ranks, in place
     if world > 1:
         torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM)
         x /= world
