@@ -1408,7 +1408,8 @@ class PhaseTimer:
     def __call__(self, key: str, sync: bool = True):
         t = time.perf_counter()
         yield
-        _sync(self.dev) if sync else None
+        if sync:
+            _sync(self.dev)
         self.times[key] = time.perf_counter() - t
 
     def total(self) -> float:
@@ -1517,10 +1518,10 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     if args.offload_text_encoders:                   # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
     tr = adapter.transformer
+    lora_cfg = None if args.full_finetune else add_lora(tr, args.lora_rank, args.lora_alpha,
+                                                        args.lora_targets.split(","))
     if args.full_finetune:
-        lora_cfg = tr.to(torch.float32).requires_grad_(True) and None   # fp32 masters, autocast
-    else:
-        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+        tr.to(torch.float32).requires_grad_(True)   # fp32 master weights, bf16 autocast compute
     if ckpt is not None:
         load_trainable(adapter, ckpt, args.full_finetune)
     if args.gradient_checkpointing:
