@@ -1145,11 +1145,12 @@ class Run:
     sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
     eval_sigmas: torch.Tensor     # (K_eval + 1,)
     D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
-    scaler: object                # GradScaler, active under --dtype fp16
     start: int = 0                # first iteration (> 0 when resumed)
     rank: int = 0
     world: int = 1
     run_dir: Optional[Path] = None
+    scaler: object = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
+    # the loss scaler: active under --dtype fp16 only
 
     @property
     def N(self) -> int:

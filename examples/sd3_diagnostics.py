@@ -156,7 +156,7 @@ def surrogates(adapter, x0, cond, prompt_idx, pairs, variant, args, ctx) -> torc
         for rows in torch.arange(len(x0), device=x0.device).split(args.micro_batch):
             t, eps = pairs.take(rows)
             with ctx:
-                s = V.pair_surrogates(adapter.velocity, x0[rows], V.select(cond, prompt_idx[rows]), t, eps,
+                s, _ = V.pair_surrogates(adapter.velocity, x0[rows], V.select(cond, prompt_idx[rows]), t, eps,
                                       parameterization=param, adaptive=adaptive, mae_floor=args.mae_floor)
             out.append(s.mean(dim=1))
     return torch.cat(out)
@@ -176,7 +176,7 @@ def per_sample_grads(adapter, params, x0, cond, prompt_idx, pairs, variant, adv,
         rows = torch.tensor([n], device=x0.device)
         t, eps = pairs.take(rows)
         with ctx:
-            s = V.pair_surrogates(adapter.velocity, x0[rows], V.select(cond, prompt_idx[rows]), t, eps,
+            s, _ = V.pair_surrogates(adapter.velocity, x0[rows], V.select(cond, prompt_idx[rows]), t, eps,
                                   parameterization=param, adaptive=adaptive, mae_floor=args.mae_floor)
         grads = torch.autograd.grad(s.mean(), params, allow_unused=True)
         flat = torch.cat([(g if g is not None else torch.zeros_like(p)).float().flatten()
@@ -232,8 +232,7 @@ def measure(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict],
         S_draws, cv_b, cv_g, r_b, r2_b, gn_all, absS_all, g_vecs = [], [], [], [], [], [], [], []
         for d in range(mine.draws):
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * (d + 1))
-            pairs = V.draw_pairs(grid, J, D, scope, stratified=stratified, generator=gen)
-            pairs = V.Pairs(t=pairs.t.to(dev), eps=pairs.eps.to(dev), index=pairs.index.to(dev))
+            pairs = V.draw_pairs(grid, J, D, scope, stratified=stratified, generator=gen, device=dev)
             S = surrogates(adapter, x0, cond, prompt_idx, pairs, variant, args, ctx).float().cpu()   # (N,)
             S_draws.append(S)
             cv = V.surrogate_cv(S.view(P, G))
