@@ -3,23 +3,20 @@ vgrpo.py — V-GRPO in one file: online RL for flow-matching image models, where
 model's own (variance-reduced) flow-matching loss stands in for log π_θ(image | prompt).
 
 Paper: "V-GRPO: Online Reinforcement Learning for Denoising Generative Models Is Easier than
-You Think", Tang et al., 2026, arXiv 2604.23380. Equation numbers of the paper are not quoted
-(the full text could not be checked end to end). Tags point into METHOD.md, beside this file,
-and say what kind of statement they are: [paper P3] a fact stated by the paper, with its source
-named in the item; [peer X5] a convention taken from another codebase (repository and file
-named); [ours C4] this project's choice where the paper is silent; [Alg. step 4] a step of
-the algorithm box below. A bare "§k" is a section of this file.
-
-See it work: examples/toy_2d.py (+ toy_2d.md) trains V-GRPO, its ablations and an MDP baseline
-on a 2-D toy in minutes on a CPU; examples/digits.py (+ digits.md) is a small image benchmark
-on scikit-learn's 8×8 digits; measurements of the full models on a GPU are in results/.
+You Think", Tang et al., 2026, arXiv 2604.23380; its equation numbers are not quoted (the full
+text could not be checked end to end). Tags resolve in METHOD.md, beside this file: [paper P3]
+a fact the paper states, its source named; [peer X5] a convention of another codebase,
+repository and file named; [ours C4] our choice where the paper is silent; [Alg. step 4] a step
+of the box below. A bare "§k" is a section of this file.
 
 What this file IS: a readable reference of the algorithm plus a working trainer for Stable
 Diffusion 3 / 3.5 and FLUX.1 (diffusers) with human-preference rewards (PickScore, HPSv2.1,
-CLIPScore, aesthetic, ImageReward, your own), on one GPU or data-parallel under torchrun, and
-offline tiny models (examples/tiny_models.py) so everything runs on a laptop CPU. What it is
-NOT: a framework. The math (§2–§6) is pure torch and knows nothing of models, rewards or
-processes, so the loss can be copied into any trainer.
+CLIPScore, aesthetic, ImageReward, your own), on one GPU or under torchrun with the transformer
+sharded by FSDP2, with live curves in TensorBoard or W&B (--report_to), and offline tiny models
+(examples/tiny_models.py) so everything runs on a laptop CPU. What it is NOT: a framework; the
+loss can be copied into any trainer (§2–§6). See it work on a CPU: examples/toy_2d.py, a 2-D toy
+(V-GRPO, its ablations, an MDP baseline), and examples/digits.py, scikit-learn's 8×8 digits;
+each has its .md. GPU measurements of the full models are in results/.
 
 Quickstart
     pip install -r requirements.txt
@@ -64,42 +61,23 @@ CONVENTIONS
     * Losses are minimised; loss = −objective. Reductions over latent elements are MEANS (the
       paper's code does this; a sum would only rescale log ρ by d = C·H·W).
     * All surrogate, ratio and loss arithmetic is fp32, even under bf16 autocast.
-    * Math functions (§2–§6) are pure: tensors in, tensors out, no globals, no .item().
+    * Math functions (§2–§6) are pure torch: tensors in, tensors out; no models, rewards,
+      processes, globals or .item().
 
-CONTENTS (top-down, as the algorithm box reads; §2–§6 are the pure math)
-    §1  imports, ConfigError         §6  GRPO loss and diagnostics
-    §2  flow-matching math           §7  rewards: the contract, the models, the aggregate
-    §3  ODE samplers                 §8  models: loading, SD3/FLUX adapters, LoRA
-    §4  group-relative advantages    §9  the loop: iteration and its steps, setup, train,
-                                         evaluation, run folder, checkpoints, torchrun
-    §5  stratified pairs + surrogate §10 configuration (Args, presets, CLI), banner, main()
-    To read the method alone: this overview, §2–§6 and the start of §9 (`iteration` and its five
-    steps), about 780 lines; the rest is the trainer around it.
+CONTENTS (top-down): §1 imports · §2 flow-matching math · §3 ODE samplers · §4 group-relative
+    advantages · §5 stratified pairs + surrogate · §6 GRPO loss (§2–§6: the pure math) · §7
+    rewards · §8 models: loading, SD3/FLUX adapters, LoRA · §9 the loop: `iteration` and its five
+    steps, setup, train, evaluation, run folder, checkpoints, torchrun · §10 Args, presets, CLI,
+    main(). The method alone: this overview, §2–§6 and the start of §9; the rest is the trainer.
 """
 
 # ------------------------------------------------------------------------------------------------
-# §1  Imports. Heavy libraries (diffusers, transformers, peft) are imported inside the functions
-#     that need them, so `import vgrpo` is fast and the math core works with torch alone.
+# §1  Imports. diffusers, transformers and peft only inside the functions that need them.
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
-import fcntl
-import functools
-import importlib.util
-import io
-import json
-import math
-import os
-import random
-import shutil
-import signal
-import sys
-import tempfile
-import time
-import warnings
+import argparse, contextlib, dataclasses, functools, importlib.util, io, json, math, random
+import fcntl, os, shutil, signal, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -111,7 +89,6 @@ import torch.nn.functional as F
 class ConfigError(ValueError):
     """A problem with the user's input or environment (a flag, a file, a model location, a plug-in):
     main() prints it as one line and exits with status 2. Anything else is a bug and tracebacks."""
-
 
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
 # ------------------------------------------------------------------------------------------------
