@@ -94,9 +94,8 @@ class ConfigError(ValueError):
 # ------------------------------------------------------------------------------------------------
 # §2  Flow-matching math (pure).                                          [peer X8]
 #     Rectified flow: x_t = (1 − t)·x0 + t·ε,  v = dx_t/dt = ε − x0,  t = 1 noise → t = 0 data.
-#     The three "parameterisations" of paper P12 are the same prediction seen in three spaces:
-#         x̂0 − x0 = −t·(v̂ − v)      ε̂ − ε = (1 − t)·(v̂ − v)      (v̂ − v) itself
-#     so an error in x-, ε- or v-space is the v-error times t, (1 − t) or 1.        [peer X6]
+#     The three "parameterisations" of paper P12 are one prediction seen in three spaces: an
+#     error in x-, ε- or v-space is the v-error times t, (1 − t) or 1 (PARAM_SCALE).  [peer X6]
 # ------------------------------------------------------------------------------------------------
 def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reshape per-sample t (M,) to (M, 1, 1, ...) so it broadcasts against `like` (M, *D)."""
@@ -104,13 +103,13 @@ def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def interpolate(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x_t = (1 − t)·x0 + t·ε.  x0, eps: (M, *D); t: (M,) in [0, 1]; returns (M, *D)."""
+    """x_t = (1 − t)·x0 + t·ε, t = 1 noise → 0 data. x0, eps: (M, *D); t: (M,); returns (M, *D)."""
     tb = bcast(t, x0)
     return (1 - tb) * x0 + tb * eps
 
 
 def x0_from_v(x_t: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x̂0 = x_t − t·v̂ (the x-prediction reparameterisation of paper P6). (M, *D), t (M,)."""
+    """x̂0 = x_t − t·v̂ (the x-prediction of paper P6; t = 1 noise). x_t, v (M, *D), t (M,)."""
     return x_t - bcast(t, x_t) * v
 
 
@@ -128,11 +127,9 @@ def time_shift(s: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def sigma_grid(num_steps: int, shift: float = 1.0) -> torch.Tensor:
-    """A rollout grid: K + 1 decreasing times from 1 to exactly 0 (float64, CPU): K equal steps of
-    the unshifted time, linspace(1, 0, K + 1), then time-shifted (FLUX's grid here, [ours C8]).
-    SD3 reads its grid from the model's own scheduler instead (SD3Adapter.sigmas).
-    Returns: (K + 1,) tensor.
-    """
+    """A rollout grid, (K + 1,) float64 on the CPU, from t = 1 (noise) down to exactly 0 (data):
+    K equal steps, linspace(1, 0, K + 1), then time-shifted. FLUX's grid [ours C8]; SD3 reads its
+    grid from the model's own scheduler instead (SD3Adapter.sigmas)."""
     return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
 
 
@@ -146,20 +143,17 @@ def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------
 # §3  Deterministic ODE samplers (pure, given a velocity function).        [paper P1; ours C8]
-#     V-GRPO never needs per-step log-probs: the generation is ONE action whose log-likelihood is
-#     replaced by the surrogate of §5, so any deterministic solver works for rollouts.
-#     `velocity_fn(x, t, cond) -> v` with x (M, *D), t (M,) — the model or an analytic field.
+#     Any deterministic solver will do: the generation is ONE action, scored by §5's surrogate,
+#     not by per-step log-probs. velocity_fn(x (M, *D), t (M,), cond) -> v: model or analytic field.
 # ------------------------------------------------------------------------------------------------
 def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
                  cond=None) -> torch.Tensor:
-    """Euler solve of dx/dt = v(x, t) from t = sigmas[0] (= 1) down to sigmas[-1] (= 0).
+    """Euler solve of dx/dt = v(x, t) from t = sigmas[0] = 1 (noise) to sigmas[-1] = 0 (data):
+    x_{k+1} = x_k + (σ_{k+1} − σ_k)·v(x_k, σ_k), diffusers' FlowMatchEuler step; K network calls.
 
-    Args:
-        velocity_fn: (x (M, *D), t (M,), cond) -> v (M, *D).
-        x1: (M, *D) initial noise.
-        sigmas: (K + 1,) decreasing grid, CPU tensor or list; K network evaluations.
+    Args: velocity_fn (x (M, *D), t (M,), cond) -> v (M, *D); x1 (M, *D) the initial noise;
+        sigmas (K + 1,) the decreasing grid, a CPU tensor or a list.
     Returns: x0 (M, *D) in x1's dtype.
-    Notes: x_{k+1} = x_k + (σ_{k+1} − σ_k)·v(x_k, σ_k) — diffusers' FlowMatchEuler step.
     """
     sig = [float(s) for s in sigmas]          # python floats: no device syncs inside the loop
     x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
@@ -179,14 +173,12 @@ def dpmpp2m_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor
         D_k = x̂0_k                                    (first step, and the final step to t = 0)
         D_k = (1 + 1/(2r))·x̂0_k − 1/(2r)·x̂0_{k−1},   r = h_{k−1}/h_k          (otherwise)
     e^{−h} = σ_{k+1}α_k / (σ_k α_{k+1}) is finite even at t = 1 (α = 0, λ = −∞), so the first
-    step is the DDIM step x = (1 − σ')·x̂0 + σ'·x1. One network evaluation per step (K in all).
-    Args/Returns: as euler_sample.
-    """
+    step is the DDIM step x = (1 − σ')·x̂0 + σ'·x1. K network calls; the rest as euler_sample."""
     sig = [float(s) for s in sigmas]
     x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
     prev_x0, prev_h = None, None
     for k, (s, s_next) in enumerate(zip(sig[:-1], sig[1:])):
-        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)
+        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)          # (M,)
         x0_hat = x - s * velocity_fn(x.to(x1.dtype), t, cond).to(x.dtype)                # (M, *D)
         if s_next == 0.0:                               # final step: e^{-h} = 0, first order
             x = x0_hat
