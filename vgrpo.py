@@ -208,24 +208,19 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
 
     Args:
         rewards: (P, G) float; non-finite entries mark dropped samples.
-        global_std: divide by the std of ALL finite rewards of the batch around the BATCH mean
-            (it includes the spread between prompts) instead of each group's own std. This is
-            Flow-GRPO's `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo,
-            flow_grpo/stat_tracking.py: np.std(rewards) + 1e-4, population std), which
-            DiffusionNFT's code base inherits (ours C3).
+        global_std: std of ALL finite rewards of the batch around the BATCH mean (so it includes
+            the spread between prompts) instead of each group's own std: Flow-GRPO's
+            `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo, flow_grpo/stat_tracking.py:
+            np.std(rewards) + 1e-4, population std), which DiffusionNFT's code inherits (ours C3).
         std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
-        clamp, eta: the hard clamp and the soft-clip that follows it (see clip_advantages).
-        unbiased: std divides by n − 1 (torch.std's default, MixGRPO) instead of n (np.std).
-    Returns:
-        adv: (P, G) fp32; 0 for dropped samples and for groups with < 2 finite rewards.
-        stats: dict of detached scalars (mean, std, max |A|, fraction of dropped samples).
-    Reference form: for each group g: m = mean(r[g]); A[g] = (r[g] − m) / (std + std_eps),
-        std = np.std(all finite r) if global_std else np.std(r[g])  (ddof = 1 if unbiased).
+        clamp, eta: see clip_advantages. unbiased: divide by n − 1 (torch.std, MixGRPO), not n.
+    Returns: adv (P, G) fp32, 0 for dropped samples and for groups with < 2 finite rewards; and
+        stats, detached scalars (mean, std, max |A|, fraction of dropped samples).
     """
     r = rewards.float()
     ok = torch.isfinite(r)                                                   # (P, G)
     n = ok.sum(dim=1, keepdim=True)                                          # (P, 1)
-    r0 = torch.where(ok, r, torch.zeros_like(r))
+    r0 = torch.where(ok, r, torch.zeros_like(r))                             # (P, G)
     mean = r0.sum(dim=1, keepdim=True) / n.clamp(min=1)                      # (P, 1)
     dev = torch.where(ok, r - mean, torch.zeros_like(r))                     # (P, G)
     ddof = 1 if unbiased else 0
@@ -249,8 +244,7 @@ def clip_advantages(adv: torch.Tensor, keep: torch.Tensor, ok: torch.Tensor, *, 
     3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00. With a per-group std |A| ≤ √(G − 1)
     (= 4.8 for G = 24) and the clamp never acts. eta = 0 disables the soft-clip.
     Args: adv, keep (samples that get an advantage), ok (finite rewards): all (P, G).
-    Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η), and detached stats.
-    """
+    Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η), and detached stats."""
     adv = adv.clamp(-clamp, clamp)
     if eta > 0:
         adv = eta * torch.tanh(adv / eta)
@@ -261,27 +255,21 @@ def clip_advantages(adv: torch.Tensor, keep: torch.Tensor, ok: torch.Tensor, *, 
 
 
 def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
-    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3].
-
-    rewards: (R, P, G) training-scaled values of R rewards; weights: (R,). A sample with any
-    non-finite component is dropped. kw: as group_advantages (global_std, std_eps, clamp, eta).
-    Returns group_advantages(Σ_k w_k r_k): (P, G) and stats.
-    """
+    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3]:
+    group_advantages(Σ_k w_k r_k) of rewards (R, P, G), training-scaled, and weights (R,); a
+    sample with a non-finite component is dropped; kw as group_advantages. Returns (P, G), stats."""
     total = (weights.float().view(-1, 1, 1) * rewards.float()).sum(dim=0)             # (P, G)
     return group_advantages(total, **kw)
 
 
 def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, global_std: bool = False,
                           std_eps: float = 1e-8, clamp: float = 5.0, eta: float = 3.0):
-    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3].
-
-    A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w.
-    rewards: (R, P, G); weights: (R,). A sample with any non-finite component is dropped.
+    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3]:
+    A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w,
+    of rewards (R, P, G) and weights (R,); a sample with any non-finite component is dropped.
     std_k is the UNBIASED group std, as MixGRPO's `advantage_aggr` computes it with torch.std()
     (Tencent-Hunyuan/MixGRPO, fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8).
-    Returns (P, G) fp32 advantages and stats.
-    Reference form: A = Σ_k ŵ_k · group_advantages(r_k, clamp=∞, eta=0); then clamp, soft-clip.
-    """
+    Returns (P, G) fp32 advantages and stats."""
     r = rewards.float()
     ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
     r = torch.where(ok, r, torch.full_like(r, float("nan")))                 # drop whole sample
