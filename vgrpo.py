@@ -282,29 +282,22 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
 
 # ------------------------------------------------------------------------------------------------
 # §5  Shared, stratified (t, ε) pairs and the ELBO surrogate (pure).          [paper P2–P8]
-#
 #   log π_θ(o | c)  ←  S_θ(o) = (1/J) Σ_j s_θ(o; t_j, ε_j)
 #   s_θ(o; t, ε)    = − mean_d (x̂0 − o)²  /  sg( max(mean_d |x̂0 − o|, floor) ),
 #   x̂0 = z − t·v_θ(z, t, c),  z = (1 − t)·o + t·ε.
-#
 #   Three variance-reduction techniques, each one switch:
-#   (1) group/batch-shared pairs: every member of a group is scored on the SAME (t_j, ε_j), so
-#       differences inside a group reflect the images, not the dice  (pair_sharing);
+#   (1) shared pairs: all members of a group (or of the batch) are scored on the SAME (t_j, ε_j),
+#       so differences inside a group reflect the images, not the dice      (pair_sharing);
 #   (2) stratified t: one t per contiguous chunk of the rollout grid       (stratified);
-#   (3) adaptive weighting: the x-space MSE is divided by its own detached MAE, flattening the
+#   (3) adaptive weighting: the x-space MSE divided by its own detached MAE, which flattens the
 #       orders-of-magnitude spread of loss scale across t                  (adaptive_weighting).
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Pairs:
-    """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4].
-
-    t:     (n_scopes, J) times, n_scopes = number of independent pair sets (1 = batch-wide).
-    eps:   (n_scopes, J, *D) noises.
-    index: (N,) long, which set each of the N samples uses.
-    """
-    t: torch.Tensor
-    eps: torch.Tensor
-    index: torch.Tensor
+    """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4]."""
+    t: torch.Tensor        # (n_scopes, J) times; n_scopes independent pair sets (1 = batch-wide)
+    eps: torch.Tensor      # (n_scopes, J, *D) noises
+    index: torch.Tensor    # (N,) long: which set each of the N samples uses
 
     def take(self, rows: torch.Tensor):
         """Pairs of samples `rows` (m,): returns t (m, J), eps (m, J, *D)."""
@@ -315,22 +308,19 @@ class Pairs:
 def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.Tensor, *,
                stratified: bool = True, generator: Optional[torch.Generator] = None,
                device: Optional[torch.device] = None) -> Pairs:
-    """Draw J = n_mc (t, ε) pairs for each of n_scopes = index.max() + 1
-    sharing scopes.
+    """Draw J = n_mc (t, ε) pairs for each of n_scopes = index.max() + 1 sharing scopes.
 
     Args:
-        grid: (K,) candidate times — the rollout sigma grid WITHOUT its terminal 0 (at t = 0 the
-            error vanishes and the MAE normalisation is 0/0)                 [ours C5].
-        n_mc: J, pairs per sample (N_MC).
+        grid: (K,) candidate times, t = 1 noise → 0 data: the rollout grid WITHOUT its terminal 0
+            (there the error vanishes and the MAE normalisation is 0/0)               [ours C5].
         latent_shape: D = (C, H, W) of one latent.
-        index: (N,) long, the scope of each sample: zeros = batch-wide sharing (the paper's code,
+        index: (N,) long, each sample's scope: zeros = batch-wide (the paper's code,
             `grpo_init_same="batch"`), sample // G = per group (the paper's text), arange(N) = none.
         stratified: split the grid into J contiguous, (near-)equal chunks (torch.tensor_split) and
             pick one grid point uniformly inside each; else J uniform picks from the whole grid.
-        generator: CPU generator: the pairs are drawn on the CPU, so they do not depend on the
-            device, and then moved to `device` (default: the CPU).
-    Returns: Pairs with t (n_scopes, J) float32, eps (n_scopes, J, *D) float32 and index (N,),
-        all on `device`.
+        generator: a CPU generator: the pairs are drawn on the CPU, so they do not depend on the
+            device, then moved to `device` (default: the CPU).
+    Returns: Pairs, t (n_scopes, J) and eps (n_scopes, J, *D) float32, index (N,), on `device`.
     """
     grid = torch.as_tensor(grid, dtype=torch.float64).flatten()
     n_scopes = int(index.max()) + 1
@@ -349,23 +339,19 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
 
 
 def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor,
-                            t: torch.Tensor, *,
-                            parameterization: str = "x", adaptive: bool = True,
+                            t: torch.Tensor, *, parameterization: str = "x", adaptive: bool = True,
                             mae_floor: float = 1e-5) -> torch.Tensor:
     """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)). [paper P6, P7]
 
     e is the prediction error in the chosen space (§2): with x-prediction e = x̂0 − x0 =
     −t·(v̂ − (ε − x0)). The official code: `x0_pred = z − σ·pred; s = −mean((x0_pred − x0)²);
     s = s / mean(|x0_pred.detach() − x0|)` [paper P7]. adaptive=False returns −‖e‖²_mean.
-    Args:
-        v_pred: (M, *D) network velocity at z = (1 − t)·x0 + t·ε (any dtype).
-        x0: (M, *D) rollout latents; eps: (M, *D) pair noises; t: (M,) pair times.
+    Args: v_pred (M, *D) the network velocity at z = (1 − t)·x0 + t·ε (any dtype); x0 (M, *D)
+        rollout latents; eps (M, *D) pair noises; t (M,) pair times, t = 1 noise → 0 data.
     Returns: s (M,) fp32, differentiable through v_pred only.
-    Reference form: for m: e = scale(t[m])*(v_pred[m] − eps[m] + x0[m]);
-                           s[m] = −(e**2).mean() / max(|e|.mean(), floor)
     """
     v_err = v_pred.float() - (eps.float() - x0.float())                     # v̂ − v, (M, *D)
-    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err
+    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err       # (M, *D)
     mse = err.square().flatten(1).mean(dim=1)                                 # (M,)
     if not adaptive:
         return -mse
