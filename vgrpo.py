@@ -376,16 +376,13 @@ def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tens
     """s[m, j] for m samples × J pairs in ONE batched network call of m·J rows, and the
     x-prediction x̂0 that the KL term needs (discard it when β = 0).          [Alg. steps 4, 5]
 
-    Args:
-        velocity_fn: (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D).
-        x0: (m, *D) latents; cond: batch-first tensors (or dict/tuple of them) with m rows.
-        t: (m, J) times; eps: (m, J, *D) noises (from Pairs.take), on x0's device.
-    Returns: (s (m, J) fp32, x̂0 (m, J, *D) fp32); both differentiable through velocity_fn.
+    Args: velocity_fn (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D); x0 (m, *D) latents;
+        cond batch-first tensors (or a dict/tuple of them) with m rows; t (m, J) times, t = 1
+        noise → 0 data; eps (m, J, *D) noises (Pairs.take), on x0's device.
+    Returns: s (m, J) and x̂0 (m, J, *D), fp32, both differentiable through velocity_fn.
     Reference form: for m, j: z = (1 − t)·x0[m] + t·eps[m, j]; v = velocity_fn(z, t, cond[m]);
-                              s[m, j] = surrogate_from_velocity(v, x0[m], eps[m, j], t)
-    """
-    m, J = t.shape
-    D = x0.shape[1:]
+                              s[m, j] = surrogate_from_velocity(v, x0[m], eps[m, j], t)"""
+    (m, J), D = t.shape, x0.shape[1:]
     x0r = x0.unsqueeze(1).expand(m, J, *D).reshape(m * J, *D)                # (m·J, *D)
     tr, er = t.reshape(m * J), eps.reshape(m * J, *D)                        # (m·J,), (m·J, *D)
     z = interpolate(x0r.float(), er.float(), tr.float()).to(x0.dtype)        # (m·J, *D)
@@ -396,11 +393,9 @@ def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tens
 
 
 def surrogate_cv(S: torch.Tensor) -> dict:
-    """Coefficient of variation of the surrogate S (P, G): over the batch and within groups.
-
-    CV = std / |mean| (population std). The paper reports 0.230 → 0.128 (batch) and 0.170 → 0.038
-    (within group) when the three techniques are switched on [paper P8]. Returns detached scalars.
-    """
+    """Coefficient of variation CV = std / |mean| (population std) of the surrogate S (P, G), over
+    the batch and within groups; detached scalars. The paper reports 0.230 → 0.128 (batch) and
+    0.170 → 0.038 (within group) when the three techniques are switched on [paper P8]."""
     S = S.float()
     cv_all = S.std(unbiased=False) / S.mean().abs().clamp(min=1e-12)
     cv_grp = (S.std(dim=1, unbiased=False) / S.mean(dim=1).abs().clamp(min=1e-12)).mean()
@@ -415,33 +410,24 @@ def surrogate_cv(S: torch.Tensor) -> dict:
 # ------------------------------------------------------------------------------------------------
 def xspace_kl(x0_hat: torch.Tensor, x0_hat_old: torch.Tensor) -> torch.Tensor:
     """"Simple" KL of paper P9 (Eq. 16 per [source S6]): mean_d (x̂θ − x̂θold)² per pair.
-
-    x0_hat, x0_hat_old: (m, J, *D). Returns (m, J) fp32, differentiable through x0_hat only.
-    """
+    x0_hat, x0_hat_old: (m, J, *D). Returns (m, J) fp32, differentiable through x0_hat only."""
     return (x0_hat.float() - x0_hat_old.detach().float()).square().flatten(2).mean(dim=2)
 
 
 def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
-               clip_eps: float = 0.0,
-               kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0):
-    """V-GRPO policy loss for m samples (mean over samples; minimise it).
+               clip_eps: float = 0.0, kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0):
+    """V-GRPO policy loss for m samples, mean_n loss_n of the banner above; minimise it.
 
     Args:
-        s_new: (m, J) surrogate of the current θ (with grad).
-        s_old: (m, J) surrogate of θ_old on the SAME pairs (no grad; stored with the rollout).
-        adv:   (m,) advantages (already normalised / clipped, §4).
+        s_new, s_old: (m, J) surrogates of the current θ (with grad) and of θ_old on the SAME
+            pairs (no grad; stored with the rollout).
+        adv: (m,) advantages, already normalised and clipped (§4).
         clip_eps: ratio clip ε; 0 disables the clip (then loss = −A·ρ).
-        kl: (m, J) per-pair x-space KL to θ_old (xspace_kl), used when kl_coef > 0.
-    Returns:
-        loss: () fp32.
-        stats: detached scalars — ratio mean, mean |log ρ|, clip fraction, approx KL
-            k2 = ½(log ρ)² [peer X7], and the x-space KL.
+        kl: (m, J) per-pair x-space KL to θ_old (xspace_kl), used when kl_coef = β > 0.
+    Returns: loss () fp32 and stats, detached scalars: ratio mean, mean |log ρ|, clip fraction,
+        approx KL k2 = ½(log ρ)² [peer X7] and the x-space KL.
     Notes: with θ = θ_old, ρ ≡ 1 and ∇loss = −A·∇S: REINFORCE with a group baseline on the
-        surrogate (ours C18), which is the whole update when μ = 1.
-    Reference form:
-        for n: r = exp(mean_j s_new[n] − mean_j s_old[n]); pg = −A[n]·r
-               if ε: pg = max(pg, −A[n]·clamp(r, 1−ε, 1+ε));  loss += (pg + β·mean_j kl[n]) / m
-    """
+        surrogate (ours C18), which is the whole update when μ = 1."""
     log_ratio = s_new.float().mean(dim=1) - s_old.detach().float().mean(dim=1)   # (m,)
     ratio = torch.exp(log_ratio)                                                 # (m,)
     A = adv.detach().float()
@@ -457,8 +443,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
         loss = loss + kl_coef * kl_mean
     stats = {"ratio": ratio.mean().detach(), "abs_log_ratio": log_ratio.abs().mean().detach(),
              "clip_frac": clipped.mean().detach(),
-             "approx_kl": (0.5 * log_ratio.square()).mean().detach(),
-             "kl_x": kl_mean.detach()}
+             "approx_kl": (0.5 * log_ratio.square()).mean().detach(), "kl_x": kl_mean.detach()}
     return loss, stats
 
 # === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
