@@ -94,8 +94,7 @@ class ConfigError(ValueError):
 # ------------------------------------------------------------------------------------------------
 # §2  Flow-matching math (pure).                                          [peer X8]
 #     Rectified flow: x_t = (1 − t)·x0 + t·ε,  v = dx_t/dt = ε − x0,  t = 1 noise → t = 0 data.
-#     The three "parameterisations" of paper P12 are one prediction seen in three spaces: an
-#     error in x-, ε- or v-space is the v-error times t, (1 − t) or 1 (PARAM_SCALE).  [peer X6]
+#     The three "parameterisations" of paper P12 are one prediction seen in three spaces.
 # ------------------------------------------------------------------------------------------------
 def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reshape per-sample t (M,) to (M, 1, 1, ...) so it broadcasts against `like` (M, *D)."""
@@ -114,7 +113,7 @@ def x0_from_v(x_t: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tens
 
 
 PARAM_SCALE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    # error in space p = PARAM_SCALE[p](t) · (v̂ − v), up to sign (squared and |·| drop the sign)
+    # error in space p = PARAM_SCALE[p](t) · (v̂ − v), up to a sign that ² and |·| drop [peer X6]
     "x": lambda t: t,                       # x̂0 − x0 = −t (v̂ − v)          [paper P6]
     "eps": lambda t: 1 - t,                 # ε̂ − ε  = (1 − t)(v̂ − v)       [paper P12]
     "v": lambda t: torch.ones_like(t),      # plain flow-matching error       [paper P12]
@@ -153,8 +152,7 @@ def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
 
     Args: velocity_fn (x (M, *D), t (M,), cond) -> v (M, *D); x1 (M, *D) the initial noise;
         sigmas (K + 1,) the decreasing grid, a CPU tensor or a list.
-    Returns: x0 (M, *D) in x1's dtype.
-    """
+    Returns: x0 (M, *D) in x1's dtype."""
     sig = [float(s) for s in sigmas]          # python floats: no device syncs inside the loop
     x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
     for s, s_next in zip(sig[:-1], sig[1:]):
@@ -215,8 +213,7 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
         std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
         clamp, eta: see clip_advantages. unbiased: divide by n − 1 (torch.std, MixGRPO), not n.
     Returns: adv (P, G) fp32, 0 for dropped samples and for groups with < 2 finite rewards; and
-        stats, detached scalars (mean, std, max |A|, fraction of dropped samples).
-    """
+        stats, detached scalars (mean, std, max |A|, fraction of dropped samples)."""
     r = rewards.float()
     ok = torch.isfinite(r)                                                   # (P, G)
     n = ok.sum(dim=1, keepdim=True)                                          # (P, 1)
@@ -236,14 +233,13 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
 def clip_advantages(adv: torch.Tensor, keep: torch.Tensor, ok: torch.Tensor, *, clamp: float,
                     eta: float):
     """The tail every aggregation shares: A ← clamp(A, ±clamp), then A ← η·tanh(A/η), 0 where not
-    `keep`.                                                           [ours C1; paper P9, Eq. 17]
-
-    The clamp (Flow-GRPO's ±5) acts BEFORE the soft-clip, so it is not inert whenever |A| > clamp
-    is possible. Under global_std it is: one outlier in a 6 × 24 batch (143 rewards 0, one 1)
-    gets A = (1 − 1/24)/0.083 ≈ 11.5, which the clamp cuts to 5 and the soft-clip maps to
-    3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00. With a per-group std |A| ≤ √(G − 1)
-    (= 4.8 for G = 24) and the clamp never acts. eta = 0 disables the soft-clip.
-    Args: adv, keep (samples that get an advantage), ok (finite rewards): all (P, G).
+    `keep` [ours C1; paper P9, Eq. 17]. The clamp (Flow-GRPO's ±5) acts BEFORE the soft-clip, so
+    it is not inert whenever |A| > clamp is possible. Under global_std it is: one outlier in a
+    6 × 24 batch (143 rewards 0, one 1) gets A = (1 − 1/24)/0.083 ≈ 11.5, which the clamp cuts to
+    5 and the soft-clip maps to 3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00. With a
+    per-group std |A| ≤ √(G − 1) (= 4.8 for G = 24) and the clamp never acts.
+    Args: adv, keep (samples that get an advantage), ok (finite rewards): all (P, G); eta = 0
+        disables the soft-clip.
     Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η), and detached stats."""
     adv = adv.clamp(-clamp, clamp)
     if eta > 0:
@@ -267,9 +263,8 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
     """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3]:
     A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w,
     of rewards (R, P, G) and weights (R,); a sample with any non-finite component is dropped.
-    std_k is the UNBIASED group std, as MixGRPO's `advantage_aggr` computes it with torch.std()
-    (Tencent-Hunyuan/MixGRPO, fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8).
-    Returns (P, G) fp32 advantages and stats."""
+    std_k: the UNBIASED group std, torch.std() as in MixGRPO (Tencent-Hunyuan/MixGRPO,
+    fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8). Returns (P, G) fp32 A, stats."""
     r = rewards.float()
     ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
     r = torch.where(ok, r, torch.full_like(r, float("nan")))                 # drop whole sample
@@ -318,10 +313,8 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
             `grpo_init_same="batch"`), sample // G = per group (the paper's text), arange(N) = none.
         stratified: split the grid into J contiguous, (near-)equal chunks (torch.tensor_split) and
             pick one grid point uniformly inside each; else J uniform picks from the whole grid.
-        generator: a CPU generator: the pairs are drawn on the CPU, so they do not depend on the
-            device, then moved to `device` (default: the CPU).
-    Returns: Pairs, t (n_scopes, J) and eps (n_scopes, J, *D) float32, index (N,), on `device`.
-    """
+        generator: CPU; pairs are drawn there (device-independent), moved to `device` (None: CPU).
+    Returns: Pairs, t (n_scopes, J) and eps (n_scopes, J, *D) float32, index (N,), on `device`."""
     grid = torch.as_tensor(grid, dtype=torch.float64).flatten()
     n_scopes = int(index.max()) + 1
     if stratified:
@@ -348,8 +341,7 @@ def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.T
     s = s / mean(|x0_pred.detach() − x0|)` [paper P7]. adaptive=False returns −‖e‖²_mean.
     Args: v_pred (M, *D) the network velocity at z = (1 − t)·x0 + t·ε (any dtype); x0 (M, *D)
         rollout latents; eps (M, *D) pair noises; t (M,) pair times, t = 1 noise → 0 data.
-    Returns: s (M,) fp32, differentiable through v_pred only.
-    """
+    Returns: s (M,) fp32, differentiable through v_pred only."""
     v_err = v_pred.float() - (eps.float() - x0.float())                     # v̂ − v, (M, *D)
     err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err       # (M, *D)
     mse = err.square().flatten(1).mean(dim=1)                                 # (M,)
@@ -419,8 +411,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
     """V-GRPO policy loss for m samples, mean_n loss_n of the banner above; minimise it.
 
     Args:
-        s_new, s_old: (m, J) surrogates of the current θ (with grad) and of θ_old on the SAME
-            pairs (no grad; stored with the rollout).
+        s_new, s_old: (m, J) surrogates of θ (with grad) and of θ_old on the SAME pairs (no grad).
         adv: (m,) advantages, already normalised and clipped (§4).
         clip_eps: ratio clip ε; 0 disables the clip (then loss = −A·ρ).
         kl: (m, J) per-pair x-space KL to θ_old (xspace_kl), used when kl_coef = β > 0.
