@@ -126,9 +126,8 @@ def time_shift(s: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def sigma_grid(num_steps: int, shift: float = 1.0) -> torch.Tensor:
-    """A rollout grid, (K + 1,) float64 on the CPU, from t = 1 (noise) down to exactly 0 (data):
-    K equal steps, linspace(1, 0, K + 1), then time-shifted. FLUX's grid [ours C8]; SD3 reads its
-    grid from the model's own scheduler instead (SD3Adapter.sigmas)."""
+    """A rollout grid (K + 1,) float64 on the CPU, t = 1 (noise) → exactly 0 (data): K equal
+    steps, linspace(1, 0, K + 1), time-shifted. FLUX's grid [ours C8]; SD3's: SD3Adapter.sigmas."""
     return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
 
 
@@ -164,9 +163,8 @@ def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
 
 def dpmpp2m_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
                    cond=None) -> torch.Tensor:
-    """DPM-Solver++(2M), the 2nd-order multistep data-prediction solver, for rectified flow.
-
-    With α_t = 1 − t, σ_t = t, λ = log(α/σ), h = λ_{k+1} − λ_k and x̂0 = x − t·v̂:
+    """DPM-Solver++(2M), the 2nd-order multistep data-prediction solver, for rectified flow;
+    with α_t = 1 − t, σ_t = t, λ = log(α/σ), h = λ_{k+1} − λ_k and x̂0 = x − t·v̂:
         x_{k+1} = (σ_{k+1}/σ_k)·x_k + α_{k+1}·(1 − e^{−h})·D_k
         D_k = x̂0_k                                    (first step, and the final step to t = 0)
         D_k = (1 + 1/(2r))·x̂0_k − 1/(2r)·x̂0_{k−1},   r = h_{k−1}/h_k          (otherwise)
@@ -238,9 +236,8 @@ def clip_advantages(adv: torch.Tensor, keep: torch.Tensor, ok: torch.Tensor, *, 
     6 × 24 batch (143 rewards 0, one 1) gets A = (1 − 1/24)/0.083 ≈ 11.5, which the clamp cuts to
     5 and the soft-clip maps to 3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00. With a
     per-group std |A| ≤ √(G − 1) (= 4.8 for G = 24) and the clamp never acts.
-    Args: adv, keep (samples that get an advantage), ok (finite rewards): all (P, G); eta = 0
-        disables the soft-clip.
-    Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η), and detached stats."""
+    Args: adv, keep (samples that get an advantage), ok (finite rewards): all (P, G).
+    Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η) (eta = 0: no soft-clip), detached stats."""
     adv = adv.clamp(-clamp, clamp)
     if eta > 0:
         adv = eta * torch.tanh(adv / eta)
