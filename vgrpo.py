@@ -76,8 +76,8 @@ CONTENTS (top-down): §1 imports · §2 flow-matching math · §3 ODE samplers �
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse, contextlib, dataclasses, functools, importlib.util, io, json, math, random
-import fcntl, os, shutil, signal, sys, tempfile, time, warnings
+import argparse, contextlib, dataclasses, fcntl, functools, importlib.util, io, json, math, os
+import random, shutil, signal, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
