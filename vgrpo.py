@@ -3,23 +3,20 @@ vgrpo.py — V-GRPO in one file: online RL for flow-matching image models, where
 model's own (variance-reduced) flow-matching loss stands in for log π_θ(image | prompt).
 
 Paper: "V-GRPO: Online Reinforcement Learning for Denoising Generative Models Is Easier than
-You Think", Tang et al., 2026, arXiv 2604.23380. Equation numbers of the paper are not quoted
-(the full text could not be checked end to end). Tags point into METHOD.md, beside this file,
-and say what kind of statement they are: [paper P3] a fact stated by the paper, with its source
-named in the item; [peer X5] a convention taken from another codebase (repository and file
-named); [ours C4] this project's choice where the paper is silent; [Alg. step 4] a step of
-the algorithm box below. A bare "§k" is a section of this file.
-
-See it work: examples/toy_2d.py (+ toy_2d.md) trains V-GRPO, its ablations and an MDP baseline
-on a 2-D toy in minutes on a CPU; examples/digits.py (+ digits.md) is a small image benchmark
-on scikit-learn's 8×8 digits; measurements of the full models on a GPU are in results/.
+You Think", Tang et al., 2026, arXiv 2604.23380; its equation numbers are not quoted (the full
+text could not be checked end to end). Tags resolve in METHOD.md, beside this file: [paper P3]
+a fact the paper states, its source named; [peer X5] a convention of another codebase,
+repository and file named; [ours C4] our choice where the paper is silent; [Alg. step 4] a step
+of the box below. A bare "§k" is a section of this file.
 
 What this file IS: a readable reference of the algorithm plus a working trainer for Stable
 Diffusion 3 / 3.5 and FLUX.1 (diffusers) with human-preference rewards (PickScore, HPSv2.1,
-CLIPScore, aesthetic, ImageReward, your own), on one GPU or data-parallel under torchrun, and
-offline tiny models (examples/tiny_models.py) so everything runs on a laptop CPU. What it is
-NOT: a framework. The math (§2–§6) is pure torch and knows nothing of models, rewards or
-processes, so the loss can be copied into any trainer.
+CLIPScore, aesthetic, ImageReward, your own), on one GPU or under torchrun with the transformer
+sharded by FSDP2, with live curves in TensorBoard or W&B (--report_to), and offline tiny models
+(examples/tiny_models.py) so everything runs on a laptop CPU. What it is NOT: a framework; the
+loss can be copied into any trainer (§2–§6). See it work on a CPU: examples/toy_2d.py, a 2-D toy
+(V-GRPO, its ablations, an MDP baseline), and examples/digits.py, scikit-learn's 8×8 digits;
+each has its .md. GPU measurements of the full models are in results/.
 
 Quickstart
     pip install -r requirements.txt
@@ -64,42 +61,23 @@ CONVENTIONS
     * Losses are minimised; loss = −objective. Reductions over latent elements are MEANS (the
       paper's code does this; a sum would only rescale log ρ by d = C·H·W).
     * All surrogate, ratio and loss arithmetic is fp32, even under bf16 autocast.
-    * Math functions (§2–§6) are pure: tensors in, tensors out, no globals, no .item().
+    * Math functions (§2–§6) are pure torch: tensors in, tensors out; no models, rewards,
+      processes, globals or .item().
 
-CONTENTS (top-down, as the algorithm box reads; §2–§6 are the pure math)
-    §1  imports, ConfigError         §6  GRPO loss and diagnostics
-    §2  flow-matching math           §7  rewards: the contract, the models, the aggregate
-    §3  ODE samplers                 §8  models: loading, SD3/FLUX adapters, LoRA
-    §4  group-relative advantages    §9  the loop: iteration and its steps, setup, train,
-                                         evaluation, run folder, checkpoints, torchrun
-    §5  stratified pairs + surrogate §10 configuration (Args, presets, CLI), banner, main()
-    To read the method alone: this overview, §2–§6 and the start of §9 (`iteration` and its five
-    steps), about 780 lines; the rest is the trainer around it.
+CONTENTS (top-down): §1 imports · §2 flow-matching math · §3 ODE samplers · §4 group-relative
+    advantages · §5 stratified pairs + surrogate · §6 GRPO loss (§2–§6: the pure math) · §7
+    rewards · §8 models: loading, SD3/FLUX adapters, LoRA · §9 the loop: `iteration` and its five
+    steps, setup, train, evaluation, run folder, checkpoints, torchrun · §10 Args, presets, CLI,
+    main(). The method alone: this overview, §2–§6 and the start of §9; the rest is the trainer.
 """
 
 # ------------------------------------------------------------------------------------------------
-# §1  Imports. Heavy libraries (diffusers, transformers, peft) are imported inside the functions
-#     that need them, so `import vgrpo` is fast and the math core works with torch alone.
+# §1  Imports. diffusers, transformers and peft only inside the functions that need them.
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
-import fcntl
-import functools
-import importlib.util
-import io
-import json
-import math
-import os
-import random
-import shutil
-import signal
-import sys
-import tempfile
-import time
-import warnings
+import argparse, contextlib, dataclasses, fcntl, functools, importlib.util, io, json, math, os
+import random, shutil, signal, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -112,14 +90,11 @@ class ConfigError(ValueError):
     """A problem with the user's input or environment (a flag, a file, a model location, a plug-in):
     main() prints it as one line and exits with status 2. Anything else is a bug and tracebacks."""
 
-
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
 # ------------------------------------------------------------------------------------------------
 # §2  Flow-matching math (pure).                                          [peer X8]
 #     Rectified flow: x_t = (1 − t)·x0 + t·ε,  v = dx_t/dt = ε − x0,  t = 1 noise → t = 0 data.
-#     The three "parameterisations" of paper P12 are the same prediction seen in three spaces:
-#         x̂0 − x0 = −t·(v̂ − v)      ε̂ − ε = (1 − t)·(v̂ − v)      (v̂ − v) itself
-#     so an error in x-, ε- or v-space is the v-error times t, (1 − t) or 1.        [peer X6]
+#     The three "parameterisations" of paper P12 are one prediction seen in three spaces.
 # ------------------------------------------------------------------------------------------------
 def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reshape per-sample t (M,) to (M, 1, 1, ...) so it broadcasts against `like` (M, *D)."""
@@ -127,18 +102,18 @@ def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def interpolate(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x_t = (1 − t)·x0 + t·ε.  x0, eps: (M, *D); t: (M,) in [0, 1]; returns (M, *D)."""
+    """x_t = (1 − t)·x0 + t·ε, t = 1 noise → 0 data. x0, eps: (M, *D); t: (M,); returns (M, *D)."""
     tb = bcast(t, x0)
     return (1 - tb) * x0 + tb * eps
 
 
 def x0_from_v(x_t: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x̂0 = x_t − t·v̂ (the x-prediction reparameterisation of paper P6). (M, *D), t (M,)."""
+    """x̂0 = x_t − t·v̂ (the x-prediction of paper P6; t = 1 noise). x_t, v (M, *D), t (M,)."""
     return x_t - bcast(t, x_t) * v
 
 
 PARAM_SCALE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    # error in space p = PARAM_SCALE[p](t) · (v̂ − v), up to sign (squared and |·| drop the sign)
+    # error in space p = PARAM_SCALE[p](t) · (v̂ − v), up to a sign that ² and |·| drop [peer X6]
     "x": lambda t: t,                       # x̂0 − x0 = −t (v̂ − v)          [paper P6]
     "eps": lambda t: 1 - t,                 # ε̂ − ε  = (1 − t)(v̂ − v)       [paper P12]
     "v": lambda t: torch.ones_like(t),      # plain flow-matching error       [paper P12]
@@ -151,11 +126,8 @@ def time_shift(s: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def sigma_grid(num_steps: int, shift: float = 1.0) -> torch.Tensor:
-    """A rollout grid: K + 1 decreasing times from 1 to exactly 0 (float64, CPU): K equal steps of
-    the unshifted time, linspace(1, 0, K + 1), then time-shifted (FLUX's grid here, [ours C8]).
-    SD3 reads its grid from the model's own scheduler instead (SD3Adapter.sigmas).
-    Returns: (K + 1,) tensor.
-    """
+    """A rollout grid (K + 1,) float64 on the CPU, t = 1 (noise) → exactly 0 (data): K equal
+    steps, linspace(1, 0, K + 1), time-shifted. FLUX's grid [ours C8]; SD3's: SD3Adapter.sigmas."""
     return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
 
 
@@ -169,21 +141,17 @@ def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------
 # §3  Deterministic ODE samplers (pure, given a velocity function).        [paper P1; ours C8]
-#     V-GRPO never needs per-step log-probs: the generation is ONE action whose log-likelihood is
-#     replaced by the surrogate of §5, so any deterministic solver works for rollouts.
-#     `velocity_fn(x, t, cond) -> v` with x (M, *D), t (M,) — the model or an analytic field.
+#     Any deterministic solver will do: the generation is ONE action, scored by §5's surrogate,
+#     not by per-step log-probs. velocity_fn(x (M, *D), t (M,), cond) -> v: model or analytic field.
 # ------------------------------------------------------------------------------------------------
 def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
                  cond=None) -> torch.Tensor:
-    """Euler solve of dx/dt = v(x, t) from t = sigmas[0] (= 1) down to sigmas[-1] (= 0).
+    """Euler solve of dx/dt = v(x, t) from t = sigmas[0] = 1 (noise) to sigmas[-1] = 0 (data):
+    x_{k+1} = x_k + (σ_{k+1} − σ_k)·v(x_k, σ_k), diffusers' FlowMatchEuler step; K network calls.
 
-    Args:
-        velocity_fn: (x (M, *D), t (M,), cond) -> v (M, *D).
-        x1: (M, *D) initial noise.
-        sigmas: (K + 1,) decreasing grid, CPU tensor or list; K network evaluations.
-    Returns: x0 (M, *D) in x1's dtype.
-    Notes: x_{k+1} = x_k + (σ_{k+1} − σ_k)·v(x_k, σ_k) — diffusers' FlowMatchEuler step.
-    """
+    Args: velocity_fn (x (M, *D), t (M,), cond) -> v (M, *D); x1 (M, *D) the initial noise;
+        sigmas (K + 1,) the decreasing grid, a CPU tensor or a list.
+    Returns: x0 (M, *D) in x1's dtype."""
     sig = [float(s) for s in sigmas]          # python floats: no device syncs inside the loop
     x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
     for s, s_next in zip(sig[:-1], sig[1:]):
@@ -195,21 +163,18 @@ def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
 
 def dpmpp2m_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
                    cond=None) -> torch.Tensor:
-    """DPM-Solver++(2M), the 2nd-order multistep data-prediction solver, for rectified flow.
-
-    With α_t = 1 − t, σ_t = t, λ = log(α/σ), h = λ_{k+1} − λ_k and x̂0 = x − t·v̂:
+    """DPM-Solver++(2M), the 2nd-order multistep data-prediction solver, for rectified flow;
+    with α_t = 1 − t, σ_t = t, λ = log(α/σ), h = λ_{k+1} − λ_k and x̂0 = x − t·v̂:
         x_{k+1} = (σ_{k+1}/σ_k)·x_k + α_{k+1}·(1 − e^{−h})·D_k
         D_k = x̂0_k                                    (first step, and the final step to t = 0)
         D_k = (1 + 1/(2r))·x̂0_k − 1/(2r)·x̂0_{k−1},   r = h_{k−1}/h_k          (otherwise)
     e^{−h} = σ_{k+1}α_k / (σ_k α_{k+1}) is finite even at t = 1 (α = 0, λ = −∞), so the first
-    step is the DDIM step x = (1 − σ')·x̂0 + σ'·x1. One network evaluation per step (K in all).
-    Args/Returns: as euler_sample.
-    """
+    step is the DDIM step x = (1 − σ')·x̂0 + σ'·x1. K network calls; the rest as euler_sample."""
     sig = [float(s) for s in sigmas]
     x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
     prev_x0, prev_h = None, None
     for k, (s, s_next) in enumerate(zip(sig[:-1], sig[1:])):
-        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)
+        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)          # (M,)
         x0_hat = x - s * velocity_fn(x.to(x1.dtype), t, cond).to(x.dtype)                # (M, *D)
         if s_next == 0.0:                               # final step: e^{-h} = 0, first order
             x = x0_hat
@@ -239,24 +204,18 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
 
     Args:
         rewards: (P, G) float; non-finite entries mark dropped samples.
-        global_std: divide by the std of ALL finite rewards of the batch around the BATCH mean
-            (it includes the spread between prompts) instead of each group's own std. This is
-            Flow-GRPO's `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo,
-            flow_grpo/stat_tracking.py: np.std(rewards) + 1e-4, population std), which
-            DiffusionNFT's code base inherits (ours C3).
+        global_std: std of ALL finite rewards of the batch around the BATCH mean (so it includes
+            the spread between prompts) instead of each group's own std: Flow-GRPO's
+            `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo, flow_grpo/stat_tracking.py:
+            np.std(rewards) + 1e-4, population std), which DiffusionNFT's code inherits (ours C3).
         std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
-        clamp, eta: the hard clamp and the soft-clip that follows it (see clip_advantages).
-        unbiased: std divides by n − 1 (torch.std's default, MixGRPO) instead of n (np.std).
-    Returns:
-        adv: (P, G) fp32; 0 for dropped samples and for groups with < 2 finite rewards.
-        stats: dict of detached scalars (mean, std, max |A|, fraction of dropped samples).
-    Reference form: for each group g: m = mean(r[g]); A[g] = (r[g] − m) / (std + std_eps),
-        std = np.std(all finite r) if global_std else np.std(r[g])  (ddof = 1 if unbiased).
-    """
+        clamp, eta: see clip_advantages. unbiased: divide by n − 1 (torch.std, MixGRPO), not n.
+    Returns: adv (P, G) fp32, 0 for dropped samples and for groups with < 2 finite rewards; and
+        stats, detached scalars (mean, std, max |A|, fraction of dropped samples)."""
     r = rewards.float()
     ok = torch.isfinite(r)                                                   # (P, G)
     n = ok.sum(dim=1, keepdim=True)                                          # (P, 1)
-    r0 = torch.where(ok, r, torch.zeros_like(r))
+    r0 = torch.where(ok, r, torch.zeros_like(r))                             # (P, G)
     mean = r0.sum(dim=1, keepdim=True) / n.clamp(min=1)                      # (P, 1)
     dev = torch.where(ok, r - mean, torch.zeros_like(r))                     # (P, G)
     ddof = 1 if unbiased else 0
@@ -272,16 +231,13 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
 def clip_advantages(adv: torch.Tensor, keep: torch.Tensor, ok: torch.Tensor, *, clamp: float,
                     eta: float):
     """The tail every aggregation shares: A ← clamp(A, ±clamp), then A ← η·tanh(A/η), 0 where not
-    `keep`.                                                           [ours C1; paper P9, Eq. 17]
-
-    The clamp (Flow-GRPO's ±5) acts BEFORE the soft-clip, so it is not inert whenever |A| > clamp
-    is possible. Under global_std it is: one outlier in a 6 × 24 batch (143 rewards 0, one 1)
-    gets A = (1 − 1/24)/0.083 ≈ 11.5, which the clamp cuts to 5 and the soft-clip maps to
-    3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00. With a per-group std |A| ≤ √(G − 1)
-    (= 4.8 for G = 24) and the clamp never acts. eta = 0 disables the soft-clip.
+    `keep` [ours C1; paper P9, Eq. 17]. The clamp (Flow-GRPO's ±5) acts BEFORE the soft-clip, so
+    it is not inert whenever |A| > clamp is possible. Under global_std it is: one outlier in a
+    6 × 24 batch (143 rewards 0, one 1) gets A = (1 − 1/24)/0.083 ≈ 11.5, which the clamp cuts to
+    5 and the soft-clip maps to 3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00. With a
+    per-group std |A| ≤ √(G − 1) (= 4.8 for G = 24) and the clamp never acts.
     Args: adv, keep (samples that get an advantage), ok (finite rewards): all (P, G).
-    Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η), and detached stats.
-    """
+    Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η) (eta = 0: no soft-clip), detached stats."""
     adv = adv.clamp(-clamp, clamp)
     if eta > 0:
         adv = eta * torch.tanh(adv / eta)
@@ -292,27 +248,20 @@ def clip_advantages(adv: torch.Tensor, keep: torch.Tensor, ok: torch.Tensor, *, 
 
 
 def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
-    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3].
-
-    rewards: (R, P, G) training-scaled values of R rewards; weights: (R,). A sample with any
-    non-finite component is dropped. kw: as group_advantages (global_std, std_eps, clamp, eta).
-    Returns group_advantages(Σ_k w_k r_k): (P, G) and stats.
-    """
+    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3]:
+    group_advantages(Σ_k w_k r_k) of rewards (R, P, G), training-scaled, and weights (R,); a
+    sample with a non-finite component is dropped; kw as group_advantages. Returns (P, G), stats."""
     total = (weights.float().view(-1, 1, 1) * rewards.float()).sum(dim=0)             # (P, G)
     return group_advantages(total, **kw)
 
 
 def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, global_std: bool = False,
                           std_eps: float = 1e-8, clamp: float = 5.0, eta: float = 3.0):
-    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3].
-
-    A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w.
-    rewards: (R, P, G); weights: (R,). A sample with any non-finite component is dropped.
-    std_k is the UNBIASED group std, as MixGRPO's `advantage_aggr` computes it with torch.std()
-    (Tencent-Hunyuan/MixGRPO, fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8).
-    Returns (P, G) fp32 advantages and stats.
-    Reference form: A = Σ_k ŵ_k · group_advantages(r_k, clamp=∞, eta=0); then clamp, soft-clip.
-    """
+    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3]:
+    A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w,
+    of rewards (R, P, G) and weights (R,); a sample with any non-finite component is dropped.
+    std_k: the UNBIASED group std, torch.std() as in MixGRPO (Tencent-Hunyuan/MixGRPO,
+    fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8). Returns (P, G) fp32 A, stats."""
     r = rewards.float()
     ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
     r = torch.where(ok, r, torch.full_like(r, float("nan")))                 # drop whole sample
@@ -325,29 +274,22 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
 
 # ------------------------------------------------------------------------------------------------
 # §5  Shared, stratified (t, ε) pairs and the ELBO surrogate (pure).          [paper P2–P8]
-#
 #   log π_θ(o | c)  ←  S_θ(o) = (1/J) Σ_j s_θ(o; t_j, ε_j)
 #   s_θ(o; t, ε)    = − mean_d (x̂0 − o)²  /  sg( max(mean_d |x̂0 − o|, floor) ),
 #   x̂0 = z − t·v_θ(z, t, c),  z = (1 − t)·o + t·ε.
-#
 #   Three variance-reduction techniques, each one switch:
-#   (1) group/batch-shared pairs: every member of a group is scored on the SAME (t_j, ε_j), so
-#       differences inside a group reflect the images, not the dice  (pair_sharing);
+#   (1) shared pairs: all members of a group (or of the batch) are scored on the SAME (t_j, ε_j),
+#       so differences inside a group reflect the images, not the dice      (pair_sharing);
 #   (2) stratified t: one t per contiguous chunk of the rollout grid       (stratified);
-#   (3) adaptive weighting: the x-space MSE is divided by its own detached MAE, flattening the
+#   (3) adaptive weighting: the x-space MSE divided by its own detached MAE, which flattens the
 #       orders-of-magnitude spread of loss scale across t                  (adaptive_weighting).
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Pairs:
-    """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4].
-
-    t:     (n_scopes, J) times, n_scopes = number of independent pair sets (1 = batch-wide).
-    eps:   (n_scopes, J, *D) noises.
-    index: (N,) long, which set each of the N samples uses.
-    """
-    t: torch.Tensor
-    eps: torch.Tensor
-    index: torch.Tensor
+    """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4]."""
+    t: torch.Tensor        # (n_scopes, J) times; n_scopes independent pair sets (1 = batch-wide)
+    eps: torch.Tensor      # (n_scopes, J, *D) noises
+    index: torch.Tensor    # (N,) long: which set each of the N samples uses
 
     def take(self, rows: torch.Tensor):
         """Pairs of samples `rows` (m,): returns t (m, J), eps (m, J, *D)."""
@@ -358,23 +300,18 @@ class Pairs:
 def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.Tensor, *,
                stratified: bool = True, generator: Optional[torch.Generator] = None,
                device: Optional[torch.device] = None) -> Pairs:
-    """Draw J = n_mc (t, ε) pairs for each of n_scopes = index.max() + 1
-    sharing scopes.
+    """Draw J = n_mc (t, ε) pairs for each of n_scopes = index.max() + 1 sharing scopes.
 
     Args:
-        grid: (K,) candidate times — the rollout sigma grid WITHOUT its terminal 0 (at t = 0 the
-            error vanishes and the MAE normalisation is 0/0)                 [ours C5].
-        n_mc: J, pairs per sample (N_MC).
+        grid: (K,) candidate times, t = 1 noise → 0 data: the rollout grid WITHOUT its terminal 0
+            (there the error vanishes and the MAE normalisation is 0/0)               [ours C5].
         latent_shape: D = (C, H, W) of one latent.
-        index: (N,) long, the scope of each sample: zeros = batch-wide sharing (the paper's code,
+        index: (N,) long, each sample's scope: zeros = batch-wide (the paper's code,
             `grpo_init_same="batch"`), sample // G = per group (the paper's text), arange(N) = none.
         stratified: split the grid into J contiguous, (near-)equal chunks (torch.tensor_split) and
             pick one grid point uniformly inside each; else J uniform picks from the whole grid.
-        generator: CPU generator: the pairs are drawn on the CPU, so they do not depend on the
-            device, and then moved to `device` (default: the CPU).
-    Returns: Pairs with t (n_scopes, J) float32, eps (n_scopes, J, *D) float32 and index (N,),
-        all on `device`.
-    """
+        generator: CPU; pairs are drawn there (device-independent), moved to `device` (None: CPU).
+    Returns: Pairs, t (n_scopes, J) and eps (n_scopes, J, *D) float32, index (N,), on `device`."""
     grid = torch.as_tensor(grid, dtype=torch.float64).flatten()
     n_scopes = int(index.max()) + 1
     if stratified:
@@ -392,23 +329,18 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
 
 
 def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor,
-                            t: torch.Tensor, *,
-                            parameterization: str = "x", adaptive: bool = True,
+                            t: torch.Tensor, *, parameterization: str = "x", adaptive: bool = True,
                             mae_floor: float = 1e-5) -> torch.Tensor:
     """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)). [paper P6, P7]
 
     e is the prediction error in the chosen space (§2): with x-prediction e = x̂0 − x0 =
     −t·(v̂ − (ε − x0)). The official code: `x0_pred = z − σ·pred; s = −mean((x0_pred − x0)²);
     s = s / mean(|x0_pred.detach() − x0|)` [paper P7]. adaptive=False returns −‖e‖²_mean.
-    Args:
-        v_pred: (M, *D) network velocity at z = (1 − t)·x0 + t·ε (any dtype).
-        x0: (M, *D) rollout latents; eps: (M, *D) pair noises; t: (M,) pair times.
-    Returns: s (M,) fp32, differentiable through v_pred only.
-    Reference form: for m: e = scale(t[m])*(v_pred[m] − eps[m] + x0[m]);
-                           s[m] = −(e**2).mean() / max(|e|.mean(), floor)
-    """
+    Args: v_pred (M, *D) the network velocity at z = (1 − t)·x0 + t·ε (any dtype); x0 (M, *D)
+        rollout latents; eps (M, *D) pair noises; t (M,) pair times, t = 1 noise → 0 data.
+    Returns: s (M,) fp32, differentiable through v_pred only."""
     v_err = v_pred.float() - (eps.float() - x0.float())                     # v̂ − v, (M, *D)
-    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err
+    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err       # (M, *D)
     mse = err.square().flatten(1).mean(dim=1)                                 # (M,)
     if not adaptive:
         return -mse
@@ -433,16 +365,13 @@ def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tens
     """s[m, j] for m samples × J pairs in ONE batched network call of m·J rows, and the
     x-prediction x̂0 that the KL term needs (discard it when β = 0).          [Alg. steps 4, 5]
 
-    Args:
-        velocity_fn: (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D).
-        x0: (m, *D) latents; cond: batch-first tensors (or dict/tuple of them) with m rows.
-        t: (m, J) times; eps: (m, J, *D) noises (from Pairs.take), on x0's device.
-    Returns: (s (m, J) fp32, x̂0 (m, J, *D) fp32); both differentiable through velocity_fn.
+    Args: velocity_fn (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D); x0 (m, *D) latents;
+        cond batch-first tensors (or a dict/tuple of them) with m rows; t (m, J) times, t = 1
+        noise → 0 data; eps (m, J, *D) noises (Pairs.take), on x0's device.
+    Returns: s (m, J) and x̂0 (m, J, *D), fp32, both differentiable through velocity_fn.
     Reference form: for m, j: z = (1 − t)·x0[m] + t·eps[m, j]; v = velocity_fn(z, t, cond[m]);
-                              s[m, j] = surrogate_from_velocity(v, x0[m], eps[m, j], t)
-    """
-    m, J = t.shape
-    D = x0.shape[1:]
+                              s[m, j] = surrogate_from_velocity(v, x0[m], eps[m, j], t)"""
+    (m, J), D = t.shape, x0.shape[1:]
     x0r = x0.unsqueeze(1).expand(m, J, *D).reshape(m * J, *D)                # (m·J, *D)
     tr, er = t.reshape(m * J), eps.reshape(m * J, *D)                        # (m·J,), (m·J, *D)
     z = interpolate(x0r.float(), er.float(), tr.float()).to(x0.dtype)        # (m·J, *D)
@@ -453,11 +382,9 @@ def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tens
 
 
 def surrogate_cv(S: torch.Tensor) -> dict:
-    """Coefficient of variation of the surrogate S (P, G): over the batch and within groups.
-
-    CV = std / |mean| (population std). The paper reports 0.230 → 0.128 (batch) and 0.170 → 0.038
-    (within group) when the three techniques are switched on [paper P8]. Returns detached scalars.
-    """
+    """Coefficient of variation CV = std / |mean| (population std) of the surrogate S (P, G), over
+    the batch and within groups; detached scalars. The paper reports 0.230 → 0.128 (batch) and
+    0.170 → 0.038 (within group) when the three techniques are switched on [paper P8]."""
     S = S.float()
     cv_all = S.std(unbiased=False) / S.mean().abs().clamp(min=1e-12)
     cv_grp = (S.std(dim=1, unbiased=False) / S.mean(dim=1).abs().clamp(min=1e-12)).mean()
@@ -472,33 +399,23 @@ def surrogate_cv(S: torch.Tensor) -> dict:
 # ------------------------------------------------------------------------------------------------
 def xspace_kl(x0_hat: torch.Tensor, x0_hat_old: torch.Tensor) -> torch.Tensor:
     """"Simple" KL of paper P9 (Eq. 16 per [source S6]): mean_d (x̂θ − x̂θold)² per pair.
-
-    x0_hat, x0_hat_old: (m, J, *D). Returns (m, J) fp32, differentiable through x0_hat only.
-    """
+    x0_hat, x0_hat_old: (m, J, *D). Returns (m, J) fp32, differentiable through x0_hat only."""
     return (x0_hat.float() - x0_hat_old.detach().float()).square().flatten(2).mean(dim=2)
 
 
 def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
-               clip_eps: float = 0.0,
-               kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0):
-    """V-GRPO policy loss for m samples (mean over samples; minimise it).
+               clip_eps: float = 0.0, kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0):
+    """V-GRPO policy loss for m samples, mean_n loss_n of the banner above; minimise it.
 
     Args:
-        s_new: (m, J) surrogate of the current θ (with grad).
-        s_old: (m, J) surrogate of θ_old on the SAME pairs (no grad; stored with the rollout).
-        adv:   (m,) advantages (already normalised / clipped, §4).
+        s_new, s_old: (m, J) surrogates of θ (with grad) and of θ_old on the SAME pairs (no grad).
+        adv: (m,) advantages, already normalised and clipped (§4).
         clip_eps: ratio clip ε; 0 disables the clip (then loss = −A·ρ).
-        kl: (m, J) per-pair x-space KL to θ_old (xspace_kl), used when kl_coef > 0.
-    Returns:
-        loss: () fp32.
-        stats: detached scalars — ratio mean, mean |log ρ|, clip fraction, approx KL
-            k2 = ½(log ρ)² [peer X7], and the x-space KL.
+        kl: (m, J) per-pair x-space KL to θ_old (xspace_kl), used when kl_coef = β > 0.
+    Returns: loss () fp32 and stats, detached scalars: ratio mean, mean |log ρ|, clip fraction,
+        approx KL k2 = ½(log ρ)² [peer X7] and the x-space KL.
     Notes: with θ = θ_old, ρ ≡ 1 and ∇loss = −A·∇S: REINFORCE with a group baseline on the
-        surrogate (ours C18), which is the whole update when μ = 1.
-    Reference form:
-        for n: r = exp(mean_j s_new[n] − mean_j s_old[n]); pg = −A[n]·r
-               if ε: pg = max(pg, −A[n]·clamp(r, 1−ε, 1+ε));  loss += (pg + β·mean_j kl[n]) / m
-    """
+        surrogate (ours C18), which is the whole update when μ = 1."""
     log_ratio = s_new.float().mean(dim=1) - s_old.detach().float().mean(dim=1)   # (m,)
     ratio = torch.exp(log_ratio)                                                 # (m,)
     A = adv.detach().float()
@@ -514,8 +431,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
         loss = loss + kl_coef * kl_mean
     stats = {"ratio": ratio.mean().detach(), "abs_log_ratio": log_ratio.abs().mean().detach(),
              "clip_frac": clipped.mean().detach(),
-             "approx_kl": (0.5 * log_ratio.square()).mean().detach(),
-             "kl_x": kl_mean.detach()}
+             "approx_kl": (0.5 * log_ratio.square()).mean().detach(), "kl_x": kl_mean.detach()}
     return loss, stats
 
 # === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
