@@ -825,12 +825,10 @@ class Rewards:
 # §8  Models: pipelines, the model adapter, LoRA. Everything here talks to diffusers,
 #     transformers or peft; nothing here is part of the algorithm.
 # ------------------------------------------------------------------------------------------------
-MODEL_ALIASES = {
-    "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
-    "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
-    "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
-    "flux.1-dev": "black-forest-labs/FLUX.1-dev",
-}
+MODEL_ALIASES = {"sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
+                 "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
+                 "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
+                 "flux.1-dev": "black-forest-labs/FLUX.1-dev"}
 TINY_MODELS = {"tiny": "StableDiffusion3Pipeline", "tiny-flux": "FluxPipeline"}
 SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
@@ -845,24 +843,21 @@ def model_family(name: str) -> str:
 
 
 def _quiet_hf():
-    """Silence the per-load progress bars of diffusers/transformers (ours is the one to read) and
-    their warnings (e.g. diffusers' per-batch prompt-truncation notices)."""
-    import diffusers
-    import transformers
-    for lib in (diffusers, transformers):
+    """Silence diffusers' and transformers' per-load progress bars (the run's own is the one to
+    read) and their warnings, e.g. diffusers' per-batch prompt-truncation notices."""
+    for lib in map(importlib.import_module, ("diffusers", "transformers")):
         lib.utils.logging.disable_progress_bar()
         lib.utils.logging.set_verbosity_error()
 
 
 def resolve_model(name: str) -> str:
-    """'tiny' | alias | local diffusers dir | hub id → what from_pretrained gets."""
-    if name in TINY_MODELS or os.path.isdir(name):
+    """'tiny' | alias | local diffusers dir | hub id (owner/name) → what from_pretrained gets."""
+    parts = name.split("/")
+    if name in TINY_MODELS or os.path.isdir(name) or (
+            len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))):
         return name
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
-    parts = name.split("/")
-    if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
-        return name                                                  # looks like owner/name
     aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES])
     raise ConfigError(f"unknown model {name!r}: use an alias ({aliases}), a hub id such as "
                       "stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
@@ -882,30 +877,28 @@ def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
 
 def check_local_pipeline(location: str) -> tuple[str, dict]:
     """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
-    name and {component: None} for the components saved as null in model_index.json (a documented
-    diffusers way to save SD3 without its T5 encoder: text_encoder_3 = tokenizer_3 = None)."""
-    index = Path(location, "model_index.json")
+    and {component: None} for the components saved as null in model_index.json (diffusers' way to
+    save SD3 without its T5 encoder: text_encoder_3 = tokenizer_3 = None)."""
+    index, where = Path(location, "model_index.json"), f"--model {location!r}"
     if not index.is_file():
-        raise ConfigError(f"--model {location!r} is not a diffusers pipeline folder (no "
-                          "model_index.json); pass the folder that holds model_index.json")
+        raise ConfigError(f"{where} is not a diffusers pipeline folder (no model_index.json); "
+                          "pass the folder that holds model_index.json")
     try:
         spec = json.loads(index.read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--model {location!r}: model_index.json is unreadable ({e})") from None
-    cls_name = spec.get("_class_name")
-    if cls_name not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"--model {location!r} holds a {cls_name}; "
+        raise ConfigError(f"{where}: model_index.json is unreadable ({e})") from None
+    if spec.get("_class_name") not in SUPPORTED_PIPELINES:
+        raise ConfigError(f"{where} holds a {spec.get('_class_name')}; "
                           f"supported: {SUPPORTED_PIPELINES}")
-    null = {k: None for k, v in spec.items()
-            if not k.startswith("_") and (v is None or (isinstance(v, list) and None in v))}
-    for k, v in spec.items():
-        if not k.startswith("_") and k not in null and isinstance(v, list) \
-                and not Path(location, k).is_dir():
-            raise ConfigError(f"--model {location!r}: model_index.json lists {k!r} but there is no "
-                              f"{k}/ folder; copy the complete pipeline (or set {k} to null)")
+    parts = [k for k, v in spec.items() if not k.startswith("_") and (v is None or type(v) is list)]
+    null = {k: None for k in parts if spec[k] is None or None in spec[k]}
+    for k in parts:
+        if k not in null and not Path(location, k).is_dir():
+            raise ConfigError(f"{where}: model_index.json lists {k!r} but there is no {k}/ "
+                              f"folder; copy the complete pipeline (or set {k} to null)")
     if "transformer" in null:
-        raise ConfigError(f"--model {location!r}: the pipeline was saved without its transformer")
-    return cls_name, null
+        raise ConfigError(f"{where}: the pipeline was saved without its transformer")
+    return spec["_class_name"], null
 
 
 def load_pipeline(name: str, dtype: torch.dtype):
@@ -916,16 +909,16 @@ def load_pipeline(name: str, dtype: torch.dtype):
     if location in TINY_MODELS:
         tm = tiny_models()
         pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
-    else:
-        cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
-        with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
-            warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
-            # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
-            pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
-                                    "the model", "--model", torch_dtype=dtype, **null)
-        if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-            raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
-                              f"supported: {SUPPORTED_PIPELINES}")
+        return freeze_and_cast(pipe, dtype)
+    cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
+    with warnings.catch_warnings():      # 0.42 deprecates `torch_dtype` for `dtype`; 0.3x lacks it
+        warnings.simplefilter("ignore", FutureWarning)
+        # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
+        pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
+                                "the model", "--model", torch_dtype=dtype, **null)
+    if type(pipe).__name__ not in SUPPORTED_PIPELINES:
+        raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
+                          f"supported: {SUPPORTED_PIPELINES}")
     return freeze_and_cast(pipe, dtype)
 
 
@@ -934,10 +927,8 @@ def freeze_and_cast(pipe, dtype: torch.dtype):
     cheap, fp16/bf16 VAEs band). Explicit casts also work around a diffusers loading bug that can
     leave the transformer in fp32 when a bf16 dtype is requested [peer X11]."""
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-        m = getattr(pipe, part, None)
-        if m is not None:
-            m.requires_grad_(False).eval()
-            m.to(torch.float32 if part == "vae" else dtype)
+        if (m := getattr(pipe, part, None)) is not None:
+            m.requires_grad_(False).eval().to(torch.float32 if part == "vae" else dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -959,16 +950,14 @@ def tiny_models():
 
 # The seam between the algorithm and a pipeline: the loop, samplers, surrogate and loss only call
 # encode / latent_shape / velocity / decode / sigmas. The two models differ exactly here [peer X9]:
-#
-#                    SD3 / SD3.5                          FLUX.1-dev
-#   text             CLIP-L + CLIP-G (+ T5) → 77 + L      CLIP-L pooled + T5 → L tokens, txt_ids
-#   latent in ODE    (16, H/8, W/8)                       packed 2×2: ((H/16)(W/16), 64), img_ids
-#   timestep         1000·t                               t (the transformer scales it by 1000)
-#   guidance         none (CFG-free)                      distilled guidance embedding, 3.5
-#   rollout grid     the scheduler's (shift 3)            linspace shifted by 3 (MixGRPO) [ours C8]
-#   VAE factors      1.5305 / 0.0609                      0.3611 / 0.1159 (read from vae.config)
+#                SD3 / SD3.5                         FLUX.1-dev
+#   text         CLIP-L + CLIP-G (+ T5) → 77 + L     CLIP-L pooled + T5 → L tokens, txt_ids
+#   ODE latent   (16, H/8, W/8)                      packed 2×2: ((H/16)(W/16), 64), img_ids
+#   t, guidance  1000·t; none (CFG-free)             t (scaled ×1000 inside); distilled, 3.5
+#   rollout grid the scheduler's (shift 3)           linspace shifted by 3 (MixGRPO) [ours C8]
+#   VAE factors  1.5305 / 0.0609                     0.3611 / 0.1159 (read from vae.config)
 class SD3Adapter:
-    """A diffusers SD3 / SD3.5 pipeline behind the seam above [peer X9]; FLUX overrides its rows."""
+    """A diffusers SD3 / SD3.5 pipeline behind the seam above; FluxAdapter overrides its rows."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int):
         self.pipe, self.device, self.L = pipe, device, max_sequence_length
@@ -984,8 +973,7 @@ class SD3Adapter:
         """Text conditioning of B prompts: from the cache (cache_prompts) or the text encoders."""
         if self._cache is None:
             return self._encode(prompts)
-        missing = [p for p in prompts if p not in self._cache]
-        if missing:
+        if missing := [p for p in prompts if p not in self._cache]:
             raise ConfigError("prompt not among the cached embeddings (--offload_text_encoders): "
                               f"{missing[0]!r}")
         return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device)
@@ -996,9 +984,9 @@ class SD3Adapter:
         """Embed every prompt once (kept on the CPU), then move the text encoders off the GPU."""
         uniq, cache = list(dict.fromkeys(prompts)), {}
         for i in range(0, len(uniq), batch):
-            c = self._encode(uniq[i:i + batch])
-            for j, p in enumerate(uniq[i:i + batch]):
-                cache[p] = {k: v[j].cpu() for k, v in c.items()}
+            for k, v in self._encode(uniq[i:i + batch]).items():
+                for p, row in zip(uniq[i:i + batch], v):
+                    cache.setdefault(p, {})[k] = row.cpu()
         self._cache = cache
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             if getattr(self.pipe, name, None) is not None:
@@ -1016,7 +1004,7 @@ class SD3Adapter:
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """v_θ(x, t, c); SD3 takes the timestep as 1000·t [peer X9]. x (M, C, H, W), t (M,)."""
-        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
+        dt = x.dtype if torch.is_autocast_enabled(x.device.type) else self.transformer.dtype
         return self.transformer(hidden_states=x.to(dt), timestep=(t * 1000).to(dt),
                                 encoder_hidden_states=cond["prompt_embeds"],
                                 pooled_projections=cond["pooled"], return_dict=False)[0]
@@ -1041,19 +1029,17 @@ class SD3Adapter:
 
 
 class FluxAdapter(SD3Adapter):
-    """FLUX.1: packed latents with image ids, t in [0, 1], the guidance embedding, a fixed
-    shifted grid."""
+    """FLUX.1: packed latents + image ids, t in [0, 1], the guidance embedding, a shifted grid."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int, guidance: float = 3.5,
                  shift: float = 3.0):
         super().__init__(pipe, device, max_sequence_length)
         self.guidance, self.shift = guidance, shift
-        self.C = self.transformer.config.in_channels // 4                  # 16 latent channels
         self.txt_ids = torch.zeros(max_sequence_length, 3, device=device)
 
     def latent_shape(self, resolution: int) -> tuple:
         r = resolution // self.vae_scale                                    # latent side (even)
-        return ((r // 2) * (r // 2), 4 * self.C)                                      # (seq, 64)
+        return ((r // 2) ** 2, self.transformer.config.in_channels)                  # (seq, 64)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
@@ -1063,17 +1049,14 @@ class FluxAdapter(SD3Adapter):
         return {"prompt_embeds": pe, "pooled": pooled}
 
     def _img_ids(self, seq: int) -> torch.Tensor:
-        """(seq, 3) rows [0, row, col] of the packed latent grid; built once per size."""
-        if getattr(self, "_ids", None) is None or self._ids.shape[0] != seq:
-            s = math.isqrt(seq)                                             # square images
-            rows, cols = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
-            ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1)
-            self._ids = ids.reshape(seq, 3).to(self.device)
-        return self._ids
+        """(seq, 3) rows [0, row, col] of the square packed latent grid."""
+        s = math.isqrt(seq)
+        rows, cols = torch.meshgrid(*[torch.arange(s, device=self.device)] * 2, indexing="ij")
+        return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(seq, 3)
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """v_θ on packed latents x (M, seq, 64), t (M,) in [0, 1]."""
-        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
+        dt = x.dtype if torch.is_autocast_enabled(x.device.type) else self.transformer.dtype
         g = (torch.full((x.shape[0],), self.guidance, device=x.device, dtype=dt)
              if self.transformer.config.guidance_embeds else None)
         return self.transformer(hidden_states=x.to(dt), timestep=t.to(dt), guidance=g,
@@ -1098,7 +1081,6 @@ def make_adapter(pipe, args: "Args", device: torch.device):
 
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
     """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [ours C17]
-
     targets name module suffixes (e.g. to_q, ff.net.2, proj_out); only modules inside the numbered
     transformer blocks match, never the model's top-level layers (FLUX's and SD3's final
     `proj_out`, the embedders): a regex for peft's full-name match."""
@@ -1109,16 +1091,14 @@ def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
     cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=pattern)
     transformer.add_adapter(cfg)
     for n, p in transformer.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.float()             # fp32 master weights; compute runs under autocast
-            p.requires_grad_(True)
+        if "lora_" in n:                        # fp32 master weights; compute runs under autocast
+            p.data, p.requires_grad = p.data.float(), True
     return cfg
 
 
 def transformer_blocks(transformer) -> list:
     """The repeated blocks: SD3's joint blocks; FLUX's double- and single-stream blocks."""
-    single = getattr(transformer, "single_transformer_blocks", [])
-    return list(transformer.transformer_blocks) + list(single)
+    return [*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", [])]
 
 
 # ------------------------------------------------------------------------------------------------
