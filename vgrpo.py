@@ -524,16 +524,14 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 #     They need weights, so they live outside the pure math, which only sees a tensor of rewards
 #     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
 # ------------------------------------------------------------------------------------------------
-# A reward is any such function, returning CPU fp32; `raw` always means {reward name: (N,) raw
-# values}. Rewards with weights come from factories that load the model once and return a scoring
-# closure, as Flow-GRPO's rewards.py does. Frozen reward models run in the compute dtype (bf16 on
-# CUDA); images never leave the device: preprocessing is torch (resize, crop/pad, normalise), no
-# PIL round trip, except JPEG/ImageReward. Each reward's logged unit and train_scale (a plug-in's:
-# "raw", 1): advantages see raw[name] · train_scale (only matters for sums of rewards, std_eps).
-# PickScore is logged raw (≈ 18–24) and trained on raw/26, as Flow-GRPO and DiffusionNFT do.
-REWARD_UNITS = {"pickscore": ("raw", 1 / 26),                                        # [ours C17]
-                "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0), "aesthetic": ("1-10", 1.0),
-                "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
+# Scores are CPU fp32; `raw` always means {reward name: (N,) raw values}. A reward with weights is
+# a factory that loads its frozen model once, in the compute dtype, and returns a scoring closure
+# (as Flow-GRPO's rewards.py does); preprocessing is torch on the images' device (PIL only for JPEG
+# and ImageReward). REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for a plug-in;
+# advantages see raw · train_scale (it matters only for sums of rewards and std_eps). PickScore is
+# logged raw (≈ 18–24) and trained on raw/26, as Flow-GRPO and DiffusionNFT do [ours C17].
+REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
+                "aesthetic": ("1-10", 1.0), "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
 
 
@@ -541,11 +539,11 @@ def _fetch(location: str, flag: str) -> str:
     """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
     if os.path.isfile(location):
         return location
-    parts = location.split("/")
+    parts = location.split("/", 2)
     if len(parts) < 3:
         raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
     from huggingface_hub import hf_hub_download
-    repo, file = "/".join(parts[:2]), "/".join(parts[2:])
+    repo, file = "/".join(parts[:2]), parts[2]
     try:
         return hf_hub_download(repo, file)
     except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
@@ -566,20 +564,17 @@ def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
     sizes = []
     for im in _to_pil(images):
-        buf = io.BytesIO()
-        im.save(buf, format="JPEG", quality=95)
+        im.save(buf := io.BytesIO(), format="JPEG", quality=95)
         sizes.append(-buf.tell() / 1000.0)
     return torch.tensor(sizes, dtype=torch.float32)
 
 
 def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
-    """A transformers CLIPImageProcessor in torch, on the images' device: shortest edge resized
-    (bicubic, antialiased), centre crop, normalise, with the processor's own sizes and mean/std.
-    (N, 3, H, W) in [0, 1] → (N, 3, crop_h, crop_w) fp32."""
+    """A CLIPImageProcessor in torch, with its sizes and mean/std: shortest edge resized (bicubic,
+    antialiased), centre crop, normalise. (N, 3, H, W) in [0, 1] → (N, 3, crop_h, crop_w) fp32."""
     ip, x, (h, w) = image_processor, images.float(), images.shape[-2:]
-    # sizes are dicts in transformers 4.x and SizeDict objects in 5.x; crop_size may be an int
-    get = lambda d, k: (d if isinstance(d, int) else d.get(k) if isinstance(d, dict)
-                        else getattr(d, k, None))
+    # sizes are dicts in transformers 4.x and SizeDicts in 5.x (both .get); crop_size may be an int
+    get = lambda d, k: d if isinstance(d, int) else d.get(k)
     size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
     ch, cw = int(get(ip.crop_size, "height")), int(get(ip.crop_size, "width"))
     scale = size / min(h, w)
@@ -593,16 +588,12 @@ def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
 
 def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
                 logit_scale: bool = False, head: Optional[torch.nn.Module] = None) -> Callable:
-    """A transformers CLIPModel (+ its CLIPProcessor) as a reward: one scorer, three rewards.
-        pickscore  logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on
-                   Pick-a-Pic (logit_scale=True) [peer X10].
-        clipscore  cos(image, text) of CLIP ViT-L/14, i.e. its logits/100 [peer X10].
-        aesthetic  head(L2-normalised image features) of CLIP ViT-L/14, with head the LAION
-                   improved aesthetic predictor (aesthetic_head); prompts are unused [peer X10].
-    """
+    """A transformers CLIPModel (+ its CLIPProcessor) as one scorer of three rewards [peer X10]:
+    pickscore: logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
+    (logit_scale=True); clipscore: cos(image, text) of CLIP ViT-L/14, i.e. its logits/100;
+    aesthetic: head(L2-normalised ViT-L/14 image features), head = aesthetic_head, no prompts."""
     model = model.eval().requires_grad_(False).to(device, dtype)
-    if head is not None:
-        head = head.eval().requires_grad_(False).to(device, torch.float32)
+    head = None if head is None else head.eval().requires_grad_(False).to(device, torch.float32)
 
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -614,32 +605,28 @@ def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
         text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
                                    return_tensors="pt").to(device)
         out = model(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=px)
-        img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
-        txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
-        cos = (img * txt).sum(-1)                                    # (N,)
+        cos = F.cosine_similarity(out.image_embeds.float(), out.text_embeds.float())   # (N,)
         return (model.logit_scale.exp().float() * cos if logit_scale else cos).cpu()
     return score
 
 
 def aesthetic_head(weights: Optional[str] = None) -> torch.nn.Module:
-    """The LAION improved aesthetic predictor's MLP (weights: sac+logos+ava1-l14-linearMSE; output
-    on its ≈ 1–10 scale): 768 → 1024 → 128 → 64 → 16 → 1, dropouts inert in eval, parameters
-    named like the original's so its state dict loads as is. weights: a file or owner/repo/file;
-    None leaves the head randomly initialised."""
-    from collections import OrderedDict
+    """The LAION improved aesthetic predictor's MLP (sac+logos+ava1-l14-linearMSE, ≈ 1–10 scale),
+    parameters named like the original's so its state dict loads as is; dropouts are inert in
+    eval. weights: a file or owner/repo/file; None leaves it randomly initialised."""
     nn = torch.nn
-    head = nn.Sequential(OrderedDict(layers=nn.Sequential(
+    head = nn.Sequential()
+    head.layers = nn.Sequential(                                # 768 → 1024 → 128 → 64 → 16 → 1
         nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))))
+        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
     if weights is not None:
         head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
     return head
 
 
 def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
-    """HPSv2's preprocessing in torch, on the images' device: longest side → size (bicubic,
-    antialiased), zero-pad to a square, OpenAI CLIP mean/std.
-    (N, 3, H, W) in [0, 1] → (N, 3, size, size) fp32."""
+    """HPSv2's preprocessing in torch: longest side → size (bicubic, antialiased), zero-pad to a
+    square, OpenAI CLIP mean/std. (N, 3, H, W) in [0, 1] → (N, 3, size, size) fp32."""
     import open_clip
     x, (h, w) = images.float(), images.shape[-2:]
     scale = size / max(h, w)
@@ -647,15 +634,15 @@ def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
     x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
     top, left = (size - nh) // 2, (size - nw) // 2
     x = F.pad(x, (left, size - nw - left, top, size - nh - top), value=0.0)  # black bars
-    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
-    return (x - x.new_tensor(mean).view(1, 3, 1, 1)) / x.new_tensor(std).view(1, 3, 1, 1)
+    mean, std = (x.new_tensor(v).view(1, 3, 1, 1)
+                 for v in (open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD))
+    return (x - mean) / std
 
 
 def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
-    """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
-    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10], preprocessed as hps_pixels.
-    arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config; checkpoint:
-    a file or owner/repo/file."""
+    """HPSv2.1 [peer X10]: cos(image, text) of an open_clip ViT-H/14 fine-tuned on human preferences
+    (xswu/HPSv2, HPS_v2.1_compressed.pt), preprocessed as hps_pixels. arch: an open_clip model name
+    or the path of an open_clip JSON config; checkpoint: a file or owner/repo/file."""
     import open_clip
     if arch.endswith(".json"):
         open_clip.add_model_config(arch)
@@ -663,7 +650,7 @@ def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.
     ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
                       weights_only=False)
     model = open_clip.create_model(arch, pretrained=None)
-    model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
+    model.load_state_dict(ckpt.get("state_dict", ckpt))
     model = model.eval().requires_grad_(False).to(device, dtype)
     size, tokenizer = model.visual.image_size, open_clip.get_tokenizer(arch)
     size = size if isinstance(size, int) else size[0]
@@ -677,7 +664,7 @@ def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.
 
 
 def imagereward_reward(location: str, device: torch.device) -> Callable:
-    """ImageReward (THUDM), only when the optional `image-reward` package is importable; it
+    """ImageReward (THUDM), when the optional `image-reward` package is importable; it
     preprocesses PIL images itself."""
     try:
         import ImageReward as RM  # noqa: N813 — the package's own name
@@ -697,15 +684,13 @@ class PluginReward:
     """A user's `module.path:function`: (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
 
     def __init__(self, spec: str):
-        import importlib
         module, _, fn = spec.partition(":")
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())   # so `examples.custom_reward:fn` works from the repo
         try:
-            mod = importlib.import_module(module)
+            self.fn, self.name = getattr(importlib.import_module(module), fn, None), spec
         except ImportError as e:
             raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
-        self.fn, self.name = getattr(mod, fn, None), spec
         if not callable(self.fn):
             raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
 
@@ -722,9 +707,8 @@ class PluginReward:
         return out
 
     def probe(self, size: int, device: torch.device, prompts: list[str]) -> None:
-        """Call the plug-in once on 2 random images with the run's first 2 training prompts (a
-        plug-in may expect its own prompt format), so a broken one fails in one line before the
-        model is loaded or anything is written."""
+        """One call on 2 random images with the run's first 2 training prompts (a plug-in may
+        expect its own prompt format): a broken one fails in one line before the model loads."""
         images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
         batch = f"a probe batch of 2 random {size}×{size} images"
         try:
@@ -743,15 +727,14 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ConfigError."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, weight = item, 1.0
         head, sep, tail = item.rpartition(":")
-        if sep:
-            try:
-                weight, name = float(tail), head
-            except ValueError:                              # 'module:function' without a weight,
-                if head in BUILTIN_REWARDS or ":" in head:  # unless the head is already complete
-                    raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
-                                      f"(got {tail!r}), e.g. {head}:1") from None
+        try:
+            name, weight = (head, float(tail)) if sep else (item, 1.0)
+        except ValueError:                      # 'module:function' without a weight, unless the
+            if head in BUILTIN_REWARDS or ":" in head:      # head is already a complete name
+                raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
+                                  f"(got {tail!r}), e.g. {head}:1") from None
+            name, weight = item, 1.0
         if name not in BUILTIN_REWARDS and ":" not in name:
             raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, "
                               "or module.path:function for your own")
@@ -767,8 +750,8 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype) -> Callable:
     """One reward function by name (built-in or plug-in), loaded from the locations in args;
-    offline failures name the flag that then takes local files."""
-    if name in ("pickscore", "clipscore", "aesthetic"):      # flag names are field names (§10)
+    offline failures name the flag that then takes local files (flag names are field names)."""
+    if name in ("pickscore", "clipscore", "aesthetic"):
         from transformers import AutoModel, AutoProcessor
         _quiet_hf()
         mf, pf = (("pickscore_model", "pickscore_processor") if name == "pickscore"
@@ -795,10 +778,9 @@ class Rewards:
 
     @classmethod
     def load(cls, args: Args, device: torch.device, dtype: torch.dtype) -> "Rewards":
-        """Every reward args.train_terms or args.eval_terms names, built once each, in order."""
-        names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)
-        models = {n: build_reward(n, args, device, dtype) for n in names}
-        return cls(models, args.train_terms, args.eval_terms)
+        names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)   # each once
+        return cls({n: build_reward(n, args, device, dtype) for n in names},
+                   args.train_terms, args.eval_terms)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
         """raw {name: (N,)} of every named reward on these images."""
@@ -817,8 +799,8 @@ class Rewards:
         """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
         if len(terms) == 1:
             return raw[terms[0][0]]
-        w = torch.tensor([wt for _, wt in terms])
-        return (self.training_values(raw, terms) * w[:, None]).sum(0)
+        w = torch.tensor([wt for _, wt in terms])[:, None]                  # (R, 1)
+        return (self.training_values(raw, terms) * w).sum(0)
 
 
 # ------------------------------------------------------------------------------------------------
