@@ -526,10 +526,9 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # ------------------------------------------------------------------------------------------------
 # Scores are CPU fp32; `raw` always means {reward name: (N,) raw values}. A reward with weights is
 # a factory that loads its frozen model once, in the compute dtype, and returns a scoring closure
-# (as Flow-GRPO's rewards.py does); preprocessing is torch on the images' device (PIL only for JPEG
-# and ImageReward). REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for a plug-in;
-# advantages see raw · train_scale (it matters only for sums of rewards and std_eps). PickScore is
-# logged raw (≈ 18–24) and trained on raw/26, as Flow-GRPO and DiffusionNFT do [ours C17].
+# (as Flow-GRPO's rewards.py does). REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for
+# a plug-in; advantages see raw · train_scale (it matters only for sums of rewards and std_eps).
+# PickScore is logged raw (≈ 18–24), trained on raw/26 as Flow-GRPO and DiffusionNFT do [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
                 "aesthetic": ("1-10", 1.0), "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
@@ -588,13 +587,11 @@ def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
 
 def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
                 logit_scale: bool = False, head: Optional[torch.nn.Module] = None) -> Callable:
-    """A transformers CLIPModel (+ its CLIPProcessor) as one scorer of three rewards [peer X10]:
-    pickscore: logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
-    (logit_scale=True); clipscore: cos(image, text) of CLIP ViT-L/14, i.e. its logits/100;
-    aesthetic: head(L2-normalised ViT-L/14 image features), head = aesthetic_head, no prompts."""
+    """A CLIPModel + CLIPProcessor as three rewards [peer X10]. pickscore: logit_scale.exp() ·
+    cos(image, text), CLIP ViT-H/14 tuned on Pick-a-Pic; clipscore: cos(image, text), ViT-L/14
+    (its logits/100); aesthetic: head(L2-normalised ViT-L/14 image features), prompts unused."""
     model = model.eval().requires_grad_(False).to(device, dtype)
     head = None if head is None else head.eval().requires_grad_(False).to(device, torch.float32)
-
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         px = clip_pixels(images.to(device), processor.image_processor).to(dtype)
@@ -640,9 +637,8 @@ def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
-    """HPSv2.1 [peer X10]: cos(image, text) of an open_clip ViT-H/14 fine-tuned on human preferences
-    (xswu/HPSv2, HPS_v2.1_compressed.pt), preprocessed as hps_pixels. arch: an open_clip model name
-    or the path of an open_clip JSON config; checkpoint: a file or owner/repo/file."""
+    """HPSv2.1 [peer X10]: cos(image, text) of open_clip ViT-H/14 tuned on human preferences
+    (xswu/HPSv2, HPS_v2.1_compressed.pt). arch: a model name or an open_clip JSON config."""
     import open_clip
     if arch.endswith(".json"):
         open_clip.add_model_config(arch)
@@ -654,7 +650,6 @@ def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.
     model = model.eval().requires_grad_(False).to(device, dtype)
     size, tokenizer = model.visual.image_size, open_clip.get_tokenizer(arch)
     size = size if isinstance(size, int) else size[0]
-
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         img = model.encode_image(hps_pixels(images.to(device), size).to(dtype), normalize=True)
@@ -664,8 +659,7 @@ def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.
 
 
 def imagereward_reward(location: str, device: torch.device) -> Callable:
-    """ImageReward (THUDM), when the optional `image-reward` package is importable; it
-    preprocesses PIL images itself."""
+    """ImageReward (THUDM), from the optional `image-reward` package; it takes PIL images."""
     try:
         import ImageReward as RM  # noqa: N813 — the package's own name
     except ImportError as e:
@@ -673,7 +667,6 @@ def imagereward_reward(location: str, device: torch.device) -> Callable:
                           "(pip install image-reward), not in requirements.txt: its pins "
                           "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
     model = RM.load(location, device=str(device))
-
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return torch.tensor([float(model.score(p, im)) for p, im in zip(prompts, _to_pil(images))])
@@ -749,8 +742,7 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 
 def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype) -> Callable:
-    """One reward function by name (built-in or plug-in), loaded from the locations in args;
-    offline failures name the flag that then takes local files (flag names are field names)."""
+    """One reward by name, from the locations in args; offline failures name the flag to use."""
     if name in ("pickscore", "clipscore", "aesthetic"):
         from transformers import AutoModel, AutoProcessor
         _quiet_hf()
@@ -778,7 +770,8 @@ class Rewards:
 
     @classmethod
     def load(cls, args: Args, device: torch.device, dtype: torch.dtype) -> "Rewards":
-        names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)   # each once
+        """Every reward the train and eval terms name, each built once."""
+        names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)
         return cls({n: build_reward(n, args, device, dtype) for n in names},
                    args.train_terms, args.eval_terms)
 
@@ -825,8 +818,7 @@ def model_family(name: str) -> str:
 
 
 def _quiet_hf():
-    """Silence diffusers' and transformers' per-load progress bars (the run's own is the one to
-    read) and their warnings, e.g. diffusers' per-batch prompt-truncation notices."""
+    """Silence the libraries' per-load progress bars (ours is the one to read) and warnings."""
     for lib in map(importlib.import_module, ("diffusers", "transformers")):
         lib.utils.logging.disable_progress_bar()
         lib.utils.logging.set_verbosity_error()
@@ -846,8 +838,7 @@ def resolve_model(name: str) -> str:
 
 
 def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
-    """loader.from_pretrained(location); if that fails (offline, not cached, no such folder), a
-    ConfigError that says how to get the files and which flag then takes them."""
+    """loader.from_pretrained(location), or a ConfigError saying how to get the files offline."""
     try:
         return loader.from_pretrained(location, **kwargs)
     except OSError as e:
@@ -859,8 +850,7 @@ def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
 
 def check_local_pipeline(location: str) -> tuple[str, dict]:
     """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
-    and {component: None} for the components saved as null in model_index.json (diffusers' way to
-    save SD3 without its T5 encoder: text_encoder_3 = tokenizer_3 = None)."""
+    and {component: None} for those saved as null (diffusers' way to save SD3 without T5)."""
     index, where = Path(location, "model_index.json"), f"--model {location!r}"
     if not index.is_file():
         raise ConfigError(f"{where} is not a diffusers pipeline folder (no model_index.json); "
@@ -893,8 +883,8 @@ def load_pipeline(name: str, dtype: torch.dtype):
         pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
         return freeze_and_cast(pipe, dtype)
     cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
-    with warnings.catch_warnings():      # 0.42 deprecates `torch_dtype` for `dtype`; 0.3x lacks it
-        warnings.simplefilter("ignore", FutureWarning)
+    with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
+        warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
         # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
         pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
                                 "the model", "--model", torch_dtype=dtype, **null)
@@ -905,9 +895,9 @@ def load_pipeline(name: str, dtype: torch.dtype):
 
 
 def freeze_and_cast(pipe, dtype: torch.dtype):
-    """Every part frozen and in eval mode, in the compute dtype; the VAE stays fp32 (decoding is
-    cheap, fp16/bf16 VAEs band). Explicit casts also work around a diffusers loading bug that can
-    leave the transformer in fp32 when a bf16 dtype is requested [peer X11]."""
+    """Every part frozen, in eval mode and the compute dtype but the VAE, fp32 (decoding is cheap;
+    fp16/bf16 VAEs band). The explicit casts also undo a diffusers loading bug that can leave the
+    transformer in fp32 when bf16 is requested [peer X11]."""
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if (m := getattr(pipe, part, None)) is not None:
             m.requires_grad_(False).eval().to(torch.float32 if part == "vae" else dtype)
@@ -1062,10 +1052,9 @@ def make_adapter(pipe, args: "Args", device: torch.device):
 
 
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
-    """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [ours C17]
-    targets name module suffixes (e.g. to_q, ff.net.2, proj_out); only modules inside the numbered
-    transformer blocks match, never the model's top-level layers (FLUX's and SD3's final
-    `proj_out`, the embedders): a regex for peft's full-name match."""
+    """Attach a peft LoRA through diffusers and return its config (trainable params in fp32)
+    [ours C17]. targets: module suffixes (to_q, ff.net.2, proj_out, ...), matched only inside the
+    numbered blocks, never the top-level layers (the final `proj_out`, the embedders)."""
     import re
     from peft import LoraConfig
     alts = "|".join(re.escape(t.strip()) for t in targets if t.strip())
