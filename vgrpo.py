@@ -631,9 +631,8 @@ def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
     x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
     top, left = (size - nh) // 2, (size - nw) // 2
     x = F.pad(x, (left, size - nw - left, top, size - nh - top), value=0.0)  # black bars
-    mean, std = (x.new_tensor(v).view(1, 3, 1, 1)
-                 for v in (open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD))
-    return (x - mean) / std
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    return (x - x.new_tensor(mean).view(1, 3, 1, 1)) / x.new_tensor(std).view(1, 3, 1, 1)
 
 
 def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
@@ -895,7 +894,7 @@ def load_pipeline(name: str, dtype: torch.dtype):
 
 
 def freeze_and_cast(pipe, dtype: torch.dtype):
-    """Every part frozen, in eval mode and the compute dtype but the VAE, fp32 (decoding is cheap;
+    """Every part frozen, in eval mode, in the compute dtype; the VAE stays fp32 (decoding is cheap;
     fp16/bf16 VAEs band). The explicit casts also undo a diffusers loading bug that can leave the
     transformer in fp32 when bf16 is requested [peer X11]."""
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
@@ -963,8 +962,7 @@ class SD3Adapter:
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             if getattr(self.pipe, name, None) is not None:
                 getattr(self.pipe, name).to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()                              # a no-op when CUDA is unused
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
