@@ -440,16 +440,13 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 #     They need weights, so they live outside the pure math, which only sees a tensor of rewards
 #     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
 # ------------------------------------------------------------------------------------------------
-# A reward is any such function, returning CPU fp32; `raw` always means {reward name: (N,) raw
-# values}. Rewards with weights come from factories that load the model once and return a scoring
-# closure, as Flow-GRPO's rewards.py does. Frozen reward models run in the compute dtype (bf16 on
-# CUDA); images never leave the device: preprocessing is torch (resize, crop/pad, normalise), no
-# PIL round trip, except JPEG/ImageReward. Each reward's logged unit and train_scale (a plug-in's:
-# "raw", 1): advantages see raw[name] · train_scale (only matters for sums of rewards, std_eps).
-# PickScore is logged raw (≈ 18–24) and trained on raw/26, as Flow-GRPO and DiffusionNFT do.
-REWARD_UNITS = {"pickscore": ("raw", 1 / 26),                                        # [ours C17]
-                "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0), "aesthetic": ("1-10", 1.0),
-                "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
+# Scores are CPU fp32; `raw` always means {reward name: (N,) raw values}. A reward with weights is
+# a factory that loads its frozen model once, in the compute dtype, and returns a scoring closure
+# (as Flow-GRPO's rewards.py does). REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for
+# a plug-in; advantages see raw · train_scale (it matters only for sums of rewards and std_eps).
+# PickScore is logged raw (≈ 18–24), trained on raw/26 as Flow-GRPO and DiffusionNFT do [ours C17].
+REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
+                "aesthetic": ("1-10", 1.0), "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
 
 
@@ -457,11 +454,11 @@ def _fetch(location: str, flag: str) -> str:
     """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
     if os.path.isfile(location):
         return location
-    parts = location.split("/")
+    parts = location.split("/", 2)
     if len(parts) < 3:
         raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
     from huggingface_hub import hf_hub_download
-    repo, file = "/".join(parts[:2]), "/".join(parts[2:])
+    repo, file = "/".join(parts[:2]), parts[2]
     try:
         return hf_hub_download(repo, file)
     except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
@@ -482,20 +479,17 @@ def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
     sizes = []
     for im in _to_pil(images):
-        buf = io.BytesIO()
-        im.save(buf, format="JPEG", quality=95)
+        im.save(buf := io.BytesIO(), format="JPEG", quality=95)
         sizes.append(-buf.tell() / 1000.0)
     return torch.tensor(sizes, dtype=torch.float32)
 
 
 def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
-    """A transformers CLIPImageProcessor in torch, on the images' device: shortest edge resized
-    (bicubic, antialiased), centre crop, normalise, with the processor's own sizes and mean/std.
-    (N, 3, H, W) in [0, 1] → (N, 3, crop_h, crop_w) fp32."""
+    """A CLIPImageProcessor in torch, with its sizes and mean/std: shortest edge resized (bicubic,
+    antialiased), centre crop, normalise. (N, 3, H, W) in [0, 1] → (N, 3, crop_h, crop_w) fp32."""
     ip, x, (h, w) = image_processor, images.float(), images.shape[-2:]
-    # sizes are dicts in transformers 4.x and SizeDict objects in 5.x; crop_size may be an int
-    get = lambda d, k: (d if isinstance(d, int) else d.get(k) if isinstance(d, dict)
-                        else getattr(d, k, None))
+    # sizes are dicts in transformers 4.x and SizeDicts in 5.x (both .get); crop_size may be an int
+    get = lambda d, k: d if isinstance(d, int) else d.get(k)
     size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
     ch, cw = int(get(ip.crop_size, "height")), int(get(ip.crop_size, "width"))
     scale = size / min(h, w)
@@ -509,17 +503,11 @@ def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
 
 def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
                 logit_scale: bool = False, head: Optional[torch.nn.Module] = None) -> Callable:
-    """A transformers CLIPModel (+ its CLIPProcessor) as a reward: one scorer, three rewards.
-        pickscore  logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on
-                   Pick-a-Pic (logit_scale=True) [peer X10].
-        clipscore  cos(image, text) of CLIP ViT-L/14, i.e. its logits/100 [peer X10].
-        aesthetic  head(L2-normalised image features) of CLIP ViT-L/14, with head the LAION
-                   improved aesthetic predictor (aesthetic_head); prompts are unused [peer X10].
-    """
+    """A CLIPModel + CLIPProcessor as three rewards [peer X10]. pickscore: logit_scale.exp() ·
+    cos(image, text), CLIP ViT-H/14 tuned on Pick-a-Pic; clipscore: cos(image, text), ViT-L/14
+    (its logits/100); aesthetic: head(L2-normalised ViT-L/14 image features), prompts unused."""
     model = model.eval().requires_grad_(False).to(device, dtype)
-    if head is not None:
-        head = head.eval().requires_grad_(False).to(device, torch.float32)
-
+    head = None if head is None else head.eval().requires_grad_(False).to(device, torch.float32)
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         px = clip_pixels(images.to(device), processor.image_processor).to(dtype)
@@ -530,32 +518,28 @@ def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
         text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
                                    return_tensors="pt").to(device)
         out = model(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=px)
-        img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
-        txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
-        cos = (img * txt).sum(-1)                                    # (N,)
+        cos = F.cosine_similarity(out.image_embeds.float(), out.text_embeds.float())   # (N,)
         return (model.logit_scale.exp().float() * cos if logit_scale else cos).cpu()
     return score
 
 
 def aesthetic_head(weights: Optional[str] = None) -> torch.nn.Module:
-    """The LAION improved aesthetic predictor's MLP (weights: sac+logos+ava1-l14-linearMSE; output
-    on its ≈ 1–10 scale): 768 → 1024 → 128 → 64 → 16 → 1, dropouts inert in eval, parameters
-    named like the original's so its state dict loads as is. weights: a file or owner/repo/file;
-    None leaves the head randomly initialised."""
-    from collections import OrderedDict
+    """The LAION improved aesthetic predictor's MLP (sac+logos+ava1-l14-linearMSE, ≈ 1–10 scale),
+    parameters named like the original's so its state dict loads as is; dropouts are inert in
+    eval. weights: a file or owner/repo/file; None leaves it randomly initialised."""
     nn = torch.nn
-    head = nn.Sequential(OrderedDict(layers=nn.Sequential(
+    head = nn.Sequential()
+    head.layers = nn.Sequential(                                # 768 → 1024 → 128 → 64 → 16 → 1
         nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))))
+        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
     if weights is not None:
         head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
     return head
 
 
 def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
-    """HPSv2's preprocessing in torch, on the images' device: longest side → size (bicubic,
-    antialiased), zero-pad to a square, OpenAI CLIP mean/std.
-    (N, 3, H, W) in [0, 1] → (N, 3, size, size) fp32."""
+    """HPSv2's preprocessing in torch: longest side → size (bicubic, antialiased), zero-pad to a
+    square, OpenAI CLIP mean/std. (N, 3, H, W) in [0, 1] → (N, 3, size, size) fp32."""
     import open_clip
     x, (h, w) = images.float(), images.shape[-2:]
     scale = size / max(h, w)
@@ -568,10 +552,8 @@ def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
-    """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
-    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10], preprocessed as hps_pixels.
-    arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config; checkpoint:
-    a file or owner/repo/file."""
+    """HPSv2.1 [peer X10]: cos(image, text) of open_clip ViT-H/14 tuned on human preferences
+    (xswu/HPSv2, HPS_v2.1_compressed.pt). arch: a model name or an open_clip JSON config."""
     import open_clip
     if arch.endswith(".json"):
         open_clip.add_model_config(arch)
@@ -579,11 +561,10 @@ def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.
     ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
                       weights_only=False)
     model = open_clip.create_model(arch, pretrained=None)
-    model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
+    model.load_state_dict(ckpt.get("state_dict", ckpt))
     model = model.eval().requires_grad_(False).to(device, dtype)
     size, tokenizer = model.visual.image_size, open_clip.get_tokenizer(arch)
     size = size if isinstance(size, int) else size[0]
-
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         img = model.encode_image(hps_pixels(images.to(device), size).to(dtype), normalize=True)
@@ -593,8 +574,7 @@ def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.
 
 
 def imagereward_reward(location: str, device: torch.device) -> Callable:
-    """ImageReward (THUDM), only when the optional `image-reward` package is importable; it
-    preprocesses PIL images itself."""
+    """ImageReward (THUDM), from the optional `image-reward` package; it takes PIL images."""
     try:
         import ImageReward as RM  # noqa: N813 — the package's own name
     except ImportError as e:
@@ -602,7 +582,6 @@ def imagereward_reward(location: str, device: torch.device) -> Callable:
                           "(pip install image-reward), not in requirements.txt: its pins "
                           "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
     model = RM.load(location, device=str(device))
-
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return torch.tensor([float(model.score(p, im)) for p, im in zip(prompts, _to_pil(images))])
@@ -613,15 +592,13 @@ class PluginReward:
     """A user's `module.path:function`: (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
 
     def __init__(self, spec: str):
-        import importlib
         module, _, fn = spec.partition(":")
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())   # so `examples.custom_reward:fn` works from the repo
         try:
-            mod = importlib.import_module(module)
+            self.fn, self.name = getattr(importlib.import_module(module), fn, None), spec
         except ImportError as e:
             raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
-        self.fn, self.name = getattr(mod, fn, None), spec
         if not callable(self.fn):
             raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
 
@@ -638,9 +615,8 @@ class PluginReward:
         return out
 
     def probe(self, size: int, device: torch.device, prompts: list[str]) -> None:
-        """Call the plug-in once on 2 random images with the run's first 2 training prompts (a
-        plug-in may expect its own prompt format), so a broken one fails in one line before the
-        model is loaded or anything is written."""
+        """One call on 2 random images with the run's first 2 training prompts (a plug-in may
+        expect its own prompt format): a broken one fails in one line before the model loads."""
         images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
         batch = f"a probe batch of 2 random {size}×{size} images"
         try:
@@ -659,15 +635,14 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ConfigError."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, weight = item, 1.0
         head, sep, tail = item.rpartition(":")
-        if sep:
-            try:
-                weight, name = float(tail), head
-            except ValueError:                              # 'module:function' without a weight,
-                if head in BUILTIN_REWARDS or ":" in head:  # unless the head is already complete
-                    raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
-                                      f"(got {tail!r}), e.g. {head}:1") from None
+        try:
+            name, weight = (head, float(tail)) if sep else (item, 1.0)
+        except ValueError:                      # 'module:function' without a weight, unless the
+            if head in BUILTIN_REWARDS or ":" in head:      # head is already a complete name
+                raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
+                                  f"(got {tail!r}), e.g. {head}:1") from None
+            name, weight = item, 1.0
         if name not in BUILTIN_REWARDS and ":" not in name:
             raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, "
                               "or module.path:function for your own")
@@ -682,9 +657,8 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 
 def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype) -> Callable:
-    """One reward function by name (built-in or plug-in), loaded from the locations in args;
-    offline failures name the flag that then takes local files."""
-    if name in ("pickscore", "clipscore", "aesthetic"):      # flag names are field names (§10)
+    """One reward by name, from the locations in args; offline failures name the flag to use."""
+    if name in ("pickscore", "clipscore", "aesthetic"):
         from transformers import AutoModel, AutoProcessor
         _quiet_hf()
         mf, pf = (("pickscore_model", "pickscore_processor") if name == "pickscore"
@@ -711,10 +685,10 @@ class Rewards:
 
     @classmethod
     def load(cls, args: Args, device: torch.device, dtype: torch.dtype) -> "Rewards":
-        """Every reward args.train_terms or args.eval_terms names, built once each, in order."""
+        """Every reward the train and eval terms name, each built once."""
         names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)
-        models = {n: build_reward(n, args, device, dtype) for n in names}
-        return cls(models, args.train_terms, args.eval_terms)
+        return cls({n: build_reward(n, args, device, dtype) for n in names},
+                   args.train_terms, args.eval_terms)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
         """raw {name: (N,)} of every named reward on these images."""
@@ -733,20 +707,18 @@ class Rewards:
         """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
         if len(terms) == 1:
             return raw[terms[0][0]]
-        w = torch.tensor([wt for _, wt in terms])
-        return (self.training_values(raw, terms) * w[:, None]).sum(0)
+        w = torch.tensor([wt for _, wt in terms])[:, None]                  # (R, 1)
+        return (self.training_values(raw, terms) * w).sum(0)
 
 
 # ------------------------------------------------------------------------------------------------
 # §8  Models: pipelines, the model adapter, LoRA. Everything here talks to diffusers,
 #     transformers or peft; nothing here is part of the algorithm.
 # ------------------------------------------------------------------------------------------------
-MODEL_ALIASES = {
-    "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
-    "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
-    "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
-    "flux.1-dev": "black-forest-labs/FLUX.1-dev",
-}
+MODEL_ALIASES = {"sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
+                 "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
+                 "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
+                 "flux.1-dev": "black-forest-labs/FLUX.1-dev"}
 TINY_MODELS = {"tiny": "StableDiffusion3Pipeline", "tiny-flux": "FluxPipeline"}
 SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
@@ -761,32 +733,27 @@ def model_family(name: str) -> str:
 
 
 def _quiet_hf():
-    """Silence the per-load progress bars of diffusers/transformers (ours is the one to read) and
-    their warnings (e.g. diffusers' per-batch prompt-truncation notices)."""
-    import diffusers
-    import transformers
-    for lib in (diffusers, transformers):
+    """Silence the libraries' per-load progress bars (ours is the one to read) and warnings."""
+    for lib in map(importlib.import_module, ("diffusers", "transformers")):
         lib.utils.logging.disable_progress_bar()
         lib.utils.logging.set_verbosity_error()
 
 
 def resolve_model(name: str) -> str:
-    """'tiny' | alias | local diffusers dir | hub id → what from_pretrained gets."""
-    if name in TINY_MODELS or os.path.isdir(name):
+    """'tiny' | alias | local diffusers dir | hub id (owner/name) → what from_pretrained gets."""
+    parts = name.split("/")
+    if name in TINY_MODELS or os.path.isdir(name) or (
+            len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))):
         return name
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
-    parts = name.split("/")
-    if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
-        return name                                                  # looks like owner/name
     aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES])
     raise ConfigError(f"unknown model {name!r}: use an alias ({aliases}), a hub id such as "
                       "stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
 
 
 def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
-    """loader.from_pretrained(location); if that fails (offline, not cached, no such folder), a
-    ConfigError that says how to get the files and which flag then takes them."""
+    """loader.from_pretrained(location), or a ConfigError saying how to get the files offline."""
     try:
         return loader.from_pretrained(location, **kwargs)
     except OSError as e:
@@ -798,30 +765,27 @@ def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
 
 def check_local_pipeline(location: str) -> tuple[str, dict]:
     """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
-    name and {component: None} for the components saved as null in model_index.json (a documented
-    diffusers way to save SD3 without its T5 encoder: text_encoder_3 = tokenizer_3 = None)."""
-    index = Path(location, "model_index.json")
+    and {component: None} for those saved as null (diffusers' way to save SD3 without T5)."""
+    index, where = Path(location, "model_index.json"), f"--model {location!r}"
     if not index.is_file():
-        raise ConfigError(f"--model {location!r} is not a diffusers pipeline folder (no "
-                          "model_index.json); pass the folder that holds model_index.json")
+        raise ConfigError(f"{where} is not a diffusers pipeline folder (no model_index.json); "
+                          "pass the folder that holds model_index.json")
     try:
         spec = json.loads(index.read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--model {location!r}: model_index.json is unreadable ({e})") from None
-    cls_name = spec.get("_class_name")
-    if cls_name not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"--model {location!r} holds a {cls_name}; "
+        raise ConfigError(f"{where}: model_index.json is unreadable ({e})") from None
+    if spec.get("_class_name") not in SUPPORTED_PIPELINES:
+        raise ConfigError(f"{where} holds a {spec.get('_class_name')}; "
                           f"supported: {SUPPORTED_PIPELINES}")
-    null = {k: None for k, v in spec.items()
-            if not k.startswith("_") and (v is None or (isinstance(v, list) and None in v))}
-    for k, v in spec.items():
-        if not k.startswith("_") and k not in null and isinstance(v, list) \
-                and not Path(location, k).is_dir():
-            raise ConfigError(f"--model {location!r}: model_index.json lists {k!r} but there is no "
-                              f"{k}/ folder; copy the complete pipeline (or set {k} to null)")
+    parts = [k for k, v in spec.items() if not k.startswith("_") and (v is None or type(v) is list)]
+    null = {k: None for k in parts if spec[k] is None or None in spec[k]}
+    for k in parts:
+        if k not in null and not Path(location, k).is_dir():
+            raise ConfigError(f"{where}: model_index.json lists {k!r} but there is no {k}/ "
+                              f"folder; copy the complete pipeline (or set {k} to null)")
     if "transformer" in null:
-        raise ConfigError(f"--model {location!r}: the pipeline was saved without its transformer")
-    return cls_name, null
+        raise ConfigError(f"{where}: the pipeline was saved without its transformer")
+    return spec["_class_name"], null
 
 
 def load_pipeline(name: str, dtype: torch.dtype):
@@ -832,28 +796,26 @@ def load_pipeline(name: str, dtype: torch.dtype):
     if location in TINY_MODELS:
         tm = tiny_models()
         pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
-    else:
-        cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
-        with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
-            warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
-            # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
-            pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
-                                    "the model", "--model", torch_dtype=dtype, **null)
-        if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-            raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
-                              f"supported: {SUPPORTED_PIPELINES}")
+        return freeze_and_cast(pipe, dtype)
+    cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
+    with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
+        warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
+        # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
+        pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
+                                "the model", "--model", torch_dtype=dtype, **null)
+    if type(pipe).__name__ not in SUPPORTED_PIPELINES:
+        raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
+                          f"supported: {SUPPORTED_PIPELINES}")
     return freeze_and_cast(pipe, dtype)
 
 
 def freeze_and_cast(pipe, dtype: torch.dtype):
-    """Every part frozen and in eval mode, in the compute dtype; the VAE stays fp32 (decoding is
-    cheap, fp16/bf16 VAEs band). Explicit casts also work around a diffusers loading bug that can
-    leave the transformer in fp32 when a bf16 dtype is requested [peer X11]."""
+    """Every part frozen, in eval mode, in the compute dtype; the VAE stays fp32 (decoding is cheap;
+    fp16/bf16 VAEs band). The explicit casts also undo a diffusers loading bug that can leave the
+    transformer in fp32 when bf16 is requested [peer X11]."""
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-        m = getattr(pipe, part, None)
-        if m is not None:
-            m.requires_grad_(False).eval()
-            m.to(torch.float32 if part == "vae" else dtype)
+        if (m := getattr(pipe, part, None)) is not None:
+            m.requires_grad_(False).eval().to(torch.float32 if part == "vae" else dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -875,16 +837,14 @@ def tiny_models():
 
 # The seam between the algorithm and a pipeline: the loop, samplers, surrogate and loss only call
 # encode / latent_shape / velocity / decode / sigmas. The two models differ exactly here [peer X9]:
-#
-#                    SD3 / SD3.5                          FLUX.1-dev
-#   text             CLIP-L + CLIP-G (+ T5) → 77 + L      CLIP-L pooled + T5 → L tokens, txt_ids
-#   latent in ODE    (16, H/8, W/8)                       packed 2×2: ((H/16)(W/16), 64), img_ids
-#   timestep         1000·t                               t (the transformer scales it by 1000)
-#   guidance         none (CFG-free)                      distilled guidance embedding, 3.5
-#   rollout grid     the scheduler's (shift 3)            linspace shifted by 3 (MixGRPO) [ours C8]
-#   VAE factors      1.5305 / 0.0609                      0.3611 / 0.1159 (read from vae.config)
+#                SD3 / SD3.5                         FLUX.1-dev
+#   text         CLIP-L + CLIP-G (+ T5) → 77 + L     CLIP-L pooled + T5 → L tokens, txt_ids
+#   ODE latent   (16, H/8, W/8)                      packed 2×2: ((H/16)(W/16), 64), img_ids
+#   t, guidance  1000·t; none (CFG-free)             t (scaled ×1000 inside); distilled, 3.5
+#   rollout grid the scheduler's (shift 3)           linspace shifted by 3 (MixGRPO) [ours C8]
+#   VAE factors  1.5305 / 0.0609                     0.3611 / 0.1159 (read from vae.config)
 class SD3Adapter:
-    """A diffusers SD3 / SD3.5 pipeline behind the seam above [peer X9]; FLUX overrides its rows."""
+    """A diffusers SD3 / SD3.5 pipeline behind the seam above; FluxAdapter overrides its rows."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int):
         self.pipe, self.device, self.L = pipe, device, max_sequence_length
@@ -900,8 +860,7 @@ class SD3Adapter:
         """Text conditioning of B prompts: from the cache (cache_prompts) or the text encoders."""
         if self._cache is None:
             return self._encode(prompts)
-        missing = [p for p in prompts if p not in self._cache]
-        if missing:
+        if missing := [p for p in prompts if p not in self._cache]:
             raise ConfigError("prompt not among the cached embeddings (--offload_text_encoders): "
                               f"{missing[0]!r}")
         return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device)
@@ -912,15 +871,14 @@ class SD3Adapter:
         """Embed every prompt once (kept on the CPU), then move the text encoders off the GPU."""
         uniq, cache = list(dict.fromkeys(prompts)), {}
         for i in range(0, len(uniq), batch):
-            c = self._encode(uniq[i:i + batch])
-            for j, p in enumerate(uniq[i:i + batch]):
-                cache[p] = {k: v[j].cpu() for k, v in c.items()}
+            for k, v in self._encode(uniq[i:i + batch]).items():
+                for p, row in zip(uniq[i:i + batch], v):
+                    cache.setdefault(p, {})[k] = row.cpu()
         self._cache = cache
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             if getattr(self.pipe, name, None) is not None:
                 getattr(self.pipe, name).to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()                              # a no-op when CUDA is unused
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
@@ -932,7 +890,7 @@ class SD3Adapter:
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """v_θ(x, t, c); SD3 takes the timestep as 1000·t [peer X9]. x (M, C, H, W), t (M,)."""
-        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
+        dt = x.dtype if torch.is_autocast_enabled(x.device.type) else self.transformer.dtype
         return self.transformer(hidden_states=x.to(dt), timestep=(t * 1000).to(dt),
                                 encoder_hidden_states=cond["prompt_embeds"],
                                 pooled_projections=cond["pooled"], return_dict=False)[0]
@@ -957,19 +915,17 @@ class SD3Adapter:
 
 
 class FluxAdapter(SD3Adapter):
-    """FLUX.1: packed latents with image ids, t in [0, 1], the guidance embedding, a fixed
-    shifted grid."""
+    """FLUX.1: packed latents + image ids, t in [0, 1], the guidance embedding, a shifted grid."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int, guidance: float = 3.5,
                  shift: float = 3.0):
         super().__init__(pipe, device, max_sequence_length)
         self.guidance, self.shift = guidance, shift
-        self.C = self.transformer.config.in_channels // 4                  # 16 latent channels
         self.txt_ids = torch.zeros(max_sequence_length, 3, device=device)
 
     def latent_shape(self, resolution: int) -> tuple:
         r = resolution // self.vae_scale                                    # latent side (even)
-        return ((r // 2) * (r // 2), 4 * self.C)                                      # (seq, 64)
+        return ((r // 2) ** 2, self.transformer.config.in_channels)                  # (seq, 64)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
@@ -979,17 +935,14 @@ class FluxAdapter(SD3Adapter):
         return {"prompt_embeds": pe, "pooled": pooled}
 
     def _img_ids(self, seq: int) -> torch.Tensor:
-        """(seq, 3) rows [0, row, col] of the packed latent grid; built once per size."""
-        if getattr(self, "_ids", None) is None or self._ids.shape[0] != seq:
-            s = math.isqrt(seq)                                             # square images
-            rows, cols = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
-            ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1)
-            self._ids = ids.reshape(seq, 3).to(self.device)
-        return self._ids
+        """(seq, 3) rows [0, row, col] of the square packed latent grid."""
+        s = math.isqrt(seq)
+        rows, cols = torch.meshgrid(*[torch.arange(s, device=self.device)] * 2, indexing="ij")
+        return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(seq, 3)
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """v_θ on packed latents x (M, seq, 64), t (M,) in [0, 1]."""
-        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
+        dt = x.dtype if torch.is_autocast_enabled(x.device.type) else self.transformer.dtype
         g = (torch.full((x.shape[0],), self.guidance, device=x.device, dtype=dt)
              if self.transformer.config.guidance_embeds else None)
         return self.transformer(hidden_states=x.to(dt), timestep=t.to(dt), guidance=g,
@@ -1013,11 +966,9 @@ def make_adapter(pipe, args: "Args", device: torch.device):
 
 
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
-    """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [ours C17]
-
-    targets name module suffixes (e.g. to_q, ff.net.2, proj_out); only modules inside the numbered
-    transformer blocks match, never the model's top-level layers (FLUX's and SD3's final
-    `proj_out`, the embedders): a regex for peft's full-name match."""
+    """Attach a peft LoRA through diffusers and return its config (trainable params in fp32)
+    [ours C17]. targets: module suffixes (to_q, ff.net.2, proj_out, ...), matched only inside the
+    numbered blocks, never the top-level layers (the final `proj_out`, the embedders)."""
     import re
     from peft import LoraConfig
     alts = "|".join(re.escape(t.strip()) for t in targets if t.strip())
@@ -1025,16 +976,14 @@ def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
     cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=pattern)
     transformer.add_adapter(cfg)
     for n, p in transformer.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.float()             # fp32 master weights; compute runs under autocast
-            p.requires_grad_(True)
+        if "lora_" in n:                        # fp32 master weights; compute runs under autocast
+            p.data, p.requires_grad = p.data.float(), True
     return cfg
 
 
 def transformer_blocks(transformer) -> list:
     """The repeated blocks: SD3's joint blocks; FLUX's double- and single-stream blocks."""
-    single = getattr(transformer, "single_transformer_blocks", [])
-    return list(transformer.transformer_blocks) + list(single)
+    return [*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", [])]
 
 
 # ------------------------------------------------------------------------------------------------
