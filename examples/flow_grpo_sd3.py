@@ -475,7 +475,8 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     mean_or = lambda xs: float(torch.stack(xs).mean()) if xs else float("nan")
     return {"method": "flow_grpo", "iter": it, "reward_mean": float(raw.mean()),
             "reward_std": float(raw.std(unbiased=False)), **times,
-            "time_iter": time.perf_counter() - t0, "nfe_rollout": K * f, "nfe_old": K * f,
+            "time_iter": time.perf_counter() - t0, "nfe_rollout": K * f,
+            "nfe_old": 0,                             # its old log-probs come with the rollout
             "nfe_theta": T * f, "nfe_ref": T * f if rec["beta"] > 0 else 0,
             "trained_steps": trained, "n_trained_samples": int(len(idx)), "n_zero_adv": n_zero,
             "clip_frac": mean_or(clipped), "clip_frac_first_step": mean_or(clipped_first),
@@ -610,8 +611,8 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
         rows.append({
             "method": LABEL[method], "rollout": desc,
             "nfe_rollout": hist[0]["nfe_rollout"],
-            "nfe_old_extra": hist[0]["nfe_old"] - hist[0]["nfe_rollout"],
-            "nfe_pi_old": hist[0]["nfe_old"], "nfe_theta": hist[0]["nfe_theta"],
+            "nfe_old_extra": hist[0]["nfe_old"],          # θ_old's evaluations beyond the rollout
+            "nfe_pi_old": hist[0]["nfe_rollout"] + hist[0]["nfe_old"], "nfe_theta": hist[0]["nfe_theta"],
             "nfe_ref": hist[0]["nfe_ref"],
             "opt_steps": hist[0]["opt_steps"],
             **{k: med(k) for k in ("time_rollout", "time_reward", "time_old", "time_update",
