@@ -39,10 +39,10 @@ def _load_example(name):
 
 @pytest.fixture(autouse=True)
 def _restore_sdpa_switches():
-    """`--attention_backend` sets torch's process-wide SDPA switches (vgrpo's setup_device). Tests
-    share one process, so restore them after each test: a run that ended on `flash` alone (e.g. the
-    GPU check's smoke run keeping the lever that measured fastest) must not leave later code, such
-    as a CLIP text encoder with an attention mask, without a usable kernel."""
+    """examples/gpu_check.py's attention levers set torch's process-wide SDPA switches. Tests share
+    one process, so restore them after each test even if a lever's own restore failed: a run that
+    ended on `flash` alone must not leave later code, such as a CLIP text encoder with an
+    attention mask, without a usable kernel."""
     b = torch.backends.cuda
     saved = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
              b.cudnn_sdp_enabled())
@@ -102,6 +102,27 @@ def test_advantages_soft_clip_bound_and_clamp():
     torch.testing.assert_close(a[0, -1], torch.tensor(3 * math.tanh(math.sqrt(15) / 3)), atol=1e-3, rtol=0)
     a2, _ = V.group_advantages(r, global_std=False, clamp=2.0, eta=0.0)
     assert a2.max() == pytest.approx(2.0)
+
+
+@pytest.mark.math
+def test_clamp_acts_before_the_soft_clip_under_global_std():
+    """The ±5 clamp is not inert at η = 3: under the global std (the SD3 default) one outlier in
+    a 6 × 24 batch has A = (1 − 1/24) / 0.0830 ≈ 11.5, clamped to 5, soft-clipped to
+    3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00 (clip_advantages' docstring)."""
+    r = torch.zeros(6, 24, dtype=torch.float64)
+    r[2, 7] = 1.0
+    p = 1 / 144
+    z = (1 - 1 / 24) / (math.sqrt(p * (1 - p)) + 1e-4)                # the outlier's raw A
+    assert z == pytest.approx(11.5, abs=0.05)
+    a, _ = V.group_advantages(r)                                       # clamp 5, η 3, global std
+    assert a[2, 7].item() == pytest.approx(3 * math.tanh(5 / 3), abs=1e-5)
+    assert a[2, 7].item() == pytest.approx(2.79, abs=5e-3)
+    free, _ = V.group_advantages(r, clamp=math.inf)
+    assert free[2, 7].item() == pytest.approx(3 * math.tanh(z / 3), abs=1e-5)
+    assert free[2, 7].item() == pytest.approx(3.00, abs=5e-3)
+    # a per-group std bounds |A| by √(G − 1) < 5: there the clamp never acts
+    g, _ = V.group_advantages(r, global_std=False, eta=0.0)
+    assert g.abs().max().item() == pytest.approx(math.sqrt(23), rel=1e-3) and g.abs().max() < 5
 
 
 @pytest.mark.math
@@ -231,8 +252,8 @@ def _toy_batch(m=4, d=6, J=4, seed=0):
 def test_ratio_is_one_when_theta_equals_theta_old():
     model, x0, c, t, e = _toy_batch()
     with torch.no_grad():
-        s_old = V.pair_surrogates(model, x0, c, t, e)
-    s_new = V.pair_surrogates(model, x0, c, t, e)                # same pairs, same θ
+        s_old = V.pair_surrogates(model, x0, c, t, e)[0]
+    s_new = V.pair_surrogates(model, x0, c, t, e)[0]                # same pairs, same θ
     adv = torch.tensor([1.0, -0.5, 2.0, 0.0])
     loss, st = V.vgrpo_loss(s_new, s_old, adv, clip_eps=0.01)
     assert st["ratio"] == 1.0 and st["abs_log_ratio"] == 0.0 and st["clip_frac"] == 0.0
@@ -247,14 +268,14 @@ def test_ratio_is_one_when_theta_equals_theta_old():
 def test_one_step_follows_advantage_sign(sign):
     model, x0, c, t, e = _toy_batch()
     with torch.no_grad():
-        s_old = V.pair_surrogates(model, x0, c, t, e)
+        s_old = V.pair_surrogates(model, x0, c, t, e)[0]
     adv = torch.tensor([sign, 0.0, 0.0, 0.0])
-    loss, _ = V.vgrpo_loss(V.pair_surrogates(model, x0, c, t, e), s_old, adv)
+    loss, _ = V.vgrpo_loss(V.pair_surrogates(model, x0, c, t, e)[0], s_old, adv)
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
             p -= 1e-2 * p.grad
-        s_after = V.pair_surrogates(model, x0, c, t, e)
+        s_after = V.pair_surrogates(model, x0, c, t, e)[0]
     _, st = V.vgrpo_loss(s_after[:1], s_old[:1], adv[:1])
     # surrogate loss of sample 0 = −mean_j s: falls for A > 0, rises for A < 0; ratio the other way
     assert sign * (s_after[0].mean() - s_old[0].mean()) > 0
@@ -291,7 +312,7 @@ def test_loss_equals_slow_reference_loop():
 @pytest.mark.math
 def test_pair_surrogates_equals_per_pair_loop():
     model, x0, c, t, e = _toy_batch(m=3, J=5)
-    s, x0h = V.pair_surrogates_with_x0(model, x0, c, t, e)
+    s, x0h = V.pair_surrogates(model, x0, c, t, e)
     for n in range(3):
         for j in range(5):
             z = (1 - t[n, j]) * x0[n] + t[n, j] * e[n, j]
@@ -347,14 +368,15 @@ def test_samplers_exact_for_point_mass():
 
 
 @pytest.mark.math
-def test_sigma_grid_matches_diffusers_scheduler():
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    for K in (8, 10, 40):
-        sc = FlowMatchEulerDiscreteScheduler(shift=3.0)
-        sc.set_timesteps(K)
-        smin = V.time_shift(torch.tensor(1 / 1000, dtype=torch.float64), 3.0).item()
-        torch.testing.assert_close(V.sigma_grid(K, 3.0, sigma_min=smin).float(), sc.sigmas.float(),
-                                   atol=1e-6, rtol=0)
+def test_sigma_grid_is_the_shifted_uniform_grid():
+    """FLUX's rollout grid: K + 1 times from exactly 1 to exactly 0, SD3's resolution shift of
+    linspace(1, 0, K + 1) (checked in float64 against the closed form σ = 3s / (1 + 2s))."""
+    for K in (6, 16):
+        s = torch.linspace(1, 0, K + 1, dtype=torch.float64)
+        g = V.sigma_grid(K, 3.0)
+        assert g.dtype == torch.float64 and g[0] == 1.0 and g[-1] == 0.0
+        torch.testing.assert_close(g, 3 * s / (1 + 2 * s), atol=1e-15, rtol=0)
+        assert (g[1:] < g[:-1]).all()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -439,7 +461,9 @@ def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     assert V.main(TINY + ["--run_dir", str(run)]) == 0
     ckpt = run / "checkpoints" / "iter_000002"
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    assert state["iteration"] == 2 and state["config"]["model"] == "tiny" and state["optimizer"]["state"]
+    assert state["iteration"] == 2 and state["config"]["model"] == "tiny" and state["optimizer_saved"]
+    optim = torch.load(ckpt / "optimizer.pt", weights_only=False)    # keyed by parameter name
+    assert optim["state"] and all("lora_" in k for k in optim["state"])
     # trained velocity, reconstructed by the trainer's own loader
     trained = V.load_pipeline("tiny", torch.float32)
     V.add_lora(trained.transformer, 8, 16, V.Args.lora_targets.split(","))
@@ -505,7 +529,9 @@ def _tiny_pickscore(folder):
 def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     from transformers import AutoModel, AutoProcessor
     _tiny_pickscore(tmp_path / "ps")
-    rw = V.PickScoreReward.load(str(tmp_path / "ps"), str(tmp_path / "ps"), torch.device("cpu"), torch.float32)
+    ps = str(tmp_path / "ps")
+    rw = V.build_reward("pickscore", V.Args(pickscore_model=ps, pickscore_processor=ps), torch.device("cpu"),
+                        torch.float32)
     torch.manual_seed(0)
     imgs = torch.rand(3, 3, 48, 64)
     prompts = ["a red fox", "a blue car", "a cat"]
@@ -518,7 +544,7 @@ def test_pickscore_scoring_code_on_tiny_clip(tmp_path):
     with torch.no_grad():
         ref = model(input_ids=ti.input_ids, attention_mask=ti.attention_mask, pixel_values=px).logits_per_image.diag()
     # torch preprocessing vs the processor's own (its backends differ by ≤ 0.04 [ours C19])
-    torch.testing.assert_close(rw.preprocess(imgs), px, atol=0.05, rtol=0)
+    torch.testing.assert_close(V.clip_pixels(imgs, proc.image_processor), px, atol=0.05, rtol=0)
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0)
 
 
@@ -585,18 +611,16 @@ def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(run)], tmp_path, capsys, r"unreadable or incomplete")
 
 
-class _FirstRewardNan(V.JpegReward):
+def _first_reward_nan(images, prompts):
     """The JPEG reward with the first image of every call scored NaN."""
-
-    def __call__(self, images, prompts):
-        r = super().__call__(images, prompts)
-        r[0] = float("nan")
-        return r
+    r = V.jpeg_reward(images, prompts)
+    r[0] = float("nan")
+    return r
 
 
 @pytest.mark.trainer
 def test_nonfinite_reward_is_dropped_and_logged(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(V, "build_reward", lambda *a, **k: _FirstRewardNan())
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: _first_reward_nan)
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path)]) == 0
     m = _metrics(tmp_path)[0]
     assert m["n_nonfinite_reward"] == 1 and math.isfinite(m["reward_mean"]) and math.isfinite(m["grad_norm"])
@@ -605,11 +629,10 @@ def test_nonfinite_reward_is_dropped_and_logged(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.trainer
 def test_all_rewards_nonfinite_skips_the_step(tmp_path, monkeypatch):
-    class Broken(V.JpegReward):
-        def __call__(self, images, prompts):
-            return torch.full((len(images),), float("inf"))
+    def broken(images, prompts):
+        return torch.full((len(images),), float("inf"))
 
-    monkeypatch.setattr(V, "build_reward", lambda *a, **k: Broken())
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: broken)
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path)]) == 0
     assert _metrics(tmp_path)[0]["skipped"] is True
 
@@ -755,7 +778,7 @@ def test_resume_with_changed_lora_rank_is_one_line(tmp_path, capsys, monkeypatch
 
 @pytest.mark.trainer
 def test_nonfinite_warning_has_its_own_line_and_eval_drops_nonfinite(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(V, "build_reward", lambda *a, **k: _FirstRewardNan())
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: _first_reward_nan)
     assert V.main(TINY + ["--iterations", "1", "--eval_every", "1",
                           "--run_dir", str(tmp_path)]) == 0
     err = capsys.readouterr().err
@@ -790,34 +813,133 @@ def test_kill_and_resume_logs_each_iteration_once(tmp_path, monkeypatch):
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
-@pytest.mark.parametrize("window", ["before_latest", "after_latest"])
 @pytest.mark.trainer
-def test_resave_keeps_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, window):
-    """Re-saving iteration 1 (Ctrl-C right after a resume), killed inside the swap."""
+def test_ctrl_c_finishes_the_iteration_then_saves_and_resume_is_exact(tmp_path, monkeypatch,
+                                                                      capsys):
+    """The first Ctrl-C (a real SIGINT) lets the iteration in flight finish, saves it and stops;
+    --resume then continues exactly as the uninterrupted run (same process: same float ops)."""
+    import signal
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    assert V.main(TINY + ["--iterations", "4", "--save_every", "10", "--run_dir", str(ref)]) == 0
+    real = V.iteration
+
+    def ctrl_c_in_1(r, it):
+        if it == 1:
+            os.kill(os.getpid(), signal.SIGINT)              # arrives mid-iteration
+        return real(r, it)
+
+    monkeypatch.setattr(V, "iteration", ctrl_c_in_1)
+    assert V.main(TINY + ["--iterations", "4", "--save_every", "10", "--run_dir", str(run)]) == 0
+    assert "stopped after iteration 1" in capsys.readouterr().err
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+    monkeypatch.setattr(V, "iteration", real)
+    assert V.main(["--resume", str(run)]) == 0
+    assert _strip_times(_metrics(run)) == _strip_times(_metrics(ref))
+
+
+@pytest.mark.parametrize("where", ["latest_switch", "second_ctrl_c"])
+@pytest.mark.trainer
+def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, capsys, where):
+    """Killed inside the save of iteration 2 just before `latest` is switched, or stopped by a
+    second Ctrl-C in the middle of iteration 2's update: `latest` still names iteration 1's
+    complete checkpoint, and --resume carries on from it."""
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
-    monkeypatch.setattr(V, "iteration", lambda r, it: (_ for _ in ()).throw(KeyboardInterrupt))
-    real_replace, real_rmtree = os.replace, V.shutil.rmtree
+    real_replace = os.replace
 
     def replace(src, dst):
-        if window == "before_latest" and str(dst).endswith("latest"):
+        if str(dst).endswith("latest") and "iter_000002" in Path(src).read_text():
             raise SystemExit("killed")
         return real_replace(src, dst)
 
-    def rmtree(p, *a, **k):
-        if window == "after_latest" and Path(p).name == "iter_000001":
-            raise SystemExit("killed")
-        return real_rmtree(p, *a, **k)
-
-    monkeypatch.setattr(V.os, "replace", replace)
-    monkeypatch.setattr(V.shutil, "rmtree", rmtree)
-    with pytest.raises(SystemExit):
-        V.main(["--resume", str(run), "--iterations", "2"])
+    if where == "latest_switch":
+        monkeypatch.setattr(V.os, "replace", replace)
+        with pytest.raises(SystemExit):
+            V.main(["--resume", str(run), "--iterations", "2"])
+    else:
+        monkeypatch.setattr(V, "optimizer_step", lambda r: (_ for _ in ()).throw(KeyboardInterrupt))
+        assert V.main(["--resume", str(run), "--iterations", "2"]) == 130
+        assert "interrupted" in capsys.readouterr().err
     monkeypatch.undo()
-    name = (run / "checkpoints" / "latest").read_text()
-    assert name == {"before_latest": "iter_000001", "after_latest": "iter_000001-b"}[window]
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
     ckpt, state = V.read_checkpoint(str(run))                     # complete and readable
-    assert ckpt.name == name and state["iteration"] == 1
+    assert ckpt.name == "iter_000001" and state["iteration"] == 1
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+
+
+# ------------------------------------------------------------------------------------------------
+# Watching a run: TensorBoard / W&B, metrics.png, one trainer per run folder
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.trainer
+def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, monkeypatch):
+    """--report_to tensorboard: TensorBoard's own reader finds reward_mean once per iteration,
+    also after a kill (iteration 2 was logged, then lost with the kill) and --resume, and the
+    evaluation grids as images; metrics.png is a real image."""
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run, real = tmp_path / "run", V.iteration
+
+    def killed_at_3(r, it):
+        if it == 3:
+            raise SystemExit("killed")
+        return real(r, it)
+
+    monkeypatch.setattr(V, "iteration", killed_at_3)
+    with pytest.raises(SystemExit):
+        V.main(TINY + ["--iterations", "5", "--save_every", "2", "--eval_every", "2",
+                       "--report_to", "tensorboard", "--run_dir", str(run)])
+    monkeypatch.setattr(V, "iteration", real)
+    assert V.main(["--resume", str(run)]) == 0
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward_mean")] == [0, 1, 2, 3, 4]
+    assert [e.step for e in acc.Scalars("eval_reward_mean")] == [0, 2, 4, 5]
+    assert [e.step for e in acc.Images("eval_grid")] == [0, 2, 4, 5]
+    with Image.open(run / "metrics.png") as im:
+        assert im.format == "PNG" and im.size[0] > 500 and im.size[1] > 300
+
+
+@pytest.mark.trainer
+def test_a_second_trainer_on_a_live_run_folder_exits_in_one_line(tmp_path, capsys):
+    """While one trainer holds a run folder, a second (same --run_dir, or --resume) exits at once
+    with one line naming the holder's pid and changes nothing; the lock dies with its holder."""
+    import signal
+    import subprocess
+    import time
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, str(ROOT / "vgrpo.py")] + TINY +
+                             ["--iterations", "1000", "--run_dir", str(run)],
+                             env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):                        # until it has saved a checkpoint
+            if (run / "checkpoints" / "latest").is_file() and (run / ".lock").read_text():
+                break
+            time.sleep(0.1)
+        assert (run / ".lock").read_text() == str(first.pid)
+        before = {p: p.read_bytes() for p in (run / "config.json", run / "checkpoints" / "latest")}
+        for argv in (TINY + ["--run_dir", str(run)], ["--resume", str(run)]):
+            assert V.main(argv) == 2
+            err = capsys.readouterr().err
+            assert re.fullmatch(rf"error: .*in use by a running trainer \(pid {first.pid}\).*\n", err), err
+        assert before == {p: p.read_bytes() for p in before}
+        assert first.poll() is None                 # the first trainer is still running
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert V.main(["--resume", str(run), "--iterations", str(
+        V.read_checkpoint(str(run))[1]["iteration"] + 1)]) == 0      # a SIGKILL frees the lock
+
+
+@pytest.mark.trainer
+def test_report_to_wandb_without_wandb_is_one_line_before_loading(tmp_path, capsys, monkeypatch):
+    real = V.importlib.util.find_spec
+    monkeypatch.setattr(V.importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
+    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+    _one_line(TINY + ["--report_to", "wandb"], tmp_path, capsys, r"--report_to wandb needs the "
+              r"optional package wandb: pip install wandb")
 
 
 @pytest.mark.trainer
@@ -838,14 +960,23 @@ def test_outputs_follow_the_umask(tmp_path):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.math
 def test_readme_loss_snippet_runs():
+    """The README's "Use the loss in your own trainer" block, as written (CPU) and with its one
+    device line set to the meta device, where an operation that mixes in a CPU tensor raises: so
+    the pairs and everything else follow that line (what a GPU user needs)."""
     text = (ROOT / "README.md").read_text()
     section = text.split("## Use the loss in your own trainer", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    line = 'device = torch.device("cpu")'
+    assert code.count(line) == 1 and code.count("torch.device(") == 1
     ns = {}
     exec(compile(code, "README.md", "exec"), ns)
-    assert torch.isfinite(ns["loss"])
+    assert torch.isfinite(ns["loss"]) and torch.isfinite(ns["loss_kl"])
     assert ns["net"].weight.grad is not None and ns["net"].weight.grad.abs().sum() > 0
     assert ns["stats"]["ratio"].item() == pytest.approx(1.0)
+    meta = {}
+    exec(compile(code.replace(line, 'device = torch.device("meta")'), "README.md", "exec"), meta)
+    assert meta["loss"].device.type == "meta" and meta["net"].weight.grad.device.type == "meta"
+    assert meta["t"].device.type == "meta" and meta["eps"].device.type == "meta"
 
 
 def _readme_block(after: str, nth: int = 0) -> str:
@@ -1016,7 +1147,8 @@ def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
     import open_clip
     from PIL import Image
     cfg, ckpt, ref_model = _tiny_open_clip(tmp_path)
-    rw = V.HPSv2Reward.load(str(cfg), str(ckpt), torch.device("cpu"), torch.float32)
+    rw = V.build_reward("hpsv2", V.Args(hpsv2_arch=str(cfg), hpsv2_checkpoint=str(ckpt)), torch.device("cpu"),
+                        torch.float32)
     torch.manual_seed(1)
     imgs = torch.rand(3, 3, 40, 64)                                  # non-square: exercises the padding
     prompts = ["a red fox", "a blue car", "a cat"]
@@ -1027,7 +1159,7 @@ def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
                                              std=open_clip.OPENAI_DATASET_STD, resize_mode="longest", fill_color=0)
     pil = [Image.fromarray((im.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()) for im in imgs]
     px = torch.stack([tf(p) for p in pil])
-    mine = rw.preprocess((imgs * 255).round() / 255)
+    mine = V.hps_pixels((imgs * 255).round() / 255, 32)
     assert (mine - px).abs().mean() < 0.02 and (mine - px).abs().max() < 0.5     # resampler kernels differ a bit
     with torch.no_grad():
         ref = (ref_model.encode_image(px, normalize=True) *
@@ -1039,7 +1171,7 @@ def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
 def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
     from transformers import AutoModel, AutoProcessor
     _tiny_pickscore(tmp_path / "clip")
-    rw = V.CLIPScoreReward.load(str(tmp_path / "clip"), str(tmp_path / "clip"), torch.device("cpu"), torch.float32)
+    rw = V.build_reward("clipscore", V.Args(clip_model=str(tmp_path / "clip")), torch.device("cpu"), torch.float32)
     imgs, prompts = torch.rand(2, 3, 32, 32), ["a dog", "a tree"]
     got = rw(imgs, prompts)
     proc, model = AutoProcessor.from_pretrained(tmp_path / "clip"), AutoModel.from_pretrained(tmp_path / "clip")
@@ -1067,14 +1199,16 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
     CLIPModel(cfg).save_pretrained(d)
     CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
                   tokenizer=tok).save_pretrained(d)
-    head = V.AestheticReward.make_head()
+    head = V.aesthetic_head()
     torch.save(head.state_dict(), tmp_path / "aesthetic.pth")
-    rw = V.AestheticReward.load(str(d), str(d), torch.device("cpu"), torch.float32, str(tmp_path / "aesthetic.pth"))
+    rw = V.build_reward("aesthetic", V.Args(clip_model=str(d), aesthetic_weights=str(tmp_path / "aesthetic.pth")),
+                        torch.device("cpu"), torch.float32)
     imgs = torch.rand(4, 3, 32, 32)
     got = rw(imgs, ["x"] * 4)
     assert got.shape == (4,) and torch.isfinite(got).all()
     with torch.no_grad():
-        f = CLIPModel.from_pretrained(d).get_image_features(pixel_values=rw.preprocess(imgs))
+        px = V.clip_pixels(imgs, CLIPProcessor.from_pretrained(d).image_processor)
+        f = CLIPModel.from_pretrained(d).get_image_features(pixel_values=px)
         f = f if torch.is_tensor(f) else f.pooler_output                # transformers ≥ 5 wraps it
         torch.testing.assert_close(got, head.eval()(torch.nn.functional.normalize(f, dim=-1)).squeeze(-1))
     assert sorted(k for k in head.state_dict()) == sorted(
@@ -1172,12 +1306,11 @@ def test_multi_reward_run_logs_each_reward_and_eval_rewards(tmp_path, monkeypatc
 # FLUX: packing, the tiny pipeline end to end, the local loading path
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.math
-def test_flux_packing_roundtrips_and_matches_diffusers():
+def test_flux_unpacking_inverts_diffusers_packing():
     from diffusers import FluxPipeline
     lat = torch.randn(2, 16, 6, 10, dtype=torch.float64)
-    packed = V.pack_latents(lat)
+    packed = FluxPipeline._pack_latents(lat, 2, 16, 6, 10)
     assert packed.shape == (2, 15, 64)
-    assert torch.equal(packed, FluxPipeline._pack_latents(lat, 2, 16, 6, 10))
     assert torch.equal(V.unpack_latents(packed, 6, 10), lat)                 # exact: a permutation
     assert torch.equal(V.unpack_latents(packed, 6, 10), FluxPipeline._unpack_latents(packed, 48, 80, 8))
 
@@ -1215,7 +1348,7 @@ def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
     x, t = torch.randn(2, 16, 64), torch.tensor([0.2, 0.9])
     with torch.no_grad():
         torch.testing.assert_close(a.velocity(x, t, a.encode(["a", "b"])), b.velocity(x, t, b.encode(["a", "b"])))
-    small = ["--reward", "jpeg", "--iterations", "2", "--prompts_per_iter", "2", "--group_size", "3",
+    small = ["--reward", "jpeg", "--iterations", "2", "--prompts_per_iter", "2", "--group_size", "4",
              "--num_steps", "4", "--eval_every", "1", "--save_every", "1", "--resolution", "64",
              "--max_sequence_length", "32", "--lora_rank", "4", "--lora_alpha", "8", "--no-gradient_checkpointing"]
     assert V.main(["--model", str(tmp_path / "flux"), "--run_dir", str(tmp_path / "run")] + small) == 0
@@ -1473,10 +1606,10 @@ DDP = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--grou
        "--eval_every", "0", "--save_every", "1", "--mu", "1", "--device", "cpu"]
 
 
-def _torchrun(args, tmp_path):
+def _torchrun(args, tmp_path, **env_extra):
     import subprocess
     import sys
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **env_extra)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(ROOT / "vgrpo.py")] + args, env=env, cwd=tmp_path, capture_output=True, text=True,
                        timeout=600)
@@ -1494,35 +1627,91 @@ def _smooth_reward(folder, monkeypatch=None) -> str:
     return "meancolour:mean_colour"
 
 
-@pytest.mark.multiprocess
-def test_two_processes_equal_one_process_and_resume(tmp_path, monkeypatch):
+def _trained(run_dir, it, full=False) -> dict:
+    """The trained weights saved after `it` iterations: the LoRA file, or the full transformer."""
     from safetensors.torch import load_file
-    smooth = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch)]
-    _torchrun(smooth + ["--iterations", "3", "--run_dir", str(tmp_path / "ddp")], tmp_path)
-    assert V.main(smooth + ["--iterations", "3", "--run_dir", str(tmp_path / "single")]) == 0
-    d, s = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "single")
-    assert len(d) == len(s) == 3
-    for x, y in zip(d, s):
-        assert x["param_desync"] == 0.0                    # both ranks hold identical parameters
-        # Each rank runs the transformer on 3 rows instead of 6 and the gradients are summed by
-        # an all-reduce: another reduction order, fp32 rounding ~1e-7 relative per operation,
-        # grown by 3 Adam steps at lr 1e-2 to ≲ 1e-5 in pixel space. Mean colour (≈ 0.5) moves
-        # by as much: 1e-4 absolute leaves a 10× margin. (Measured on a 2-core Xeon: 0.0 reward
-        # difference, 2e-6 relative on grad_norm and surrogate_cv_group, 4e-5 on the LoRA.)
+    ck = Path(run_dir, "checkpoints", f"iter_{it:06d}")
+    return load_file(str(ck / ("transformer/diffusion_pytorch_model.safetensors" if full
+                               else "pytorch_lora_weights.safetensors")))
+
+
+def _close_runs(a_dir, b_dir, it, full=False):
+    """Two runs that differ only in how the batch is split over processes. Each process runs the
+    transformer on half the rows and FSDP reduce-scatters the gradients: another summation
+    order, fp32 rounding ~1e-7 relative per operation. The gradient norm is a smooth function of
+    it (measured: equal to 8 digits), so 1e-3 relative is a wide margin; the mean-colour reward
+    moves by ≲ 1e-5 (measured 0.0): 1e-4 absolute. Adam moves each weight by ≈ lr·sign(g) per
+    step, and a weight whose gradient is at rounding level may take the other sign: the largest
+    difference may reach lr = 1e-2 per step, but the weights as a whole (relative norm of the
+    difference, measured ≤ 4e-7) must agree to 1e-4."""
+    for x, y in zip(_strip_times(_metrics(a_dir)), _strip_times(_metrics(b_dir))):
+        assert x["iter"] == y["iter"]
         assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-4)
-        # gradient norm and surrogate CV are smooth functions of the same numbers: 1e-3 relative
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-3)
         assert x["surrogate_cv_group"] == pytest.approx(y["surrogate_cv_group"], rel=1e-3)
-    a = load_file(str(tmp_path / "ddp/checkpoints/iter_000003/pytorch_lora_weights.safetensors"))
-    b = load_file(str(tmp_path / "single/checkpoints/iter_000003/pytorch_lora_weights.safetensors"))
-    # Adam's first steps move each weight by ≈ lr·sign(g) = 1e-2; an entry whose gradient is at
-    # rounding level can take another sign: allow 1e-3 on the largest difference over 3 steps
-    assert set(a) == set(b) and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3
-    # resume under torchrun: 1 iteration, then continue to 3. Same world size, same thread count
-    # (OMP_NUM_THREADS=1 in _torchrun), same shapes: the same reduction order, so exactly equal.
+    a, b = _trained(a_dir, it, full), _trained(b_dir, it, full)
+    assert set(a) == set(b) and a
+    diff = math.sqrt(sum((a[k].double() - b[k].double()).square().sum().item() for k in a))
+    norm = math.sqrt(sum(a[k].double().square().sum().item() for k in a))
+    assert diff / norm < 1e-4 and max((a[k] - b[k]).abs().max().item() for k in a) < 2e-2
+
+
+@pytest.mark.multiprocess
+def test_fsdp_two_processes_equal_one_and_resume_two_to_one(tmp_path, monkeypatch):
+    """LoRA under FSDP2: 2 processes (half the groups each) compute what 1 process computes; a
+    2-process run resumed by 1 process continues like the uninterrupted 2-process run."""
+    smooth = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch)]
+    _torchrun(smooth + ["--iterations", "2", "--run_dir", str(tmp_path / "fsdp")], tmp_path)
+    assert V.main(smooth + ["--iterations", "2", "--run_dir", str(tmp_path / "single")]) == 0
+    _close_runs(tmp_path / "fsdp", tmp_path / "single", 2)
     _torchrun(smooth + ["--iterations", "1", "--run_dir", str(tmp_path / "part")], tmp_path)
-    _torchrun(["--resume", str(tmp_path / "part"), "--iterations", "3"], tmp_path)
-    assert _strip_times(_metrics(tmp_path / "part")) == _strip_times(d)
+    assert V.main(["--resume", str(tmp_path / "part"), "--iterations", "2"]) == 0      # 2 → 1
+    _close_runs(tmp_path / "part", tmp_path / "fsdp", 2)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_full_finetune_equals_one_process_and_resumes_one_to_two(tmp_path, monkeypatch):
+    """Full fine-tuning under FSDP2 (fp32 master weights and AdamW state sharded): 2 processes
+    equal 1, and a 1-process run resumed by 2 processes equals the uninterrupted 1-process run."""
+    full = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch), "--full_finetune",
+                  "--lr", "1e-4"]
+    _torchrun(full + ["--iterations", "2", "--run_dir", str(tmp_path / "fsdp")], tmp_path)
+    assert V.main(full + ["--iterations", "2", "--run_dir", str(tmp_path / "single")]) == 0
+    _close_runs(tmp_path / "fsdp", tmp_path / "single", 2, full=True)
+    from diffusers import SD3Transformer2DModel
+    SD3Transformer2DModel.from_pretrained(tmp_path / "fsdp/checkpoints/iter_000002/transformer")
+    assert V.main(full + ["--iterations", "1", "--run_dir", str(tmp_path / "part")]) == 0
+    _torchrun(["--resume", str(tmp_path / "part"), "--iterations", "2"], tmp_path)    # 1 → 2
+    _close_runs(tmp_path / "part", tmp_path / "single", 2, full=True)
+
+
+@pytest.mark.multiprocess
+def test_sigkill_during_a_sharded_checkpoint_write_leaves_latest_loadable(tmp_path, monkeypatch):
+    """Rank 0 is SIGKILLed in the middle of writing iteration 2's checkpoint (after the gather,
+    inside torch.save of the optimizer state; injected through sitecustomize in every process):
+    torchrun ends the run, `latest` still names iteration 1, and a resume finishes the run."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, signal, torch\n"
+        "_save = torch.save\n"
+        "def save(obj, f, *a, **k):\n"
+        "    if str(f).endswith('iter_000002/optimizer.pt'):\n"
+        "        _save(obj, f, *a, **k)\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return _save(obj, f, *a, **k)\n"
+        "torch.save = save\n")
+    smooth = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch)]
+    run = tmp_path / "run"
+    with pytest.raises(AssertionError):
+        _torchrun(smooth + ["--iterations", "3", "--run_dir", str(run)], tmp_path,
+                  PYTHONPATH=str(hook))
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
+    assert V.read_checkpoint(str(run))[1]["iteration"] == 1
+    assert not (run / "checkpoints" / "iter_000002").exists()        # only its temporary folder
+    assert V.main(["--resume", str(run)]) == 0
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000003"
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2]
 
 
 @pytest.mark.multiprocess
@@ -1576,9 +1765,10 @@ def test_paper_and_stage_presets_follow_the_family():
 @pytest.mark.trainer
 def test_first_step_ratio_is_one_for_mu_above_one(tmp_path):
     """S_old is computed in the first step's own micro-batches: ρ ≡ 1 there for μ = 3 and uneven
-    micro-batches too (same rows, same shapes, same parameters: the same float operations)."""
-    assert V.main(TINY + ["--iterations", "1", "--mu", "3", "--micro_batch", "2",
-                          "--group_size", "4", "--run_dir", str(tmp_path)]) == 0
+    micro-batches too (4 samples per step in micro-batches of 3 + 1; same rows, same shapes, same
+    parameters: the same float operations)."""
+    assert V.main(TINY + ["--iterations", "1", "--mu", "3", "--micro_batch", "3",
+                          "--group_size", "6", "--run_dir", str(tmp_path)]) == 0
     m = _metrics(tmp_path)[0]
     assert m["abs_log_ratio_first"] < 1e-7                           # measured: exactly 0.0
     assert m["abs_log_ratio"] > 1e-6                                 # later steps are off-policy
@@ -1631,35 +1821,40 @@ def test_fp16_trains_with_loss_scaling(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Throughput levers: each changes how the same numbers are computed, not what is computed
 # ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
+# examples/gpu_check.py's throughput levers: experiments applied to a live Run from outside
+# ------------------------------------------------------------------------------------------------
 LEVER = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--group_size", "3",
          "--num_steps", "4", "--eval_every", "0", "--device", "cpu"]
 
 
-def _lever_run(extra, its=2):
+def _lever_run(names=(), its=2, extra=(), backend="aot_eager"):
     """setup() on a fresh tiny pipeline with LoRA B ≠ 0 (the default init B = 0 would make a merge
-    a no-op), then `its` iterations. Returns (run, metrics)."""
-    run = V.setup(V.parse_args(LEVER + extra), pipe=TM.build_tiny_sd3_pipeline())
+    a no-op), then `its` iterations with gpu_check's levers `names`. Returns (run, metrics)."""
+    gc = _load_example("gpu_check")
+    run = V.setup(V.parse_args(LEVER + list(extra)), pipe=TM.build_tiny_sd3_pipeline())
     g = torch.Generator().manual_seed(1)
     for n, p in run.adapter.transformer.named_parameters():
         if "lora_B" in n:
             p.data = 0.05 * torch.randn(p.shape, generator=g)
-    return run, [V.iteration(run, it) for it in range(its)]
+    with gc.levers(run, names, backend):
+        return run, [V.iteration(run, it) for it in range(its)]
 
 
-@pytest.mark.trainer
+@pytest.mark.examples
 def test_lora_merge_restores_every_weight_bit_for_bit():
-    """lora_merged: inside, the base weights hold W + (α/r)·B·A and a forward equals the unmerged
-    one up to rounding; after, every parameter (base and LoRA) is bit-identical to before."""
-    run, _ = _lever_run([], its=0)
-    ad = run.adapter
-    tr = ad.transformer
+    """gpu_check.lora_merged: inside, the base weights hold W + (α/r)·B·A and a forward equals the
+    unmerged one up to rounding; after, every parameter (base and LoRA) is bit-identical."""
+    gc = _load_example("gpu_check")
+    run, _ = _lever_run(its=0)
+    ad, tr = run.adapter, run.adapter.transformer
     before = {n: p.detach().clone() for n, p in tr.named_parameters()}
     x = torch.randn((3,) + run.D, generator=torch.Generator().manual_seed(2))
     t = torch.tensor([0.2, 0.5, 0.9])
     c = ad.encode(["a cat", "a dog", "a bird"])
     with torch.no_grad():
         v_ref = ad.velocity(x, t, c)
-        with V.lora_merged(tr):
+        with gc.lora_merged(tr):
             v_merged = ad.velocity(x, t, c)
             changed = [n for n, p in tr.named_parameters() if not torch.equal(p, before[n])]
             assert changed and all("base_layer.weight" in n for n in changed)
@@ -1667,94 +1862,37 @@ def test_lora_merge_restores_every_weight_bit_for_bit():
     assert torch.allclose(v_merged, v_ref, atol=1e-5, rtol=1e-5)
     for n, p in tr.named_parameters():
         assert torch.equal(p, before[n]), f"{n} changed"
-    with torch.no_grad():
-        assert torch.equal(ad.velocity(x, t, c), v_ref)    # peft is back in its unmerged state
     with pytest.raises(RuntimeError, match="inside"):       # restored even when the body raises
-        with V.lora_merged(tr):
+        with gc.lora_merged(tr):
             raise RuntimeError("inside")
     for n, p in tr.named_parameters():
         assert torch.equal(p, before[n]), f"{n} changed after an exception"
 
 
-@pytest.mark.trainer
-def test_merged_rollout_keeps_ratio_one_and_the_same_run():
-    """--merge_lora_rollout: ρ ≡ 1 at μ = 1 (surrogates come from the unmerged path), frozen weights
-    unchanged after two iterations, and the run equals the unmerged one up to rounding."""
-    ref, m_ref = _lever_run([])
-    run, m = _lever_run(["--merge_lora_rollout"])
-    for x in m:
-        assert x["abs_log_ratio"] == 0.0 and x["ratio"] == 1.0
-    frozen = {n: p for n, p in ref.adapter.transformer.named_parameters() if "lora_" not in n}
-    for n, p in run.adapter.transformer.named_parameters():
-        if "lora_" not in n:
-            assert torch.equal(p, frozen[n]), f"frozen weight {n} changed"
-    # the rollout latents differ by fp32 summation order (~1e-7); the JPEG reward is a step function
-    # of pixels, so it is compared loosely, the smooth gradient norm tightly
-    for a, b in zip(m_ref, m):
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=0.05)
-    assert V.main(LEVER + ["--merge_lora_rollout", "--full_finetune"]) == 2
-
-
-@pytest.mark.trainer
-def test_attention_backends_agree_on_cpu():
-    """--attention_backend: on the CPU torch has the math and the flash SDPA kernels; one iteration
-    with each gives the same gradient norm up to fp32 rounding of a different summation order
-    (attention is one term among many in the gradient: 1e-4 relative is ~1000× the rounding seen)."""
-    _, m_math = _lever_run(["--attention_backend", "math"], its=1)
-    assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
-    _, m_flash = _lever_run(["--attention_backend", "flash"], its=1)
-    assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.math_sdp_enabled()
-    _, m_auto = _lever_run([], its=1)
-    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
-    for m in (m_flash, m_auto):
-        assert m[0]["grad_norm"] == pytest.approx(m_math[0]["grad_norm"], rel=1e-4)
-        assert m[0]["abs_log_ratio"] == 0.0
-
-
-@pytest.mark.trainer
-def test_regional_compile_with_lora_checkpointing_and_merge():
-    """--compile: every transformer block is compiled (not the whole model), alongside LoRA,
-    gradient checkpointing and the merged no-grad rollout, and the iteration equals the eager one.
-    The CPU test uses the aot_eager backend (dynamo graph capture + AOT autograd, no code
-    generation): inductor would need minutes of C++ compilation on a small CPU runner; the
-    inductor path is what examples/gpu_check.py times on a GPU."""
+@pytest.mark.examples
+def test_levers_keep_ratio_one_and_the_same_run():
+    """Every CPU lever (merged-LoRA rollouts, the math / flash SDPA kernel, a bf16 VAE decode,
+    regional compile with the aot_eager backend) keeps ρ ≡ 1 at μ = 1, leaves the frozen weights
+    and torch's switches as they were, and gives the same gradient norm as the plain run up to
+    fp32 summation order (1e-4 relative is ~1000× the rounding seen); the JPEG reward is a step
+    function of the pixels, so it is compared loosely."""
     import torch._dynamo
-    flags = ["--gradient_checkpointing", "--merge_lora_rollout"]
-    _, m_ref = _lever_run(flags, its=1)
+    sw = torch.backends.cuda
+    switches = (sw.flash_sdp_enabled(), sw.math_sdp_enabled())
+    ref, m_ref = _lever_run(its=1)
+    frozen = {n: p for n, p in ref.adapter.transformer.named_parameters() if "lora_" not in n}
+    for names in (["merge_lora_rollout"], ["attn_flash"], ["vae_autocast"], ["compile"]):
+        torch._dynamo.reset()
+        run, m = _lever_run(names, its=1)
+        assert m[0]["abs_log_ratio"] == 0.0 and m[0]["ratio"] == 1.0, names
+        assert m[0]["grad_norm"] == pytest.approx(m_ref[0]["grad_norm"], rel=1e-4), names
+        assert m[0]["reward_mean"] == pytest.approx(m_ref[0]["reward_mean"], abs=0.05), names
+        for n, p in run.adapter.transformer.named_parameters():
+            assert "lora_" in n or torch.equal(p, frozen[n]), f"{names}: {n} changed"
+        assert (sw.flash_sdp_enabled(), sw.math_sdp_enabled()) == switches
+        assert all(b._compiled_call_impl is None for b in V.transformer_blocks(run.adapter.transformer))
+        assert "decode" not in run.adapter.__dict__ and V.rollout.__name__ == "rollout"
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    run, m = _lever_run(flags + ["--compile", "--compile_backend", "aot_eager"], its=1)
-    blocks = V.transformer_blocks(run.adapter.transformer)
-    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
-    assert run.adapter.transformer._compiled_call_impl is None          # regional, not whole-model
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0    # dynamo captured graphs
-    assert m[0]["abs_log_ratio"] == 0.0
-    # aot_eager decomposes some ops (e.g. layer norm) into others: fp32 rounding differences only
-    assert m[0]["grad_norm"] == pytest.approx(m_ref[0]["grad_norm"], rel=1e-4)
-    assert m[0]["reward_mean"] == pytest.approx(m_ref[0]["reward_mean"], abs=0.05)
-    V.compile_blocks(run.adapter.transformer, enabled=False)
-    assert all(b._compiled_call_impl is None for b in blocks)
-    torch._dynamo.reset()
-
-
-@pytest.mark.trainer
-def test_vae_autocast_decodes_in_the_compute_dtype():
-    """--vae_autocast: the decode runs under the autocast it is given (bf16 on the CPU here), in
-    chunks of --reward_batch; the images stay fp32 in [0, 1] and close to the fp32 decode
-    (bf16 has 8 mantissa bits: a few 1e-2 of the [0, 1] pixel range at most on the tiny VAE)."""
-    ad = V.SD3Adapter(TM.build_tiny_sd3_pipeline(), torch.device("cpu"), 32)
-    lat = torch.randn(5, 16, 8, 8, generator=torch.Generator().manual_seed(3))
-    seen = []
-    real = ad.decode
-    ad.decode = lambda z: (seen.append((len(z), torch.is_autocast_enabled("cpu"))), real(z))[1]
-    rw = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
-    raw32, im32 = V.decode_and_reward(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16)
-    raw16, im16 = V.decode_and_reward(ad, rw, ["jpeg"], lat, ["p"] * 5, 2, keep_images=True, ctx=ctx)
-    assert seen == [(2, False), (2, False), (1, False), (2, True), (2, True), (1, True)]
-    assert (im16.float() - im32.float()).abs().max() <= 0.05 * 255
-    assert raw16["jpeg"].shape == raw32["jpeg"].shape == (5,)
 
 
 @pytest.mark.examples

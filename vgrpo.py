@@ -3,23 +3,20 @@ vgrpo.py — V-GRPO in one file: online RL for flow-matching image models, where
 model's own (variance-reduced) flow-matching loss stands in for log π_θ(image | prompt).
 
 Paper: "V-GRPO: Online Reinforcement Learning for Denoising Generative Models Is Easier than
-You Think", Tang et al., 2026, arXiv 2604.23380. Equation numbers of the paper are not quoted
-(the full text could not be checked end to end). Tags point into METHOD.md, beside this file,
-and say what kind of statement they are: [paper P3] a fact stated by the paper, with its source
-named in the item; [peer X5] a convention taken from another codebase (repository and file
-named); [ours C4] this project's choice where the paper is silent; [Alg. step 4] a step of
-the algorithm box below. A bare "§k" is a section of this file.
-
-See it work: examples/toy_2d.py (+ toy_2d.md) trains V-GRPO, its ablations and an MDP baseline
-on a 2-D toy in minutes on a CPU; examples/digits.py (+ digits.md) is a small image benchmark
-on scikit-learn's 8×8 digits; measurements of the full models on a GPU are in results/.
+You Think", Tang et al., 2026, arXiv 2604.23380; its equation numbers are not quoted (the full
+text could not be checked end to end). Tags resolve in METHOD.md, beside this file: [paper P3]
+a fact the paper states, its source named; [peer X5] a convention of another codebase,
+repository and file named; [ours C4] our choice where the paper is silent; [Alg. step 4] a step
+of the box below. A bare "§k" is a section of this file.
 
 What this file IS: a readable reference of the algorithm plus a working trainer for Stable
 Diffusion 3 / 3.5 and FLUX.1 (diffusers) with human-preference rewards (PickScore, HPSv2.1,
-CLIPScore, aesthetic, ImageReward, your own), on one GPU or data-parallel under torchrun, and
-offline tiny models (examples/tiny_models.py) so everything runs on a laptop CPU. What it is
-NOT: a framework. The math (§2–§6) is pure torch and knows nothing of models, rewards or
-processes, so the loss can be copied into any trainer.
+CLIPScore, aesthetic, ImageReward, your own), on one GPU or under torchrun with the transformer
+sharded by FSDP2, with live curves in TensorBoard or W&B (--report_to), and offline tiny models
+(examples/tiny_models.py) so everything runs on a laptop CPU. What it is NOT: a framework; the
+loss can be copied into any trainer (§2–§6). See it work on a CPU: examples/toy_2d.py, a 2-D toy
+(V-GRPO, its ablations, an MDP baseline), and examples/digits.py, scikit-learn's 8×8 digits;
+each has its .md. GPU measurements of the full models are in results/.
 
 Quickstart
     pip install -r requirements.txt
@@ -64,38 +61,23 @@ CONVENTIONS
     * Losses are minimised; loss = −objective. Reductions over latent elements are MEANS (the
       paper's code does this; a sum would only rescale log ρ by d = C·H·W).
     * All surrogate, ratio and loss arithmetic is fp32, even under bf16 autocast.
-    * Math functions (§2–§6) are pure: tensors in, tensors out, no globals, no .item().
+    * Math functions (§2–§6) are pure torch: tensors in, tensors out; no models, rewards,
+      processes, globals or .item().
 
-CONTENTS (top-down, as the algorithm box reads; §2–§6 are the pure math)
-    §1  imports, ConfigError         §6  GRPO loss and diagnostics
-    §2  flow-matching math           §7  rewards: the contract, the models, the aggregate
-    §3  ODE samplers                 §8  models: loading, SD3/FLUX adapters, LoRA
-    §4  group-relative advantages    §9  the loop: iteration and its steps, setup, train,
-                                         evaluation, run folder, checkpoints, torchrun
-    §5  stratified pairs + surrogate §10 configuration (Args, presets, CLI), banner, main()
-    To read the method alone: this overview, §2–§6 and the start of §9 (`iteration` and its five
-    steps), about 780 lines; the rest is the trainer around it.
+CONTENTS (top-down): §1 imports · §2 flow-matching math · §3 ODE samplers · §4 group-relative
+    advantages · §5 stratified pairs + surrogate · §6 GRPO loss (§2–§6: the pure math) · §7
+    rewards · §8 models: loading, SD3/FLUX adapters, LoRA · §9 the loop: `iteration` and its five
+    steps, setup, train, evaluation, run folder, checkpoints, torchrun · §10 Args, presets, CLI,
+    main(). The method alone: this overview, §2–§6 and the start of §9; the rest is the trainer.
 """
 
 # ------------------------------------------------------------------------------------------------
-# §1  Imports. Heavy libraries (diffusers, transformers, peft) are imported inside the functions
-#     that need them, so `import vgrpo` is fast and the math core works with torch alone.
+# §1  Imports. diffusers, transformers and peft only inside the functions that need them.
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
-import io
-import json
-import math
-import os
-import random
-import shutil
-import sys
-import tempfile
-import time
-import warnings
+import argparse, contextlib, dataclasses, fcntl, functools, importlib.util, io, json, math, os
+import random, shutil, signal, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -108,14 +90,11 @@ class ConfigError(ValueError):
     """A problem with the user's input or environment (a flag, a file, a model location, a plug-in):
     main() prints it as one line and exits with status 2. Anything else is a bug and tracebacks."""
 
-
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
 # ------------------------------------------------------------------------------------------------
 # §2  Flow-matching math (pure).                                          [peer X8]
 #     Rectified flow: x_t = (1 − t)·x0 + t·ε,  v = dx_t/dt = ε − x0,  t = 1 noise → t = 0 data.
-#     The three "parameterisations" of paper P12 are the same prediction seen in three spaces:
-#         x̂0 − x0 = −t·(v̂ − v)      ε̂ − ε = (1 − t)·(v̂ − v)      (v̂ − v) itself
-#     so an error in x-, ε- or v-space is the v-error times t, (1 − t) or 1.        [peer X6]
+#     The three "parameterisations" of paper P12 are one prediction seen in three spaces.
 # ------------------------------------------------------------------------------------------------
 def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reshape per-sample t (M,) to (M, 1, 1, ...) so it broadcasts against `like` (M, *D)."""
@@ -123,18 +102,18 @@ def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def interpolate(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x_t = (1 − t)·x0 + t·ε.  x0, eps: (M, *D); t: (M,) in [0, 1]; returns (M, *D)."""
+    """x_t = (1 − t)·x0 + t·ε, t = 1 noise → 0 data. x0, eps: (M, *D); t: (M,); returns (M, *D)."""
     tb = bcast(t, x0)
     return (1 - tb) * x0 + tb * eps
 
 
 def x0_from_v(x_t: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x̂0 = x_t − t·v̂ (the x-prediction reparameterisation of paper P6). (M, *D), t (M,)."""
+    """x̂0 = x_t − t·v̂ (the x-prediction of paper P6; t = 1 noise). x_t, v (M, *D), t (M,)."""
     return x_t - bcast(t, x_t) * v
 
 
 PARAM_SCALE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    # error in space p = PARAM_SCALE[p](t) · (v̂ − v), up to sign (squared and |·| drop the sign)
+    # error in space p = PARAM_SCALE[p](t) · (v̂ − v), up to a sign that ² and |·| drop [peer X6]
     "x": lambda t: t,                       # x̂0 − x0 = −t (v̂ − v)          [paper P6]
     "eps": lambda t: 1 - t,                 # ε̂ − ε  = (1 − t)(v̂ − v)       [paper P12]
     "v": lambda t: torch.ones_like(t),      # plain flow-matching error       [paper P12]
@@ -146,32 +125,15 @@ def time_shift(s: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * s / (1 + (shift - 1) * s)
 
 
-def sigma_grid(num_steps: int, shift: float = 1.0,
-               sigma_min: Optional[float] = None) -> torch.Tensor:
-    """A rollout grid: K + 1 decreasing times from 1 to exactly 0 (float64, CPU).
-
-    sigma_min=None: K equal steps of the unshifted time, linspace(1, 0, K + 1), then time-shifted.
-    sigma_min=σ: diffusers' FlowMatchEulerDiscreteScheduler grid — linspace(1, σ, K) shifted, then
-    a terminal 0 appended — with σ = the shifted time of its first training step (a test checks
-    the match). The trainer reads the grid from the model's own scheduler.
-    Returns: (K + 1,) tensor.
-    """
-    if sigma_min is None:
-        return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
-    s = torch.linspace(1.0, sigma_min, num_steps, dtype=torch.float64)
-    return torch.cat([time_shift(s, shift), torch.zeros(1, dtype=torch.float64)])
-
-
-def pack_latents(lat: torch.Tensor) -> torch.Tensor:
-    """FLUX's 2×2 patch packing: (B, C, H, W) → (B, (H/2)·(W/2), 4C), row-major over patches.
-    A pure permutation, so Gaussian noise and per-element means are the same in both layouts."""
-    B, C, H, W = lat.shape
-    patches = lat.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5)  # B, H/2, W/2, C, 2, 2
-    return patches.reshape(B, (H // 2) * (W // 2), 4 * C)
+def sigma_grid(num_steps: int, shift: float = 1.0) -> torch.Tensor:
+    """A rollout grid (K + 1,) float64 on the CPU, t = 1 (noise) → exactly 0 (data): K equal
+    steps, linspace(1, 0, K + 1), time-shifted. FLUX's grid [ours C8]; SD3's: SD3Adapter.sigmas."""
+    return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
 
 
 def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
-    """Inverse of pack_latents: (B, (H/2)·(W/2), 4C) → (B, C, H, W)."""
+    """FLUX's 2×2 patch packing undone: (B, (H/2)·(W/2), 4C) → (B, C, H, W). A pure permutation,
+    so Gaussian noise and per-element means are the same in both layouts."""
     B, _, C4 = x.shape
     patches = x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # B,C,H/2,2,W/2,2
     return patches.reshape(B, C4 // 4, H, W)
@@ -179,21 +141,17 @@ def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------
 # §3  Deterministic ODE samplers (pure, given a velocity function).        [paper P1; ours C8]
-#     V-GRPO never needs per-step log-probs: the generation is ONE action whose log-likelihood is
-#     replaced by the surrogate of §5, so any deterministic solver works for rollouts.
-#     `velocity_fn(x, t, cond) -> v` with x (M, *D), t (M,) — the model or an analytic field.
+#     Any deterministic solver will do: the generation is ONE action, scored by §5's surrogate,
+#     not by per-step log-probs. velocity_fn(x (M, *D), t (M,), cond) -> v: model or analytic field.
 # ------------------------------------------------------------------------------------------------
 def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
                  cond=None) -> torch.Tensor:
-    """Euler solve of dx/dt = v(x, t) from t = sigmas[0] (= 1) down to sigmas[-1] (= 0).
+    """Euler solve of dx/dt = v(x, t) from t = sigmas[0] = 1 (noise) to sigmas[-1] = 0 (data):
+    x_{k+1} = x_k + (σ_{k+1} − σ_k)·v(x_k, σ_k), diffusers' FlowMatchEuler step; K network calls.
 
-    Args:
-        velocity_fn: (x (M, *D), t (M,), cond) -> v (M, *D).
-        x1: (M, *D) initial noise.
-        sigmas: (K + 1,) decreasing grid, CPU tensor or list; K network evaluations.
-    Returns: x0 (M, *D) in x1's dtype.
-    Notes: x_{k+1} = x_k + (σ_{k+1} − σ_k)·v(x_k, σ_k) — diffusers' FlowMatchEuler step.
-    """
+    Args: velocity_fn (x (M, *D), t (M,), cond) -> v (M, *D); x1 (M, *D) the initial noise;
+        sigmas (K + 1,) the decreasing grid, a CPU tensor or a list.
+    Returns: x0 (M, *D) in x1's dtype."""
     sig = [float(s) for s in sigmas]          # python floats: no device syncs inside the loop
     x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
     for s, s_next in zip(sig[:-1], sig[1:]):
@@ -205,21 +163,18 @@ def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
 
 def dpmpp2m_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
                    cond=None) -> torch.Tensor:
-    """DPM-Solver++(2M), the 2nd-order multistep data-prediction solver, for rectified flow.
-
-    With α_t = 1 − t, σ_t = t, λ = log(α/σ), h = λ_{k+1} − λ_k and x̂0 = x − t·v̂:
+    """DPM-Solver++(2M), the 2nd-order multistep data-prediction solver, for rectified flow;
+    with α_t = 1 − t, σ_t = t, λ = log(α/σ), h = λ_{k+1} − λ_k and x̂0 = x − t·v̂:
         x_{k+1} = (σ_{k+1}/σ_k)·x_k + α_{k+1}·(1 − e^{−h})·D_k
         D_k = x̂0_k                                    (first step, and the final step to t = 0)
         D_k = (1 + 1/(2r))·x̂0_k − 1/(2r)·x̂0_{k−1},   r = h_{k−1}/h_k          (otherwise)
     e^{−h} = σ_{k+1}α_k / (σ_k α_{k+1}) is finite even at t = 1 (α = 0, λ = −∞), so the first
-    step is the DDIM step x = (1 − σ')·x̂0 + σ'·x1. One network evaluation per step (K in all).
-    Args/Returns: as euler_sample.
-    """
+    step is the DDIM step x = (1 − σ')·x̂0 + σ'·x1. K network calls; the rest as euler_sample."""
     sig = [float(s) for s in sigmas]
     x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
     prev_x0, prev_h = None, None
     for k, (s, s_next) in enumerate(zip(sig[:-1], sig[1:])):
-        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)
+        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)          # (M,)
         x0_hat = x - s * velocity_fn(x.to(x1.dtype), t, cond).to(x.dtype)                # (M, *D)
         if s_next == 0.0:                               # final step: e^{-h} = 0, first order
             x = x0_hat
@@ -249,26 +204,18 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
 
     Args:
         rewards: (P, G) float; non-finite entries mark dropped samples.
-        global_std: divide by the std of ALL finite rewards of the batch around the BATCH mean
-            (it includes the spread between prompts) instead of each group's own std. This is
-            Flow-GRPO's `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo,
-            flow_grpo/stat_tracking.py: np.std(rewards) + 1e-4, population std), which
-            DiffusionNFT's code base inherits (ours C3).
+        global_std: std of ALL finite rewards of the batch around the BATCH mean (so it includes
+            the spread between prompts) instead of each group's own std: Flow-GRPO's
+            `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo, flow_grpo/stat_tracking.py:
+            np.std(rewards) + 1e-4, population std), which DiffusionNFT's code inherits (ours C3).
         std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
-        clamp: hard clamp |A| ≤ clamp (ours C1; inert at η = 3, kept for parity).
-        eta: soft-clip A ← η·tanh(A/η) (paper P9, Eq. 17 per [source S6]); 0 disables it.
-        unbiased: std divides by n − 1 (torch.std's default, MixGRPO) instead of n (np.std).
-    Returns:
-        adv: (P, G) fp32; 0 for dropped samples and for groups with < 2 finite rewards.
-        stats: dict of detached scalars (mean, std, max |A|, fraction of dropped samples).
-    Notes: |A| ≤ η < clamp after soft-clipping.
-    Reference form: for each group g: m = mean(r[g]); A[g] = (r[g] − m) / (std + std_eps),
-        std = np.std(all finite r) if global_std else np.std(r[g])  (ddof = 1 if unbiased).
-    """
+        clamp, eta: see clip_advantages. unbiased: divide by n − 1 (torch.std, MixGRPO), not n.
+    Returns: adv (P, G) fp32, 0 for dropped samples and for groups with < 2 finite rewards; and
+        stats, detached scalars (mean, std, max |A|, fraction of dropped samples)."""
     r = rewards.float()
     ok = torch.isfinite(r)                                                   # (P, G)
     n = ok.sum(dim=1, keepdim=True)                                          # (P, 1)
-    r0 = torch.where(ok, r, torch.zeros_like(r))
+    r0 = torch.where(ok, r, torch.zeros_like(r))                             # (P, G)
     mean = r0.sum(dim=1, keepdim=True) / n.clamp(min=1)                      # (P, 1)
     dev = torch.where(ok, r - mean, torch.zeros_like(r))                     # (P, G)
     ddof = 1 if unbiased else 0
@@ -278,80 +225,71 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
         std = (dev_all.square().sum() / (n_all - ddof).clamp(min=1)).sqrt()  # ()
     else:
         std = (dev.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)).sqrt()   # (P, 1)
-    adv = dev / (std + std_eps)
+    return clip_advantages(dev / (std + std_eps), ok & (n >= 2), ok, clamp=clamp, eta=eta)
+
+
+def clip_advantages(adv: torch.Tensor, keep: torch.Tensor, ok: torch.Tensor, *, clamp: float,
+                    eta: float):
+    """The tail every aggregation shares: A ← clamp(A, ±clamp), then A ← η·tanh(A/η), 0 where not
+    `keep` [ours C1; paper P9, Eq. 17]. The clamp (Flow-GRPO's ±5) acts BEFORE the soft-clip, so
+    it is not inert whenever |A| > clamp is possible. Under global_std it is: one outlier in a
+    6 × 24 batch (143 rewards 0, one 1) gets A = (1 − 1/24)/0.083 ≈ 11.5, which the clamp cuts to
+    5 and the soft-clip maps to 3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00. With a
+    per-group std |A| ≤ √(G − 1) (= 4.8 for G = 24) and the clamp never acts.
+    Args: adv, keep (samples that get an advantage), ok (finite rewards): all (P, G).
+    Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η) (eta = 0: no soft-clip), detached stats."""
     adv = adv.clamp(-clamp, clamp)
     if eta > 0:
         adv = eta * torch.tanh(adv / eta)
-    adv = torch.where(ok & (n >= 2), adv, torch.zeros_like(adv))
-    return adv, _adv_stats(adv, ok)
-
-
-def _adv_stats(adv: torch.Tensor, ok: torch.Tensor) -> dict:
-    """Detached scalars logged for advantages (P, G) and the finite-reward mask ok (P, G)."""
-    return {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
-            "adv_absmax": adv.abs().max().detach(), "frac_dropped": (~ok).float().mean().detach()}
+    adv = torch.where(keep, adv, torch.zeros_like(adv))
+    return adv, {"adv_mean": adv.mean().detach(), "adv_std": adv.std(unbiased=False).detach(),
+                 "adv_absmax": adv.abs().max().detach(),
+                 "frac_dropped": (~ok).float().mean().detach()}
 
 
 def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
-    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3].
-
-    rewards: (R, P, G) training-scaled values of R rewards; weights: (R,). A sample with any
-    non-finite component is dropped. kw: as group_advantages (global_std, std_eps, clamp, eta).
-    Returns group_advantages(Σ_k w_k r_k): (P, G) and stats.
-    """
+    """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3]:
+    group_advantages(Σ_k w_k r_k) of rewards (R, P, G), training-scaled, and weights (R,); a
+    sample with a non-finite component is dropped; kw as group_advantages. Returns (P, G), stats."""
     total = (weights.float().view(-1, 1, 1) * rewards.float()).sum(dim=0)             # (P, G)
     return group_advantages(total, **kw)
 
 
 def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, global_std: bool = False,
                           std_eps: float = 1e-8, clamp: float = 5.0, eta: float = 3.0):
-    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3].
-
-    A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w.
-    rewards: (R, P, G); weights: (R,). A sample with any non-finite component is dropped.
-    std_k is the UNBIASED group std, as MixGRPO's `advantage_aggr` computes it with torch.std()
-    (Tencent-Hunyuan/MixGRPO, fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8).
-    Returns (P, G) fp32 advantages and stats.
-    Reference form: A = Σ_k ŵ_k · group_advantages(r_k, clamp=∞, eta=0); then clamp, soft-clip.
-    """
+    """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3]:
+    A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w,
+    of rewards (R, P, G) and weights (R,); a sample with any non-finite component is dropped.
+    std_k: the UNBIASED group std, torch.std() as in MixGRPO (Tencent-Hunyuan/MixGRPO,
+    fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8). Returns (P, G) fp32 A, stats."""
     r = rewards.float()
     ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
     r = torch.where(ok, r, torch.full_like(r, float("nan")))                 # drop whole sample
     w = weights.float() / weights.float().sum().clamp(min=1e-12)                        # (R,)
     parts = [group_advantages(rk, global_std=global_std, std_eps=std_eps, clamp=math.inf, eta=0.0,
                               unbiased=True)[0] for rk in r]
-    adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0).clamp(-clamp, clamp)      # (P, G)
-    if eta > 0:
-        adv = eta * torch.tanh(adv / eta)
-    adv = torch.where(ok, adv, torch.zeros_like(adv))
-    return adv, _adv_stats(adv, ok)
+    adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0)                           # (P, G)
+    return clip_advantages(adv, ok, ok, clamp=clamp, eta=eta)
 
 
 # ------------------------------------------------------------------------------------------------
 # §5  Shared, stratified (t, ε) pairs and the ELBO surrogate (pure).          [paper P2–P8]
-#
 #   log π_θ(o | c)  ←  S_θ(o) = (1/J) Σ_j s_θ(o; t_j, ε_j)
 #   s_θ(o; t, ε)    = − mean_d (x̂0 − o)²  /  sg( max(mean_d |x̂0 − o|, floor) ),
 #   x̂0 = z − t·v_θ(z, t, c),  z = (1 − t)·o + t·ε.
-#
 #   Three variance-reduction techniques, each one switch:
-#   (1) group/batch-shared pairs: every member of a group is scored on the SAME (t_j, ε_j), so
-#       differences inside a group reflect the images, not the dice  (pair_sharing);
+#   (1) shared pairs: all members of a group (or of the batch) are scored on the SAME (t_j, ε_j),
+#       so differences inside a group reflect the images, not the dice      (pair_sharing);
 #   (2) stratified t: one t per contiguous chunk of the rollout grid       (stratified);
-#   (3) adaptive weighting: the x-space MSE is divided by its own detached MAE, flattening the
+#   (3) adaptive weighting: the x-space MSE divided by its own detached MAE, which flattens the
 #       orders-of-magnitude spread of loss scale across t                  (adaptive_weighting).
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Pairs:
-    """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4].
-
-    t:     (n_scopes, J) times, n_scopes = number of independent pair sets (1 = batch-wide).
-    eps:   (n_scopes, J, *D) noises.
-    index: (N,) long, which set each of the N samples uses.
-    """
-    t: torch.Tensor
-    eps: torch.Tensor
-    index: torch.Tensor
+    """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4]."""
+    t: torch.Tensor        # (n_scopes, J) times; n_scopes independent pair sets (1 = batch-wide)
+    eps: torch.Tensor      # (n_scopes, J, *D) noises
+    index: torch.Tensor    # (N,) long: which set each of the N samples uses
 
     def take(self, rows: torch.Tensor):
         """Pairs of samples `rows` (m,): returns t (m, J), eps (m, J, *D)."""
@@ -360,22 +298,20 @@ class Pairs:
 
 
 def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.Tensor, *,
-               stratified: bool = True, generator: Optional[torch.Generator] = None) -> Pairs:
-    """Draw J = n_mc (t, ε) pairs for each of n_scopes = index.max() + 1
-    sharing scopes.
+               stratified: bool = True, generator: Optional[torch.Generator] = None,
+               device: Optional[torch.device] = None) -> Pairs:
+    """Draw J = n_mc (t, ε) pairs for each of n_scopes = index.max() + 1 sharing scopes.
 
     Args:
-        grid: (K,) candidate times — the rollout sigma grid WITHOUT its terminal 0 (at t = 0 the
-            error vanishes and the MAE normalisation is 0/0)                 [ours C5].
-        n_mc: J, pairs per sample (N_MC).
+        grid: (K,) candidate times, t = 1 noise → 0 data: the rollout grid WITHOUT its terminal 0
+            (there the error vanishes and the MAE normalisation is 0/0)               [ours C5].
         latent_shape: D = (C, H, W) of one latent.
-        index: (N,) long, the scope of each sample: zeros = batch-wide sharing (the paper's code,
+        index: (N,) long, each sample's scope: zeros = batch-wide (the paper's code,
             `grpo_init_same="batch"`), sample // G = per group (the paper's text), arange(N) = none.
         stratified: split the grid into J contiguous, (near-)equal chunks (torch.tensor_split) and
             pick one grid point uniformly inside each; else J uniform picks from the whole grid.
-        generator: CPU generator; the pairs are drawn on the CPU so they do not depend on device.
-    Returns: Pairs with t (n_scopes, J) float32 and eps (n_scopes, J, *D) float32, on the CPU.
-    """
+        generator: CPU; pairs are drawn there (device-independent), moved to `device` (None: CPU).
+    Returns: Pairs, t (n_scopes, J) and eps (n_scopes, J, *D) float32, index (N,), on `device`."""
     grid = torch.as_tensor(grid, dtype=torch.float64).flatten()
     n_scopes = int(index.max()) + 1
     if stratified:
@@ -389,27 +325,22 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
     t = grid[idx].float()                                                   # (n_scopes, J)
     eps = torch.randn((n_scopes, n_mc) + tuple(latent_shape),
                       generator=generator)                                  # (n_scopes, J, *D)
-    return Pairs(t=t, eps=eps, index=index.cpu().long())
+    return Pairs(t=t.to(device), eps=eps.to(device), index=index.long().to(device))
 
 
 def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor,
-                            t: torch.Tensor, *,
-                            parameterization: str = "x", adaptive: bool = True,
+                            t: torch.Tensor, *, parameterization: str = "x", adaptive: bool = True,
                             mae_floor: float = 1e-5) -> torch.Tensor:
     """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)). [paper P6, P7]
 
     e is the prediction error in the chosen space (§2): with x-prediction e = x̂0 − x0 =
     −t·(v̂ − (ε − x0)). The official code: `x0_pred = z − σ·pred; s = −mean((x0_pred − x0)²);
     s = s / mean(|x0_pred.detach() − x0|)` [paper P7]. adaptive=False returns −‖e‖²_mean.
-    Args:
-        v_pred: (M, *D) network velocity at z = (1 − t)·x0 + t·ε (any dtype).
-        x0: (M, *D) rollout latents; eps: (M, *D) pair noises; t: (M,) pair times.
-    Returns: s (M,) fp32, differentiable through v_pred only.
-    Reference form: for m: e = scale(t[m])*(v_pred[m] − eps[m] + x0[m]);
-                           s[m] = −(e**2).mean() / max(|e|.mean(), floor)
-    """
+    Args: v_pred (M, *D) the network velocity at z = (1 − t)·x0 + t·ε (any dtype); x0 (M, *D)
+        rollout latents; eps (M, *D) pair noises; t (M,) pair times, t = 1 noise → 0 data.
+    Returns: s (M,) fp32, differentiable through v_pred only."""
     v_err = v_pred.float() - (eps.float() - x0.float())                     # v̂ − v, (M, *D)
-    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err
+    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err       # (M, *D)
     mse = err.square().flatten(1).mean(dim=1)                                 # (M,)
     if not adaptive:
         return -mse
@@ -428,20 +359,19 @@ def _repeat_rows(tree, J: int):
     return tree
 
 
-def pair_surrogates_with_x0(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
-                            eps: torch.Tensor, *, parameterization: str = "x",
-                            adaptive: bool = True, mae_floor: float = 1e-5):
+def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
+                    eps: torch.Tensor, *, parameterization: str = "x", adaptive: bool = True,
+                    mae_floor: float = 1e-5):
     """s[m, j] for m samples × J pairs in ONE batched network call of m·J rows, and the
-    x-prediction x̂0 the KL term needs.                                      [Alg. steps 4, 5]
+    x-prediction x̂0 that the KL term needs (discard it when β = 0).          [Alg. steps 4, 5]
 
-    Args:
-        velocity_fn: (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D).
-        x0: (m, *D) latents; cond: batch-first tensors (or dict/tuple of them) with m rows.
-        t: (m, J) times; eps: (m, J, *D) noises (from Pairs.take).
-    Returns: (s (m, J) fp32, x̂0 (m, J, *D) fp32).
-    """
-    m, J = t.shape
-    D = x0.shape[1:]
+    Args: velocity_fn (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D); x0 (m, *D) latents;
+        cond batch-first tensors (or a dict/tuple of them) with m rows; t (m, J) times, t = 1
+        noise → 0 data; eps (m, J, *D) noises (Pairs.take), on x0's device.
+    Returns: s (m, J) and x̂0 (m, J, *D), fp32, both differentiable through velocity_fn.
+    Reference form: for m, j: z = (1 − t)·x0[m] + t·eps[m, j]; v = velocity_fn(z, t, cond[m]);
+                              s[m, j] = surrogate_from_velocity(v, x0[m], eps[m, j], t)"""
+    (m, J), D = t.shape, x0.shape[1:]
     x0r = x0.unsqueeze(1).expand(m, J, *D).reshape(m * J, *D)                # (m·J, *D)
     tr, er = t.reshape(m * J), eps.reshape(m * J, *D)                        # (m·J,), (m·J, *D)
     z = interpolate(x0r.float(), er.float(), tr.float()).to(x0.dtype)        # (m·J, *D)
@@ -451,18 +381,10 @@ def pair_surrogates_with_x0(velocity_fn: Callable, x0: torch.Tensor, cond, t: to
     return s, x0_from_v(z.float(), v.float(), tr.float()).reshape(m, J, *D)
 
 
-def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
-                    eps: torch.Tensor, **kw) -> torch.Tensor:
-    """s (m, J) fp32 alone: pair_surrogates_with_x0 without x̂0 (same arguments)."""
-    return pair_surrogates_with_x0(velocity_fn, x0, cond, t, eps, **kw)[0]
-
-
 def surrogate_cv(S: torch.Tensor) -> dict:
-    """Coefficient of variation of the surrogate S (P, G): over the batch and within groups.
-
-    CV = std / |mean| (population std). The paper reports 0.230 → 0.128 (batch) and 0.170 → 0.038
-    (within group) when the three techniques are switched on [paper P8]. Returns detached scalars.
-    """
+    """Coefficient of variation CV = std / |mean| (population std) of the surrogate S (P, G), over
+    the batch and within groups; detached scalars. The paper reports 0.230 → 0.128 (batch) and
+    0.170 → 0.038 (within group) when the three techniques are switched on [paper P8]."""
     S = S.float()
     cv_all = S.std(unbiased=False) / S.mean().abs().clamp(min=1e-12)
     cv_grp = (S.std(dim=1, unbiased=False) / S.mean(dim=1).abs().clamp(min=1e-12)).mean()
@@ -477,33 +399,23 @@ def surrogate_cv(S: torch.Tensor) -> dict:
 # ------------------------------------------------------------------------------------------------
 def xspace_kl(x0_hat: torch.Tensor, x0_hat_old: torch.Tensor) -> torch.Tensor:
     """"Simple" KL of paper P9 (Eq. 16 per [source S6]): mean_d (x̂θ − x̂θold)² per pair.
-
-    x0_hat, x0_hat_old: (m, J, *D). Returns (m, J) fp32, differentiable through x0_hat only.
-    """
+    x0_hat, x0_hat_old: (m, J, *D). Returns (m, J) fp32, differentiable through x0_hat only."""
     return (x0_hat.float() - x0_hat_old.detach().float()).square().flatten(2).mean(dim=2)
 
 
 def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
-               clip_eps: float = 0.0,
-               kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0):
-    """V-GRPO policy loss for m samples (mean over samples; minimise it).
+               clip_eps: float = 0.0, kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0):
+    """V-GRPO policy loss for m samples, mean_n loss_n of the banner above; minimise it.
 
     Args:
-        s_new: (m, J) surrogate of the current θ (with grad).
-        s_old: (m, J) surrogate of θ_old on the SAME pairs (no grad; stored with the rollout).
-        adv:   (m,) advantages (already normalised / clipped, §4).
+        s_new, s_old: (m, J) surrogates of θ (with grad) and of θ_old on the SAME pairs (no grad).
+        adv: (m,) advantages, already normalised and clipped (§4).
         clip_eps: ratio clip ε; 0 disables the clip (then loss = −A·ρ).
-        kl: (m, J) per-pair x-space KL to θ_old (xspace_kl), used when kl_coef > 0.
-    Returns:
-        loss: () fp32.
-        stats: detached scalars — ratio mean, mean |log ρ|, clip fraction, approx KL
-            k2 = ½(log ρ)² [peer X7], and the x-space KL.
+        kl: (m, J) per-pair x-space KL to θ_old (xspace_kl), used when kl_coef = β > 0.
+    Returns: loss () fp32 and stats, detached scalars: ratio mean, mean |log ρ|, clip fraction,
+        approx KL k2 = ½(log ρ)² [peer X7] and the x-space KL.
     Notes: with θ = θ_old, ρ ≡ 1 and ∇loss = −A·∇S: REINFORCE with a group baseline on the
-        surrogate (ours C18), which is the whole update when μ = 1.
-    Reference form:
-        for n: r = exp(mean_j s_new[n] − mean_j s_old[n]); pg = −A[n]·r
-               if ε: pg = max(pg, −A[n]·clamp(r, 1−ε, 1+ε));  loss += (pg + β·mean_j kl[n]) / m
-    """
+        surrogate (ours C18), which is the whole update when μ = 1."""
     log_ratio = s_new.float().mean(dim=1) - s_old.detach().float().mean(dim=1)   # (m,)
     ratio = torch.exp(log_ratio)                                                 # (m,)
     A = adv.detach().float()
@@ -514,35 +426,39 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
     else:
         clipped = torch.zeros_like(ratio)
     loss = pg.mean()
-    kl_mean = torch.zeros((), device=s_new.device)
-    if kl is not None and kl_coef > 0:
-        kl_mean = kl.float().mean()
-        loss = loss + kl_coef * kl.float().mean(dim=1).mean()
+    kl_mean = kl.float().mean() if kl is not None else torch.zeros((), device=s_new.device)
+    if kl_coef > 0:                          # mean over pairs, then samples = mean over (m, J)
+        loss = loss + kl_coef * kl_mean
     stats = {"ratio": ratio.mean().detach(), "abs_log_ratio": log_ratio.abs().mean().detach(),
              "clip_frac": clipped.mean().detach(),
-             "approx_kl": (0.5 * log_ratio.square()).mean().detach(),
-             "kl_x": kl_mean.detach()}
+             "approx_kl": (0.5 * log_ratio.square()).mean().detach(), "kl_x": kl_mean.detach()}
     return loss, stats
 
 # === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
 # ------------------------------------------------------------------------------------------------
-# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> raw (N,).
+# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> scores (N,).
 #     They need weights, so they live outside the pure math, which only sees a tensor of rewards
 #     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
 # ------------------------------------------------------------------------------------------------
-# Every reward has a `name`, the `unit` its raw value is logged in, and a `train_scale`: the value
-# the advantages see is raw · train_scale (only matters for sums of several rewards and std_eps).
-# Frozen reward models run in the compute dtype (bf16 on CUDA); images never leave the device:
-# preprocessing is torch (resize, crop/pad, normalise), no PIL round trip, except JPEG/ImageReward.
+# Scores are CPU fp32; `raw` always means {reward name: (N,) raw values}. A reward with weights is
+# a factory that loads its frozen model once, in the compute dtype, and returns a scoring closure
+# (as Flow-GRPO's rewards.py does). REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for
+# a plug-in; advantages see raw · train_scale (it matters only for sums of rewards and std_eps).
+# PickScore is logged raw (≈ 18–24), trained on raw/26 as Flow-GRPO and DiffusionNFT do [ours C17].
+REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
+                "aesthetic": ("1-10", 1.0), "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
+BUILTIN_REWARDS = tuple(REWARD_UNITS)
+
+
 def _fetch(location: str, flag: str) -> str:
     """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
     if os.path.isfile(location):
         return location
-    parts = location.split("/")
+    parts = location.split("/", 2)
     if len(parts) < 3:
         raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
     from huggingface_hub import hf_hub_download
-    repo, file = "/".join(parts[:2]), "/".join(parts[2:])
+    repo, file = "/".join(parts[:2]), parts[2]
     try:
         return hf_hub_download(repo, file)
     except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
@@ -551,201 +467,138 @@ def _fetch(location: str, flag: str) -> str:
                           f"and pass `{flag} /path/to/file`.") from e
 
 
-class JpegReward:
+def _to_pil(images: torch.Tensor) -> list:
+    """(N, 3, H, W) in [0, 1] → N PIL images, rounded to uint8, for the scorers that take PIL."""
+    from PIL import Image
+    u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+    return [Image.fromarray(im.numpy()) for im in u8.permute(0, 2, 3, 1)]      # (H, W, 3) each
+
+
+def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [peer X10].
     Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
-    name, train_scale, unit = "jpeg", 1.0, "-kB"
-
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-        out = []
-        for im in u8.permute(0, 2, 3, 1).numpy():
-            buf = io.BytesIO()
-            Image.fromarray(im).save(buf, format="JPEG", quality=95)
-            out.append(-buf.tell() / 1000.0)
-        return torch.tensor(out, dtype=torch.float32)
+    sizes = []
+    for im in _to_pil(images):
+        im.save(buf := io.BytesIO(), format="JPEG", quality=95)
+        sizes.append(-buf.tell() / 1000.0)
+    return torch.tensor(sizes, dtype=torch.float32)
 
 
-class PickScoreReward:
-    """PickScore = logit_scale.exp() · cos(image, text) of a CLIP ViT-H/14 fine-tuned on Pick-a-Pic
-    [peer X10]. Logged raw (≈ 18–24); trained on raw/26 (Flow-GRPO/DiffusionNFT) [ours C17].
-    Preprocessing: shortest edge resized (bicubic, antialiased), centre crop, normalise, with
-    the processor's own sizes and mean/std."""
-    name, train_scale, unit = "pickscore", 1 / 26, "raw"
-    use_logit_scale = True
-    flags = ("--pickscore_model", "--pickscore_processor")
+def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
+    """A CLIPImageProcessor in torch, with its sizes and mean/std: shortest edge resized (bicubic,
+    antialiased), centre crop, normalise. (N, 3, H, W) in [0, 1] → (N, 3, crop_h, crop_w) fp32."""
+    ip, x, (h, w) = image_processor, images.float(), images.shape[-2:]
+    # sizes are dicts in transformers 4.x and SizeDicts in 5.x (both .get); crop_size may be an int
+    get = lambda d, k: d if isinstance(d, int) else d.get(k)
+    size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
+    ch, cw = int(get(ip.crop_size, "height")), int(get(ip.crop_size, "width"))
+    scale = size / min(h, w)
+    nh, nw = max(size, int(h * scale)), max(size, int(w * scale))            # HF floors
+    x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+    top, left = (nh - ch) // 2, (nw - cw) // 2
+    x = x[..., top:top + ch, left:left + cw]                                 # (N, 3, ch, cw)
+    mean, std = (x.new_tensor(v).view(1, 3, 1, 1) for v in (ip.image_mean, ip.image_std))
+    return (x - mean) / std
 
-    def __init__(self, model, processor, device: torch.device, dtype: torch.dtype):
-        """model: a transformers CLIPModel; processor: its CLIPProcessor (see `load`)."""
-        self.model = model.eval().requires_grad_(False).to(device, dtype)
-        self.processor, self.device, self.dtype = processor, device, dtype
-        ip = processor.image_processor
-        # sizes are dicts in transformers 4.x and SizeDict objects in 5.x; crop_size may be an int
-        get = lambda d, k: d.get(k) if isinstance(d, dict) else getattr(d, k, None)
-        crop = ip.crop_size
-        crop = {"height": crop, "width": crop} if isinstance(crop, int) else crop
-        self.size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
-        self.crop = (int(get(crop, "height")), int(get(crop, "width")))
-        self.mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
 
-    @classmethod
-    def load(cls, model: str, processor: str, device: torch.device, dtype: torch.dtype):
-        """From hub ids or local folders; offline failures say which flag points at local files."""
-        from transformers import AutoModel, AutoProcessor
-        _quiet_hf()
-        proc = _from_pretrained(AutoProcessor, processor, f"the {cls.name} processor", cls.flags[1])
-        net = _from_pretrained(AutoModel, model, f"the {cls.name} model", cls.flags[0])
-        return cls(net, proc, device, dtype)
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """(N, 3, H, W) in [0, 1] → normalised (N, 3, crop_h, crop_w) pixel values."""
-        x = images.to(self.device, torch.float32)
-        h, w = x.shape[-2:]
-        scale = self.size / min(h, w)
-        nh, nw = max(self.size, int(h * scale)), max(self.size, int(w * scale))  # HF floors
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        top, left = (nh - self.crop[0]) // 2, (nw - self.crop[1]) // 2
-        x = x[..., top:top + self.crop[0], left:left + self.crop[1]]
-        return ((x - self.mean) / self.std).to(self.dtype)
-
+def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
+                logit_scale: bool = False, head: Optional[torch.nn.Module] = None) -> Callable:
+    """A CLIPModel + CLIPProcessor as three rewards [peer X10]. pickscore: logit_scale.exp() ·
+    cos(image, text), CLIP ViT-H/14 tuned on Pick-a-Pic; clipscore: cos(image, text), ViT-L/14
+    (its logits/100); aesthetic: head(L2-normalised ViT-L/14 image features), prompts unused."""
+    model = model.eval().requires_grad_(False).to(device, dtype)
+    head = None if head is None else head.eval().requires_grad_(False).to(device, torch.float32)
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        text = self.processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
-                                        return_tensors="pt").to(self.device)
-        out = self.model(input_ids=text.input_ids, attention_mask=text.attention_mask,
-                         pixel_values=self.preprocess(images))
-        img = F.normalize(out.image_embeds.float(), dim=-1)          # (N, E)
-        txt = F.normalize(out.text_embeds.float(), dim=-1)           # (N, E)
-        cos = (img * txt).sum(-1)                                    # (N,)
-        return ((self.model.logit_scale.exp().float() * cos) if self.use_logit_scale else cos).cpu()
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        px = clip_pixels(images.to(device), processor.image_processor).to(dtype)
+        if head is not None:
+            f = model.get_image_features(pixel_values=px)
+            f = f if torch.is_tensor(f) else f.pooler_output       # transformers ≥ 5 wraps it
+            return head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
+        text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
+                                   return_tensors="pt").to(device)
+        out = model(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=px)
+        cos = F.cosine_similarity(out.image_embeds.float(), out.text_embeds.float())   # (N,)
+        return (model.logit_scale.exp().float() * cos if logit_scale else cos).cpu()
+    return score
 
 
-class CLIPScoreReward(PickScoreReward):
-    """CLIPScore: cosine of CLIP ViT-L/14 image and text embeddings (logits/100) [peer X10]."""
-    name, train_scale, unit = "clipscore", 1.0, "cos"
-    use_logit_scale = False
-    flags = ("--clip_model", "--clip_model")
-
-
-class AestheticReward(PickScoreReward):
-    """LAION improved aesthetic predictor: an MLP on L2-normalised CLIP ViT-L/14 image features,
-    output on its ≈ 1–10 scale [peer X10]. Weights: sac+logos+ava1-l14-linearMSE."""
-    name, train_scale, unit = "aesthetic", 1.0, "1-10"
-
-    def __init__(self, model, processor, device, dtype, head: torch.nn.Module):
-        super().__init__(model, processor, device, dtype)
-        self.head = head.eval().requires_grad_(False).to(device, torch.float32)
-
-    @staticmethod
-    def make_head() -> torch.nn.Module:
-        """768 → 1024 → 128 → 64 → 16 → 1 (dropouts are inert in eval), named like the original."""
-        nn = torch.nn
-        m = nn.Module()
-        m.layers = nn.Sequential(nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128),
-                                 nn.Dropout(0.2), nn.Linear(128, 64), nn.Dropout(0.1),
-                                 nn.Linear(64, 16), nn.Linear(16, 1))
-        m.forward = m.layers.forward
-        return m
-
-    @classmethod
-    def load(cls, model: str, processor: str, device, dtype, weights: str = ""):
-        """The CLIP model as clipscore loads it, plus the head (a file or owner/repo/file)."""
-        clip = CLIPScoreReward.load(model, processor, device, dtype)
-        head = cls.make_head()
+def aesthetic_head(weights: Optional[str] = None) -> torch.nn.Module:
+    """The LAION improved aesthetic predictor's MLP (sac+logos+ava1-l14-linearMSE, ≈ 1–10 scale),
+    parameters named like the original's so its state dict loads as is; dropouts are inert in
+    eval. weights: a file or owner/repo/file; None leaves it randomly initialised."""
+    nn = torch.nn
+    head = nn.Sequential()
+    head.layers = nn.Sequential(                                # 768 → 1024 → 128 → 64 → 16 → 1
+        nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+    if weights is not None:
         head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
-        return cls(clip.model, clip.processor, device, dtype, head)
+    return head
 
+
+def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
+    """HPSv2's preprocessing in torch: longest side → size (bicubic, antialiased), zero-pad to a
+    square, OpenAI CLIP mean/std. (N, 3, H, W) in [0, 1] → (N, 3, size, size) fp32."""
+    import open_clip
+    x, (h, w) = images.float(), images.shape[-2:]
+    scale = size / max(h, w)
+    nh, nw = round(h * scale), round(w * scale)
+    x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
+    top, left = (size - nh) // 2, (size - nw) // 2
+    x = F.pad(x, (left, size - nw - left, top, size - nh - top), value=0.0)  # black bars
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    return (x - x.new_tensor(mean).view(1, 3, 1, 1)) / x.new_tensor(std).view(1, 3, 1, 1)
+
+
+def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
+    """HPSv2.1 [peer X10]: cos(image, text) of open_clip ViT-H/14 tuned on human preferences
+    (xswu/HPSv2, HPS_v2.1_compressed.pt). arch: a model name or an open_clip JSON config."""
+    import open_clip
+    if arch.endswith(".json"):
+        open_clip.add_model_config(arch)
+        arch = Path(arch).stem
+    ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
+                      weights_only=False)
+    model = open_clip.create_model(arch, pretrained=None)
+    model.load_state_dict(ckpt.get("state_dict", ckpt))
+    model = model.eval().requires_grad_(False).to(device, dtype)
+    size, tokenizer = model.visual.image_size, open_clip.get_tokenizer(arch)
+    size = size if isinstance(size, int) else size[0]
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        f = self.model.get_image_features(pixel_values=self.preprocess(images))
-        f = f if torch.is_tensor(f) else f.pooler_output    # transformers ≥ 5 wraps it [peer X10]
-        return self.head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        img = model.encode_image(hps_pixels(images.to(device), size).to(dtype), normalize=True)
+        txt = model.encode_text(tokenizer(prompts).to(device), normalize=True)
+        return (img.float() * txt.float()).sum(-1).cpu()                    # (N,)
+    return score
 
 
-class HPSv2Reward:
-    """HPSv2.1: an open_clip ViT-H/14 fine-tuned on human preferences (xswu/HPSv2,
-    HPS_v2.1_compressed.pt); score = cos(image, text) [peer X10]. HPS preprocessing: longest side
-    → 224 (bicubic), zero-pad to square, OpenAI CLIP mean/std — here in torch on the device."""
-    name, train_scale, unit = "hpsv2", 1.0, "cos"
-
-    def __init__(self, model, tokenizer, device, dtype, size: int = 224):
-        import open_clip
-        self.model = model.eval().requires_grad_(False).to(device, dtype)
-        self.tokenizer, self.size, self.device, self.dtype = tokenizer, size, device, dtype
-        self.mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(open_clip.OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1)
-
-    @classmethod
-    def load(cls, arch: str, checkpoint: str, device, dtype):
-        """arch: an open_clip model name (ViT-H-14) or a path to an open_clip JSON config."""
-        import open_clip
-        if arch.endswith(".json"):
-            open_clip.add_model_config(arch)
-            arch = Path(arch).stem
-        ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
-                          weights_only=False)
-        model = open_clip.create_model(arch, pretrained=None)
-        model.load_state_dict(ckpt.get("state_dict", ckpt) if isinstance(ckpt, dict) else ckpt)
-        size = model.visual.image_size
-        size = size if isinstance(size, int) else size[0]
-        return cls(model, open_clip.get_tokenizer(arch), device, dtype, size)
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.to(self.device, torch.float32)
-        h, w = x.shape[-2:]
-        scale = self.size / max(h, w)
-        nh, nw = round(h * scale), round(w * scale)
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        top, left = (self.size - nh) // 2, (self.size - nw) // 2
-        pad = (left, self.size - nw - left, top, self.size - nh - top)
-        x = F.pad(x, pad, value=0.0)                                         # black bars
-        return ((x - self.mean) / self.std).to(self.dtype)
-
+def imagereward_reward(location: str, device: torch.device) -> Callable:
+    """ImageReward (THUDM), from the optional `image-reward` package; it takes PIL images."""
+    try:
+        import ImageReward as RM  # noqa: N813 — the package's own name
+    except ImportError as e:
+        raise ConfigError("--reward imagereward needs the optional package `image-reward` "
+                          "(pip install image-reward), not in requirements.txt: its pins "
+                          "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
+    model = RM.load(location, device=str(device))
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        img = self.model.encode_image(self.preprocess(images), normalize=True).float()
-        tokens = self.tokenizer(prompts).to(self.device)
-        txt = self.model.encode_text(tokens, normalize=True).float()
-        return (img * txt).sum(-1).cpu()
-
-
-class ImageRewardReward:
-    """ImageReward (THUDM), only when the optional `image-reward` package is importable."""
-    name, train_scale, unit = "imagereward", 1.0, "raw"
-
-    def __init__(self, location: str, device):
-        try:
-            import ImageReward as RM  # noqa: N813 — the package's own name
-        except ImportError as e:
-            raise ConfigError("--reward imagereward needs the optional package `image-reward` "
-                              "(pip install image-reward), not in requirements.txt: its pins "
-                              "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
-        self.model = RM.load(location, device=str(device))
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        from PIL import Image
-        u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-        pil = [Image.fromarray(im.numpy()) for im in u8.permute(0, 2, 3, 1)]
-        return torch.tensor([float(self.model.score(p, im)) for p, im in zip(prompts, pil)])
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return torch.tensor([float(model.score(p, im)) for p, im in zip(prompts, _to_pil(images))])
+    return score
 
 
 class PluginReward:
     """A user's `module.path:function`: (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
-    train_scale, unit = 1.0, "raw"
 
     def __init__(self, spec: str):
-        import importlib
         module, _, fn = spec.partition(":")
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())   # so `examples.custom_reward:fn` works from the repo
         try:
-            mod = importlib.import_module(module)
+            self.fn, self.name = getattr(importlib.import_module(module), fn, None), spec
         except ImportError as e:
             raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
-        self.fn, self.name = getattr(mod, fn, None), spec
         if not callable(self.fn):
             raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
 
@@ -762,9 +615,8 @@ class PluginReward:
         return out
 
     def probe(self, size: int, device: torch.device, prompts: list[str]) -> None:
-        """Call the plug-in once on 2 random images with the run's first 2 training prompts (a
-        plug-in may expect its own prompt format), so a broken one fails in one line before the
-        model is loaded or anything is written."""
+        """One call on 2 random images with the run's first 2 training prompts (a plug-in may
+        expect its own prompt format): a broken one fails in one line before the model loads."""
         images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
         batch = f"a probe batch of 2 random {size}×{size} images"
         try:
@@ -779,22 +631,18 @@ class PluginReward:
                               f"on {batch}; return finite numbers")
 
 
-BUILTIN_REWARDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "imagereward", "jpeg")
-
-
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     """'pickscore:1,hpsv2:0.5,my.mod:fn:2' → [(name, weight), ...]. Raises ConfigError."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, weight = item, 1.0
         head, sep, tail = item.rpartition(":")
-        if sep:
-            try:
-                weight, name = float(tail), head
-            except ValueError:                              # 'module:function' without a weight,
-                if head in BUILTIN_REWARDS or ":" in head:  # unless the head is already complete
-                    raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
-                                      f"(got {tail!r}), e.g. {head}:1") from None
+        try:
+            name, weight = (head, float(tail)) if sep else (item, 1.0)
+        except ValueError:                      # 'module:function' without a weight, unless the
+            if head in BUILTIN_REWARDS or ":" in head:      # head is already a complete name
+                raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
+                                  f"(got {tail!r}), e.g. {head}:1") from None
+            name, weight = item, 1.0
         if name not in BUILTIN_REWARDS and ":" not in name:
             raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, "
                               "or module.path:function for your own")
@@ -808,67 +656,69 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     return out
 
 
-def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype):
-    """One reward model by name (built-in or plug-in), loaded from the locations in args."""
-    loaders = {
-        "pickscore": lambda: PickScoreReward.load(args.pickscore_model, args.pickscore_processor,
-                                                  device, dtype),
-        "hpsv2": lambda: HPSv2Reward.load(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype),
-        "clipscore": lambda: CLIPScoreReward.load(args.clip_model, args.clip_model, device, dtype),
-        "aesthetic": lambda: AestheticReward.load(args.clip_model, args.clip_model, device, dtype,
-                                                  args.aesthetic_weights),
-        "imagereward": lambda: ImageRewardReward(args.imagereward_model, device),
-        "jpeg": JpegReward,
-    }
-    return loaders.get(name, lambda: PluginReward(name))()
+def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype) -> Callable:
+    """One reward by name, from the locations in args; offline failures name the flag to use."""
+    if name in ("pickscore", "clipscore", "aesthetic"):
+        from transformers import AutoModel, AutoProcessor
+        _quiet_hf()
+        mf, pf = (("pickscore_model", "pickscore_processor") if name == "pickscore"
+                  else ("clip_model", "clip_model"))
+        proc = _from_pretrained(AutoProcessor, getattr(args, pf), f"the {name} processor",
+                                f"--{pf}")
+        model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
+        head = aesthetic_head(args.aesthetic_weights) if name == "aesthetic" else None
+        return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore", head=head)
+    if name == "hpsv2":
+        return hpsv2_reward(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
+    if name == "imagereward":
+        return imagereward_reward(args.imagereward_model, device)
+    return jpeg_reward if name == "jpeg" else PluginReward(name)
 
 
 class Rewards:
-    """The rewards of a run, each model loaded once and shared by training and evaluation."""
+    """The rewards of a run: models {name: reward_fn}, each loaded once and shared by training
+    and evaluation; train_terms / eval_terms: the [(name, weight), ...] each of them scores."""
 
-    def __init__(self, args: Args, device: torch.device, dtype: torch.dtype):
-        self.train = parse_reward_spec(args.reward)
-        self.eval = parse_reward_spec(args.eval_rewards) if args.eval_rewards else self.train
-        names = dict.fromkeys(n for n, _ in self.train + self.eval)      # each once, in order
-        self.models = {n: build_reward(n, args, device, dtype) for n in names}
+    def __init__(self, models: dict, train_terms: list, eval_terms: Optional[list] = None):
+        self.models, self.train_terms = dict(models), train_terms
+        self.eval_terms = eval_terms or train_terms
 
     @classmethod
-    def of(cls, models: dict, train: list, eval: Optional[list] = None) -> "Rewards":
-        """Wrap already-built reward objects, e.g. {"pickscore": PickScoreReward(...)}."""
-        self = cls.__new__(cls)
-        self.models, self.train, self.eval = dict(models), train, eval or train
-        return self
-
-    def unit(self, terms) -> str:
-        if len(terms) == 1:
-            return self.models[terms[0][0]].unit
-        return "weighted sum of training-scaled rewards"
+    def load(cls, args: Args, device: torch.device, dtype: torch.dtype) -> "Rewards":
+        """Every reward the train and eval terms name, each built once."""
+        names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)
+        return cls({n: build_reward(n, args, device, dtype) for n in names},
+                   args.train_terms, args.eval_terms)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
+        """raw {name: (N,)} of every named reward on these images."""
         return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
 
-    def training_values(self, raw: dict, terms) -> torch.Tensor:
-        """raw per reward → (R, N) values the advantages see (raw · train_scale)."""
-        return torch.stack([raw[n] * self.models[n].train_scale for n, _ in terms])
+    def unit(self, terms) -> str:
+        """The unit of headline(raw, terms)."""
+        return (REWARD_UNITS.get(terms[0][0], ("raw",))[0] if len(terms) == 1
+                else "weighted sum of training-scaled rewards")
 
-    def summary(self, raw: dict, terms) -> torch.Tensor:
-        """The headline number: the raw reward when there is one, else Σ_k w_k·raw_k·scale_k."""
+    def training_values(self, raw: dict, terms) -> torch.Tensor:
+        """raw {name: (N,)} → (R, N) values the advantages see: raw[name] · train_scale."""
+        return torch.stack([raw[n] * REWARD_UNITS.get(n, ("raw", 1.0))[1] for n, _ in terms])
+
+    def headline(self, raw: dict, terms) -> torch.Tensor:
+        """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
         if len(terms) == 1:
             return raw[terms[0][0]]
-        w = torch.tensor([wt for _, wt in terms])
-        return (self.training_values(raw, terms) * w[:, None]).sum(0)
+        w = torch.tensor([wt for _, wt in terms])[:, None]                  # (R, 1)
+        return (self.training_values(raw, terms) * w).sum(0)
 
 
 # ------------------------------------------------------------------------------------------------
 # §8  Models: pipelines, the model adapter, LoRA. Everything here talks to diffusers,
 #     transformers or peft; nothing here is part of the algorithm.
 # ------------------------------------------------------------------------------------------------
-MODEL_ALIASES = {
-    "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
-    "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
-    "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
-    "flux.1-dev": "black-forest-labs/FLUX.1-dev",
-}
+MODEL_ALIASES = {"sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
+                 "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
+                 "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
+                 "flux.1-dev": "black-forest-labs/FLUX.1-dev"}
 TINY_MODELS = {"tiny": "StableDiffusion3Pipeline", "tiny-flux": "FluxPipeline"}
 SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
@@ -883,32 +733,27 @@ def model_family(name: str) -> str:
 
 
 def _quiet_hf():
-    """Silence the per-load progress bars of diffusers/transformers (ours is the one to read) and
-    their warnings (e.g. diffusers' per-batch prompt-truncation notices)."""
-    import diffusers
-    import transformers
-    for lib in (diffusers, transformers):
+    """Silence the libraries' per-load progress bars (ours is the one to read) and warnings."""
+    for lib in map(importlib.import_module, ("diffusers", "transformers")):
         lib.utils.logging.disable_progress_bar()
         lib.utils.logging.set_verbosity_error()
 
 
 def resolve_model(name: str) -> str:
-    """'tiny' | alias | local diffusers dir | hub id → what from_pretrained gets."""
-    if name in TINY_MODELS or os.path.isdir(name):
+    """'tiny' | alias | local diffusers dir | hub id (owner/name) → what from_pretrained gets."""
+    parts = name.split("/")
+    if name in TINY_MODELS or os.path.isdir(name) or (
+            len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))):
         return name
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
-    parts = name.split("/")
-    if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
-        return name                                                  # looks like owner/name
     aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES])
     raise ConfigError(f"unknown model {name!r}: use an alias ({aliases}), a hub id such as "
                       "stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
 
 
 def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
-    """loader.from_pretrained(location); if that fails (offline, not cached, no such folder), a
-    ConfigError that says how to get the files and which flag then takes them."""
+    """loader.from_pretrained(location), or a ConfigError saying how to get the files offline."""
     try:
         return loader.from_pretrained(location, **kwargs)
     except OSError as e:
@@ -920,30 +765,27 @@ def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
 
 def check_local_pipeline(location: str) -> tuple[str, dict]:
     """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
-    name and {component: None} for the components saved as null in model_index.json (a documented
-    diffusers way to save SD3 without its T5 encoder: text_encoder_3 = tokenizer_3 = None)."""
-    index = Path(location, "model_index.json")
+    and {component: None} for those saved as null (diffusers' way to save SD3 without T5)."""
+    index, where = Path(location, "model_index.json"), f"--model {location!r}"
     if not index.is_file():
-        raise ConfigError(f"--model {location!r} is not a diffusers pipeline folder (no "
-                          "model_index.json); pass the folder that holds model_index.json")
+        raise ConfigError(f"{where} is not a diffusers pipeline folder (no model_index.json); "
+                          "pass the folder that holds model_index.json")
     try:
         spec = json.loads(index.read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--model {location!r}: model_index.json is unreadable ({e})") from None
-    cls_name = spec.get("_class_name")
-    if cls_name not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"--model {location!r} holds a {cls_name}; "
+        raise ConfigError(f"{where}: model_index.json is unreadable ({e})") from None
+    if spec.get("_class_name") not in SUPPORTED_PIPELINES:
+        raise ConfigError(f"{where} holds a {spec.get('_class_name')}; "
                           f"supported: {SUPPORTED_PIPELINES}")
-    null = {k: None for k, v in spec.items()
-            if not k.startswith("_") and (v is None or (isinstance(v, list) and None in v))}
-    for k, v in spec.items():
-        if not k.startswith("_") and k not in null and isinstance(v, list) \
-                and not Path(location, k).is_dir():
-            raise ConfigError(f"--model {location!r}: model_index.json lists {k!r} but there is no "
-                              f"{k}/ folder; copy the complete pipeline (or set {k} to null)")
+    parts = [k for k, v in spec.items() if not k.startswith("_") and (v is None or type(v) is list)]
+    null = {k: None for k in parts if spec[k] is None or None in spec[k]}
+    for k in parts:
+        if k not in null and not Path(location, k).is_dir():
+            raise ConfigError(f"{where}: model_index.json lists {k!r} but there is no {k}/ "
+                              f"folder; copy the complete pipeline (or set {k} to null)")
     if "transformer" in null:
-        raise ConfigError(f"--model {location!r}: the pipeline was saved without its transformer")
-    return cls_name, null
+        raise ConfigError(f"{where}: the pipeline was saved without its transformer")
+    return spec["_class_name"], null
 
 
 def load_pipeline(name: str, dtype: torch.dtype):
@@ -954,26 +796,26 @@ def load_pipeline(name: str, dtype: torch.dtype):
     if location in TINY_MODELS:
         tm = tiny_models()
         pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
-    else:
-        cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
-        with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
-            warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
-            # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
-            pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
-                                    "the model", "--model", torch_dtype=dtype, **null)
-        if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-            raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
-                              f"supported: {SUPPORTED_PIPELINES}")
-    # Frozen parts in the compute dtype; the VAE stays fp32 (decoding is cheap, fp16/bf16 VAEs
-    # band). Explicit casts also work around a diffusers loading bug that can leave the
-    # transformer in fp32 when a bf16 dtype is requested [peer X11].
+        return freeze_and_cast(pipe, dtype)
+    cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
+    with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
+        warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
+        # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
+        pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
+                                "the model", "--model", torch_dtype=dtype, **null)
+    if type(pipe).__name__ not in SUPPORTED_PIPELINES:
+        raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
+                          f"supported: {SUPPORTED_PIPELINES}")
+    return freeze_and_cast(pipe, dtype)
+
+
+def freeze_and_cast(pipe, dtype: torch.dtype):
+    """Every part frozen, in eval mode, in the compute dtype; the VAE stays fp32 (decoding is cheap;
+    fp16/bf16 VAEs band). The explicit casts also undo a diffusers loading bug that can leave the
+    transformer in fp32 when bf16 is requested [peer X11]."""
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-        want = torch.float32 if part == "vae" else dtype
-        m = getattr(pipe, part, None)
-        if m is not None:
-            m.requires_grad_(False).eval()
-            if m.dtype != want:
-                m.to(want)
+        if (m := getattr(pipe, part, None)) is not None:
+            m.requires_grad_(False).eval().to(torch.float32 if part == "vae" else dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -987,7 +829,6 @@ def tiny_models():
     if not path.is_file():
         raise ConfigError(f"--model tiny / tiny-flux needs {path} (examples/tiny_models.py of the "
                           "repository, beside vgrpo.py); copy it there, or pass a real --model")
-    import importlib.util
     spec = importlib.util.spec_from_file_location("vgrpo_tiny_models", path)
     mod = sys.modules["vgrpo_tiny_models"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -996,16 +837,14 @@ def tiny_models():
 
 # The seam between the algorithm and a pipeline: the loop, samplers, surrogate and loss only call
 # encode / latent_shape / velocity / decode / sigmas. The two models differ exactly here [peer X9]:
-#
-#                    SD3 / SD3.5                          FLUX.1-dev
-#   text             CLIP-L + CLIP-G (+ T5) → 77 + L      CLIP-L pooled + T5 → L tokens, txt_ids
-#   latent in ODE    (16, H/8, W/8)                       packed 2×2: ((H/16)(W/16), 64), img_ids
-#   timestep         1000·t                               t (the transformer scales it by 1000)
-#   guidance         none (CFG-free)                      distilled guidance embedding, 3.5
-#   rollout grid     the scheduler's (shift 3)            linspace shifted by 3 (MixGRPO) [ours C8]
-#   VAE factors      1.5305 / 0.0609                      0.3611 / 0.1159 (read from vae.config)
+#                SD3 / SD3.5                         FLUX.1-dev
+#   text         CLIP-L + CLIP-G (+ T5) → 77 + L     CLIP-L pooled + T5 → L tokens, txt_ids
+#   ODE latent   (16, H/8, W/8)                      packed 2×2: ((H/16)(W/16), 64), img_ids
+#   t, guidance  1000·t; none (CFG-free)             t (scaled ×1000 inside); distilled, 3.5
+#   rollout grid the scheduler's (shift 3)           linspace shifted by 3 (MixGRPO) [ours C8]
+#   VAE factors  1.5305 / 0.0609                     0.3611 / 0.1159 (read from vae.config)
 class SD3Adapter:
-    """A diffusers SD3 / SD3.5 pipeline behind the seam above [peer X9]; FLUX overrides its rows."""
+    """A diffusers SD3 / SD3.5 pipeline behind the seam above; FluxAdapter overrides its rows."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int):
         self.pipe, self.device, self.L = pipe, device, max_sequence_length
@@ -1021,8 +860,7 @@ class SD3Adapter:
         """Text conditioning of B prompts: from the cache (cache_prompts) or the text encoders."""
         if self._cache is None:
             return self._encode(prompts)
-        missing = [p for p in prompts if p not in self._cache]
-        if missing:
+        if missing := [p for p in prompts if p not in self._cache]:
             raise ConfigError("prompt not among the cached embeddings (--offload_text_encoders): "
                               f"{missing[0]!r}")
         return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device)
@@ -1033,15 +871,14 @@ class SD3Adapter:
         """Embed every prompt once (kept on the CPU), then move the text encoders off the GPU."""
         uniq, cache = list(dict.fromkeys(prompts)), {}
         for i in range(0, len(uniq), batch):
-            c = self._encode(uniq[i:i + batch])
-            for j, p in enumerate(uniq[i:i + batch]):
-                cache[p] = {k: v[j].cpu() for k, v in c.items()}
+            for k, v in self._encode(uniq[i:i + batch]).items():
+                for p, row in zip(uniq[i:i + batch], v):
+                    cache.setdefault(p, {})[k] = row.cpu()
         self._cache = cache
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             if getattr(self.pipe, name, None) is not None:
                 getattr(self.pipe, name).to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()                              # a no-op when CUDA is unused
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
@@ -1053,7 +890,7 @@ class SD3Adapter:
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """v_θ(x, t, c); SD3 takes the timestep as 1000·t [peer X9]. x (M, C, H, W), t (M,)."""
-        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
+        dt = x.dtype if torch.is_autocast_enabled(x.device.type) else self.transformer.dtype
         return self.transformer(hidden_states=x.to(dt), timestep=(t * 1000).to(dt),
                                 encoder_hidden_states=cond["prompt_embeds"],
                                 pooled_projections=cond["pooled"], return_dict=False)[0]
@@ -1078,19 +915,17 @@ class SD3Adapter:
 
 
 class FluxAdapter(SD3Adapter):
-    """FLUX.1: packed latents with image ids, t in [0, 1], the guidance embedding, a fixed
-    shifted grid."""
+    """FLUX.1: packed latents + image ids, t in [0, 1], the guidance embedding, a shifted grid."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int, guidance: float = 3.5,
                  shift: float = 3.0):
         super().__init__(pipe, device, max_sequence_length)
         self.guidance, self.shift = guidance, shift
-        self.C = self.transformer.config.in_channels // 4                  # 16 latent channels
         self.txt_ids = torch.zeros(max_sequence_length, 3, device=device)
 
     def latent_shape(self, resolution: int) -> tuple:
         r = resolution // self.vae_scale                                    # latent side (even)
-        return ((r // 2) * (r // 2), 4 * self.C)                                      # (seq, 64)
+        return ((r // 2) ** 2, self.transformer.config.in_channels)                  # (seq, 64)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
@@ -1100,17 +935,14 @@ class FluxAdapter(SD3Adapter):
         return {"prompt_embeds": pe, "pooled": pooled}
 
     def _img_ids(self, seq: int) -> torch.Tensor:
-        """(seq, 3) rows [0, row, col] of the packed latent grid; built once per size."""
-        if getattr(self, "_ids", None) is None or self._ids.shape[0] != seq:
-            s = math.isqrt(seq)                                             # square images
-            rows, cols = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
-            ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1)
-            self._ids = ids.reshape(seq, 3).to(self.device)
-        return self._ids
+        """(seq, 3) rows [0, row, col] of the square packed latent grid."""
+        s = math.isqrt(seq)
+        rows, cols = torch.meshgrid(*[torch.arange(s, device=self.device)] * 2, indexing="ij")
+        return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(seq, 3)
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """v_θ on packed latents x (M, seq, 64), t (M,) in [0, 1]."""
-        dt = self.transformer.dtype if not torch.is_autocast_enabled(x.device.type) else x.dtype
+        dt = x.dtype if torch.is_autocast_enabled(x.device.type) else self.transformer.dtype
         g = (torch.full((x.shape[0],), self.guidance, device=x.device, dtype=dt)
              if self.transformer.config.guidance_embeds else None)
         return self.transformer(hidden_states=x.to(dt), timestep=t.to(dt), guidance=g,
@@ -1134,11 +966,9 @@ def make_adapter(pipe, args: "Args", device: torch.device):
 
 
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
-    """Attach a peft LoRA through diffusers and return it (trainable params in fp32). [ours C17]
-
-    targets name module suffixes (e.g. to_q, ff.net.2, proj_out); only modules inside the numbered
-    transformer blocks match, never the model's top-level layers (FLUX's and SD3's final
-    `proj_out`, the embedders): a regex for peft's full-name match."""
+    """Attach a peft LoRA through diffusers and return its config (trainable params in fp32)
+    [ours C17]. targets: module suffixes (to_q, ff.net.2, proj_out, ...), matched only inside the
+    numbered blocks, never the top-level layers (the final `proj_out`, the embedders)."""
     import re
     from peft import LoraConfig
     alts = "|".join(re.escape(t.strip()) for t in targets if t.strip())
@@ -1146,301 +976,276 @@ def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
     cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=pattern)
     transformer.add_adapter(cfg)
     for n, p in transformer.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.float()             # fp32 master weights; compute runs under autocast
-            p.requires_grad_(True)
+        if "lora_" in n:                        # fp32 master weights; compute runs under autocast
+            p.data, p.requires_grad = p.data.float(), True
     return cfg
-
-
-@contextlib.contextmanager
-def lora_merged(transformer, enabled: bool = True):
-    """Run the body (inference only: rollouts, evaluation) with every LoRA merged into its base
-    weight, W ← W + (α/r)·B·A: one matmul per layer instead of three. On exit W is restored bit for
-    bit from a CPU copy taken before the merge (peft's unmerge subtracts B·A, inexact in floating
-    point); the LoRA factors are never touched. In bf16 the merged W is rounded to bf16, so the
-    rollout policy differs from θ by that rounding; surrogates and ratios run after the exit, so
-    ρ = 1 at μ = 1 stays exact. Cost per call: the targeted base weights copied to the host and
-    back (≈ 1.2 GB in bf16 for SD3.5-M's default targets), no extra GPU memory.    (our choice)"""
-    from peft.tuners.lora import LoraLayer
-    layers = [m for m in transformer.modules() if isinstance(m, LoraLayer)] if enabled else []
-    saved = []                                          # (layer, base parameter, its CPU copy)
-    try:
-        with torch.no_grad():
-            for m in layers:
-                base = m.get_base_layer()
-                saved += [(m, p, p.detach().to("cpu", copy=True))
-                          for p in (base.weight, base.bias) if p is not None]
-                m.merge()                                 # in place: W.data += ΔW
-        yield
-    finally:
-        with torch.no_grad():
-            for m, p, cpu in saved:
-                p.copy_(cpu)
-                m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
 
 
 def transformer_blocks(transformer) -> list:
     """The repeated blocks: SD3's joint blocks; FLUX's double- and single-stream blocks."""
-    single = getattr(transformer, "single_transformer_blocks", [])
-    return list(transformer.transformer_blocks) + list(single)
-
-
-def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True) -> None:
-    """Regional torch.compile: each block is compiled in place (nn.Module.compile, state-dict keys
-    unchanged), so blocks of one class share one compiled graph and compile time stays in seconds.
-    Works under peft's LoRA layers, gradient checkpointing (diffusers calls the compiled block in
-    torch.utils.checkpoint) and no-grad rollouts (a second graph). enabled=False undoes it."""
-    if not enabled:
-        for blk in transformer_blocks(transformer):
-            blk._compiled_call_impl = None        # nn.Module.compile's slot
-        return
-    import torch._dynamo
-    # grad/no-grad, merged/unmerged LoRA, block variants and batch shapes are separate graphs
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    for blk in transformer_blocks(transformer):
-        blk.compile(backend=backend)
+    return [*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", [])]
 
 
 # ------------------------------------------------------------------------------------------------
-# §9  Training loop, top-down: `iteration` is the algorithm box of §0, and its five steps follow
-#     it; then the run around it (state, setup, the outer loop, evaluation), then the plumbing a
-#     reader of the method can skip: the run folder and checkpoints, and torchrun.
+# §9  Training loop, top-down: the loop's state, then `iteration` (the algorithm box of §0) and
+#     its five steps; the run around it (setup, outer loop, evaluation, live curves); then what a
+#     reader of the method can skip: the run folder, checkpoints, torchrun.
 # ------------------------------------------------------------------------------------------------
-# ---- one iteration: the algorithm box of §0, step by step --------------------------------------
-def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration: the algorithm box in §0, Alg. steps 1–5. Returns host-side metrics
-    (one sync at the end)."""
-    timer = PhaseTimer(run.dev)
-    with timer("time_rollout"):
-        batch = collect_rollouts(run, it)                                   # step 1
-    with timer("time_reward", sync=False):
-        reward_and_advantages(run, batch)                                   # step 2
-    pairs = draw_iteration_pairs(run, it)                                   # step 3
-    mbs = minibatches(run, it)
-    with timer("time_old"):
-        s_old, x0h_old, cv = old_surrogates(run, batch, pairs, mbs)         # step 4
-    with timer("time_update"):
-        stats_acc, grad_norms = update_steps(run, batch, pairs, mbs, s_old, x0h_old)   # step 5
-    return iteration_metrics(run, it, batch, cv, stats_acc, grad_norms, timer)
+@dataclass
+class Run:
+    """Everything an iteration needs, built once by `setup` (no globals). Under torchrun each
+    process holds whole groups: a contiguous slice of the N = P·G samples that every process
+    draws alike (prompts, noise, pairs), cut by `local`."""
+    args: Args
+    adapter: object               # SD3Adapter or FluxAdapter (§8)
+    rewards: Rewards
+    opt: torch.optim.Optimizer
+    params: list                  # the trainable parameters (LoRA, or the whole transformer)
+    lora_cfg: object              # peft LoraConfig; None for --full_finetune
+    train_prompts: list
+    eval_prompts: list
+    dev: torch.device
+    dtype: torch.dtype            # compute dtype of the autocast `ctx`
+    ctx: object
+    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
+    eval_sigmas: torch.Tensor     # (K_eval + 1,)
+    D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
+    start: int = 0                # first iteration (> 0 when resumed)
+    rank: int = 0
+    world: int = 1
+    run_dir: Optional[Path] = None
+    scaler: object = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
+    # the loss scaler: active under --dtype fp16 only
+
+    @property
+    def N(self) -> int:
+        return self.args.prompts_per_iter * self.args.group_size
+
+    @property
+    def Nl(self) -> int:
+        return self.N // self.world                        # samples of this process
+
+    def local(self, x):
+        """This process's share of a global batch-first tensor (N, ...) or prompt list (P)."""
+        n = len(x) // self.world
+        return x[self.rank * n:(self.rank + 1) * n]
 
 
 @dataclass
 class Rollouts:
-    """This rank's share of one iteration's rollout batch (Alg. steps 1–2); Nl = N / world rows."""
-    prompts: list                  # Pl prompts of this rank
+    """[Alg. step 1] This process's rollouts: Pl = P / world prompts, Nl samples."""
+    prompts: list                  # Pl prompts
     cond: object                   # their encodings, Pl rows
     prompt_idx: torch.Tensor       # (Nl,) row of cond per sample
     x0: torch.Tensor               # (Nl, *D) fp32 actions o
-    raw_all: dict = None           # {reward name: (N,) raw, all ranks}, CPU
-    raw: torch.Tensor = None       # (N,) headline reward
-    adv: torch.Tensor = None       # (Nl,) advantages on dev
-    adv_stats: dict = None
-    skipped: bool = False          # every advantage is 0: nothing to learn
+
+
+@dataclass
+class Scored:
+    """[Alg. step 2] Rewards of the whole batch (every process) and this process's advantages."""
+    raw: dict                      # {reward name: (N,) raw values}, CPU
+    headline: torch.Tensor         # (N,) the logged reward (Rewards.headline)
+    adv: torch.Tensor              # (Nl,) advantages, on the device
+    adv_stats: dict
+    skipped: bool                  # every advantage is 0: nothing to learn, no optimizer step
+
+
+# ---- one iteration: the algorithm box of §0, step by step --------------------------------------
+def iteration(run: Run, it: int) -> dict:
+    """One V-GRPO iteration, Alg. steps 1–5 of §0; returns host-side metrics. Host syncs: the
+    rewards (scored on the host; the advantages need all of them), one per optimizer step (the
+    non-finite-gradient check decides whether to step) and one for the metrics."""
+    timer = PhaseTimer(run.dev)
+    with timer("time_rollout"):
+        ro = collect_rollouts(run, it)                                      # step 1
+    with timer("time_reward", sync=False):
+        sc = reward_and_advantages(run, ro)                                 # step 2
+    pairs = draw_iteration_pairs(run, it)                                   # step 3
+    mbs = minibatches(run, it)
+    with timer("time_old"):
+        s_old, x0h_old, cv = old_surrogates(run, ro, pairs, mbs)            # step 4
+    with timer("time_update"):
+        stats, grad_norms = update_steps(run, ro, sc, pairs, mbs, s_old, x0h_old)   # step 5
+    return iteration_metrics(run, it, sc, cv, stats, grad_norms, timer)
 
 
 def collect_rollouts(run: Run, it: int) -> Rollouts:
-    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (this rank's
-    whole groups only)."""
-    args, ad, sh = run.args, run.adapter, run.shard
-    P, n_tr = args.prompts_per_iter, len(run.train_prompts)
-    g_prompt, g_noise = _gen(args.seed, it, 0), _gen(args.seed, it, 1)
-    pick = (torch.randperm(n_tr, generator=g_prompt)[:P] if P <= n_tr
-            else torch.randint(n_tr, (P,), generator=g_prompt))
-    prompts = sh.local_prompts([run.train_prompts[i] for i in pick.tolist()])
+    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (= θ:
+    nothing is copied), for this process's groups."""
+    args, ad = run.args, run.adapter
+    P, n_tr, g = args.prompts_per_iter, len(run.train_prompts), _gen(args.seed, it, 0)
+    pick = torch.randperm(n_tr, generator=g)[:P] if P <= n_tr else torch.randint(n_tr, (P,), generator=g)
+    prompts = run.local([run.train_prompts[i] for i in pick.tolist()])
     cond = ad.encode(prompts)                                               # Pl rows
-    prompt_idx = (torch.arange(sh.Nl) // args.group_size).to(run.dev)       # (Nl,)
-    x1 = sh.local(torch.randn((sh.N,) + run.D, generator=g_noise)).to(run.dev)   # (Nl, *D)
-    with lora_merged(ad.transformer, args.merge_lora_rollout):     # θ_old = θ, merged or not
-        x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
-    return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)
+    prompt_idx = (torch.arange(run.Nl) // args.group_size).to(run.dev)      # (Nl,)
+    x1 = run.local(torch.randn((run.N,) + run.D, generator=_gen(args.seed, it, 1))).to(run.dev)
+    x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
+    return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)   # x0: (Nl, *D)
 
 
-def reward_and_advantages(run: Run, b: Rollouts) -> None:
-    """[Alg. step 2] rewards (all-gathered: advantages see the global batch) and advantages;
-    fills b.raw_all, b.raw, b.adv, b.adv_stats, b.skipped."""
-    args, sh, G = run.args, run.shard, run.args.group_size
-    names = [n for n, _ in run.rewards.train]
-    raw_loc, _ = decode_and_reward(run.adapter, run.rewards, names, b.x0,
-                                   [b.prompts[i // G] for i in range(sh.Nl)], args.reward_batch,
-                                   ctx=run.ctx if args.vae_autocast else None)
-    gathered = _all_gather_cat(torch.stack([raw_loc[n] for n in names]).to(run.dev), run.world)
-    b.raw_all = dict(zip(names, gathered.cpu()))                            # {name: (N,)}
-    values = run.rewards.training_values(b.raw_all, run.rewards.train)
-    values = values.view(-1, args.prompts_per_iter, G)                      # (R, P, G)
-    weights = torch.tensor([w for _, w in run.rewards.train])
+def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
+    """[Alg. step 2] Rewards, all-gathered so that the advantages see the global batch, then the
+    group-relative advantages of the chosen aggregation (§4)."""
+    args, G, rw = run.args, run.args.group_size, run.rewards
+    names = [n for n, _ in rw.train_terms]
+    mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
+                                [ro.prompts[i // G] for i in range(run.Nl)], args.reward_batch)
+    every = _all_gather_cat(torch.stack([mine[n] for n in names]).to(run.dev), run.world)
+    raw = dict(zip(names, every.cpu()))                                     # {name: (N,)}
+    values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)  # (R,P,G)
     aggregate = (per_reward_advantages if args.reward_aggregation == "per_reward"
                  else weighted_sum_advantages)
-    adv, b.adv_stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
-                                 clamp=args.adv_clamp, eta=args.soft_clip_eta)
-    b.skipped = bool((adv == 0).all())           # nothing to learn (e.g. every reward dropped)
-    b.adv = sh.local(adv.flatten()).to(run.dev)                             # (Nl,)
-    b.raw = run.rewards.summary(b.raw_all, run.rewards.train)               # (N,) headline reward
+    adv, stats = aggregate(values, torch.tensor([w for _, w in rw.train_terms]),
+                           global_std=args.global_std, std_eps=args.std_eps,
+                           clamp=args.adv_clamp, eta=args.soft_clip_eta)
+    # adv.flatten() is prompt-major (sample n belongs to prompt n // G), as the rollouts are
+    return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms),
+                  adv=run.local(adv.flatten()).to(run.dev), adv_stats=stats,
+                  skipped=bool((adv == 0).all()))
 
 
 def draw_iteration_pairs(run: Run, it: int) -> Pairs:
-    """[Alg. step 3] one set of stratified (t, ε) pairs per sharing scope, for θ_old and every θ
-    step; drawn from the same generator on every rank, then broadcast from rank 0 to be safe."""
-    args, N, G = run.args, run.shard.N, run.args.group_size
-    scope = {"batch": torch.zeros(N, dtype=torch.long),                    # [ours C4]
-             "group": torch.arange(N) // G, "none": torch.arange(N)}[args.pair_sharing]
+    """[Alg. step 3] One set of stratified (t, ε) pairs per sharing scope [ours C4], for θ_old
+    and every θ step, from one CPU generator; under torchrun rank 0's set is broadcast (another
+    CPU's vector unit may round the Gaussian draw differently)."""
+    args, N = run.args, run.N
+    scope = {"batch": torch.zeros(N, dtype=torch.long), "group": torch.arange(N) // args.group_size,
+             "none": torch.arange(N)}[args.pair_sharing]
     pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
-                       generator=_gen(args.seed, it, 2))
-    pairs = Pairs(t=pairs.t.to(run.dev), eps=pairs.eps.to(run.dev), index=pairs.index.to(run.dev))
-    if run.world > 1:
-        torch.distributed.broadcast(pairs.t, src=0)
-        torch.distributed.broadcast(pairs.eps, src=0)
+                       generator=_gen(args.seed, it, 2), device=run.dev)
+    for x in (pairs.t, pairs.eps) if run.world > 1 else ():
+        torch.distributed.broadcast(x, src=0)
     return pairs
 
 
-def minibatches(run: Run, it: int) -> tuple:
-    """The μ optimizer steps' disjoint minibatches of local rows, drawn before Alg. step 4 so that
-    S_old is computed in exactly the micro-batches (rows and shapes) the first step uses: its
-    ratio is then exactly 1 for any μ."""
-    args, Nl, dev = run.args, run.shard.Nl, run.dev
-    perm = (torch.randperm(Nl, generator=_gen(args.seed, it, 3)).to(dev) if args.mu > 1
-            else torch.arange(Nl, device=dev))
-    return perm.tensor_split(args.mu)
+def minibatches(run: Run, it: int) -> list:
+    """[(step k, rows), ...]: the μ optimizer steps' disjoint, equal minibatches of local rows
+    (check_world) in micro-batches, in the order the update visits them. Drawn before Alg. step
+    4, so that S_old is computed in exactly the micro-batches (rows and shapes) of the first
+    step: its ratio is then exactly 1 for any μ."""
+    a = run.args
+    perm = (torch.randperm(run.Nl, generator=_gen(a.seed, it, 3)).to(run.dev) if a.mu > 1
+            else torch.arange(run.Nl, device=run.dev))
+    return [(k, rows) for k, mb in enumerate(perm.tensor_split(a.mu))
+            for rows in mb.split(a.micro_batch)]
 
 
 @torch.no_grad()
-def old_surrogates(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple):
-    """[Alg. step 4] S_old: the behaviour policy's surrogate, stored with the rollout (no grad).
-    Returns s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only with the KL), surrogate-CV stats."""
-    args, Nl, J = run.args, run.shard.Nl, run.args.n_mc
-    want_kl = args.kl_coef > 0
-    s_old = torch.empty(Nl, J, device=run.dev)
-    x0h_old = torch.empty((Nl, J) + run.D, device=run.dev) if want_kl else None
-    for rows in (r for mb in mbs for r in mb.split(args.micro_batch)):
-        s, x0h = local_surrogates(run, b, pairs, rows, want_kl)
-        s_old[rows] = s
-        if want_kl:
+def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list):
+    """[Alg. step 4] S_old, the behaviour policy's surrogate, stored with the rollout. Returns
+    s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only the KL needs it) and surrogate-CV stats."""
+    a = run.args
+    s_old = torch.empty(run.Nl, a.n_mc, device=run.dev)
+    x0h_old = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev) if a.kl_coef else None
+    for _, rows in mbs:
+        s_old[rows], x0h = surrogates(run, ro, pairs, rows)
+        if x0h_old is not None:
             x0h_old[rows] = x0h
-    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)            # (N,)
-    cv = surrogate_cv(S_all.view(args.prompts_per_iter, args.group_size))
-    return s_old, x0h_old, cv
+    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)                   # (N,)
+    return s_old, x0h_old, surrogate_cv(S_all.view(a.prompts_per_iter, a.group_size))
 
 
-def local_surrogates(run: Run, b: Rollouts, pairs: Pairs, rows: torch.Tensor, want_x0_hat: bool):
-    """(s (m, J), x̂0 (m, J, *D) or None) of local samples `rows` with the current parameters."""
-    args = run.args
-    t_r, e_r = pairs.take(run.shard.global_rows(rows))             # pairs are indexed globally
+def surrogates(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
+    """(s (m, J), x̂0 (m, J, *D)) of local samples `rows` under the current parameters (§5)."""
+    a, (t, eps) = run.args, pairs.take(rows + run.rank * run.Nl)    # pairs are indexed globally
     with run.ctx:
-        call = (run.adapter.velocity, b.x0[rows], select(b.cond, b.prompt_idx[rows]), t_r, e_r)
-        kw = dict(parameterization=args.parameterization, adaptive=args.adaptive_weighting,
-                  mae_floor=args.mae_floor)
-        if want_x0_hat:
-            return pair_surrogates_with_x0(*call, **kw)
-        return pair_surrogates(*call, **kw), None
+        return pair_surrogates(run.adapter.velocity, ro.x0[rows], select(ro.cond, ro.prompt_idx[rows]),
+                               t, eps, parameterization=a.parameterization,
+                               adaptive=a.adaptive_weighting, mae_floor=a.mae_floor)
 
 
-def update_steps(run: Run, b: Rollouts, pairs: Pairs, mbs: tuple, s_old, x0h_old):
-    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollout batch.
-    Returns ({stat: [per micro-batch tensors]}, [grad norm per step])."""
-    args, want_kl = run.args, run.args.kl_coef > 0
-    stats_acc: dict[str, list] = {}
-    grad_norms = []
-    for step, mb in enumerate(mbs if not b.skipped else []):
-        run.opt.zero_grad(set_to_none=True)
-        for rows in mb.split(args.micro_batch):
-            s_new, x0h = local_surrogates(run, b, pairs, rows, want_kl)
-            kl = xspace_kl(x0h, x0h_old[rows]) if want_kl else None
-            loss, st = vgrpo_loss(s_new, s_old[rows], b.adv[rows], clip_eps=args.clip_eps, kl=kl,
-                                  kl_coef=args.kl_coef)
-            scaled = loss * (len(rows) / len(mb))         # mean over the minibatch [ours C16]
-            (run.scaler.scale(scaled) if run.scaler else scaled).backward()
-            for k, v in st.items():
-                stats_acc.setdefault(k, []).append(v)
-            if step == 0:
-                stats_acc.setdefault("abs_log_ratio_first", []).append(st["abs_log_ratio"])
-        grad_norms.append(optimizer_step(run))
-    run.opt.zero_grad(set_to_none=True)
-    return stats_acc, grad_norms
+def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_old, x0h_old):
+    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollouts. Returns
+    ({stat: [per micro-batch tensors]}, [grad norm per step])."""
+    args, stats, grad_norms = run.args, {}, []
+    mbs = [] if sc.skipped else mbs
+    size = {k: sum(len(r) for j, r in mbs if j == k) for k, _ in mbs}       # samples per step
+    for i, (k, rows) in enumerate(mbs):
+        last = i + 1 == len(mbs) or mbs[i + 1][0] != k              # last micro-batch of step k
+        s_new, x0h = surrogates(run, ro, pairs, rows)
+        kl = xspace_kl(x0h, x0h_old[rows]) if x0h_old is not None else None
+        loss, st = vgrpo_loss(s_new, s_old[rows], sc.adv[rows], clip_eps=args.clip_eps, kl=kl,
+                              kl_coef=args.kl_coef)
+        grad_sync(run, last)
+        run.scaler.scale(loss * len(rows) / size[k]).backward()   # minibatch mean [ours C16]
+        for name, v in {**st, **({"abs_log_ratio_first": st["abs_log_ratio"]} if k == 0
+                                 else {})}.items():
+            stats.setdefault(name, []).append(v)
+        if last:
+            grad_norms.append(optimizer_step(run))
+    return stats, grad_norms
 
 
 def optimizer_step(run: Run) -> torch.Tensor:
-    """Average gradients over ranks, unscale (fp16), clip, step unless the norm is non-finite.
-    Returns the pre-clip gradient norm (fp32 tensor)."""
-    for p in run.params:                              # average gradients over ranks (DDP); a
-        if p.grad is not None:                        # None grad is None on every rank (same graph)
-            _all_reduce_mean(p.grad, run.world)
-    if run.scaler:
-        run.scaler.unscale_(run.opt)                  # fp16: true gradients before the clip
+    """Unscale (fp16), clip, step unless the norm is non-finite, zero the gradients (which FSDP
+    has already averaged over processes). Returns the pre-clip norm."""
+    run.scaler.unscale_(run.opt)                      # fp16: the true gradients before the clip
     gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
-    if torch.isfinite(gn):
-        run.scaler.step(run.opt) if run.scaler else run.opt.step()
-    if run.scaler:
-        run.scaler.update()                           # halve the scale after an overflow
+    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn     # a DTensor under FSDP
+    if torch.isfinite(gn):                            # host sync: step, or skip a bad step
+        run.scaler.step(run.opt)
+    run.scaler.update()                               # fp16: halve the scale after an overflow
+    run.opt.zero_grad(set_to_none=True)
     return gn.detach().float()
 
 
-def iteration_metrics(run: Run, it: int, b: Rollouts, cv: dict, stats_acc: dict,
-                      grad_norms: list, timer: PhaseTimer) -> dict:
-    """One host sync for everything logged; local stats averaged over ranks."""
-    args, world = run.args, run.world
+def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad_norms: list,
+                      timer: PhaseTimer) -> dict:
+    """One host sync for everything logged; this process's statistics averaged over processes."""
+    a = run.args
     gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
-    scal = {k: torch.stack(v).mean() for k, v in stats_acc.items()}
+    scal = {k: torch.stack(v).mean() for k, v in stats.items()}
     scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
-    vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), world)
-    scal = {**dict(zip(scal, vec)), **b.adv_stats, **cv}
-    if world > 1:                                         # all ranks must hold the same parameters
-        fp = torch.stack([p.detach().double().sum() for p in run.params]).sum().reshape(1)
-        fps = _all_gather_cat(fp, world)
-        scal["param_desync"] = (fps.max() - fps.min()).float()
+    vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), run.world)
+    scal = {**dict(zip(scal, vec)), **sc.adv_stats, **cv}
     host = dict(zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist()))
-    mean, std = _finite_mean_std(b.raw)
-    scaled = run.scaler is not None and run.scaler.is_enabled()
-    m = {"iter": it, "reward_mean": mean, "reward_std": std,
-         "reward_unit": run.rewards.unit(run.rewards.train),
-         "n_nonfinite_reward": int((~torch.isfinite(b.raw)).sum()), "skipped": b.skipped,
-         **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": float(run.scaler.get_scale()) if scaled else 1.0,
-         "nfe_rollout": args.num_steps, "nfe_old": args.num_steps + args.n_mc,
-         "nfe_theta": args.n_mc}
-    if len(b.raw_all) > 1:
-        for n, r in b.raw_all.items():
-            m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
+    bad = int((~torch.isfinite(sc.headline)).sum())
+    m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
+         "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
+         "skipped": sc.skipped, **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
+         "grad_scale": run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
+         # network evaluations per sample: the rollout, θ_old's surrogate, θ's surrogate
+         "nfe_rollout": a.num_steps, "nfe_old": a.n_mc, "nfe_theta": a.n_mc}
+    for n, r in sc.raw.items() if len(sc.raw) > 1 else ():
+        m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
     for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, float("nan") if b.skipped else 0.0)
-    if m["n_nonfinite_reward"] and run.rank == 0:
-        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
-        tqdm.write(f"warning: iteration {it}: {m['n_nonfinite_reward']} non-finite reward(s) "
-                   f"dropped (advantage 0){'; update skipped' if b.skipped else ''}",
-                   file=sys.stderr)
-    m["time_iter"] = timer.total()
-    return m
+        m.setdefault(k, math.nan if sc.skipped else 0.0)
+    if bad and run.rank == 0:
+        _warn(f"iteration {it}: {bad} non-finite reward(s) dropped (advantage 0)"
+              + ("; update skipped" if sc.skipped else ""))
+    return {**m, "time_iter": timer.total()}
 
 
 def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
-    """Mean and population std of the finite entries of r; (nan, nan) if there are none."""
-    f = r[torch.isfinite(r)]
-    return ((f.mean().item(), f.std(unbiased=False).item()) if len(f)
-            else (float("nan"), float("nan")))
+    f = r[torch.isfinite(r)]                   # mean and population std of the finite entries
+    return (f.mean().item(), f.std(unbiased=False).item()) if len(f) else (math.nan, math.nan)
+
+
+def _warn(msg: str) -> None:
+    from tqdm.auto import tqdm                            # tqdm.write: not overwritten by the bar
+    tqdm.write(f"warning: {msg}", file=sys.stderr)
 
 
 @torch.no_grad()
 def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
-            solver: str, batch: int, ctx) -> torch.Tensor:
-    """ODE-solve every row of x1 (N, C, H, W) with the current policy, `batch` rows at a time.
-    Returns latents (N, C, H, W) fp32 — the actions o."""
+            solver: str, chunk: int, ctx) -> torch.Tensor:
+    """ODE-solve every row of x1 (N, *D), `chunk` rows at a time: the actions o (N, *D) fp32."""
     out = []
-    for rows in torch.arange(len(x1)).split(batch):
+    for rows in torch.arange(len(x1)).split(chunk):
         with ctx:
             x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
-            out.append(x0.float())
+        out.append(x0.float())
     return torch.cat(out)
 
 
 @torch.no_grad()
 def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
-                      prompts: list[str], batch: int, keep_images: bool = False, ctx=None):
-    """Decode once and score with every named reward, in chunks of `batch` images; the VAE decodes
-    in fp32, or under `ctx` (the compute-dtype autocast) if given.
+                      prompts: list[str], chunk: int, keep_images: bool = False):
+    """Decode once (the VAE in fp32) and score with every named reward, `chunk` images at a time.
     Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
-    raw: dict[str, list] = {n: [] for n in names}
-    imgs = []
-    for rows in torch.arange(len(latents)).split(batch):
-        with ctx or contextlib.nullcontext():
-            im = adapter.decode(latents[rows])
+    raw, imgs = {n: [] for n in names}, []
+    for rows in torch.arange(len(latents)).split(chunk):
+        im = adapter.decode(latents[rows])
         for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
             raw[n].append(r)
         if keep_images:
@@ -1448,8 +1253,7 @@ def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
     return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
 
 
-def select(cond, rows: torch.Tensor):
-    """Rows of every tensor in a (dict of) batch-first tensors."""
+def select(cond, rows: torch.Tensor):           # rows of every tensor in a (dict of) batch-first
     return {k: v[rows] for k, v in cond.items()} if isinstance(cond, dict) else cond[rows]
 
 
@@ -1460,8 +1264,8 @@ def _gen(seed: int, it: int, stream: int) -> torch.Generator:
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase, `with timer("time_old"): ...`; syncs the GPU before reading
-    the clock (sync=False for host-bound phases). `timer.times` holds {key: seconds}."""
+    """Seconds per phase, `with timer("time_old"): ...`, in `timer.times`; the GPU is synced
+    before the clock is read (sync=False for host-bound phases)."""
 
     def __init__(self, dev: torch.device):
         self.dev, self.times, self.t0 = dev, {}, time.perf_counter()
@@ -1479,186 +1283,149 @@ class PhaseTimer:
 
 
 def _sync(dev: torch.device) -> None:
-    """Wait for the GPU before reading a wall clock (phase timings only)."""
-    if dev.type == "cuda":
+    if dev.type == "cuda":                                 # wait for the GPU before a clock read
         torch.cuda.synchronize(dev)
 
 
-# ---- the run: state, setup, the outer loop, evaluation -----------------------------------------
-@dataclass
-class Run:
-    """Everything an iteration needs, built once by `setup` (the loop's state, no globals)."""
-    args: Args
-    adapter: object
-    rewards: Rewards
-    opt: torch.optim.Optimizer
-    params: list
-    lora_cfg: object
-    train_prompts: list
-    eval_prompts: list
-    dev: torch.device
-    dtype: torch.dtype
-    ctx: object
-    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
-    eval_sigmas: torch.Tensor     # (K_eval + 1,)
-    D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
-    start: int = 0                # first iteration (> 0 when resumed)
-    rank: int = 0
-    world: int = 1
-    run_dir: Optional[Path] = None
-    scaler: Optional[object] = None  # torch.amp.GradScaler, active under --dtype fp16
-
-    @property
-    def shard(self) -> Shard:
-        return Shard(self.rank, self.world, self.args.prompts_per_iter, self.args.group_size)
-
-
+# ---- the run: setup, the outer loop, evaluation, live curves -----------------------------------
 def train(args: Args) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
+    run_dir = plan_run_dir(args)                    # checked writable; locked if it exists
+    try:
+        return loop(setup(args), run_dir)           # bad input fails in setup, writing nothing
+    finally:                                        # release the run folder (lock_run_dir)
+        if (lock := _LOCKS.pop(str(run_dir.resolve()), None)) is not None:
+            lock.close()
+
+
+def loop(run: Run, run_dir: Path) -> list[dict]:
+    """Evaluate, iterate, log, checkpoint. The first Ctrl-C lets the iteration in flight finish,
+    saves it and stops; a second stops at once, `latest` naming the last complete checkpoint."""
     from tqdm.auto import tqdm
-    run_dir = plan_run_dir(args)                           # checked writable, not created yet
-    run = setup(args)                              # bad input fails here, having written nothing
-    log_f, done_evals = open_run_dir(run, run_dir)
-    main_rank = run.rank == 0
+    args, history, stop = run.args, [], []
+    log_f = open_run_dir(run, run_dir)
+    tracker = Tracker(run) if run.rank == 0 else None
 
-    def checkpoint(done: int) -> Optional[Path]:           # rank 0 writes, every rank waits
-        path = save_checkpoint(run, done) if main_rank else None
-        if run.world > 1:
-            torch.distributed.barrier()
-        return path
+    def on_sigint(*_):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(True)
+        tqdm.write("Ctrl-C: finishing this iteration, then saving (again: stop now)", file=sys.stderr)
 
-    history: list[dict] = []
+    def log(m: dict, evaluation: bool = False) -> None:
+        if run.rank == 0:
+            print(json.dumps(m), file=log_f, flush=True)
+            tracker.log(m, evaluation)
+            tqdm.write(f"eval at iteration {m['iter']}: reward {m['eval_reward_mean']:.4f}"
+                       if evaluation else
+                       f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
+                       f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}"
+                       f"/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
-               desc="V-GRPO", unit="it", disable=not main_rank)
+               desc="V-GRPO", unit="it", disable=run.rank != 0)
     try:
         for it in bar:
-            if args.eval_every and it % args.eval_every == 0 and it not in done_evals and main_rank:
-                print(json.dumps(evaluate(run, it)), file=log_f, flush=True)
-            m = iteration(run, it)
-            history.append(m)
+            if args.eval_every and it % args.eval_every == 0:
+                log(evaluate(run, it), evaluation=True)
+            history.append(m := iteration(run, it))
+            log(m)
             bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
-            if main_rank:
-                print(json.dumps(m), file=log_f, flush=True)
-                tqdm.write(f"iter {it:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
-                           f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv "
-                           f"{m['surrogate_cv']:.3f}/{m['surrogate_cv_group']:.3f}  "
-                           f"{m['time_iter']:.1f}s")
-            if (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
-                checkpoint(it + 1)
-        if args.eval_every and run.start < args.iterations and main_rank:
-            ev = evaluate(run, args.iterations)
-            print(json.dumps(ev), file=log_f, flush=True)
-            tqdm.write(f"eval after {args.iterations} iterations: "
-                       f"reward {ev['eval_reward_mean']:.4f}")
+            stopping = _any_rank(bool(stop), run)             # every process stops together
+            if stopping or (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
+                saved = checkpoint(run, it + 1)
+            if stopping:
+                if run.rank == 0:
+                    tqdm.write(f"stopped after iteration {it}: saved {saved}; continue with "
+                               f"--resume {run_dir}", file=sys.stderr)
+                break
+        else:                                                  # not stopped: final evaluation
+            if args.eval_every and run.start < args.iterations:
+                log(evaluate(run, args.iterations), evaluation=True)
     except KeyboardInterrupt:
-        path = checkpoint(history[-1]["iter"] + 1 if history else run.start)
-        if main_rank:
-            print(f"\ninterrupted: saved {path}; continue with --resume {run.run_dir}")
+        print(f"\ninterrupted: checkpoints/latest still names the last complete checkpoint; "
+              f"continue with --resume {run_dir}", file=sys.stderr)
+        raise
     finally:
+        signal.signal(signal.SIGINT, previous)
         bar.close()
-        if log_f is not None:
+        if run.rank == 0:
             log_f.close()
+            tracker.close()                                # metrics.png, after a crash too
         if run.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return history
 
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
-    """Validate, load the model and rewards, attach LoRA, build the optimizer, restore a checkpoint.
-    Writes nothing. `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
-    check_args(args)
+    """Load the model and rewards, attach LoRA, shard under torchrun, build the optimizer, restore
+    a checkpoint; writes nothing. Expects an Args from parse_args / resolve_args (validated
+    there). `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
     train_prompts, eval_prompts = load_prompts(args)
-    ckpt, ck_state = read_checkpoint(args.resume) if args.resume else (None, None)
-    saved = ck_state["config"] if ckpt is not None else {}
-    for k in RESUME_FIXED:
-        if k in saved and saved[k] != getattr(args, k):
+    ckpt, state = read_checkpoint(args.resume) if args.resume else (None, None)
+    for k in RESUME_FIXED if state else ():
+        if state["config"].get(k, getattr(args, k)) != getattr(args, k):
             raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
-                              f"{saved[k]!r} ({ckpt}); drop --{k} to resume, or start a new run")
-    location = resolve_model(args.model) if pipe is None else None
-    if location is not None and os.path.isdir(location):
-        check_local_pipeline(location)
+                              f"{state['config'][k]!r} ({ckpt}); drop --{k} to resume, or start "
+                              "a new run")
     rank, world, local_rank = dist_info()
-    check_world(args, world)
     dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    torch.manual_seed(args.seed)                           # same LoRA init on every rank
+    torch.manual_seed(args.seed)                           # the same LoRA init on every rank
     random.seed(args.seed)
-    rewards = rewards if rewards is not None else Rewards(args, dev, dtype)
+    rewards = rewards if rewards is not None else Rewards.load(args, dev, dtype)
     for m in rewards.models.values():                      # plug-ins fail here, in one line
         if isinstance(m, PluginReward):
             m.probe(min(args.resolution, 256), dev, train_prompts)
-    pipe = pipe if pipe is not None else load_pipeline(args.model, dtype)
-    pipe.to(dev)
-    pipe.vae.to(torch.float32)
-    adapter = make_adapter(pipe, args, dev)
+    pipe = load_pipeline(args.model, dtype) if pipe is None else freeze_and_cast(pipe, dtype)
+    adapter = make_adapter(pipe.to(dev), args, dev)
     if args.offload_text_encoders:                   # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
-
-    lora_cfg, params, opt = make_trainable(adapter.transformer, args)
-    # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
-    # underflow without loss scaling. bf16 and fp32 need none (the scaler is then a no-op).
-    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
-    start = 0
-    if ckpt is not None:                      # weights, optimizer, loss scale and RNG states
+    tr = adapter.transformer
+    lora_cfg = None if args.full_finetune else add_lora(tr, args.lora_rank, args.lora_alpha,
+                                                        args.lora_targets.split(","))
+    if args.full_finetune:
+        tr.to(torch.float32).requires_grad_(True)   # fp32 master weights, bf16 autocast compute
+    if ckpt is not None:
         load_trainable(adapter, ckpt, args.full_finetune)
-        opt.load_state_dict(ck_state["optimizer"])
-        if ck_state.get("scaler"):
-            scaler.load_state_dict(ck_state["scaler"])
-        rng = ck_state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        start = ck_state["iteration"]
+    if args.gradient_checkpointing:
+        tr.enable_gradient_checkpointing()
     if world > 1:
-        for p in params:                                   # identical start on every rank
-            torch.distributed.broadcast(p.data, src=0)
+        shard_transformer(tr, dtype)                 # replaces the parameters: before AdamW
+    params = [p for p in tr.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
+    # underflow without loss scaling; bf16 and fp32 need none (the scaler is then a no-op). The
+    # sharded scaler agrees on an overflow across processes.
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    scaler = (ShardedGradScaler if world > 1 else torch.amp.GradScaler)(
+        dev.type, enabled=dtype == torch.float16)
+    if ckpt is not None:                                   # optimizer, loss scale, RNG states
+        restore_state(tr, opt, scaler, ckpt, state)
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
                lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
                dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
                eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
-               D=adapter.latent_shape(args.resolution), start=start, rank=rank, world=world,
-               scaler=scaler)
-
-
-def make_trainable(tr, args: Args) -> tuple:
-    """Trainable parameters, LoRA (default) or the whole transformer, and their AdamW.
-    Returns (lora_cfg or None, params, optimizer)."""
-    lora_cfg = None
-    if args.full_finetune:
-        tr.to(torch.float32).requires_grad_(True)      # fp32 master weights, bf16 autocast compute
-    else:
-        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
-    if args.gradient_checkpointing:
-        tr.enable_gradient_checkpointing()
-    compile_blocks(tr, args.compile_backend, enabled=args.compile)   # after LoRA: compiles it too
-    params = [p for p in tr.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    return lora_cfg, params, opt
+               D=adapter.latent_shape(args.resolution), scaler=scaler,
+               start=state["iteration"] if state else 0, rank=rank, world=world)
 
 
 def setup_device(args: Args, local_rank: int = 0) -> tuple:
     """Device, compute dtype and the one autocast context used for every model call."""
     dev = torch.device(args.device if args.device != "auto"
-                       else "cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device(f"cuda:{local_rank}")
+                       else f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(f"cuda:{local_rank}") if dev.type == "cuda" and dev.index is None else dev
     name = args.dtype if args.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = True   # fp32 matmuls (surrogate math): tensor cores
         torch.backends.cudnn.allow_tf32 = True
-    # SDPA kernels: the process-wide switches (not a context manager), so that gradient
-    # checkpointing's recompute in backward uses the same kernel as the forward. Reset every setup.
-    # auto: everything but cuDNN on CUDA — its fused attention failed in the backward pass of
-    # FLUX.1-dev (head dim 128) on an H200 with torch 2.11 ("mha_graph.execute(...).is_good()").
-    b = torch.backends.cuda
-    for name, enable in {"flash": b.enable_flash_sdp, "efficient": b.enable_mem_efficient_sdp,
-                         "math": b.enable_math_sdp, "cudnn": b.enable_cudnn_sdp}.items():
-        enable(name == args.attention_backend if args.attention_backend != "auto"
-               else not (name == "cudnn" and dev.type == "cuda"))
+        # cuDNN's fused attention failed in the backward pass of FLUX.1-dev (head dim 128) on an
+        # H200 with torch 2.11 ("mha_graph.execute(...).is_good()"): SDPA picks among the others
+        torch.backends.cuda.enable_cudnn_sdp(False)
     return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
                         else contextlib.nullcontext())
 
@@ -1667,146 +1434,227 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
     """(train, eval) prompt lists: --prompts / --eval_prompts files, or examples/prompts.txt (40
     varied prompts written for this project, so a run works out of the box; every 5th held out)."""
     def read(path, flag):
-        if os.path.isdir(path):
-            raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt "
-                              "per line")
         if not os.path.isfile(path):
-            raise ConfigError(f"{flag} {path!r}: prompt file does not exist")
+            raise ConfigError(f"{flag} {path!r} " + ("is a folder; pass a text file with one "
+                              "prompt per line" if os.path.isdir(path) else "does not exist"))
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            lines = [l for l in (l.strip() for l in open(path, encoding="utf-8")) if l]
         except UnicodeDecodeError as e:
             raise ConfigError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}); save it as "
                               "UTF-8, one prompt per line") from None
         except OSError as e:
             raise ConfigError(f"{flag} {path!r} cannot be read ({e.strerror})") from None
-        lines = [l for l in (l.strip() for l in text.splitlines()) if l]
         if not lines:
-            raise ConfigError(f"{flag} {path!r}: prompt file holds no prompts (one per line "
-                              "expected)")
+            raise ConfigError(f"{flag} {path!r}: the file holds no prompts (one per line)")
         return lines
 
     if args.prompts is None:
         path = Path(__file__).resolve().parent / "examples" / "prompts.txt"
         if not path.is_file():
             raise ConfigError(f"without --prompts, vgrpo needs {str(path)!r} (examples/prompts.txt "
-                              "of the repository, beside vgrpo.py); copy it there, or pass "
-                              "--prompts FILE")
+                              "of the repository); copy it there, or pass --prompts FILE")
         allp = read(str(path), "default prompts")
-        train = [p for i, p in enumerate(allp) if i % 5]
-        held = allp[::5]
+        train, held = [p for i, p in enumerate(allp) if i % 5], allp[::5]
     else:
         allp = read(args.prompts, "--prompts")
         n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
         order = torch.randperm(len(allp), generator=torch.Generator().manual_seed(1234)).tolist()
-        held = [allp[i] for i in sorted(order[:n_eval])]
-        train = [allp[i] for i in sorted(order[n_eval:])]
-    if args.eval_prompts is not None:
-        held = read(args.eval_prompts, "--eval_prompts")
+        held, train = ([allp[i] for i in sorted(order[:n_eval])],
+                       [allp[i] for i in sorted(order[n_eval:])])
+    held = read(args.eval_prompts, "--eval_prompts") if args.eval_prompts else held
     return train, held or train[:1]
 
 
 @torch.no_grad()
 def evaluate(run: Run, it: int) -> dict:
     """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
-    with eval_steps; saves the grid as run_dir/eval/iter_XXXXXX.png, scores every --eval_rewards."""
+    with eval_steps and scored with every --eval_rewards; rank 0 saves the grid (⌈√n⌉ per row)
+    to eval/iter_XXXXXX.png. Every process runs it: under FSDP a forward needs all of them."""
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
-    with lora_merged(ad.transformer, args.merge_lora_rollout):
-        lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
-                      run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
-    raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval], lat, prompts, args.reward_batch,
-                                  keep_images=True, ctx=run.ctx if args.vae_autocast else None)
-    if run.run_dir is not None:
+    lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
+                  run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
+    raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval_terms], lat, prompts,
+                                  args.reward_batch, keep_images=True)
+    if run.run_dir is not None and run.rank == 0:
+        from PIL import Image
+        n, _, h, w = imgs.shape
+        cols = math.ceil(math.sqrt(n))
+        grid = torch.cat([imgs, imgs.new_zeros((-n % cols, 3, h, w))])   # black padding
+        grid = grid.view(-1, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(-1, cols * w, 3)
         (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
-        save_grid(imgs, run.run_dir / "eval" / f"iter_{it:06d}.png")
-    head = rw.summary(raw, rw.eval)
-    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval), "eval_nfe": len(run.eval_sigmas) - 1,
-          "eval_n_nonfinite": int((~torch.isfinite(head)).sum())}
+        Image.fromarray(grid.numpy()).save(run.run_dir / "eval" / f"iter_{it:06d}.png")
+    head = rw.headline(raw, rw.eval_terms)
+    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms),
+          "eval_nfe": len(run.eval_sigmas) - 1, "eval_n_nonfinite": int((~head.isfinite()).sum())}
     for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
-    if ev["eval_n_nonfinite"]:
-        from tqdm.auto import tqdm
-        tqdm.write(f"warning: evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite "
-                   "reward(s) dropped", file=sys.stderr)
+    if ev["eval_n_nonfinite"] and run.rank == 0:
+        _warn(f"evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite reward(s) "
+              "dropped")
     return ev
 
 
-def save_grid(images_u8: torch.Tensor, path: Path) -> None:
-    """Save (n, 3, h, w) uint8 images as one image, ⌈√n⌉ per row, black where the grid has none."""
-    from PIL import Image
-    n, _, h, w = images_u8.shape
-    cols = math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
-    grid = torch.zeros(rows * cols, 3, h, w, dtype=torch.uint8)
-    grid[:n] = images_u8
-    grid = grid.view(rows, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, cols * w, 3)
-    Image.fromarray(grid.numpy()).save(path)
+class Tracker:
+    """Live curves (rank 0): every logged scalar to TensorBoard or W&B (--report_to), the
+    evaluation grids as images, and run_dir/metrics.png redrawn at each evaluation and at the
+    end. The step is the iteration, so a resumed run continues the same curves: TensorBoard
+    drops what was logged after the checkpoint (`purge_step`); W&B resumes the run by the id
+    kept in the run folder and ignores steps it already holds."""
+
+    def __init__(self, run: Run):
+        self.run, self.kind, self.out = run, run.args.report_to, None
+        if self.kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.out = SummaryWriter(str(run.run_dir / "tensorboard"), purge_step=run.start or None)
+        elif self.kind == "wandb":
+            import wandb
+            idf = run.run_dir / "wandb_id"
+            idf.exists() or idf.write_text(wandb.util.generate_id())
+            self.out = wandb.init(project="vgrpo", name=run.run_dir.name, dir=str(run.run_dir),
+                                  id=idf.read_text(), resume="allow",
+                                  config=dataclasses.asdict(run.args))
+
+    def log(self, m: dict, evaluation: bool) -> None:
+        step, grid = m["iter"], self.run.run_dir / "eval" / f"iter_{m['iter']:06d}.png"
+        scalars = {k: v for k, v in m.items() if k != "iter" and isinstance(v, (int, float))}
+        image = grid if evaluation and grid.is_file() else None
+        if self.kind == "tensorboard":
+            import numpy as np
+            from PIL import Image
+            for k, v in scalars.items():
+                self.out.add_scalar(k, v, step)
+            if image:
+                self.out.add_image("eval_grid", np.asarray(Image.open(image).convert("RGB")),
+                                   step, dataformats="HWC")
+        elif self.kind == "wandb":
+            import wandb
+            self.out.log({**scalars, **({"eval_grid": wandb.Image(str(image))} if image else {})},
+                         step=step)
+        if evaluation:
+            plot_metrics(self.run.run_dir)
+
+    def close(self) -> None:
+        plot_metrics(self.run.run_dir)
+        if self.out is not None:
+            self.out.close() if self.kind == "tensorboard" else self.out.finish()
 
 
-# ---- the run folder: planned before anything loads, created by rank 0 -------------------------
+def plot_metrics(run_dir: Path) -> None:
+    """run_dir/metrics.png from metrics.jsonl: training and held-out reward; |log ρ| and clip
+    fraction; surrogate CV; seconds per phase (matplotlib's object API: no GUI, any process)."""
+    from matplotlib.figure import Figure
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(l) for l in path.read_text().splitlines()] if path.is_file() else []
+    its, evs = [m for m in rows if "reward_mean" in m], [m for m in rows if "eval_reward_mean" in m]
+    if not its:
+        return
+    panels = {"reward": [("reward_mean", its, "training"), ("eval_reward_mean", evs, "held-out")],
+              "|log ρ| and clip fraction": [("abs_log_ratio", its, "|log ρ|"),
+                                            ("clip_frac", its, "clip fraction")],
+              "surrogate CV": [("surrogate_cv", its, "batch"), ("surrogate_cv_group", its, "group")],
+              "seconds per phase": [(f"time_{k}", its, k)
+                                    for k in ("rollout", "reward", "old", "update")]}
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    for ax, (title, series) in zip(fig.subplots(2, 2).flatten(), panels.items()):
+        for key, ms, label in series:
+            ax.plot([m["iter"] for m in ms], [m.get(key, math.nan) for m in ms], label=label,
+                    marker="o" if ms is evs else None)
+        ax.set(title=title, xlabel="iteration")
+        ax.legend(fontsize=8)
+    fig.axes[0].set_ylabel(its[-1]["reward_unit"])
+    fig.savefig(run_dir / ".metrics.png.tmp", format="png", dpi=90)
+    os.replace(run_dir / ".metrics.png.tmp", run_dir / "metrics.png")
+
+
+# ---- the run folder: planned before anything loads, one trainer at a time ---------------------
 def plan_run_dir(args: Args) -> Path:
     """The run folder (--run_dir, the resumed run's folder, or runs/<model>-<rewards>-<time>),
-    checked writable before anything loads; nothing is created here."""
+    checked writable and, if it exists, locked before anything loads; nothing is created here."""
     if args.resume and args.run_dir is None:
         run_dir = find_checkpoint(args.resume).parent.parent
     else:
-        tag = "+".join(n.split(":")[-1] for n, _ in parse_reward_spec(args.reward))
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-{stamp}")
-    p = run_dir.absolute()
-    top = next(q for q in (p, *p.parents) if q.exists())     # deepest part that exists
+        tag = "+".join(n.split(":")[-1] for n, _ in args.train_terms)
+        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-"
+                                       f"{time.strftime('%Y%m%d-%H%M%S')}")
+    top = next(q for q in (run_dir.absolute(), *run_dir.absolute().parents) if q.exists())
     if not top.is_dir():
         raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder; "
                           "pass another --run_dir")
     try:
-        with tempfile.TemporaryFile(dir=top):
-            pass
+        tempfile.TemporaryFile(dir=top).close()
     except OSError as e:
         raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
                           f"({e.strerror}); pass a writable --run_dir") from None
+    if run_dir.is_dir() and dist_info()[0] == 0:
+        lock_run_dir(run_dir)
     return run_dir
 
 
-def open_run_dir(run: Run, run_dir: Path) -> tuple:
-    """Every rank learns rank 0's run folder (sets run.run_dir). Rank 0 creates it, clears
-    half-written checkpoints, writes config.json, prints the banner and, on resume, drops the
-    lines of metrics.jsonl logged after the checkpoint (they are logged again, so each iteration
-    appears once). Returns (metrics.jsonl open to append or None, iterations already evaluated)."""
+_LOCKS: dict = {}                               # run folder → its open lock file, until train ends
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """One trainer per run folder: an exclusive flock on run_dir/.lock, which the operating
+    system releases when the holder exits or is killed; a second trainer gets a ConfigError
+    naming the process that holds it, before it changes anything."""
+    if (key := str(run_dir.resolve())) in _LOCKS:
+        return
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise ConfigError(f"{str(run_dir)!r} is in use by a running trainer (pid {holder}); "
+                          "wait for it or stop it, or pass another --run_dir") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    _LOCKS[key] = f
+
+
+def open_run_dir(run: Run, run_dir: Path):
+    """Every rank learns rank 0's run folder. Rank 0 creates and locks it, clears half-written
+    checkpoints, writes config.json, prints the banner and, on resume, points `latest` at the
+    resumed checkpoint (later saves never overwrite it) and drops the metrics.jsonl lines from
+    its iteration on: they are logged again, so each appears once (TensorBoard's purge_step does
+    the same there). Returns metrics.jsonl open to append (None off rank 0)."""
     if run.world > 1:                                      # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
         run_dir = Path(box[0])
-    run.run_dir, mpath, evaluated = run_dir, run_dir / "metrics.jsonl", set()
+    run.run_dir, mpath = run_dir, run_dir / "metrics.jsonl"
     if run.rank > 0:
-        return None, evaluated
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (run_dir / "checkpoints").glob(".tmp-iter_*"):   # left by a killed save
+        return None
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    lock_run_dir(run_dir)
+    for stale in (run_dir / "checkpoints").glob(".tmp-*"):        # left by a killed save
         shutil.rmtree(stale, ignore_errors=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
-    if run.args.resume and mpath.exists():
+    if run.args.resume:
+        if (ckpt := find_checkpoint(run.args.resume)).parent == run_dir / "checkpoints":
+            _point_latest(ckpt)
         keep = []
-        for line in mpath.read_text().splitlines():
+        for line in mpath.read_text().splitlines() if mpath.exists() else []:
             try:
                 m = json.loads(line)
             except ValueError:
                 continue                                   # a line cut short by a kill
-            is_eval = "eval_reward_mean" in m
-            if m.get("iter", math.inf) < run.start or (is_eval and m["iter"] <= run.start):
+            if m["iter"] < run.start:
                 keep.append(line)
-                if is_eval:
-                    evaluated.add(m["iter"])
-        tmp = mpath.with_name(mpath.name + ".tmp")
-        tmp.write_text("".join(l + "\n" for l in keep))
-        os.replace(tmp, mpath)
-    log_f = open(mpath, "a")
+        mpath.with_suffix(".tmp").write_text("".join(l + "\n" for l in keep))
+        os.replace(mpath.with_suffix(".tmp"), mpath)
     print(banner(run))
-    return log_f, evaluated
+    return open(mpath, "a")
 
 
-# ---- checkpoints: written to a temp folder and renamed, so a crash never leaves half of one -----
-CKPT_STATE = "trainer_state.pt"
+# ---- checkpoints: one folder per save, `latest` switched atomically once it is complete --------
+CKPT_STATE, OPTIM_FILE = "trainer_state.pt", "optimizer.pt"
 LORA_FILE = "pytorch_lora_weights.safetensors"
+FULL_FILE = "transformer/diffusion_pytorch_model.safetensors"
 # flags that change the shape of what a checkpoint holds: they cannot change on --resume
 RESUME_FIXED = ("full_finetune", "lora_rank", "lora_alpha", "lora_targets")
 
@@ -1827,141 +1675,178 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
     ckpt = find_checkpoint(path)
     try:
         state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
-        assert isinstance(state, dict) and {"iteration", "config", "optimizer"} <= set(state)
-        if state["config"]["full_finetune"]:
-            assert (ckpt / "transformer" / "config.json").is_file()
-        else:
-            from safetensors.torch import load_file
-            load_file(str(ckpt / LORA_FILE))
+        need = [CKPT_STATE + ": " + k for k in ("iteration", "config", "optimizer_saved", "rng")
+                if k not in state]
+        if not need:
+            need = [f for f in ([FULL_FILE if state["config"]["full_finetune"] else LORA_FILE]
+                                + [OPTIM_FILE] * state["optimizer_saved"]) if not (ckpt / f).is_file()]
+        if need:
+            raise ValueError(f"missing {', '.join(need)}")
+        from safetensors.torch import load_file
+        load_file(str(ckpt / (FULL_FILE if state["config"]["full_finetune"] else LORA_FILE)))
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
                           f"({type(e).__name__}: {e}); pick another with --resume") from e
     return ckpt, state
 
 
-def checkpoint_config(path: str) -> dict:
-    """The resolved config saved with a checkpoint (config.json), read without its weights or
-    optimizer state; setup() validates and loads the rest."""
-    ckpt = find_checkpoint(path)
-    try:
-        return json.loads((ckpt / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
-                          f"({type(e).__name__}: {e}); pick another with --resume") from e
+def checkpoint(run: Run, it: int) -> Path:
+    """Save after `it` iterations: every process takes part (under FSDP the weights and the
+    optimizer state are gathered), rank 0 writes, the others wait. Returns the folder."""
+    weights, optim = full_state(run.adapter.transformer, run.opt)
+    if run.rank == 0:
+        save_checkpoint(run, it, weights, optim)
+    if run.world > 1:
+        torch.distributed.barrier()
+    return run.run_dir / "checkpoints" / f"iter_{it:06d}"
 
 
-def save_checkpoint(run: Run, it: int) -> Path:
-    """Write checkpoints/iter_XXXXXX and point checkpoints/latest at it. At every instant `latest`
-    names a complete checkpoint: the new one is written to a temporary folder, renamed to a name
-    no folder has, `latest` is switched atomically, and only then is an older copy removed.
-    Folders and files follow the user's umask. A failed write (disk full) removes its temporary
-    folder and raises ConfigError."""
-    ckdir, name = run.run_dir / "checkpoints", f"iter_{it:06d}"
-    ckdir.mkdir(parents=True, exist_ok=True)
-    tmp = ckdir / f".tmp-{name}-{os.getpid()}-{time.time_ns()}"
-    tmp.mkdir()                                            # umask applies (mkdtemp would give 0700)
-    config = dataclasses.asdict(run.args)
+def save_checkpoint(run: Run, it: int, weights: dict, optim: dict) -> Path:
+    """checkpoints/iter_XXXXXX: the weights in diffusers' format (a LoRA that `load_lora_weights`
+    reads, or a transformer folder that `from_pretrained` reads), the optimizer state, the
+    trainer state (iteration, loss scale, RNG) and the config. Written to a temporary folder,
+    renamed, and only then `latest` switched atomically: at every instant `latest` names a
+    complete checkpoint, and a kill loses at most this save. A failed write (disk full) removes
+    the temporary folder and raises ConfigError."""
+    ckdir, cfg = run.run_dir / "checkpoints", dataclasses.asdict(run.args)
+    final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)                                # umask applies (not mkdtemp's 0700)
     try:
         if run.args.full_finetune:
-            run.adapter.transformer.save_pretrained(tmp / "transformer")
+            from safetensors.torch import save_file
+            run.adapter.transformer.save_config(tmp / "transformer")
+            save_file(weights, str(tmp / FULL_FILE))
         else:
             from peft.utils import get_peft_model_state_dict
-            lora = get_peft_model_state_dict(run.adapter.transformer)
+            lora = get_peft_model_state_dict(run.adapter.transformer, state_dict=weights)
             run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
+        if optim:
+            torch.save(optim, tmp / OPTIM_FILE)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        scaler = run.scaler.state_dict() if run.scaler is not None else None
-        torch.save({"iteration": it, "config": config, "optimizer": run.opt.state_dict(),
-                    "rng": rng, "scaler": scaler}, tmp / CKPT_STATE)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.rglob("*"):                           # safetensors writes files 0600
-            if f.is_file():
-                f.chmod(0o666 & ~umask)
+        torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim), "rng": rng,
+                    "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        mask = os.umask(0)
+        os.umask(mask)
+        for f in tmp.rglob("*"):                           # safetensors writes its files 0600
+            f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({e.strerror or e}); "
                           f"free space there, then continue with --resume {run.run_dir}") from None
-    latest = ckdir / "latest"
-    current = latest.read_text().strip() if latest.is_file() else None
-    # a re-save of the same iteration goes to the other of two names, never over `latest`'s folder
-    final = next(ckdir / n for n in (name, name + "-b") if n != current)
-    if final.exists():
-        shutil.rmtree(final)                               # not what `latest` names: safe to remove
+    shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves only move on from it
     os.replace(tmp, final)
-    (ckdir / ".latest.tmp").write_text(final.name)
-    os.replace(ckdir / ".latest.tmp", latest)              # atomic switch
-    for old in (ckdir / name, ckdir / (name + "-b")):      # the replaced copy of this iteration
-        if old != final and old.exists():
-            shutil.rmtree(old)
+    _point_latest(final)
     return final
 
 
+def _point_latest(ckpt: Path) -> None:          # checkpoints/latest ← ckpt's name, atomically
+    (ckpt.parent / ".latest.tmp").write_text(ckpt.name)
+    os.replace(ckpt.parent / ".latest.tmp", ckpt.parent / "latest")
+
+
 def load_trainable(adapter, ckpt: Path, full: bool) -> None:
-    """Load trained weights back into the live transformer (the inverse of save_checkpoint)."""
+    """Trained weights back into the live, still unsharded transformer (any process count)."""
+    from safetensors.torch import load_file
     if full:
-        src = type(adapter.transformer).from_pretrained(ckpt / "transformer",
-                                                        torch_dtype=torch.float32)
-        adapter.transformer.load_state_dict(src.state_dict())
+        adapter.transformer.load_state_dict(load_file(str(ckpt / FULL_FILE)))
         return
     from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
     sd = {k.removeprefix("transformer."): v for k, v in load_file(str(ckpt / LORA_FILE)).items()}
-    res = set_peft_model_state_dict(adapter.transformer, sd)
-    if getattr(res, "unexpected_keys", None):
-        raise ConfigError(f"checkpoint {str(ckpt)!r} does not match this model: "
-                          f"{res.unexpected_keys[:3]}")
+    if unexpected := getattr(set_peft_model_state_dict(adapter.transformer, sd),
+                             "unexpected_keys", None):
+        raise ConfigError(f"checkpoint {str(ckpt)!r} does not match this model: {unexpected[:3]}")
 
 
-# ---- data parallelism: `torchrun --nproc_per_node=N vgrpo.py ...` ------------------------------
+def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
+    """Optimizer, loss scale and RNG states of a checkpoint saved by any number of processes; each
+    process keeps its shard. The optimizer file is memory-mapped: processes share its pages."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    if state["optimizer_saved"]:                 # False when saved before the first step
+        optim = torch.load(ckpt / OPTIM_FILE, map_location="cpu", mmap=True, weights_only=False)
+        set_optimizer_state_dict(tr, opt, optim, options=StateDictOptions(full_state_dict=True))
+    if state["scaler"]:                          # {} from a disabled (non-fp16) scaler
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+
+# ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` --------------------------------------
 # nanoGPT's pattern: WORLD_SIZE > 1 in the environment ⇒ torch.distributed (NCCL on GPUs, gloo on
-# CPU). Every rank draws the same global prompts, noise and pairs from the (seed, iteration)
-# generators and works on its own contiguous slice of whole groups (Shard); rewards are
-# all-gathered so advantages (global std included) are computed on the global batch; gradients of
-# the trainable parameters are averaged with all_reduce before clipping. One rank then computes
-# exactly what a single process would.
-def dist_info() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) otherwise."""
+# CPU), and PyTorch FSDP2 (`fully_shard`, the engine Flow-Factory and torchtitan use) shards the
+# transformer's parameters, gradients and AdamW state over the processes. Every process draws the
+# same prompts, noise and pairs from the (seed, iteration) generators and works on its own whole
+# groups (Run.local); rewards are all-gathered, so the advantages (global std included) see the
+# global batch; FSDP averages the gradients (reduce-scatter, fp32) at the end of each optimizer
+# step. A rollout's K no-grad calls gather each block again at every call (FSDP's default):
+# K× the traffic of gathering once, but no process ever holds more than two blocks unsharded,
+# which is what lets a FLUX full fine-tune fit (README "Memory per process"). The text encoders,
+# the VAE and the reward models are frozen and replicated: they run once per prompt or image and
+# hold no optimizer state. One process computes what a single process would, up to the order of
+# floating-point sums.
+def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0, 1, 0) alone
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
 def check_world(args: Args, world: int) -> None:
-    """Under torchrun, every rank must hold whole groups and split them into μ equal minibatches."""
+    """One rule for one process and for many: each process holds whole groups and splits its
+    samples into μ equal minibatches, so every optimizer step sees the same number of samples."""
     P, G = args.prompts_per_iter, args.group_size
-    if world > 1 and P % world:
+    if P % world:
         raise ConfigError(f"--prompts_per_iter {P} must be divisible by the {world} processes: "
-                          "a group is never split across ranks")
-    if world > 1 and P // world * G % args.mu:
-        raise ConfigError(f"each rank's {P // world * G} samples must split into --mu {args.mu} "
-                          "equal minibatches")
+                          "a group is never split across processes")
+    if P // world * G % args.mu:
+        raise ConfigError(f"each process's {P // world * G} samples must split into --mu "
+                          f"{args.mu} equal minibatches")
 
 
-class Shard:
-    """This rank's share of the global batch of N = P·G samples, whole groups, contiguous: the one
-    place that slices what every rank draws alike (prompts, noise, pairs)."""
-
-    def __init__(self, rank: int, world: int, P: int, G: int):
-        self.rank, self.N = rank, P * G
-        self.Pl, self.Nl = P // world, self.N // world     # prompts and samples of this rank
-        self.lo = rank * self.Nl                           # first global sample index of this rank
-
-    def local(self, x):
-        """This rank's rows of a global batch-first tensor (N, ...)."""
-        return x[self.lo:self.lo + self.Nl]
-
-    def local_prompts(self, prompts: list) -> list:
-        """This rank's prompts of the P global ones."""
-        return prompts[self.rank * self.Pl:(self.rank + 1) * self.Pl]
-
-    def global_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Global sample indices of local rows."""
-        return rows + self.lo
+def shard_transformer(tr, dtype: torch.dtype) -> None:
+    """FSDP2: each block its own unit, then the root (embedders, final layer). The fp32 master
+    weights and their AdamW state stay sharded; under bf16 / fp16 the parameters are all-gathered
+    in that dtype (what autocast casts them to for the matmuls; the frozen base already is) and
+    the gradients reduce-scattered in fp32. In fp32 (the CPU) nothing is cast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+          if dtype != torch.float32 else MixedPrecisionPolicy())
+    for blk in transformer_blocks(tr):
+        fully_shard(blk, mp_policy=mp)
+    fully_shard(tr, mp_policy=mp)
 
 
-def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate a tensor across ranks along its last dim, in rank order (identity if alone)."""
+def grad_sync(run: Run, last: bool) -> None:
+    """LoRA: micro-batches accumulate locally and FSDP reduce-scatters on the last of a step. A
+    full fine-tune reduces every micro-batch: accumulating would hold the whole, unsharded
+    gradient of the transformer on every process."""
+    if run.world > 1:
+        run.adapter.transformer.set_requires_gradient_sync(last or run.args.full_finetune)
+
+
+def full_state(tr, opt) -> tuple[dict, dict]:
+    """The trainable weights and the optimizer state, whole, on the CPU, keyed by parameter name:
+    gathered from the shards under FSDP, the same for any number of processes. Every process
+    calls it (a collective). An optimizer that never stepped gives {}: asked for its state,
+    torch.distributed.checkpoint would first initialise it with a hidden zero-lr step."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    optim = get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
+    return get_model_state_dict(tr, options=o), optim
+
+
+def _any_rank(flag: bool, run: Run) -> bool:    # True everywhere if anywhere (Ctrl-C may not be)
+    if run.world == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=run.dev)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:   # ranks' x along the last dim
     if world == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world)]
@@ -1969,8 +1854,7 @@ def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:
-    """Average a tensor over ranks, in place; returns it."""
+def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # mean over ranks, in place
     if world > 1:
         torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM)
         x /= world
@@ -2000,8 +1884,7 @@ class Args:
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
     # --- model -----------------------------------------------------------------------------------
-    model: str = _f("sd3.5-medium", "alias (tiny, tiny-flux, sd3.5-medium, sd3.5-large, "
-                    "sd3-medium, flux.1-dev), hub id or local dir")
+    model: str = _f("sd3.5-medium", "alias (see resolve_model), hub id or local diffusers folder")
     resolution: int = _f(512, "image side in pixels", "[ours C7] DiffusionNFT's 512")
     max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
     guidance: float = _f(3.5, "FLUX: distilled guidance (no true CFG)", "[ours C1] [peer X9]")
@@ -2009,40 +1892,32 @@ class Args:
     lora_rank: int = _f(32, "LoRA rank r", "[paper P11] SD3.5-M Stage 1")
     lora_alpha: int = _f(64, "LoRA alpha", "[paper P11] SD3.5-M Stage 1")
     lora_targets: str = _f("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out",
-                           "comma-separated module names inside the blocks that get LoRA",
-                           "[ours C17]")
+                           "module names inside the blocks that get LoRA", "[ours C17]")
     full_finetune: bool = _f(False, "train all transformer weights instead of LoRA")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (less memory)")
-    offload_text_encoders: bool = _f(False, "embed all prompts once, then move the text encoders "
-                                     "to the CPU (~10 GB less with T5-XXL)")
+    offload_text_encoders: bool = _f(False, "embed all prompts once, text encoders to the CPU")
     dtype: str = _f("auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", "[ours C10]",
                     choices=("auto", "bf16", "fp16", "fp32"))
     # --- sampler ---------------------------------------------------------------------------------
     num_steps: int = _f(40, "ODE steps per rollout (K)", "[paper P11] 40-step ODE rollouts")
-    solver: str = _f("euler", "deterministic ODE solver for rollouts and evaluation",
-                     "[paper P1; ours C17]", choices=("euler", "dpmpp2m"))
-    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (default: the family's "
-                                   "protocol, SD3 40 and FLUX 16; else num_steps)",
-                                   "[paper P11] Flow-GRPO/DiffusionNFT evaluate SD3.5-M at 40")
+    solver: str = _f("euler", "deterministic ODE solver", "[paper P1; ours C17]",
+                     choices=("euler", "dpmpp2m"))
+    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (None: num_steps)",
+                                   "[paper P11] the peers evaluate SD3.5-M at 40")
     rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, same results)")
     # --- reward ----------------------------------------------------------------------------------
-    reward: str = _f("pickscore", "reward(s) with weights: pickscore | hpsv2 | clipscore | "
-                     "aesthetic | imagereward | jpeg | module.path:function, e.g. "
-                     "pickscore:1,hpsv2:1")
-    reward_aggregation: str = _f("sum", "several rewards: weighted sum, then group-normalise "
-                                 "(sum), or the reverse (per_reward)", "[ours C3]",
-                                 choices=("sum", "per_reward"))
+    reward: str = _f("pickscore", "rewards with weights, e.g. pickscore:1,hpsv2:1 (BUILTIN_REWARDS "
+                     "or module.path:function)")
+    reward_aggregation: str = _f("sum", "several rewards: sum then normalise, or the reverse",
+                                 "[ours C3]", choices=("sum", "per_reward"))
     eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: training's)")
-    pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore: hub id or dir",
-                              "[peer X10]")
+    pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore: hub id or dir", "[peer X10]")
     pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
                                   "PickScore processor: hub id or dir", "[peer X10]")
-    hpsv2_arch: str = _f("ViT-H-14", "HPSv2 open_clip architecture (name or JSON config)",
-                         "[peer X10]")
+    hpsv2_arch: str = _f("ViT-H-14", "HPSv2 open_clip architecture (or JSON config)", "[peer X10]")
     hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt",
                                "HPSv2.1 weights: file or owner/repo/file", "[peer X10]")
-    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore and aesthetic",
-                         "[peer X10]")
+    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore, aesthetic", "[peer X10]")
     aesthetic_weights: str = _f("trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
                                 "LAION aesthetic MLP: file or owner/repo/file", "[peer X10]")
     imagereward_model: str = _f("ImageReward-v1.0", "ImageReward name or path (optional package)")
@@ -2058,8 +1933,8 @@ class Args:
                                choices=("x", "v", "eps"))
     adaptive_weighting: bool = _f(True, "divide each pair's MSE by its detached MAE", "[paper P7]")
     mae_floor: float = _f(1e-5, "lower clamp of the MAE denominator", "[ours C5]")
-    global_std: bool = _f(True, "advantage std over the whole batch around the batch mean (else "
-                          "per group)", "[ours C3] flow_grpo/stat_tracking.py")
+    global_std: bool = _f(True, "advantage std over the batch (else per group)",
+                          "[ours C3] flow_grpo/stat_tracking.py")
     std_eps: float = _f(1e-4, "added to the advantage std", "[ours C3] DiffusionNFT")
     adv_clamp: float = _f(5.0, "hard clamp |A| ≤ this before soft-clip", "[ours C1]")
     soft_clip_eta: float = _f(3.0, "η of A ← η·tanh(A/η); 0 = off", "[paper P9] η = 3, Stage 1")
@@ -2075,18 +1950,18 @@ class Args:
     # --- system ----------------------------------------------------------------------------------
     seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
     device: str = _f("auto", "cuda, cpu, or auto")
-    # --- throughput levers (none changes what is computed, beyond floating-point rounding) -------
-    compile: bool = _f(False, "torch.compile each transformer block (regional: seconds of "
-                       "compile); the first iterations include compile time")
-    compile_backend: str = _f("inductor", "backend of --compile (aot_eager, eager: no codegen)")
-    merge_lora_rollout: bool = _f(False, "roll out and evaluate with the LoRA merged into the "
-                                  "base weights (restored bit-exactly after; surrogates unmerged)")
-    attention_backend: str = _f("auto", "SDPA kernel; auto = torch picks, cuDNN off on CUDA (its "
-                                "backward failed on FLUX.1-dev)",
-                                choices=("auto", "flash", "efficient", "math", "cudnn"))
-    vae_autocast: bool = _f(False, "decode latents under the compute-dtype autocast, not fp32")
+    report_to: str = _f("none", "live curves (wandb: pip install wandb; WANDB_MODE=offline ok)",
+                        choices=("none", "tensorboard", "wandb"))
     preset: Optional[str] = _f(None, "bundle of overrides (README \"Presets\")",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
+
+    @functools.cached_property
+    def train_terms(self) -> list[tuple[str, float]]:   # --reward parsed once: [(name, w), ...]
+        return parse_reward_spec(self.reward)
+
+    @functools.cached_property
+    def eval_terms(self) -> list[tuple[str, float]]:    # --eval_rewards, or the training terms
+        return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
 
 # Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
@@ -2111,20 +1986,21 @@ FAMILY_PRESETS: dict[str, dict] = {
                  global_std=False, std_eps=1e-8, max_sequence_length=512,
                  lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
-# "paper" depends on the family: SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
-# MixGRPO's 32 prompts × 12 per iteration [ours C1–C3]. The stage presets are the later
-# SD3.5 stages' controls [ours C9] (our choice where the paper is silent); their rewards
-# (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not included").
-STAGE1_BATCH = {"sd3": dict(prompts_per_iter=48, group_size=24),
-                "flux": dict(prompts_per_iter=32, group_size=12)}
+# --preset NAME, per family. "paper": SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
+# MixGRPO's 32 prompts × 12 per iteration [ours C1–C3]. The stage presets are the later SD3.5
+# stages' controls [ours C9] (our choice where the paper is silent), the same on both families;
+# their rewards (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not
+# included").
+_BOTH = lambda d: {"sd3": d, "flux": d}                         # noqa: E731
 PRESETS: dict[str, dict] = {
-    "paper": STAGE1_BATCH["sd3"],                              # replaced per family in resolve_args
-    "geneval-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
-                          soft_clip_eta=0.0, iterations=200),   # Stages 2 / 4 (Stage 4: 50 its)
-    "ocr-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3, clip_eps=0.0,
-                      iterations=30),                           # Stage 5
-    "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1,
-                  n_eval=2),
+    "paper": {"sd3": dict(prompts_per_iter=48, group_size=24),
+              "flux": dict(prompts_per_iter=32, group_size=12)},
+    "geneval-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
+                                soft_clip_eta=0.0, iterations=200)),   # Stages 2 / 4 (4: 50 its)
+    "ocr-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3,
+                            clip_eps=0.0, iterations=30)),             # Stage 5
+    "smoke": _BOTH(dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1,
+                        save_every=1, n_eval=2)),
 }
 
 
@@ -2154,14 +2030,14 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
 
 
 def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
-    """Layer per-family, per-model and named presets, a resumed run's saved config and the given
-    flags (later layers win); validate; record where each value came from in `args.origin`."""
+    """The one configuration pass: layer per-family, per-model and named presets, a resumed run's
+    saved config and the given flags (later layers win); validate once; record where each value
+    came from in `args.origin`."""
     model = given.get("model", (resumed or {}).get("model", Args.model))
     family, preset = model_family(model), given.get("preset")
     layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
               (f"{model} preset (our choice)", MODEL_PRESETS.get(model, {})),
-              (f"--preset {preset}", STAGE1_BATCH[family] if preset == "paper"
-               else PRESETS.get(preset or "", {})),
+              (f"--preset {preset}", PRESETS[preset][family] if preset else {}),
               ("the resumed run's config", resumed or {}),
               ("command line", given)]
     values, origin = {}, {}
@@ -2179,7 +2055,7 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
 
 def check_args(args: Args) -> None:
     """Every bad value or combination, in one message, before anything is loaded or written."""
-    v, n = vars(args), args.prompts_per_iter * args.group_size
+    v = vars(args)
     counts = ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
               "iterations", "reward_batch", "resolution", "eval_steps")
     rates = ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta")
@@ -2193,36 +2069,35 @@ def check_args(args: Args) -> None:
         (args.group_size < 2, f"--group_size must be ≥ 2 (got {args.group_size}): a "
          "group-relative advantage needs at least two images per prompt"),
         (not args.adv_clamp >= 0, f"--adv_clamp must be ≥ 0 or inf (got {args.adv_clamp})"),
-        (args.mu > n, f"--mu {args.mu} exceeds the {n} samples of an iteration"),
         (args.stratified and args.n_mc > args.num_steps, f"--n_mc {args.n_mc} > --num_steps "
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
-        (args.merge_lora_rollout and args.full_finetune,
-         "--merge_lora_rollout needs a LoRA to merge: drop it or --full_finetune"),
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
         (not 0 <= args.eval_holdout < 1,
-         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})")]
+         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})"),
+        (args.report_to == "wandb" and importlib.util.find_spec("wandb") is None,
+         "--report_to wandb needs the optional package wandb: pip install wandb")]
     problems += [msg for failed, msg in checks if failed]
-    for spec in (args.reward, args.eval_rewards):
+    for terms in ("train_terms", "eval_terms"):
         try:
-            spec is None or parse_reward_spec(spec)
-        except ValueError as e:
+            getattr(args, terms)                          # parsed here, once, and kept
+        except ConfigError as e:
             problems.append(str(e))
     if problems:
-        raise ConfigError("; ".join(problems))
+        raise ConfigError("; ".join(dict.fromkeys(problems)))      # each once (eval = train terms)
+    check_world(args, dist_info()[1])
 
 
 def banner(run: Run) -> str:
-    """The start-up summary: batch, rollout, surrogate and controls, and every value a preset or
-    a flag changed, with where it came from."""
-    a, N = run.args, run.args.prompts_per_iter * run.args.group_size
+    """The start-up summary, and every value a preset or a flag changed with where it came from."""
+    a, N = run.args, run.N
     grid = [round(float(s), 4) for s in run.sigmas[:3]]
     lines = [f"V-GRPO  model={a.model}  reward={a.reward}  device={run.dev}  dtype={run.dtype}  "
              f"processes={run.world}  run_dir={run.run_dir}",
              f"  batch: {a.prompts_per_iter} prompts × {a.group_size} images = {N} rollouts/"
              f"iteration ({N // run.world} per process); {a.mu} optimizer step(s) of "
              f"{N // a.mu} samples; micro-batch {a.micro_batch} × {a.n_mc} pairs",
-             f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {grid}…; NFE/sample old "
-             f"{a.num_steps}+{a.n_mc}, θ {a.n_mc}",
+             f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {grid}…; NFE/sample: rollout "
+             f"{a.num_steps}, θ_old {a.n_mc}, θ {a.n_mc}",
              f"  surrogate: {a.parameterization}-pred, adaptive={a.adaptive_weighting}, "
              f"stratified={a.stratified}, sharing={a.pair_sharing}",
              f"  controls: clip ε={a.clip_eps or 'off'}, KL β={a.kl_coef or 'off'}, soft-clip "
@@ -2242,11 +2117,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         given = given_flags(argv)
         # a resumed run keeps its own configuration; flags given now override it
-        resumed = checkpoint_config(given["resume"]) if given.get("resume") else None
+        resumed = read_checkpoint(given["resume"])[1]["config"] if given.get("resume") else None
         train(resolve_args(given, resumed=resumed))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                              # a second Ctrl-C (train says where)
+        return 130
     return 0
 
 

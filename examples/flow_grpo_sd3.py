@@ -396,18 +396,18 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
 
     # 2. rewards (weighted sum, as their multi_score), stat-tracker advantages, zero-adv. filter
     t1 = time.perf_counter()
-    names = [n for n, _ in rewards.train]
+    names = [n for n, _ in rewards.train_terms]
     sample_prompts = [prompts[i // G] for i in range(N)]
     raw_all, _ = V.decode_and_reward(adapter, rewards, names, traj[:, -1], sample_prompts, args.reward_batch)
-    w = torch.tensor([wt for _, wt in rewards.train])
-    r = (rewards.training_values(raw_all, rewards.train) * w[:, None]).sum(0)          # (N,)
+    w = torch.tensor([wt for _, wt in rewards.train_terms])
+    r = (rewards.training_values(raw_all, rewards.train_terms) * w[:, None]).sum(0)    # (N,)
     adv = stat_tracker_advantages(sample_prompts, r)                                   # (N,) fp64
     n_zero = int((adv == 0).sum())
     num_batches = N // mine.batch
     keep = (keep_mask(adv, num_batches, g_perm) if rec["filter_zero_adv"]
             else torch.ones(N, dtype=torch.bool))
     adv = adv.float().clamp(-args.adv_clamp, args.adv_clamp).to(dev)       # adv_clip_max 5
-    raw = rewards.summary(raw_all, rewards.train)
+    raw = rewards.headline(raw_all, rewards.train_terms)
     times["time_reward"] = time.perf_counter() - t1
     times["time_old"] = 0.0                          # old log-probs were stored by the rollout
 
@@ -479,7 +479,8 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     mean_or = lambda xs: float(torch.stack(xs).mean()) if xs else float("nan")
     return {"method": "flow_grpo", "iter": it, "reward_mean": float(raw.mean()),
             "reward_std": float(raw.std(unbiased=False)), **times,
-            "time_iter": time.perf_counter() - t0, "nfe_rollout": K * f, "nfe_old": K * f,
+            "time_iter": time.perf_counter() - t0, "nfe_rollout": K * f,
+            "nfe_old": 0,                             # its old log-probs come with the rollout
             "nfe_theta": T * f, "nfe_ref": T * f if rec["beta"] > 0 else 0,
             "trained_steps": trained, "n_trained_samples": int(len(idx)), "n_zero_adv": n_zero,
             "clip_frac": mean_or(clipped), "clip_frac_first_step": mean_or(clipped_first),
@@ -500,9 +501,9 @@ def evaluate(guided, rewards, args, eval_prompts, D, dev, ctx) -> float:
     lat = V.rollout(guided, x1, cond, torch.arange(n, device=dev),
                     guided.adapter.sigmas(args.eval_steps or args.num_steps), args.solver,
                     args.rollout_batch, ctx)
-    names = [name for name, _ in rewards.eval]
+    names = [name for name, _ in rewards.eval_terms]
     raw, _ = V.decode_and_reward(guided.adapter, rewards, names, lat, prompts, args.reward_batch)
-    return float(rewards.summary(raw, rewards.eval).mean())
+    return float(rewards.headline(raw, rewards.eval_terms).mean())
 
 
 def setup_dtype(mine, args):
@@ -544,7 +545,7 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
     named = {n: p for n, p in adapter.transformer.named_parameters() if p.requires_grad}
     init = {n: p.detach().clone() for n, p in named.items()}          # every method starts here
     params = list(named.values())
-    rewards = rewards if rewards is not None else V.Rewards(args, dev, prec["vgrpo"][0])
+    rewards = rewards if rewards is not None else V.Rewards.load(args, dev, prec["vgrpo"][0])
     train_prompts, eval_prompts = V.load_prompts(args)
     D = adapter.latent_shape(args.resolution)
     v_sigmas, f_sigmas = adapter.sigmas(args.num_steps), adapter.sigmas(mine.flow_steps)
@@ -614,8 +615,8 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
         rows.append({
             "method": LABEL[method], "rollout": desc,
             "nfe_rollout": hist[0]["nfe_rollout"],
-            "nfe_old_extra": hist[0]["nfe_old"] - hist[0]["nfe_rollout"],
-            "nfe_pi_old": hist[0]["nfe_old"], "nfe_theta": hist[0]["nfe_theta"],
+            "nfe_old_extra": hist[0]["nfe_old"],          # θ_old's evaluations beyond the rollout
+            "nfe_pi_old": hist[0]["nfe_rollout"] + hist[0]["nfe_old"], "nfe_theta": hist[0]["nfe_theta"],
             "nfe_ref": hist[0]["nfe_ref"],
             "opt_steps": hist[0]["opt_steps"],
             **{k: med(k) for k in ("time_rollout", "time_reward", "time_old", "time_update",

@@ -18,8 +18,9 @@ as it is measured, so a run cut short keeps what it measured:
   levers  SD3.5-M single-GPU defaults (40 Euler steps, N_MC 4, μ 1, micro-batch 4, rollout
           batch 16, checkpointing) at P×G = 1×16 — the default's per-forward shapes (rollout 16
           rows, training micro-batch 4 × N_MC 4 = 16 rows), a ninth of its samples — once per
-          lever on/off: --merge_lora_rollout, --attention_backend flash|efficient|cudnn,
-          --vae_autocast, --compile, then every lever that paid at once. Per row: rollout-phase
+          lever on/off (merged-LoRA rollouts, the flash / efficient / cuDNN attention kernel, a
+          bf16 VAE decode, regional torch.compile: experiments applied here from outside the
+          trainer, see LEVERS), then every lever that paid at once. Per row: rollout-phase
           MFU, whole-iteration MFU, peak memory, |log ρ| (0 at μ = 1 must hold with every lever);
           the first iteration (compile, autotuning) is reported apart from the steady-state one.
   memory  which settings train SD3.5-M LoRA on a 24, 48 and 80 GB card, emulated with
@@ -42,6 +43,7 @@ N·K·fwd / rollout seconds / peak; iteration MFU = useful FLOPs / iteration sec
 trained samples · (3 · trained NFE + reference NFE)), NFE counting a CFG step (2 rows) as 2.
 """
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -80,14 +82,88 @@ WARMUP = {"sd3": ["--prompts_per_iter", "1", "--group_size", "4", "--num_steps",
                    "--mu", "1", "--no-gradient_checkpointing", "--micro_batch", "1"]}
 # levers stage: the SD3.5-M defaults at 1 × 16 images (the default's per-forward shapes)
 LEVER_BASE = ["--prompts_per_iter", "1", "--group_size", "16"]
-LEVERS = {
-    "merge_lora_rollout": ["--merge_lora_rollout"],
-    "attn_flash": ["--attention_backend", "flash"],
-    "attn_efficient": ["--attention_backend", "efficient"],
-    "attn_cudnn": ["--attention_backend", "cudnn"],
-    "vae_autocast": ["--vae_autocast"],
-    "compile": ["--compile"],
-}
+# The throughput levers are experiments, not trainer flags: each is applied to a live Run from
+# outside vgrpo.py (a patched function, a wrapped adapter method, torch's process-wide switches)
+# and undone before the next row. One comes back into vgrpo.py only with a measured speed-up.
+LEVERS = ("merge_lora_rollout", "attn_flash", "attn_efficient", "attn_cudnn", "vae_autocast",
+          "compile")
+
+
+@contextlib.contextmanager
+def lora_merged(transformer):
+    """Run the body (no-grad rollouts) with every LoRA merged into its base weight,
+    W ← W + (α/r)·B·A: one matmul per layer instead of three. On exit W is restored bit for bit
+    from a CPU copy taken before the merge (peft's unmerge subtracts B·A, inexact in floating
+    point); the LoRA factors are never touched. In bf16 the merged W is rounded to bf16, so the
+    rollout policy differs from θ by that rounding; surrogates and ratios run unmerged, so ρ = 1
+    at μ = 1 stays exact. Cost per call: the targeted base weights copied to the host and back."""
+    from peft.tuners.lora import LoraLayer
+    layers = [m for m in transformer.modules() if isinstance(m, LoraLayer)]
+    saved = []                                          # (layer, base parameter, its CPU copy)
+    try:
+        with torch.no_grad():
+            for m in layers:
+                base = m.get_base_layer()
+                saved += [(m, p, p.detach().to("cpu", copy=True))
+                          for p in (base.weight, base.bias) if p is not None]
+                m.merge()                                 # in place: W.data += ΔW
+        yield
+    finally:
+        with torch.no_grad():
+            for m, p, cpu in saved:
+                p.copy_(cpu)
+                m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
+
+
+def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True) -> None:
+    """Regional torch.compile: each block compiled in place (nn.Module.compile, state-dict keys
+    unchanged), so blocks of one class share one graph and compile time stays in seconds; works
+    under LoRA, gradient checkpointing and no-grad rollouts. enabled=False undoes it."""
+    import torch._dynamo
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for blk in V.transformer_blocks(transformer):
+        if enabled:
+            blk.compile(backend=backend)
+        else:
+            blk._compiled_call_impl = None        # nn.Module.compile's slot
+
+
+@contextlib.contextmanager
+def levers(run, names, compile_backend="inductor"):
+    """Apply the named levers to `run` for the body, then undo them."""
+    sw = torch.backends.cuda
+    switches = (sw.enable_flash_sdp, sw.enable_mem_efficient_sdp, sw.enable_math_sdp,
+                sw.enable_cudnn_sdp)
+    saved = (sw.flash_sdp_enabled(), sw.mem_efficient_sdp_enabled(), sw.math_sdp_enabled(),
+             sw.cudnn_sdp_enabled())
+    ad, real_rollout, real_decode = run.adapter, V.rollout, run.adapter.decode
+    try:
+        if "merge_lora_rollout" in names:             # rollouts and evaluation, not surrogates
+            def merged_rollout(adapter, *a, **k):
+                with lora_merged(adapter.transformer):
+                    return real_rollout(adapter, *a, **k)
+            V.rollout = merged_rollout
+        for kernel in ("flash", "efficient", "cudnn"):
+            if f"attn_{kernel}" in names:             # that SDPA kernel alone
+                for enable, k in zip(switches, ("flash", "efficient", "math", "cudnn")):
+                    enable(k == kernel)
+        if "vae_autocast" in names:                   # decode in the compute dtype, not fp32
+            def decode(latents):
+                with run.ctx:
+                    return real_decode(latents)
+            ad.decode = decode
+        if "compile" in names:
+            compile_blocks(ad.transformer, compile_backend)
+        yield
+    finally:
+        V.rollout = real_rollout
+        ad.__dict__.pop("decode", None)
+        for enable, on in zip(switches, saved):
+            enable(on)
+        if "compile" in names:
+            compile_blocks(ad.transformer, enabled=False)
+
+
 # memory stage: SD3.5-M LoRA settings from fastest to leanest; peak memory does not depend on the
 # number of steps or of prompts (activations are per forward), so each trial is a short iteration
 MEMORY_CANDIDATES = {
@@ -192,7 +268,8 @@ def build_pickscore_random(device, dtype):
     proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 224},
                                                             crop_size={"height": 224, "width": 224}),
                          tokenizer=tok)
-    return V.Rewards.of({"pickscore": V.PickScoreReward(model, proc, device, dtype)}, [("pickscore", 1.0)])
+    return V.Rewards({"pickscore": V.clip_reward(model, proc, device, dtype, logit_scale=True)},
+                     [("pickscore", 1.0)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,19 +313,18 @@ def fresh_transformer(pipe) -> None:
     tr = pipe.transformer
     if getattr(tr, "peft_config", None):
         tr.delete_adapters(list(tr.peft_config))
-    V.compile_blocks(tr, enabled=False)
+    compile_blocks(tr, enabled=False)
 
 
-def measure(env, stage, name, extra, iters=1):
-    """setup() + `iters` iterations of one configuration. Returns a row (also on failure: with
-    'error'). Time and phases are those of the LAST iteration (steady state when iters ≥ 2)."""
+def measure(env, stage, name, extra, iters=1, lever_names=()):
+    """setup() + `iters` iterations of one configuration, with the named levers applied. Returns a
+    row (also on failure: with 'error'). Time and phases are those of the LAST iteration (steady
+    state when iters ≥ 2)."""
     argv = ["--model", env.model, "--reward", "pickscore", "--eval_rewards", "pickscore"] + extra
     argv += env.small + env.a.extra.split()
-    row = {"stage": stage, "config": name, "flags": " ".join(extra)}
+    row = {"stage": stage, "config": name, "flags": " ".join(extra), "levers": ",".join(lever_names)}
     try:
         args = V.parse_args(argv)
-        if env.a.compile_backend and args.compile:
-            args.compile_backend = env.a.compile_backend
         fresh_transformer(env.pipe)
         if not args.gradient_checkpointing:
             env.pipe.transformer.disable_gradient_checkpointing()
@@ -258,16 +334,15 @@ def measure(env, stage, name, extra, iters=1):
         run = V.setup(args, pipe=env.pipe, rewards=env.reward)
         key = (args.model, args.resolution)
         if key not in env.fwd:                         # counted on the eager model
-            V.compile_blocks(run.adapter.transformer, enabled=False)
             c1 = run.adapter.encode(run.train_prompts[:1])
             env.fwd[key] = forward_flops(run.adapter, run.D, c1, run.ctx)
-            V.compile_blocks(run.adapter.transformer, args.compile_backend, enabled=args.compile)
         fwd = env.fwd[key]
         walls, ms = [], []
-        for it in range(iters):
-            t0 = time.perf_counter()
-            ms.append(V.iteration(run, it))
-            walls.append(time.perf_counter() - t0)
+        with levers(run, lever_names, env.a.compile_backend or "inductor"):
+            for it in range(iters):
+                t0 = time.perf_counter()
+                ms.append(V.iteration(run, it))
+                walls.append(time.perf_counter() - t0)
         P, G, J, K = args.prompts_per_iter, args.group_size, args.n_mc, args.num_steps
         N, m, wall = P * G, ms[-1], walls[-1]
         flops_iter = N * fwd * (K + J + 3 * J)
@@ -323,13 +398,13 @@ COMPILE_EST_S = 240          # first-iteration compile allowance (inductor, ever
 
 
 def stage_levers(env) -> list[str]:
-    """Each lever on/off at the SD3.5-M defaults (1 × 16). Returns the flags of those that paid."""
+    """Each lever on/off at the SD3.5-M defaults (1 × 16). Returns the names of those that paid."""
     base = measure(env, "levers", "baseline", LEVER_BASE, iters=2)
     if not ok(base):
         return []
     step = base["time_iter"]
     paid = {}
-    for name, flags in LEVERS.items():
+    for name in LEVERS:
         if env.a.levers and name not in env.a.levers.split(","):
             continue
         if env.a.cpu_smoke and name in ("attn_efficient", "attn_cudnn"):
@@ -340,7 +415,7 @@ def stage_levers(env) -> list[str]:
         if env.left() < need + env.a.reserve_s:
             skip(env, "levers", name, f"time guard: {env.left():.0f} s left, ~{need:.0f} s needed")
             continue
-        r = measure(env, "levers", name, LEVER_BASE + flags, iters=iters)
+        r = measure(env, "levers", name, LEVER_BASE, iters=iters, lever_names=[name])
         if ok(r):
             r["speedup_iter"] = step / r["time_iter"]
             r["speedup_rollout"] = base["time_rollout"] / r["time_rollout"]
@@ -349,10 +424,9 @@ def stage_levers(env) -> list[str]:
             env.report.write()
             # kept only where it pays: ≥ 2% faster per iteration (timing noise is ~1% on a GPU)
             if r["speedup_iter"] >= 1.02 and r["abs_log_ratio"] == 0.0:
-                paid[name] = (r["speedup_iter"], flags)
-    attn = sorted((v[0], k) for k, v in paid.items() if k.startswith("attn_"))
+                paid[name] = r["speedup_iter"]
+    attn = sorted((v, k) for k, v in paid.items() if k.startswith("attn_"))
     kept = [k for k in paid if not k.startswith("attn_")] + ([attn[-1][1]] if attn else [])
-    flags = [f for k in kept for f in paid[k][1]]
     env.report.info["levers_kept"] = kept
     if len(kept) >= 2:
         iters = 2 if "compile" in kept else 1
@@ -360,13 +434,13 @@ def stage_levers(env) -> list[str]:
         if env.left() < need + env.a.reserve_s:
             skip(env, "levers", "combined", "time guard")
         else:
-            r = measure(env, "levers", "combined: " + ",".join(kept), LEVER_BASE + flags,
-                        iters=iters)
+            r = measure(env, "levers", "combined: " + ",".join(kept), LEVER_BASE, iters=iters,
+                        lever_names=kept)
             if ok(r):
                 r["speedup_iter"] = step / r["time_iter"]
                 r["speedup_rollout"] = base["time_rollout"] / r["time_rollout"]
                 env.report.write()
-    return flags
+    return kept
 
 
 def stage_memory(env) -> None:
@@ -471,7 +545,7 @@ def stage_flow(env) -> None:
                          ensure_ascii=False), flush=True)
 
 
-def stage_flux(env, lever_flags) -> None:
+def stage_flux(env, kept) -> None:
     """FLUX.1-dev defaults at 1 × 12: whole-iteration MFU, with and without the levers that paid
     on SD3.5-M."""
     env.pipe = None
@@ -485,14 +559,14 @@ def stage_flux(env, lever_flags) -> None:
     print(f"built FLUX.1-dev-shaped pipeline in {time.perf_counter() - t0:.0f}s", flush=True)
     measure(env, "flux", "warmup", WARMUP["flux"])
     base = measure(env, "flux", "flux_default", CONFIGS["flux_default"])
-    if lever_flags and ok(base):
-        compile_extra = COMPILE_EST_S if "--compile" in lever_flags and env.cuda else 0
-        iters = 2 if "--compile" in lever_flags else 1
+    if kept and ok(base):
+        compile_extra = COMPILE_EST_S if "compile" in kept and env.cuda else 0
+        iters = 2 if "compile" in kept else 1
         if env.left() < iters * base["time_iter"] * 1.3 + compile_extra:
             skip(env, "flux", "flux_default + levers", "time guard")
         else:
-            r = measure(env, "flux", "flux_default + levers", CONFIGS["flux_default"] + lever_flags,
-                        iters=iters)
+            r = measure(env, "flux", "flux_default + levers", CONFIGS["flux_default"], iters=iters,
+                        lever_names=kept)
             if ok(r):
                 r["speedup_iter"] = base["time_iter"] / r["time_iter"]
                 env.report.write()
@@ -580,8 +654,8 @@ def main(argv=None):
                          "after the start (model build included) are skipped")
     ap.add_argument("--reserve_s", type=float, default=20.0, help="seconds kept free at the end")
     ap.add_argument("--compile_backend", default=None,
-                    help="backend for the compile lever (default: "
-                    "vgrpo's, inductor; the CPU smoke uses eager)")
+                    help="backend for the compile lever (default inductor; the CPU smoke uses "
+                    "eager)")
     ap.add_argument("--levers", default=None, help=f"levers stage: a subset of {','.join(LEVERS)}")
     ap.add_argument("--flow_iterations", type=int, default=2,
                     help="flow stage: iterations of each method")
@@ -619,7 +693,7 @@ def main(argv=None):
                      "--group_size", "4"]
         flux_only = stages == ["flux"] or (stages == ["configs"] and a.family == "flux")
         env.pipe = TM.build_tiny_flux_pipeline() if flux_only else TM.build_tiny_sd3_pipeline()
-        env.reward = V.Rewards.of({"jpeg": V.JpegReward()}, [("jpeg", 1.0)])
+        env.reward = V.Rewards({"jpeg": V.jpeg_reward}, [("jpeg", 1.0)])
         global LEVER_BASE, MEMORY_TRIAL
         LEVER_BASE = ["--prompts_per_iter", "1", "--group_size", "4"]
         MEMORY_TRIAL = ["--prompts_per_iter", "1", "--group_size", "4"]
@@ -640,7 +714,7 @@ def main(argv=None):
     if a.cpu_smoke and flux_only:
         env.model = "flux.1-dev"
     print(f"built in {info['build_s']:.0f}s", flush=True)
-    lever_flags = []
+    kept_levers = []
     if "configs" in stages:
         if a.family == "flux" and not env.model.startswith("flux"):
             stage_flux_build(env)
@@ -649,7 +723,7 @@ def main(argv=None):
         if "levers" in stages or "memory" in stages or "flow" in stages:
             measure(env, "warmup", "warmup", WARMUP["sd3"])    # kernels, allocator (not reported)
         if "levers" in stages:
-            lever_flags = stage_levers(env)
+            kept_levers = stage_levers(env)
         if "memory" in stages:
             if env.left() > 60:
                 stage_memory(env)
@@ -663,7 +737,7 @@ def main(argv=None):
     if "flux" in stages:
         need = 20 if a.cpu_smoke else 150                  # build + warm-up + one 1×12 iteration
         if env.left() > need:
-            stage_flux(env, lever_flags)
+            stage_flux(env, kept_levers)
         else:
             skip(env, "flux", "all", "time guard")
     info["total_s"] = time.perf_counter() - env.t0

@@ -111,13 +111,13 @@ def parse(argv):
 def score_and_advantages(adapter, rewards, args, x0, sample_prompts, P, G):
     """Decode + score the N latents, then group-relative advantages. Returns raw (N,), A (N,)."""
     kw = dict(global_std=args.global_std, std_eps=args.std_eps, clamp=args.adv_clamp, eta=args.soft_clip_eta)
-    names = [n for n, _ in rewards.train]
+    names = [n for n, _ in rewards.train_terms]
     raw_all, _ = V.decode_and_reward(adapter, rewards, names, x0, sample_prompts, args.reward_batch)
-    values = rewards.training_values(raw_all, rewards.train).view(-1, P, G)          # (K, P, G)
-    weights = torch.tensor([w for _, w in rewards.train])
+    values = rewards.training_values(raw_all, rewards.train_terms).view(-1, P, G)    # (K, P, G)
+    weights = torch.tensor([w for _, w in rewards.train_terms])
     agg = V.per_reward_advantages if args.reward_aggregation == "per_reward" else V.weighted_sum_advantages
     adv, _ = agg(values, weights, **kw)                                                # (P, G)
-    return rewards.summary(raw_all, rewards.train), adv.flatten()                      # (N,), (N,)
+    return rewards.headline(raw_all, rewards.train_terms), adv.flatten()               # (N,), (N,)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def surrogates(adapter, x0, cond, prompt_idx, pairs, variant, args, ctx) -> torc
         for rows in torch.arange(len(x0), device=x0.device).split(args.micro_batch):
             t, eps = pairs.take(rows)
             with ctx:
-                s = V.pair_surrogates(adapter.velocity, x0[rows], V.select(cond, prompt_idx[rows]), t, eps,
+                s, _ = V.pair_surrogates(adapter.velocity, x0[rows], V.select(cond, prompt_idx[rows]), t, eps,
                                       parameterization=param, adaptive=adaptive, mae_floor=args.mae_floor)
             out.append(s.mean(dim=1))
     return torch.cat(out)
@@ -176,7 +176,7 @@ def per_sample_grads(adapter, params, x0, cond, prompt_idx, pairs, variant, adv,
         rows = torch.tensor([n], device=x0.device)
         t, eps = pairs.take(rows)
         with ctx:
-            s = V.pair_surrogates(adapter.velocity, x0[rows], V.select(cond, prompt_idx[rows]), t, eps,
+            s, _ = V.pair_surrogates(adapter.velocity, x0[rows], V.select(cond, prompt_idx[rows]), t, eps,
                                   parameterization=param, adaptive=adaptive, mae_floor=args.mae_floor)
         grads = torch.autograd.grad(s.mean(), params, allow_unused=True)
         flat = torch.cat([(g if g is not None else torch.zeros_like(p)).float().flatten()
@@ -201,7 +201,7 @@ def measure(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict],
     if args.gradient_checkpointing:
         adapter.transformer.enable_gradient_checkpointing()
     params = [p for p in adapter.transformer.parameters() if p.requires_grad]
-    rewards = rewards if rewards is not None else V.Rewards(args, dev, dtype)
+    rewards = rewards if rewards is not None else V.Rewards.load(args, dev, dtype)
 
     # ---- ONE fixed rollout batch: P prompts × G images, as vgrpo.iteration() draws them ----------
     P, G, J = args.prompts_per_iter, args.group_size, args.n_mc
@@ -232,8 +232,7 @@ def measure(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict],
         S_draws, cv_b, cv_g, r_b, r2_b, gn_all, absS_all, g_vecs = [], [], [], [], [], [], [], []
         for d in range(mine.draws):
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * (d + 1))
-            pairs = V.draw_pairs(grid, J, D, scope, stratified=stratified, generator=gen)
-            pairs = V.Pairs(t=pairs.t.to(dev), eps=pairs.eps.to(dev), index=pairs.index.to(dev))
+            pairs = V.draw_pairs(grid, J, D, scope, stratified=stratified, generator=gen, device=dev)
             S = surrogates(adapter, x0, cond, prompt_idx, pairs, variant, args, ctx).float().cpu()   # (N,)
             S_draws.append(S)
             cv = V.surrogate_cv(S.view(P, G))

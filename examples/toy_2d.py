@@ -227,7 +227,7 @@ def vgrpo_iteration(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, *, 
     # [Alg. step 4] S_old with θ_old, no grad, on the stored pairs.
     with torch.no_grad():
         t_all, eps_all = pairs.take(torch.arange(N))                           # (N, J), (N, J, 2)
-        s_old = V.pair_surrogates(vel, x0, cond, t_all, eps_all, **surr)       # (N, J)
+        s_old, _ = V.pair_surrogates(vel, x0, cond, t_all, eps_all, **surr)    # (N, J)
     cv = V.surrogate_cv(s_old.mean(dim=1).view(P, G))                          # paper P8 diagnostic
 
     # [Alg. step 5] μ optimizer steps over disjoint minibatches (μ = 1: the whole batch, ρ ≡ 1).
@@ -235,7 +235,7 @@ def vgrpo_iteration(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, *, 
     log_ratio = []
     for rows in perm.chunk(mu):                                                # (m,) each
         t, eps = pairs.take(rows)                                              # (m, J), (m, J, 2)
-        s_new = V.pair_surrogates(vel, x0[rows], cond[rows], t, eps, **surr)   # (m, J) with grad
+        s_new, _ = V.pair_surrogates(vel, x0[rows], cond[rows], t, eps, **surr)  # (m, J), grad
         loss, st = V.vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=clip_eps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
