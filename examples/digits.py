@@ -665,7 +665,9 @@ PLANS = {
     # rounds; held-out 40 per digit (400 images), validation 20 per digit (200)
     "full": dict(seeds=[0, 1, 2], lrs=[3e-4, 1e-3, 3e-3], iterations=16, eval_every=4,
                  ablation_evals=[], long_iterations=100, long_eval_every=20,
-                 timing_rounds=8, n_heldout=40, n_val=20, ablations=list(ABLATIONS)),
+                 timing_rounds=8, n_heldout=40, n_val=20,
+                 ablations=["pair sharing: none", "no stratification", "no adaptive weighting",
+                            "v-parameterisation", "naive FPO-style"]),
     "quick": dict(seeds=[0], lrs=[3e-4, 1e-3, 3e-3], iterations=8, eval_every=8,
                   ablation_evals=[], long_iterations=24, long_eval_every=8,
                   timing_rounds=2, n_heldout=40, n_val=20, ablations=[]),
@@ -682,19 +684,25 @@ def slug(name: str) -> str:
 
 def jobs_of(plan: dict) -> list[dict]:
     """Every run of the plan, in the order workers take them. lr None: the method's chosen lr
-    (known once its sweep is done); method "Flow-GRPO" of the long runs: the better recipe."""
+    (known once its sweep is done); method "Flow-GRPO" of the long runs: the better recipe. The
+    long Flow-GRPO run is chosen from the first two seeds' sweep runs (it is the longest job and
+    must start early); the remaining seeds' Flow-GRPO sweep runs come after it."""
     jobs = []
-    sweep = lambda m: [dict(kind="sweep", method=m, lr=lr, seed=s)
-                       for s in plan["seeds"] for lr in plan["lrs"]]
-    jobs += sweep("V-GRPO")
+    sweep = lambda m, seeds: [dict(kind="sweep", method=m, lr=lr, seed=s)
+                              for s in seeds for lr in plan["lrs"]]
+    first, rest = plan["seeds"][:2], plan["seeds"][2:]
+    flows = [m for m in SWEEP if m != "V-GRPO"]
+    jobs += sweep("V-GRPO", plan["seeds"])
     jobs += [dict(kind="long", method=m, lr=None, seed=0) for m in LONG if m != "Flow-GRPO"]
-    for m in SWEEP:
-        if m != "V-GRPO":
-            jobs += sweep(m)
+    for s in first:
+        for m in flows:
+            jobs += sweep(m, [s])
     jobs.append(dict(kind="long", method="Flow-GRPO", lr=None, seed=0))
+    jobs.append(dict(kind="timing", method="all", lr=None, seed=0))
+    for m in flows:
+        jobs += sweep(m, rest)
     jobs += [dict(kind="ablation", method=m, lr=None, seed=s)
              for s in plan["seeds"] for m in plan["ablations"]]
-    jobs.append(dict(kind="timing", method="all", lr=None, seed=0))
     for j in jobs:
         lr = f"__lr{j['lr']:g}" if j["lr"] is not None else ""
         j["id"] = f"{j['kind']}__{slug(j['method'])}{lr}__s{j['seed']}"
@@ -703,14 +711,18 @@ def jobs_of(plan: dict) -> list[dict]:
 
 def _needs(job: dict, jobs: list[dict]) -> list[str]:
     """Ids of the jobs whose results this one needs (its lr is chosen from them)."""
-    sweep = lambda f: [j["id"] for j in jobs if j["kind"] == "sweep" and f(j["method"])]
+    sweep = lambda f: [j["id"] for j in jobs if j["kind"] == "sweep" and f(j)]
     if job["kind"] == "sweep":
         return []
     if job["kind"] == "ablation" or (job["kind"] == "long" and job["method"] != "Flow-GRPO"):
-        return sweep(lambda m: m == "V-GRPO")
+        return sweep(lambda j: j["method"] == "V-GRPO")
     if job["kind"] == "long":
-        return sweep(lambda m: m != "V-GRPO")
-    return [j["id"] for j in jobs if j["kind"] != "timing"]
+        return sweep(lambda j: j["method"] != "V-GRPO" and j["seed"] in jobs_seeds(jobs)[:2])
+    return [j["id"] for j in jobs[:jobs.index(job)]]       # timing: everything listed before it
+
+
+def jobs_seeds(jobs: list[dict]) -> list[int]:
+    return sorted({j["seed"] for j in jobs if j["kind"] == "sweep"})
 
 
 def load_results(out: Path) -> dict:
@@ -885,7 +897,11 @@ def worker(out: Path, log=print) -> None:
             continue
         path = out / f"{job['id']}.json"
         try:
-            chosen = choose(load_results(out), plan, base) if _needs(job, jobs) else {}
+            res_in = load_results(out)
+            if job["kind"] == "long" and job["method"] == "Flow-GRPO":
+                res_in = {k: r for k, r in res_in.items() if r.get("kind") != "sweep"
+                          or r["method"] == "V-GRPO" or r["seed"] in plan["seeds"][:2]}
+            chosen = choose(res_in, plan, base) if _needs(job, jobs) else {}
             if job["kind"] == "timing":
                 res = timing_job(folder, chosen, plan["timing_rounds"], log)
             else:
@@ -1188,12 +1204,28 @@ def analyse(out: Path) -> dict:
     plan = json.loads((out / "plan.json").read_text())
     base = json.loads((out / "base.json").read_text())
     results = load_results(out)
-    failed = sorted(p.stem for p in out.glob("*.failed"))
+    # within a sweep method, only the seeds finished at every lr (so lrs compare like with like)
+    dropped = []
+    for m in SWEEP:
+        rs = [r for r in results.values() if r.get("kind") == "sweep" and r["method"] == m]
+        full = {sd for sd in {r["seed"] for r in rs}
+                if all(any(r["seed"] == sd and abs(r["lr"] - lr) < 1e-12 for r in rs)
+                       for lr in plan["lrs"])}
+        dropped += [r["id"] for r in rs if r["seed"] not in full]
+    results = {k: r for k, r in results.items() if k not in dropped}
+    planned = {j["id"] for j in jobs_of(plan)}
+    marks = {p.stem: p.read_text() for p in out.glob("*.failed") if p.stem in planned}
+    failed = sorted(k for k, t in marks.items() if not t.startswith("skipped"))
+    skipped = sorted(k for k, t in marks.items() if t.startswith("skipped"))
     timing = next((r for r in results.values() if r.get("kind") == "timing"), None)
     chosen = choose(results, plan, base)
     thr = plan["threshold"]
     S = {"plan": {k: v for k, v in plan.items() if k != "grids"}, "threshold": thr,
-         "failed": failed, "chosen": chosen, "timing": timing}
+         "failed": failed, "skipped": skipped, "chosen": chosen, "timing": timing,
+         "not_used": sorted(dropped),
+         "not_finished": sorted(j["id"] for j in jobs_of(plan)
+                                if j["id"] not in results and j["id"] not in marks
+                                and j["id"] not in dropped)}
     S["base"] = {k: {m: v[m] for m in ("n", "acc", "reward", "diversity", "nn_real")}
                  for k, v in base.items()}
     bh = base["heldout"]
@@ -1202,6 +1234,7 @@ def analyse(out: Path) -> dict:
                       ("nn_real", "nn")):
         p, b = boot_mean(_arrays([bh], key))
         S["base_ci"][name] = (p, *interval(b))
+        S.setdefault("_base_reps", {})[name] = b
     # the runs themselves: curves, image counts, EMA flag
     S["runs"] = []
     for rid, r in sorted(results.items()):
@@ -1250,7 +1283,7 @@ def analyse(out: Path) -> dict:
                     row["heldout_cfg"] = {k: cs[k] for k in cs if k not in ("_reps", "n",
                                                                            "seeds")}
                 S["sweep"].append(row)
-    S["frontier"] = frontier(S["sweep"])
+    S["frontier"] = frontier(S["sweep"], S)
     # efficiency at the chosen lrs
     S["efficiency"] = {}
     for m in SWEEP:
@@ -1260,15 +1293,8 @@ def analyse(out: Path) -> dict:
         if rs and rs[0]["eval_key"] == chosen[m]["variant"]:
             e = efficiency(rs, thr, timing, m)
             e["final"] = {k: v for k, v in final_stats(rs).items() if k not in ("_reps",)}
+            e.update(label=_label(m, chosen[m]["variant"]), lr=chosen[m]["lr"])
             S["efficiency"][m] = e
-    ev = S["efficiency"].get("V-GRPO")
-    if ev:
-        for m, e in S["efficiency"].items():
-            if m == "V-GRPO":
-                continue
-            e["vs_vgrpo"] = {k: ratio(ev[r], e[r], ev[k][0], e[k][0])
-                             for k, r in (("iters", "_iters_reps"), ("nfe", "_nfe_reps"),
-                                          ("seconds", "_sec_reps")) if r in e and r in ev}
     # ablations at V-GRPO's lr, paired against the shipped recipe at that lr
     S["ablations"] = []
     if "V-GRPO" in chosen:
@@ -1293,6 +1319,8 @@ def analyse(out: Path) -> dict:
             row["reached"] = int(sum(math.isfinite(x) for x in pt))
             row["n_evals"] = len(rs[0]["evals"])
             S["ablations"].append(row)
+        if len(S["ablations"]) == 1:                        # the shipped row alone: none run
+            S["ablations"] = []
     # long runs
     S["long"] = []
     for r in sorted((r for r in results.values() if r.get("kind") == "long"),
@@ -1308,6 +1336,22 @@ def analyse(out: Path) -> dict:
                               final={k: fs[k] for k in fs if k not in ("_reps",)},
                               final_raw={k: v for k, v in final_stats([r], "heldout", "raw")
                                          .items() if k != "_reps"} if r["ema"] else None))
+    # the efficiency measures over the long runs too (one seed each: intervals over images only)
+    S["long_efficiency"] = {}
+    for r in sorted((r for r in results.values() if r.get("kind") == "long"),
+                    key=lambda r: list(LONG).index(_long_name(r))):
+        e = efficiency([r], thr, timing, r["method"] if _long_name(r) != r["method"] or
+                       r["method"] == "V-GRPO" else "-")
+        e["final"] = {k: v for k, v in final_stats([r]).items() if k != "_reps"}
+        e.update(label=r["method"] + (", EMA" if r["ema"] else ""), lr=r["lr"])
+        S["long_efficiency"][_long_name(r)] = e
+    for E in (S["efficiency"], S["long_efficiency"]):
+        ev = E.get("V-GRPO")
+        for m, e in E.items():
+            if ev and m != "V-GRPO":
+                e["vs_vgrpo"] = {k: ratio(ev[r], e[r], ev[k][0], e[k][0])
+                                 for k, r in (("iters", "_iters_reps"), ("nfe", "_nfe_reps"),
+                                              ("seconds", "_sec_reps")) if r in e and r in ev}
     return S
 
 
@@ -1320,12 +1364,15 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def frontier(sweep: list[dict]) -> dict:
+def frontier(sweep: list[dict], S: dict) -> dict:
     """Each Flow-GRPO point's distance below V-GRPO's reward–diversity frontier (held-out, final),
-    with its interval from the paired replicates. positive margin = the point lies below."""
+    with its interval from the bootstrap replicates; positive = the point lies below. V-GRPO's
+    frontier: its points at every lr plus the base model (lr 0: where every method starts)."""
     np = _np()
-    vpts = [r for r in sweep if r["method"] == "V-GRPO" and r["_reps"]]
-    if not vpts:
+    base = {"heldout": {k: S["base_ci"][k] for k in ("reward", "diversity")},
+            "_reps": S["_base_reps"]}
+    vpts = [base] + [r for r in sweep if r["method"] == "V-GRPO" and r["_reps"]]
+    if len(vpts) < 2:
         return {}
     pts = lambda rows: [(r["heldout"]["diversity"][0], r["heldout"]["reward"][0]) for r in rows]
     out = {"vgrpo_points": pts(vpts), "points": []}
@@ -1336,9 +1383,7 @@ def frontier(sweep: list[dict]) -> dict:
         f = frontier_margin(pts(vpts), d)
         item = dict(method=r["method"], lr=r["lr"], variant=r["variant"], diversity=d, reward=rew)
         if f is None:
-            item["position"] = "more diverse than every V-GRPO point"
-            best = max(vpts, key=lambda q: q["heldout"]["diversity"][0])
-            item["reward_vs_most_diverse_vgrpo"] = rew - best["heldout"]["reward"][0]
+            item["position"] = "more diverse than every V-GRPO point and the base model"
         else:
             reps = []
             for b in range(N_BOOT):
@@ -1349,13 +1394,15 @@ def frontier(sweep: list[dict]) -> dict:
             reps = reps[~np.isnan(reps)]
             item["margin"] = (f - rew, *interval(reps)) if len(reps) else (f - rew, f - rew,
                                                                              f - rew)
-            item["position"] = "below V-GRPO's frontier" if f - rew > 0 else \
-                "above V-GRPO's frontier"
+            m = item["margin"]
+            item["position"] = ("below V-GRPO's frontier" if m[1] > 0 else
+                                "above V-GRPO's frontier" if m[2] < 0 else
+                                "on V-GRPO's frontier within noise")
         out["points"].append(item)
     inside = [p for p in out["points"] if "margin" in p]
     out["all_below"] = bool(inside) and all(p["margin"][0] > 0 for p in inside)
     out["all_below_ci"] = bool(inside) and all(p["margin"][1] > 0 for p in inside)
-    out["outside"] = [p for p in out["points"] if "margin" not in p]
+    out["any_above_ci"] = any(p["margin"][2] < 0 for p in inside)
     return out
 
 
@@ -1436,41 +1483,48 @@ def _frontier_text(S: dict) -> str:
     F = S.get("frontier") or {}
     if not F.get("points"):
         return "Frontier: not enough runs.\n"
-    lines = []
+    lines = ["V-GRPO's frontier: the upper envelope of its (diversity, reward) points at every "
+             "lr and the base model (lr 0, where every method starts), joined linearly. A "
+             "Flow-GRPO point is below it if the gap's whole interval is above 0, above it if the "
+             "whole interval is below 0, else within noise of it."]
     for v, name in (("ema", "Flow-GRPO's EMA (what it evaluates)"),
                     ("raw", "Flow-GRPO's trained weights")):
         pts = [p for p in F["points"] if p["variant"] == v]
         if not pts:
             continue
         inside = [p for p in pts if "margin" in p]
-        below = [p for p in inside if p["margin"][0] > 0]
-        sure = [p for p in inside if p["margin"][1] > 0]
+        below = [p for p in inside if p["margin"][1] > 0]
+        above = [p for p in inside if p["margin"][2] < 0]
+        noise = [p for p in inside if p not in below and p not in above]
         out = [p for p in pts if "margin" not in p]
-        verdict = ("lies above" if inside and len(below) == len(inside) else
-                   "does not lie above")
-        s = (f"* **{name}:** V-GRPO's frontier {verdict} Flow-GRPO's where both have points: "
-             f"{len(below)} of the {len(inside)} Flow-GRPO points within V-GRPO's diversity "
-             f"range lie below it ({len(sure)} with the whole interval of the gap above 0)")
+        if above:
+            verdict = "does not lie above Flow-GRPO's"
+        elif below and not noise:
+            verdict = "lies above Flow-GRPO's"
+        elif below:
+            verdict = "lies above Flow-GRPO's or level with it"
+        else:
+            verdict = "is level with Flow-GRPO's within noise"
+        s = (f"* **{name}:** V-GRPO's frontier {verdict}: of {len(pts)} Flow-GRPO points, "
+             f"{len(below)} lie below it, {len(noise)} within noise of it, {len(above)} above "
+             f"it")
         if out:
-            s += ("; " + ", ".join(f"{p['method']} at lr {_lr(p['lr'])} (diversity "
-                                   f"{p['diversity']:.3f}, reward {p['reward']:.3f})"
-                                   for p in out)
-                  + " lie beyond V-GRPO's most diverse point, so the frontier says nothing "
-                    "about them")
+            s += (f", {len(out)} beyond its most diverse point ("
+                  + ", ".join(f"{p['method']} lr {_lr(p['lr'])}" for p in out) + ")")
         lines.append(s + ".")
         for p in inside:
             lines.append(f"  * {p['method']} lr {_lr(p['lr'])}: reward {p['reward']:.3f} at "
                          f"diversity {p['diversity']:.3f}; V-GRPO's frontier there is "
-                         f"{_ci(p['margin'])} higher")
+                         f"{_ci(p['margin'], '{:+.3f}')} higher ({p['position']})")
     return "\n".join(lines) + "\n"
 
 
-def _eff_rows(S: dict) -> list[list[str]]:
+def _eff_rows(E: dict) -> list[list[str]]:
     rows = []
-    for m, e in S["efficiency"].items():
+    for m, e in E.items():
         f = e["final"]
         vs = e.get("vs_vgrpo", {})
-        rows.append([_label(m, S["chosen"][m]["variant"]), _lr(S["chosen"][m]["lr"]),
+        rows.append([e["label"], _lr(e["lr"]),
                      f"{e['reached']}/{e['seeds']}", _ci(e["iters"], "{:.1f}"),
                      _ci(e["nfe"], "{:,.0f}"), _ci(e.get("seconds"), "{:.0f}"),
                      _ci(e.get("sec_per_iter"), "{:.2f}"),
@@ -1533,12 +1587,23 @@ def _long_text(S: dict) -> str:
         if peak["acc"] - last["acc"] >= 0.03:
             signs.append(f"held-out accuracy fell from its peak {peak['acc']:.3f} "
                          f"(@{peak['iter']}) to {last['acc']:.3f}")
+        windows = [sum(tr[i:i + k]) / k for i in range(0, len(tr) - k + 1)]
+        if signs and windows:
+            peak_tr, last_tr = max(windows), windows[-1]
+            signs.append(
+                f"the training reward fell too (best {k}-iteration mean {peak_tr:.3f}, last "
+                f"{last_tr:.3f}): the policy degraded on its own prompts as well, i.e. "
+                "instability rather than reward hacking (the classifier was not fooled)"
+                if last_tr < peak_tr - 0.05 else
+                f"while the training reward held (best {k}-iteration mean {peak_tr:.3f}, last "
+                f"{last_tr:.3f}): the policy over-fits its training prompts and the reward "
+                "model, i.e. reward hacking in the wider sense")
         notes.append(f"* **{L['method']}**: training reward {sum(tr[:k]) / k:.3f} (first "
                      f"{k} iterations) → {sum(tr[-k:]) / k:.3f} (last {k}); held-out accuracy "
                      f"{L['curve'][0]['acc']:.3f} → {last['acc']:.3f}, diversity "
                      f"{L['curve'][0]['diversity']:.3f} → {last['diversity']:.3f}, nn-real "
                      f"{L['curve'][0]['nn_real']:.3f} → {last['nn_real']:.3f}. "
-                     + (("Signs of over-optimisation: " + "; ".join(signs) + ".") if signs else
+                     + (("Signs of trouble: " + "; ".join(signs) + ".") if signs else
                         "No sign of reward hacking by these measures (diversity ≥ "
                         f"{DIVERSITY_KEEP:.0%} of the base model's, nn-real within 10 %, "
                         "accuracy within 0.03 of its peak)."))
@@ -1548,40 +1613,43 @@ def _long_text(S: dict) -> str:
 def _paper_text(S: dict) -> str:
     """Where the measurements agree or disagree with the paper's claims, computed."""
     out = []
-    E = S["efficiency"]
-    ev = E.get("V-GRPO")
-    for m, e in E.items():
-        if m == "V-GRPO" or not ev:
-            continue
-        r = e.get("vs_vgrpo", {}).get("iters")
-        fin_v, fin_f = ev["final"].get("reward"), e["final"].get("reward")
-        if r is None or fin_v is None or fin_f is None:
-            continue
-        it = S["plan"]["iterations"]
-        reach = f"V-GRPO reached it on {ev['reached']}/{ev['seeds']} seeds, {m} on " \
-                f"{e['reached']}/{e['seeds']} within {it} iterations"
-        if ev["reached"] == 0:
-            verdict = "not resolved (V-GRPO did not reach the threshold)"
-        elif e["reached"] == 0 and ev["reached"] == ev["seeds"]:
-            verdict = "agrees"
-        elif not math.isnan(r[1]) and r[1] > 1:
-            verdict = "agrees"
-        elif not math.isnan(r[2]) and r[2] < 1:
-            verdict = "disagrees"
-        else:
-            verdict = "not resolved (interval includes 1)"
-        s = reach + (f"; {m} needed {_ci(r, '{:.2f}')}× V-GRPO's iterations"
-                     if math.isfinite(r[0]) and r[0] > 0 else "")
-        out.append(f"* **Fewer iterations than the MDP baseline (the paper's efficiency claim):"
-                   f" {verdict}** against {m}: {s}; final held-out reward {_ci(fin_v)} (V-GRPO) "
-                   f"vs {_ci(fin_f)}.")
+    for E, where, it in ((S["efficiency"], f"sweep, {S['plan']['iterations']} iterations",
+                          S["plan"]["iterations"]),
+                         (S.get("long_efficiency", {}), "long runs, one seed",
+                          S["plan"]["long_iterations"])):
+        ev = E.get("V-GRPO")
+        for m, e in E.items():
+            if m == "V-GRPO" or not m.startswith("Flow-GRPO") or not ev:
+                continue
+            r = e.get("vs_vgrpo", {}).get("iters")
+            fin_v, fin_f = ev["final"].get("reward"), e["final"].get("reward")
+            if r is None or fin_v is None or fin_f is None:
+                continue
+            reach = (f"V-GRPO reached it on {ev['reached']}/{ev['seeds']} seeds, {e['label']} on "
+                     f"{e['reached']}/{e['seeds']} within {it} iterations")
+            if ev["reached"] == 0:
+                verdict = "not resolved (V-GRPO did not reach the threshold)"
+            elif e["reached"] == 0 and ev["reached"] == ev["seeds"]:
+                verdict = "agrees"
+            elif not math.isnan(r[1]) and r[1] > 1:
+                verdict = "agrees"
+            elif not math.isnan(r[2]) and r[2] < 1:
+                verdict = "disagrees"
+            else:
+                verdict = "not resolved (interval includes 1)"
+            s = reach + (f"; {e['label']} needed {_ci(r, '{:.2f}')}× V-GRPO's iterations"
+                         if math.isfinite(r[0]) and r[0] > 0 else "")
+            out.append(f"* **Fewer iterations than the MDP baseline (the paper's efficiency "
+                       f"claim), {where}: {verdict}** against {e['label']}: {s}; final "
+                       f"held-out reward {_ci(fin_v)} (V-GRPO) vs {_ci(fin_f)}.")
     F = S.get("frontier") or {}
     if F.get("points"):
-        out.append(f"* **On the reward–diversity frontier** (not a claim of the paper, the "
-                   f"question a faster-moving method must answer): V-GRPO's frontier "
-                   f"{'lies above' if F['all_below'] else 'does not lie above'} every "
-                   f"Flow-GRPO point in its range"
-                   f"{' (every gap interval above 0)' if F['all_below_ci'] else ''}.")
+        out.append("* **On the reward–diversity frontier** (not a claim of the paper, the "
+                   "question a faster-moving method must answer): V-GRPO's frontier "
+                   + ("does not lie above Flow-GRPO's everywhere (some point lies above "
+                      "it)" if F["any_above_ci"] else "lies above Flow-GRPO's (every point below "
+                      "it)" if F["all_below_ci"] else "lies above or level with Flow-GRPO's (no "
+                      "point above it; some within noise)") + ".")
     A = {a["method"]: a for a in S["ablations"]}
     claims = [("naive FPO-style", "the naive surrogate is worse"),
               ("no adaptive weighting", "adaptive weighting helps"),
@@ -1630,13 +1698,30 @@ def write_report(S: dict, cmd: str, figs: dict) -> tuple[str, str]:
                   f"diversity {S['base']['heldout_cfg']['diversity']:.3f}.\n\n"
                   + _table(SWEEP_HEAD, _sweep_rows(S))),
         "frontier": _frontier_text(S),
-        "eff": _table(EFF_HEAD, _eff_rows(S)) if S["efficiency"] else "Not run.\n",
-        "abl": (_table(ABL_HEAD, _abl_rows(S)) if S["ablations"] else "Not run.\n"),
+        "eff": ((_table(EFF_HEAD, _eff_rows(S["efficiency"])) if S["efficiency"] else
+                 "Not run.\n")
+                + (f"\nThe same over the long runs ({S['plan']['long_iterations']} iterations, "
+                   f"one seed each, evaluated every {S['plan']['long_eval_every']} iterations; "
+                   "intervals over images only):\n\n"
+                   + _table(EFF_HEAD, _eff_rows(S["long_efficiency"]))
+                   if S.get("long_efficiency") else "")),
+        "abl": (_table(ABL_HEAD, _abl_rows(S)) if S["ablations"] else
+                "Not run in this benchmark run.\n"),
         "long": _long_text(S),
         "paper": _paper_text(S),
     }
     fail = (f"\nFailed runs (see the benchmark's log): {', '.join(S['failed'])}.\n"
             if S["failed"] else "")
+    if S.get("not_used"):
+        fail += (f"\nFinished but not used (their seed is not finished at every lr of the "
+                 f"sweep): {', '.join(S['not_used'])}.\n")
+    if S.get("not_finished"):
+        fail += (f"\n**Not finished when this report was made** (the benchmark was stopped for "
+                 f"time): {', '.join(S['not_finished'])}.\n")
+    if S.get("skipped"):
+        fail += (f"\n**Not run in this benchmark run** (skipped by hand for time on a machine "
+                 f"shared with other jobs; the plan includes them and `benchmark` runs them "
+                 f"when their marker files are deleted): {', '.join(S['skipped'])}.\n")
     img = lambda k, alt: f"![{alt}]({figs[k]})\n" if k in figs else ""
     md = ("# V-GRPO and Flow-GRPO on handwritten digits: each at its own learning rate\n\n"
           + parts["setup"] + fail
@@ -1812,6 +1897,9 @@ def figures(S: dict, out: Path, fig_dir: Path, prefix: str) -> dict:
         ax.text(1.0, ax.get_ylim()[0], " real handwriting", color="gray", fontsize=7,
                 va="bottom")
         ax.axvline(DIVERSITY_KEEP * b["diversity"][0], color="gray", lw=0.8, ls=":")
+        ax.text(DIVERSITY_KEEP * b["diversity"][0], ax.get_ylim()[0],
+                f" {DIVERSITY_KEEP:.0%} of the base model's", color="gray", fontsize=7,
+                va="bottom")
         ax.set_xlabel("held-out diversity (within-digit, real digits = 1)")
         ax.set_ylabel("held-out reward  p(prompted digit)")
         it = S["plan"]["iterations"]
