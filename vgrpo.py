@@ -76,7 +76,7 @@ CONTENTS (top-down): §1 imports · §2 flow-matching math · §3 ODE samplers �
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse, contextlib, dataclasses, fcntl, functools, importlib.util, io, json, math, os
+import argparse, contextlib, dataclasses, functools, importlib.util, io, json, math, os
 import random, shutil, signal, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1306,12 +1306,6 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
     log_f = open_run_dir(run, run_dir)
     tracker = Tracker(run) if run.rank == 0 else None
 
-    def on_sigint(*_):
-        if stop:
-            raise KeyboardInterrupt
-        stop.append(True)
-        tqdm.write("Ctrl-C: finishing this iteration, then saving (again: stop now)", file=sys.stderr)
-
     def log(m: dict, evaluation: bool = False) -> None:
         if run.rank == 0:
             print(json.dumps(m), file=log_f, flush=True)
@@ -1322,7 +1316,7 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
                        f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}"
                        f"/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    restore_ctrl_c = catch_ctrl_c(stop)
     bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
                desc="V-GRPO", unit="it", disable=run.rank != 0)
     try:
@@ -1348,7 +1342,7 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
               f"continue with --resume {run_dir}", file=sys.stderr)
         raise
     finally:
-        signal.signal(signal.SIGINT, previous)
+        restore_ctrl_c()
         bar.close()
         if run.rank == 0:
             log_f.close()
@@ -1356,6 +1350,22 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
         if run.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return history
+
+
+def catch_ctrl_c(stop: list):
+    """The first Ctrl-C appends to `stop` (the loop finishes the iteration, saves and stops); a
+    second raises KeyboardInterrupt. Returns what restores the previous handler (off the main
+    thread signals cannot be caught, and Python's own Ctrl-C stays)."""
+    def on_sigint(*_):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(True)
+        _warn("Ctrl-C: finishing this iteration, then saving (Ctrl-C again: stop now)")
+    try:
+        previous = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:
+        return lambda: None
+    return lambda: signal.signal(signal.SIGINT, previous)
 
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
@@ -1599,6 +1609,10 @@ def lock_run_dir(run_dir: Path) -> None:
     """One trainer per run folder: an exclusive flock on run_dir/.lock, which the operating
     system releases when the holder exits or is killed; a second trainer gets a ConfigError
     naming the process that holds it, before it changes anything."""
+    try:
+        import fcntl                            # POSIX; `import vgrpo` must work everywhere
+    except ImportError:
+        return
     if (key := str(run_dir.resolve())) in _LOCKS:
         return
     f = open(run_dir / ".lock", "a+")
