@@ -725,9 +725,8 @@ SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
 def model_family(name: str) -> str:
     """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
-    index = Path(name, "model_index.json")
-    if name in TINY_MODELS or index.is_file():
-        cls_name = TINY_MODELS.get(name) or json.loads(index.read_text()).get("_class_name")
+    if name in TINY_MODELS or Path(name).is_dir():
+        cls_name = TINY_MODELS.get(name) or check_local_pipeline(name)[0]   # one-line errors
         return "flux" if cls_name == "FluxPipeline" else "sd3"
     return "flux" if "flux" in MODEL_ALIASES.get(name, name).lower() else "sd3"
 
