@@ -1520,7 +1520,7 @@ class Tracker:
         elif self.kind == "wandb":
             import wandb
             idf = run.run_dir / "wandb_id"
-            idf.exists() or idf.write_text(wandb.util.generate_id())
+            idf.exists() or idf.write_text(os.urandom(6).hex())    # this run's W&B id
             self.out = wandb.init(project="vgrpo", name=run.run_dir.name, dir=str(run.run_dir),
                                   id=idf.read_text(), resume="allow",
                                   config=dataclasses.asdict(run.args))
