@@ -76,7 +76,7 @@ CONTENTS (top-down): §1 imports · §2 flow-matching math · §3 ODE samplers �
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse, contextlib, dataclasses, fcntl, functools, importlib.util, io, json, math, os
+import argparse, contextlib, dataclasses, functools, importlib.util, io, json, math, os
 import random, shutil, signal, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -725,9 +725,8 @@ SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
 def model_family(name: str) -> str:
     """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
-    index = Path(name, "model_index.json")
-    if name in TINY_MODELS or index.is_file():
-        cls_name = TINY_MODELS.get(name) or json.loads(index.read_text()).get("_class_name")
+    if name in TINY_MODELS or Path(name).is_dir():
+        cls_name = TINY_MODELS.get(name) or check_local_pipeline(name)[0]   # one-line errors
         return "flux" if cls_name == "FluxPipeline" else "sd3"
     return "flux" if "flux" in MODEL_ALIASES.get(name, name).lower() else "sd3"
 
@@ -1306,12 +1305,6 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
     log_f = open_run_dir(run, run_dir)
     tracker = Tracker(run) if run.rank == 0 else None
 
-    def on_sigint(*_):
-        if stop:
-            raise KeyboardInterrupt
-        stop.append(True)
-        tqdm.write("Ctrl-C: finishing this iteration, then saving (again: stop now)", file=sys.stderr)
-
     def log(m: dict, evaluation: bool = False) -> None:
         if run.rank == 0:
             print(json.dumps(m), file=log_f, flush=True)
@@ -1322,7 +1315,7 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
                        f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}"
                        f"/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    restore_ctrl_c = catch_ctrl_c(stop)
     bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
                desc="V-GRPO", unit="it", disable=run.rank != 0)
     try:
@@ -1348,7 +1341,7 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
               f"continue with --resume {run_dir}", file=sys.stderr)
         raise
     finally:
-        signal.signal(signal.SIGINT, previous)
+        restore_ctrl_c()
         bar.close()
         if run.rank == 0:
             log_f.close()
@@ -1356,6 +1349,22 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
         if run.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return history
+
+
+def catch_ctrl_c(stop: list):
+    """The first Ctrl-C appends to `stop` (the loop finishes the iteration, saves and stops); a
+    second raises KeyboardInterrupt. Returns what restores the previous handler (off the main
+    thread signals cannot be caught, and Python's own Ctrl-C stays)."""
+    def on_sigint(*_):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(True)
+        _warn("Ctrl-C: finishing this iteration, then saving (Ctrl-C again: stop now)")
+    try:
+        previous = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:
+        return lambda: None
+    return lambda: signal.signal(signal.SIGINT, previous)
 
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
@@ -1511,7 +1520,7 @@ class Tracker:
         elif self.kind == "wandb":
             import wandb
             idf = run.run_dir / "wandb_id"
-            idf.exists() or idf.write_text(wandb.util.generate_id())
+            idf.exists() or idf.write_text(os.urandom(6).hex())    # this run's W&B id
             self.out = wandb.init(project="vgrpo", name=run.run_dir.name, dir=str(run.run_dir),
                                   id=idf.read_text(), resume="allow",
                                   config=dataclasses.asdict(run.args))
@@ -1599,6 +1608,10 @@ def lock_run_dir(run_dir: Path) -> None:
     """One trainer per run folder: an exclusive flock on run_dir/.lock, which the operating
     system releases when the holder exits or is killed; a second trainer gets a ConfigError
     naming the process that holds it, before it changes anything."""
+    try:
+        import fcntl                            # POSIX; `import vgrpo` must work everywhere
+    except ImportError:
+        return
     if (key := str(run_dir.resolve())) in _LOCKS:
         return
     f = open(run_dir / ".lock", "a+")
