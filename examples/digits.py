@@ -1452,7 +1452,9 @@ def _setup_text(S: dict, cmd: str) -> str:
         f"iterations); NFE = transformer forwards of training (rollout, θ_old and θ passes, "
         f"Flow-GRPO's reference pass; CFG counts 2; backward passes not counted); wall-clock = "
         f"iterations × seconds per iteration measured in one process that ran one iteration of "
-        f"each method in turn, {p['timing_rounds']} rounds.\n")
+        f"each method in turn, {p['timing_rounds']} rounds.\n"
+        + ("* **Changed by hand during this run** (from the plan's own record): "
+           + "; ".join(p["amendments"]) + ".\n" if p.get("amendments") else ""))
 
 
 def _sweep_rows(S: dict) -> list[list[str]]:
@@ -1630,6 +1632,14 @@ def _long_text(S: dict) -> str:
                         f"{DIVERSITY_KEEP:.0%} of the base model's, nn-real within 10 %, "
                         "accuracy within 0.03 of its peak)."))
     by = {L["name"]: L for L in S["long"]}
+    ch = S["chosen"]
+    if "Flow-GRPO" in by and ch.get("better_flow"):
+        f, bf = by["Flow-GRPO"], ch["better_flow"]
+        same = f["method"] == bf and abs(f["lr"] - ch[bf]["lr"]) < 1e-12
+        notes.append(f"* The long Flow-GRPO run's recipe and lr ({f['method']}, {_lr(f['lr'])}) "
+                     f"were chosen from the first two seeds of the sweep so that it could start "
+                     f"early; the choice from every seed is {bf}, {_lr(ch[bf]['lr'])}"
+                     + (" (the same)." if same else " (different: read that row with care)."))
     kl = next((L for n, L in by.items() if n.startswith("V-GRPO + KL")), None)
     if kl and "V-GRPO" in by:
         v = by["V-GRPO"]
