@@ -1415,7 +1415,8 @@ def _setup_text(S: dict, cmd: str) -> str:
     return (
         f"Produced by `{cmd}` (plan `{p['mode']}`, commit {p.get('commit', '?')}, started "
         f"{p['started']}, {p['workers']} worker processes × {p['threads']} thread on a 2-core "
-        f"machine shared with other jobs). Model: the tiny SD3 pipeline of `examples/digits.py "
+        f"machine shared with other jobs; tables and figures by `python examples/digits.py "
+        f"report` at commit {_commit()}). Model: the tiny SD3 pipeline of `examples/digits.py "
         f"build` ({info.get('transformer_params', 0) / 1e6:.2f}M-parameter "
         f"SD3Transformer2DModel); reward p(prompted digit) from a conv classifier "
         f"({info.get('classifier_heldout_acc', nan):.1%} on held-out real digits). Every run: "
