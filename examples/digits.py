@@ -637,7 +637,7 @@ class Trainer:
         forwards of the whole iteration (CFG counts 2 per step; backward passes not counted)."""
         if not self.mdp:
             m = V.iteration(self.run, it)
-            nfe = self.N * (m["nfe_old"] + m["nfe_theta"])      # rollout + θ_old pass + θ pass
+            nfe = self.N * (m["nfe_rollout"] + _old_extra(m) + m["nfe_theta"])   # rollout, θ_old, θ
         else:
             r = self.run
             m = self.FG.flow_grpo_iteration(self.mine, self.args, r.adapter, self.guided, r.rewards,
@@ -856,7 +856,7 @@ def run_job(job: dict, folder: Path, plan: dict, base: dict, chosen: dict, log=p
             break
         log_iters.append(tr.step(it))
     return dict(job, method=method, lr=lr, iterations=iters, evals=evals, final=final,
-                iters=log_iters, ema=tr.ema is not None, eval_key=key,
+                iters=log_iters, ema=tr.ema is not None, eval_key=key, nfe_n=tr.N,
                 n_heldout=len(sets["heldout"][0]), n_val=len(sets["val"][0]),
                 flags=spec, seconds=time.perf_counter() - t0, threads=torch.get_num_threads(),
                 finished=time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -1116,8 +1116,23 @@ def hit_times(rs: list[dict], thr: float):
     return first(X.mean(-1)), first(acc_b)
 
 
+def _old_extra(m: dict) -> int:
+    """V-GRPO's θ_old forwards beyond the rollout. vgrpo's `nfe_old` counted the rollout too
+    before it was changed to count only these; either reading gives the extra (N_MC) here, where
+    N_MC < the rollout's steps."""
+    return m["nfe_old"] - m["nfe_rollout"] if m["nfe_old"] > m["nfe_rollout"] else m["nfe_old"]
+
+
 def nfe_per_iter(r: dict) -> float:
-    return sum(x["nfe_total"] for x in r["iters"]) / max(len(r["iters"]), 1)
+    """Mean training forwards per iteration; V-GRPO's recomputed from the logged counts (so runs
+    logged under either meaning of nfe_old agree)."""
+    its = r["iters"]
+    if its and "n_trained_samples" not in its[0] and "nfe_rollout" in its[0]:
+        N = r["nfe_n"] if "nfe_n" in r else 32
+        tot = [N * (x["nfe_rollout"] + _old_extra(x) + x["nfe_theta"]) for x in its]
+    else:
+        tot = [x["nfe_total"] for x in its]
+    return sum(tot) / max(len(tot), 1)
 
 
 def efficiency(rs: list[dict], thr: float, timing: dict | None, method: str) -> dict:
