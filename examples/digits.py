@@ -1711,7 +1711,11 @@ def _paper_text(S: dict) -> str:
                    + ("does not lie above Flow-GRPO's everywhere (some point lies above "
                       "it)" if F["any_above_ci"] else "lies above Flow-GRPO's (every point below "
                       "it)" if F["all_below_ci"] else "lies above or level with Flow-GRPO's (no "
-                      "point above it; some within noise)") + ".")
+                      "point above it; some within noise)" if any(
+                          p["margin"][1] > 0 for p in F["points"] if "margin" in p) else
+                      "is level with Flow-GRPO's within noise where both have points (no "
+                      "Flow-GRPO point lies above or below it); see above for how far each "
+                      "gets") + ".")
     A = {a["method"]: a for a in S["ablations"]}
     claims = [("naive FPO-style", "the naive surrogate is worse"),
               ("no adaptive weighting", "adaptive weighting helps"),
