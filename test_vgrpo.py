@@ -1271,19 +1271,19 @@ def test_per_reward_aggregation_by_hand():
 @pytest.mark.trainer
 def test_plugin_reward_loading_and_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    rw = V.PluginReward("examples.custom_reward:colour_match")
+    rw = V.plugin_reward("examples.custom_reward:colour_match")
     imgs = torch.zeros(3, 3, 8, 8)
     imgs[0, 0] = 1.0                                                 # pure red
     got = rw(imgs, ["a red apple", "a blue sky", "a cat"])
     torch.testing.assert_close(got, torch.tensor([1.0, 0.0, 0.0]))
     with pytest.raises(ValueError, match="could not import module 'no_such_module'"):
-        V.PluginReward("no_such_module:fn")
+        V.plugin_reward("no_such_module:fn")
     with pytest.raises(ValueError, match="has no callable 'nope'"):
-        V.PluginReward("examples.custom_reward:nope")
+        V.plugin_reward("examples.custom_reward:nope")
     (tmp_path / "badreward.py").write_text("import torch\ndef two(images, prompts):\n    return torch.zeros(len(prompts), 2)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"returned shape \(3, 2\), expected \(3,\)"):
-        V.PluginReward("badreward:two")(imgs, ["a", "b", "c"])
+        V.plugin_reward("badreward:two")(imgs, ["a", "b", "c"])
 
 
 @pytest.mark.trainer

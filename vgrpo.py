@@ -11,12 +11,10 @@ of the box below. A bare "§k" is a section of this file.
 
 What this file IS: a readable reference of the algorithm plus a working trainer for Stable
 Diffusion 3 / 3.5 and FLUX.1 (diffusers) with human-preference rewards (PickScore, HPSv2.1,
-CLIPScore, aesthetic, ImageReward, your own), on one GPU or under torchrun with the transformer
-sharded by FSDP2, with live curves in TensorBoard or W&B (--report_to), and offline tiny models
-(examples/tiny_models.py) so everything runs on a laptop CPU. What it is NOT: a framework; the
-loss can be copied into any trainer (§2–§6). See it work on a CPU: examples/toy_2d.py, a 2-D toy
-(V-GRPO, its ablations, an MDP baseline), and examples/digits.py, scikit-learn's 8×8 digits;
-each has its .md. GPU measurements of the full models are in results/.
+CLIPScore, aesthetic, ImageReward, your own), on one GPU or under torchrun (FSDP2), with live
+curves (--report_to) and offline tiny models, so everything runs on a laptop CPU. What it is NOT:
+a framework; the loss can be copied into any trainer (§2–§6). On a CPU: examples/toy_2d.py (a 2-D
+toy) and examples/digits.py (8×8 digits), each with its .md; GPU measurements are in results/.
 
 Quickstart
     pip install -r requirements.txt
@@ -64,11 +62,11 @@ CONVENTIONS
     * Math functions (§2–§6) are pure torch: tensors in, tensors out; no models, rewards,
       processes, globals or .item().
 
-CONTENTS (top-down): §1 imports · §2 flow-matching math · §3 ODE samplers · §4 group-relative
-    advantages · §5 stratified pairs + surrogate · §6 GRPO loss (§2–§6: the pure math) · §7
-    rewards · §8 models: loading, SD3/FLUX adapters, LoRA · §9 the loop: `iteration` and its five
-    steps, setup, train, evaluation, run folder, checkpoints, torchrun · §10 Args, presets, CLI,
-    main(). The method alone: this overview, §2–§6 and the start of §9; the rest is the trainer.
+CONTENTS (top-down): §1 imports · §2–§6 the pure math: flow matching, ODE samplers, advantages,
+    stratified pairs + surrogate, the loss · §7 rewards · §8 models: loading, SD3/FLUX adapters,
+    LoRA · §9 the loop: `iteration` and its five steps, setup, train, evaluation, run folder,
+    checkpoints, torchrun · §10 Args, presets, CLI, main(). The method alone: this overview,
+    §2–§6 and the start of §9; the rest is the trainer.
 """
 
 # ------------------------------------------------------------------------------------------------
@@ -588,47 +586,47 @@ def imagereward_reward(location: str, device: torch.device) -> Callable:
     return score
 
 
-class PluginReward:
-    """A user's `module.path:function`: (images (N, 3, H, W) in [0, 1], prompts) -> (N,)."""
+def plugin_reward(spec: str) -> Callable:
+    """A user's `module.path:function`, (images (N, 3, H, W) in [0, 1], prompts) -> (N,), its
+    output checked on every call (a tensor, array or list of N numbers)."""
+    module, _, fn_name = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())       # so `examples.custom_reward:fn` works from the repo
+    try:
+        fn = getattr(importlib.import_module(module), fn_name, None)
+    except ImportError as e:
+        raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
+    if not callable(fn):
+        raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn_name!r}")
 
-    def __init__(self, spec: str):
-        module, _, fn = spec.partition(":")
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())   # so `examples.custom_reward:fn` works from the repo
-        try:
-            self.fn, self.name = getattr(importlib.import_module(module), fn, None), spec
-        except ImportError as e:
-            raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
-        if not callable(self.fn):
-            raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn!r}")
-
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        out = self.fn(images, prompts)
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        out = fn(images, prompts)
         try:
             out = torch.as_tensor(out).detach().float().cpu()
         except (TypeError, ValueError, RuntimeError):
-            raise ConfigError(f"reward {self.name!r} returned {type(out).__name__}; return a "
-                              f"tensor, array or list of {len(prompts)} numbers") from None
+            raise ConfigError(f"reward {spec!r} returned {type(out).__name__}; return a tensor, "
+                              f"array or list of {len(prompts)} numbers") from None
         if out.shape != (len(prompts),):
-            raise ConfigError(f"reward {self.name!r} returned shape {tuple(out.shape)}, "
+            raise ConfigError(f"reward {spec!r} returned shape {tuple(out.shape)}, "
                               f"expected ({len(prompts)},)")
         return out
+    return score
 
-    def probe(self, size: int, device: torch.device, prompts: list[str]) -> None:
-        """One call on 2 random images with the run's first 2 training prompts (a plug-in may
-        expect its own prompt format): a broken one fails in one line before the model loads."""
-        images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
-        batch = f"a probe batch of 2 random {size}×{size} images"
-        try:
-            out = self(images.to(device), (prompts * 2)[:2])
-        except ConfigError as e:
-            raise ConfigError(f"{e} (on {batch})") from None
-        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
-            raise ConfigError(f"reward {self.name!r} failed on {batch}: "
-                              f"{type(e).__name__}: {e}") from None
-        if not torch.isfinite(out).all():
-            raise ConfigError(f"reward {self.name!r} returned non-finite values {out.tolist()} "
-                              f"on {batch}; return finite numbers")
+
+def probe_reward(name: str, fn: Callable, size: int, device: torch.device, prompts: list[str]):
+    """One call of a plug-in on 2 random images with the run's first 2 training prompts (it may
+    expect its own prompt format): a broken one fails in one line before the model loads."""
+    images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+    batch = f"a probe batch of 2 random {size}×{size} images"
+    try:
+        out = fn(images.to(device), (prompts * 2)[:2])
+    except ConfigError as e:
+        raise ConfigError(f"{e} (on {batch})") from None
+    except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
+        raise ConfigError(f"reward {name!r} failed on {batch}: {type(e).__name__}: {e}") from None
+    if not torch.isfinite(out).all():
+        raise ConfigError(f"reward {name!r} returned non-finite values {out.tolist()} on {batch}; "
+                          "return finite numbers")
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
@@ -672,7 +670,7 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
         return hpsv2_reward(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
     if name == "imagereward":
         return imagereward_reward(args.imagereward_model, device)
-    return jpeg_reward if name == "jpeg" else PluginReward(name)
+    return jpeg_reward if name == "jpeg" else plugin_reward(name)
 
 
 class Rewards:
@@ -1053,19 +1051,21 @@ class Scored:
 def iteration(run: Run, it: int) -> dict:
     """One V-GRPO iteration, Alg. steps 1–5 of §0; returns host-side metrics. Host syncs: the
     rewards (scored on the host; the advantages need all of them), one per optimizer step (the
-    non-finite-gradient check decides whether to step) and one for the metrics."""
-    timer = PhaseTimer(run.dev)
-    with timer("time_rollout"):
+    non-finite-gradient check decides whether to step), one for the metrics, and on a GPU the
+    phase timers' waits at the end of steps 1, 4 and 5 (so each phase's seconds are its own)."""
+    times, t0 = {}, time.perf_counter()
+    with timed(times, "time_rollout", run.dev):
         ro = collect_rollouts(run, it)                                      # step 1
-    with timer("time_reward", sync=False):
+    with timed(times, "time_reward"):
         sc = reward_and_advantages(run, ro)                                 # step 2
     pairs = draw_iteration_pairs(run, it)                                   # step 3
     mbs = minibatches(run, it)
-    with timer("time_old"):
+    with timed(times, "time_old", run.dev):
         s_old, x0h_old, cv = old_surrogates(run, ro, pairs, mbs)            # step 4
-    with timer("time_update"):
+    with timed(times, "time_update", run.dev):
         stats, grad_norms = update_steps(run, ro, sc, pairs, mbs, s_old, x0h_old)   # step 5
-    return iteration_metrics(run, it, sc, cv, stats, grad_norms, timer)
+    m = iteration_metrics(run, it, sc, cv, stats, grad_norms, times)
+    return {**m, "time_iter": time.perf_counter() - t0}
 
 
 def collect_rollouts(run: Run, it: int) -> Rollouts:
@@ -1189,7 +1189,7 @@ def optimizer_step(run: Run) -> torch.Tensor:
 
 
 def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad_norms: list,
-                      timer: PhaseTimer) -> dict:
+                      times: dict) -> dict:
     """One host sync for everything logged; this process's statistics averaged over processes."""
     a = run.args
     gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
@@ -1201,7 +1201,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
     bad = int((~torch.isfinite(sc.headline)).sum())
     m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
          "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
-         "skipped": sc.skipped, **host, **timer.times, "lr": run.opt.param_groups[0]["lr"],
+         "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
          "grad_scale": run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
          # network evaluations per sample: the rollout, θ_old's surrogate, θ's surrogate
          "nfe_rollout": a.num_steps, "nfe_old": a.n_mc, "nfe_theta": a.n_mc}
@@ -1212,7 +1212,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
     if bad and run.rank == 0:
         _warn(f"iteration {it}: {bad} non-finite reward(s) dropped (advantage 0)"
               + ("; update skipped" if sc.skipped else ""))
-    return {**m, "time_iter": timer.total()}
+    return m
 
 
 def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
@@ -1262,23 +1262,15 @@ def _gen(seed: int, it: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
 
 
-class PhaseTimer:
-    """Seconds per phase, `with timer("time_old"): ...`, in `timer.times`; the GPU is synced
-    before the clock is read (sync=False for host-bound phases)."""
-
-    def __init__(self, dev: torch.device):
-        self.dev, self.times, self.t0 = dev, {}, time.perf_counter()
-
-    @contextlib.contextmanager
-    def __call__(self, key: str, sync: bool = True):
-        t = time.perf_counter()
-        yield
-        if sync:
-            _sync(self.dev)
-        self.times[key] = time.perf_counter() - t
-
-    def total(self) -> float:
-        return time.perf_counter() - self.t0
+@contextlib.contextmanager
+def timed(times: dict, key: str, dev: Optional[torch.device] = None):
+    """times[key] = seconds spent in the block; given a device, its GPU work is waited for first
+    (None for host-bound phases)."""
+    t = time.perf_counter()
+    yield
+    if dev is not None:
+        _sync(dev)
+    times[key] = time.perf_counter() - t
 
 
 def _sync(dev: torch.device) -> None:
@@ -1385,9 +1377,9 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     torch.manual_seed(args.seed)                           # the same LoRA init on every rank
     random.seed(args.seed)
     rewards = rewards if rewards is not None else Rewards.load(args, dev, dtype)
-    for m in rewards.models.values():                      # plug-ins fail here, in one line
-        if isinstance(m, PluginReward):
-            m.probe(min(args.resolution, 256), dev, train_prompts)
+    for name, fn in rewards.models.items():                # plug-ins fail here, in one line
+        if name not in BUILTIN_REWARDS:
+            probe_reward(name, fn, min(args.resolution, 256), dev, train_prompts)
     pipe = load_pipeline(args.model, dtype) if pipe is None else freeze_and_cast(pipe, dtype)
     adapter = make_adapter(pipe.to(dev), args, dev)
     if args.offload_text_encoders:                   # embed every prompt once, free the encoders
@@ -1704,25 +1696,19 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
 
 
 def checkpoint(run: Run, it: int) -> Path:
-    """Save after `it` iterations: every process takes part (under FSDP the weights and the
-    optimizer state are gathered), rank 0 writes, the others wait. Returns the folder."""
+    """checkpoints/iter_XXXXXX after `it` iterations: the weights in diffusers' format (a LoRA that
+    `load_lora_weights` reads, or a transformer folder that `from_pretrained` reads), the
+    optimizer state, the trainer state (iteration, loss scale, RNG) and the config. Every process
+    takes part (under FSDP the weights and the optimizer state are gathered), rank 0 writes, the
+    others wait. Written to a temporary folder, renamed, and only then `latest` switched
+    atomically: at every instant `latest` names a complete checkpoint, and a kill loses at most
+    this save. A failed write (disk full) removes the temporary folder and raises ConfigError."""
     weights, optim = full_state(run.adapter.transformer, run.opt)
-    if run.rank == 0:
-        save_checkpoint(run, it, weights, optim)
-    if run.world > 1:
-        torch.distributed.barrier()
-    return run.run_dir / "checkpoints" / f"iter_{it:06d}"
-
-
-def save_checkpoint(run: Run, it: int, weights: dict, optim: dict) -> Path:
-    """checkpoints/iter_XXXXXX: the weights in diffusers' format (a LoRA that `load_lora_weights`
-    reads, or a transformer folder that `from_pretrained` reads), the optimizer state, the
-    trainer state (iteration, loss scale, RNG) and the config. Written to a temporary folder,
-    renamed, and only then `latest` switched atomically: at every instant `latest` names a
-    complete checkpoint, and a kill loses at most this save. A failed write (disk full) removes
-    the temporary folder and raises ConfigError."""
     ckdir, cfg = run.run_dir / "checkpoints", dataclasses.asdict(run.args)
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
+    if run.rank > 0:
+        torch.distributed.barrier()                        # rank 0 writes
+        return final
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)                                # umask applies (not mkdtemp's 0700)
     try:
@@ -1752,6 +1738,8 @@ def save_checkpoint(run: Run, it: int, weights: dict, optim: dict) -> Path:
     shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves only move on from it
     os.replace(tmp, final)
     _point_latest(final)
+    if run.world > 1:
+        torch.distributed.barrier()
     return final
 
 
