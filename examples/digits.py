@@ -669,8 +669,7 @@ PLANS = {
     "full": dict(seeds=[0, 1, 2], lrs=[3e-4, 1e-3, 3e-3], iterations=16, eval_every=4,
                  ablation_evals=[], long_iterations=100, long_eval_every=20,
                  timing_rounds=8, n_heldout=40, n_val=20,
-                 ablations=["pair sharing: none", "no stratification", "no adaptive weighting",
-                            "v-parameterisation", "naive FPO-style"]),
+                 ablations=list(ABLATIONS)),
     "quick": dict(seeds=[0], lrs=[3e-4, 1e-3, 3e-3], iterations=8, eval_every=8,
                   ablation_evals=[], long_iterations=24, long_eval_every=8,
                   timing_rounds=2, n_heldout=40, n_val=20, ablations=[]),
@@ -948,6 +947,8 @@ def benchmark(out: Path, mode: str = "full", workers: int = 2, threads: int = 1,
         plan["base_acc"] = base["heldout"]["acc"]
         plan["threshold"] = base["heldout"]["acc"] + (1 - base["heldout"]["acc"]) / 2
         (out / "base.json").write_text(json.dumps(base))
+    now = lambda: time.strftime("%Y-%m-%d %H:%M:%S")
+    plan.setdefault("sessions", []).append(dict(started=now(), commit=_commit()))
     plan_path.write_text(json.dumps(plan, indent=1))
     log(f"threshold (fixed before the runs): {THRESHOLD_RULE} = {plan['threshold']:.4f}")
     import subprocess
@@ -959,6 +960,9 @@ def benchmark(out: Path, mode: str = "full", workers: int = 2, threads: int = 1,
     worker(out, log)
     for p in procs:
         p.wait()
+    plan = json.loads(plan_path.read_text())             # re-read: amended by hand meanwhile?
+    plan["sessions"][-1]["ended"] = now()
+    plan_path.write_text(json.dumps(plan, indent=1))
     report(out, log=log)
 
 
@@ -1432,8 +1436,8 @@ def _setup_text(S: dict, cmd: str) -> str:
     nan = float("nan")
     return (
         f"Produced by `{cmd}` (plan `{p['mode']}`, commit {p.get('commit', '?')}, started "
-        f"{p['started']}, {p['workers']} worker processes × {p['threads']} thread on a 2-core "
-        f"machine shared with other jobs; tables and figures by `python examples/digits.py "
+        f"{p['started']}, {p['workers']} worker processes × {p['threads']} thread on "
+        f"{p.get('machine', 'a 2-core machine')}; tables and figures by `python examples/digits.py "
         f"report` at commit {_commit()}). Model: the tiny SD3 pipeline of `examples/digits.py "
         f"build` ({info.get('transformer_params', 0) / 1e6:.2f}M-parameter "
         f"SD3Transformer2DModel); reward p(prompted digit) from a conv classifier "
@@ -1747,14 +1751,20 @@ def _cost_text(S: dict) -> str:
     if not runs:
         return ""
     secs = sum(r["seconds"] for r in runs) + (S["timing"] or {}).get("seconds", 0)
-    t0 = time.mktime(time.strptime(S["plan"]["started"], "%Y-%m-%d %H:%M:%S"))
-    t1 = max(time.mktime(time.strptime(r, "%Y-%m-%d %H:%M:%S")) for r in S["finished"])
+    stamp = lambda s: time.mktime(time.strptime(s, "%Y-%m-%d %H:%M:%S"))
+    plan, sessions = S["plan"], [s for s in S["plan"].get("sessions", []) if s.get("ended")]
+    if sessions:            # each `benchmark` invocation's own span: idle time between them out
+        wall = sum(stamp(s["ended"]) - stamp(s["started"]) for s in sessions)
+        span = (f"{wall / 60:.0f} min of wall-clock time in {len(sessions)} invocation(s) of "
+                f"`benchmark` ({', '.join(s['note'] for s in sessions if s.get('note'))})")
+    else:
+        wall = max(map(stamp, S["finished"])) - stamp(plan["started"])
+        span = (f"{wall / 60:.0f} min from start to the last result (including any runs left "
+                f"out or put back by hand)")
     return (f"Cost of the run reported here: {len(runs)} training runs, {secs / 60:.0f} min of "
-            f"run time in {S['plan']['workers']} worker processes, {(t1 - t0) / 60:.0f} min from "
-            f"start to the last result (including runs later left out or put back by hand), on "
-            f"a 2-core machine that other people's test suites loaded most of the time (load "
-            f"average 3–9). `--quick` (1 seed, 8-iteration sweep, 24-iteration long runs, no "
-            f"ablations) took {QUICK_TIMED}.")
+            f"run time in {plan['workers']} worker processes, {span}, on "
+            f"{plan.get('machine', 'a 2-core machine')}. `--quick` (1 seed, 8-iteration sweep, "
+            f"24-iteration long runs, no ablations) took {QUICK_TIMED}.")
 
 
 def write_report(S: dict, cmd: str, figs: dict) -> tuple[str, str]:
