@@ -2096,14 +2096,15 @@ def figures(S: dict, out: Path, fig_dir: Path, prefix: str) -> dict:
 def before_after_figure(imgs0, imgs1, digits, titles: list[str], path: Path, per_digit: int = 8):
     """Two sample grids side by side (rows: digits 0-9, same noise), matplotlib."""
     plt = _plt()
-    fig, axs = plt.subplots(1, 2, figsize=(7, 4.6))
+    fig, axs = plt.subplots(1, 2, figsize=(8, 5.2))
     for ax, imgs, t in zip(axs, (imgs0, imgs1), titles):
-        ax.imshow(grid_array(imgs, digits, per_digit), cmap="gray", vmin=0, vmax=255)
+        ax.imshow(grid_array(imgs, digits, per_digit), cmap="gray", vmin=0, vmax=255,
+                  interpolation="nearest")                 # the model's own pixels, unsmoothed
         ax.set_title(t, fontsize=9)
         ax.axis("off")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=130)
     plt.close(fig)
 
 
