@@ -659,8 +659,8 @@ class Trainer:
 # processes (each takes the next unclaimed job whose inputs exist; resumable), one JSON per run.
 # ------------------------------------------------------------------------------------------------
 # `benchmark --quick` timed once, end to end (build cached), on the 2-core machine of this report
-QUICK_TIMED = ("534 s (9 min) end to end at commit bcc2964, build cached, 2 workers on a 2-core "
-               "machine with load average about 2 from other jobs")
+QUICK_TIMED = ("523 s (8 min 43 s) end to end at commit be845f5, build cached, 2 workers on an "
+               "otherwise idle 2-core machine")
 THRESHOLD_RULE = ("half of the base model's remaining held-out error removed: "
                   "accuracy ≥ base + (1 − base)/2")
 PLANS = {
