@@ -666,7 +666,7 @@ THRESHOLD_RULE = ("half of the base model's remaining held-out error removed: "
 PLANS = {
     # seeds, lrs, sweep iterations and held-out evaluation interval, the long runs, the timing
     # rounds; held-out 40 per digit (400 images), validation 20 per digit (200)
-    "full": dict(seeds=[0, 1, 2], lrs=[3e-4, 1e-3, 3e-3], iterations=16, eval_every=4,
+    "full": dict(seeds=[0, 1, 2], lrs=[3e-4, 1e-3, 3e-3, 1e-2], iterations=16, eval_every=4,
                  ablation_evals=[], long_iterations=100, long_eval_every=20,
                  timing_rounds=8, n_heldout=40, n_val=20,
                  ablations=list(ABLATIONS)),
