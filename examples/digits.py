@@ -1723,6 +1723,12 @@ def _paper_text(S: dict) -> str:
                       "is level with Flow-GRPO's within noise where both have points (no "
                       "Flow-GRPO point lies above or below it); see above for how far each "
                       "gets") + ".")
+        below = [p for p in F["points"] if "margin" in p and p["margin"][1] > 0]
+        if below:                            # which points, so a diverged run is seen as one
+            out[-1] += (" Below it: " + "; ".join(
+                f"{p['method']} ({'EMA' if p['variant'] == 'ema' else 'trained weights'}) lr "
+                f"{_lr(p['lr'])}, held-out reward {p['reward']:.3f} (base "
+                f"{S['base_ci']['reward'][0]:.3f})" for p in below) + ".")
     A = {a["method"]: a for a in S["ablations"]}
     claims = [("naive FPO-style", "the naive surrogate is worse"),
               ("no adaptive weighting", "adaptive weighting helps"),
