@@ -1197,7 +1197,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
     scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
     vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), run.world)
     scal = {**dict(zip(scal, vec)), **sc.adv_stats, **cv}
-    host = dict(zip(scal, torch.stack([v.float().cpu() for v in scal.values()]).tolist()))
+    host = dict(zip(scal, torch.stack([v.float().to(run.dev) for v in scal.values()]).tolist()))
     bad = int((~torch.isfinite(sc.headline)).sum())
     m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
          "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
