@@ -505,6 +505,59 @@ def test_off_policy_controls_run(tmp_path):
     assert m["abs_log_ratio"] > 0 and m["kl_x"] > 0 and math.isfinite(m["grad_norm"])
 
 
+def _count_surrogate_passes(monkeypatch):
+    """Wrap V.surrogates: every call's (grad enabled?, rows) in order."""
+    calls, real = [], V.surrogates
+
+    def spy(run, ro, pairs, rows):
+        calls.append((torch.is_grad_enabled(), rows.clone()))
+        return real(run, ro, pairs, rows)
+    monkeypatch.setattr(V, "surrogates", spy)
+    return calls
+
+
+@pytest.mark.trainer
+def test_mu_one_runs_no_separate_theta_old_pass_and_its_ratio_is_exactly_one(tmp_path, monkeypatch):
+    """At μ = 1 the update pass is θ_old's pass (θ = θ_old): no no-grad surrogate forward runs,
+    S_old = sg(S_θ), so ρ is exactly 1 (the same tensor on both sides of the subtraction)."""
+    calls = _count_surrogate_passes(monkeypatch)
+    assert V.main(TINY + ["--iterations", "2", "--micro_batch", "4", "--run_dir", str(tmp_path)]) == 0
+    assert calls and all(grad for grad, _ in calls)                 # only the update's passes
+    assert len(calls) == 2 * 2                                      # 6 samples in 4 + 2, twice
+    for m in _strip_times(_metrics(tmp_path)):
+        assert m["ratio"] == 1.0 and m["abs_log_ratio"] == 0.0 and m["approx_kl"] == 0.0
+        assert m["nfe_old"] == 0 and m["nfe_theta"] == 4
+
+
+@pytest.mark.trainer
+def test_mu_two_first_step_equals_a_separate_no_grad_pass(tmp_path, monkeypatch):
+    """At μ = 2 only the second minibatch gets the no-grad θ_old pass; the first step's S_old,
+    taken from its own pass with grad, equals a separate no-grad pass at θ_old on the same rows
+    (same process, same micro-batch shapes: the same float operations, so exactly)."""
+    calls = _count_surrogate_passes(monkeypatch)
+    seen, real_update = {}, V.update_steps
+
+    def update(run, ro, sc, pairs, mbs, s_old, x0h_old):
+        seen["n_step4"] = len(calls)                # the passes of step 4, before this one
+        with torch.no_grad():                       # θ = θ_old still: a separate pass, all rows
+            seen["s_sep"], seen["x_sep"], _ = V.old_surrogates(run, ro, pairs, mbs, True)
+        seen["mbs"], seen["s_old"], seen["x_old"] = mbs, s_old, x0h_old
+        return real_update(run, ro, sc, pairs, mbs, s_old, x0h_old)
+    monkeypatch.setattr(V, "update_steps", update)
+    assert V.main(TINY + ["--iterations", "1", "--mu", "2", "--micro_batch", "2", "--kl_coef", "0.1",
+                          "--group_size", "4", "--run_dir", str(tmp_path)]) == 0
+    first = torch.cat([rows for k, rows in seen["mbs"] if k == 0])
+    later = torch.cat([rows for k, rows in seen["mbs"] if k == 1])
+    own = calls[:seen["n_step4"]]                                         # step 4's pass
+    assert not any(grad for grad, _ in own)
+    assert sorted(torch.cat([r for _, r in own]).tolist()) == sorted(later.tolist())  # k = 1 only
+    assert torch.equal(seen["s_old"][first], seen["s_sep"][first])
+    assert torch.equal(seen["x_old"][first], seen["x_sep"][first])
+    m = _metrics(tmp_path)[0]
+    assert m["abs_log_ratio_first"] == 0.0 and m["abs_log_ratio"] > 0     # step 2 is off-policy
+    assert m["nfe_old"] == 2.0                                          # N_MC · (μ − 1)/μ
+
+
 # ------------------------------------------------------------------------------------------------
 # PickScore through the real scoring code, on a tiny CLIP built offline
 # ------------------------------------------------------------------------------------------------
@@ -1764,13 +1817,12 @@ def test_paper_and_stage_presets_follow_the_family():
 
 @pytest.mark.trainer
 def test_first_step_ratio_is_one_for_mu_above_one(tmp_path):
-    """S_old is computed in the first step's own micro-batches: ρ ≡ 1 there for μ = 3 and uneven
-    micro-batches too (4 samples per step in micro-batches of 3 + 1; same rows, same shapes, same
-    parameters: the same float operations)."""
+    """The first step's S_old is its own pass at θ = θ_old (ours C18): ρ ≡ 1 there for μ = 3 and
+    uneven micro-batches too (4 samples per step in micro-batches of 3 + 1)."""
     assert V.main(TINY + ["--iterations", "1", "--mu", "3", "--micro_batch", "3",
                           "--group_size", "6", "--run_dir", str(tmp_path)]) == 0
     m = _metrics(tmp_path)[0]
-    assert m["abs_log_ratio_first"] < 1e-7                           # measured: exactly 0.0
+    assert m["abs_log_ratio_first"] == 0.0
     assert m["abs_log_ratio"] > 1e-6                                 # later steps are off-policy
 
 

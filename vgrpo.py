@@ -24,13 +24,15 @@ Quickstart
     torchrun --nproc_per_node=8 vgrpo.py --model sd3.5-medium --preset paper
 
 ALGORITHM (one iteration; "→ §k" points into this file)            [METHOD.md: Algorithm]
-    0. θ_old ← θ  (nothing to copy: everything θ_old is needed for is cached in steps 1 and 4)
+    0. θ_old ← θ  (nothing to copy: everything θ_old is needed for is cached in steps 1, 4, 5)
     1. rollout: for each of P prompts, G images by a deterministic ODE solve of v_θold  → §3, §9
     2. rewards r (N = P·G), group-relative advantages A, clamp ±5, soft-clip η·tanh(A/η) → §7, §4
     3. draw N_MC stratified (t, ε) pairs, shared across the batch (or per group)        → §5
     4. S_old[n] = mean_j s_θold(o_n; t_j, ε_j), s = −MSE_x / sg(MAE_x)   (no grad)      → §5
     5. μ optimizer steps over disjoint minibatches:
           ρ_n = exp(S_θ[n] − S_old[n]);  loss = mean_n max(−A ρ, −A clip(ρ, 1±ε)) + β KL_x → §6
+       The first step runs at θ = θ_old, so its own forward gives S_old = sg(S_θ) (ρ ≡ 1):
+       step 4 runs only for the other μ − 1 minibatches, and not at all when μ = 1.
     Rollouts carry no per-step log-probs: the whole generation is one atomic action.
 
 NOTATION
@@ -1049,10 +1051,10 @@ class Scored:
 
 # ---- one iteration: the algorithm box of §0, step by step --------------------------------------
 def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration, Alg. steps 1–5 of §0; returns host-side metrics. Host syncs: the
-    rewards (scored on the host; the advantages need all of them), one per optimizer step (the
-    non-finite-gradient check decides whether to step), one for the metrics, and on a GPU the
-    phase timers' waits at the end of steps 1, 4 and 5 (so each phase's seconds are its own)."""
+    """One V-GRPO iteration, Alg. steps 1–5 of §0; returns host-side metrics. The first step 5
+    minibatch runs at θ = θ_old, so it supplies its own S_old = sg(S_θ) (ours C18): step 4 covers
+    the others, none at μ = 1. Host syncs: the rewards (the advantages need all of them), one per
+    optimizer step (whether to step), one for the metrics, and on a GPU the phase timers' waits."""
     times, t0 = {}, time.perf_counter()
     with timed(times, "time_rollout", run.dev):
         ro = collect_rollouts(run, it)                                      # step 1
@@ -1061,10 +1063,12 @@ def iteration(run: Run, it: int) -> dict:
     pairs = draw_iteration_pairs(run, it)                                   # step 3
     mbs = minibatches(run, it)
     with timed(times, "time_old", run.dev):
-        s_old, x0h_old, cv = old_surrogates(run, ro, pairs, mbs)            # step 4
+        s_old, x0h_old, n_old = old_surrogates(run, ro, pairs, mbs, sc.skipped)     # step 4
     with timed(times, "time_update", run.dev):
         stats, grad_norms = update_steps(run, ro, sc, pairs, mbs, s_old, x0h_old)   # step 5
-    m = iteration_metrics(run, it, sc, cv, stats, grad_norms, times)
+    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)          # (N,), complete after step 5
+    cv = surrogate_cv(S_all.view(run.args.prompts_per_iter, run.args.group_size))
+    m = iteration_metrics(run, it, sc, cv, stats, grad_norms, times, n_old)
     return {**m, "time_iter": time.perf_counter() - t0}
 
 
@@ -1120,8 +1124,8 @@ def draw_iteration_pairs(run: Run, it: int) -> Pairs:
 def minibatches(run: Run, it: int) -> list:
     """[(step k, rows), ...]: the μ optimizer steps' disjoint, equal minibatches of local rows
     (check_world) in micro-batches, in the order the update visits them. Drawn before Alg. step
-    4, so that S_old is computed in exactly the micro-batches (rows and shapes) of the first
-    step: its ratio is then exactly 1 for any μ."""
+    4, so that S_old of the later steps is computed in exactly their own micro-batches (rows and
+    shapes): ρ then moves away from 1 only by what the earlier steps changed [ours C14]."""
     a = run.args
     perm = (torch.randperm(run.Nl, generator=_gen(a.seed, it, 3)).to(run.dev) if a.mu > 1
             else torch.arange(run.Nl, device=run.dev))
@@ -1130,18 +1134,20 @@ def minibatches(run: Run, it: int) -> list:
 
 
 @torch.no_grad()
-def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list):
-    """[Alg. step 4] S_old, the behaviour policy's surrogate, stored with the rollout. Returns
-    s_old (Nl, J), x̂0_old (Nl, J, *D) or None (only the KL needs it) and surrogate-CV stats."""
+def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list, skipped: bool):
+    """[Alg. step 4] S_old, the behaviour policy's surrogate, for the rows of minibatches k ≥ 1
+    (all rows when the update is skipped, for the CV statistics); update_steps fills in the
+    first minibatch's rows from its own pass at θ = θ_old. Returns s_old (Nl, J), x̂0_old
+    (Nl, J, *D) or None (only the KL needs it), and how many rows were computed here."""
     a = run.args
     s_old = torch.empty(run.Nl, a.n_mc, device=run.dev)
     x0h_old = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev) if a.kl_coef else None
-    for _, rows in mbs:
+    todo = [rows for k, rows in mbs if k > 0 or skipped]
+    for rows in todo:
         s_old[rows], x0h = surrogates(run, ro, pairs, rows)
         if x0h_old is not None:
             x0h_old[rows] = x0h
-    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)                   # (N,)
-    return s_old, x0h_old, surrogate_cv(S_all.view(a.prompts_per_iter, a.group_size))
+    return s_old, x0h_old, sum(len(rows) for rows in todo)
 
 
 def surrogates(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
@@ -1162,6 +1168,10 @@ def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_
     for i, (k, rows) in enumerate(mbs):
         last = i + 1 == len(mbs) or mbs[i + 1][0] != k              # last micro-batch of step k
         s_new, x0h = surrogates(run, ro, pairs, rows)
+        if k == 0:                       # θ = θ_old: this pass is θ_old's too, S_old = sg(S_θ)
+            s_old[rows] = s_new.detach()
+            if x0h_old is not None:
+                x0h_old[rows] = x0h.detach()
         kl = xspace_kl(x0h, x0h_old[rows]) if x0h_old is not None else None
         loss, st = vgrpo_loss(s_new, s_old[rows], sc.adv[rows], clip_eps=args.clip_eps, kl=kl,
                               kl_coef=args.kl_coef)
@@ -1189,7 +1199,7 @@ def optimizer_step(run: Run) -> torch.Tensor:
 
 
 def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad_norms: list,
-                      times: dict) -> dict:
+                      times: dict, n_old: int) -> dict:
     """One host sync for everything logged; this process's statistics averaged over processes."""
     a = run.args
     gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
@@ -1203,8 +1213,9 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
          "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
          "grad_scale": run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
-         # network evaluations per sample: the rollout, θ_old's surrogate, θ's surrogate
-         "nfe_rollout": a.num_steps, "nfe_old": a.n_mc, "nfe_theta": a.n_mc}
+         # network evaluations per sample: the rollout, θ_old's no-grad pass (the minibatches
+         # after the first: n_mc·(μ − 1)/μ), θ's surrogate
+         "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * n_old / run.Nl, "nfe_theta": a.n_mc}
     for n, r in sc.raw.items() if len(sc.raw) > 1 else ():
         m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
     for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
@@ -2098,7 +2109,8 @@ def banner(run: Run) -> str:
              f"iteration ({N // run.world} per process); {a.mu} optimizer step(s) of "
              f"{N // a.mu} samples; micro-batch {a.micro_batch} × {a.n_mc} pairs",
              f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {grid}…; NFE/sample: rollout "
-             f"{a.num_steps}, θ_old {a.n_mc}, θ {a.n_mc}",
+             f"{a.num_steps}, θ_old {a.n_mc * (a.mu - 1) / a.mu:g} (minibatches after the first), "
+             f"θ {a.n_mc}",
              f"  surrogate: {a.parameterization}-pred, adaptive={a.adaptive_weighting}, "
              f"stratified={a.stratified}, sharing={a.pair_sharing}",
              f"  controls: clip ε={a.clip_eps or 'off'}, KL β={a.kl_coef or 'off'}, soft-clip "
