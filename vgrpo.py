@@ -1015,6 +1015,8 @@ class Run:
     run_dir: Optional[Path] = None
     scaler: object = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
     # the loss scaler: active under --dtype fp16 only
+    stop: list = field(default_factory=list)   # signals received: "term" (preempt), "int" (Ctrl-C)
+    stepped: bool = False                      # this iteration's first optimizer step has begun
 
     @property
     def N(self) -> int:
@@ -1082,7 +1084,8 @@ def collect_rollouts(run: Run, it: int) -> Rollouts:
     cond = ad.encode(prompts)                                               # Pl rows
     prompt_idx = (torch.arange(run.Nl) // args.group_size).to(run.dev)      # (Nl,)
     x1 = run.local(torch.randn((run.N,) + run.D, generator=_gen(args.seed, it, 1))).to(run.dev)
-    x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx)
+    x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx,
+                 poll=lambda: preemption_point(run))
     return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)   # x0: (Nl, *D)
 
 
@@ -1093,6 +1096,7 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
     names = [n for n, _ in rw.train_terms]
     mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
                                 [ro.prompts[i // G] for i in range(run.Nl)], args.reward_batch)
+    preemption_point(run)
     every = _all_gather_cat(torch.stack([mine[n] for n in names]).to(run.dev), run.world)
     raw = dict(zip(names, every.cpu()))                                     # {name: (N,)}
     values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)  # (R,P,G)
@@ -1144,6 +1148,7 @@ def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list, skipped: boo
     x0h_old = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev) if a.kl_coef else None
     todo = [rows for k, rows in mbs if k > 0 or skipped]
     for rows in todo:
+        preemption_point(run)
         s_old[rows], x0h = surrogates(run, ro, pairs, rows)
         if x0h_old is not None:
             x0h_old[rows] = x0h
@@ -1167,6 +1172,7 @@ def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_
     size = {k: sum(len(r) for j, r in mbs if j == k) for k, _ in mbs}       # samples per step
     for i, (k, rows) in enumerate(mbs):
         last = i + 1 == len(mbs) or mbs[i + 1][0] != k              # last micro-batch of step k
+        preemption_point(run)                                       # a no-op once stepped
         s_new, x0h = surrogates(run, ro, pairs, rows)
         if k == 0:                       # θ = θ_old: this pass is θ_old's too, S_old = sg(S_θ)
             s_old[rows] = s_new.detach()
@@ -1188,6 +1194,7 @@ def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_
 def optimizer_step(run: Run) -> torch.Tensor:
     """Unscale (fp16), clip, step unless the norm is non-finite, zero the gradients (which FSDP
     has already averaged over processes). Returns the pre-clip norm."""
+    run.stepped = True                                # from here a preemption finishes the step
     run.scaler.unscale_(run.opt)                      # fp16: the true gradients before the clip
     gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
     gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn     # a DTensor under FSDP
@@ -1238,12 +1245,16 @@ def _warn(msg: str) -> None:
 
 @torch.no_grad()
 def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
-            solver: str, chunk: int, ctx) -> torch.Tensor:
-    """ODE-solve every row of x1 (N, *D), `chunk` rows at a time: the actions o (N, *D) fp32."""
+            solver: str, chunk: int, ctx, poll: Optional[Callable] = None) -> torch.Tensor:
+    """ODE-solve every row of x1 (N, *D), `chunk` rows at a time: the actions o (N, *D) fp32.
+    poll() runs before every network call (the trainer's preemption point)."""
+    def velocity(x, t, c):
+        poll and poll()
+        return adapter.velocity(x, t, c)
     out = []
     for rows in torch.arange(len(x1)).split(chunk):
         with ctx:
-            x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
+            x0 = SOLVERS[solver](velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
         out.append(x0.float())
     return torch.cat(out)
 
@@ -1276,9 +1287,13 @@ def _gen(seed: int, it: int, stream: int) -> torch.Generator:
 @contextlib.contextmanager
 def timed(times: dict, key: str, dev: Optional[torch.device] = None):
     """times[key] = seconds spent in the block; given a device, its GPU work is waited for first
-    (None for host-bound phases)."""
+    (None for host-bound phases). Running out of GPU memory inside is tagged with the phase."""
     t = time.perf_counter()
-    yield
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        e.vgrpo_phase = getattr(e, "vgrpo_phase", key)        # the innermost phase names it
+        raise
     if dev is not None:
         _sync(dev)
     times[key] = time.perf_counter() - t
@@ -1290,9 +1305,22 @@ def _sync(dev: torch.device) -> None:
 
 
 # ---- the run: setup, the outer loop, evaluation, live curves -----------------------------------
-def train(args: Args) -> list[dict]:
-    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl)."""
-    run_dir = plan_run_dir(args)                    # checked writable; locked if it exists
+PREEMPTED = 75          # exit status after a preemption save: sysexits.h EX_TEMPFAIL, "run me again"
+OOM_KNOBS = {"time_rollout": "the rollout: lower --rollout_batch", "time_reward": "decoding and "
+             "rewards: lower --reward_batch", "time_old": "the θ_old pass: lower --micro_batch",
+             "time_update": "the update: lower --micro_batch or use --gradient_checkpointing",
+             "eval": "the evaluation: lower --rollout_batch or --reward_batch"}
+
+
+class Preempted(Exception):
+    """SIGTERM (or Ctrl-C under torchrun) before the iteration's first optimizer step: raised on
+    every process at the same preemption point; the parameters are the last iteration's."""
+
+
+def train(args: Args, fresh_ok: bool = False) -> list[dict]:
+    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl).
+    fresh_ok (--resume auto, no checkpoint yet): a folder that a killed run left starts over."""
+    run_dir = plan_run_dir(args, fresh_ok)          # checked writable; locked if it exists
     try:
         return loop(setup(args), run_dir)           # bad input fails in setup, writing nothing
     finally:                                        # release the run folder (lock_run_dir)
@@ -1301,36 +1329,53 @@ def train(args: Args) -> list[dict]:
 
 
 def loop(run: Run, run_dir: Path) -> list[dict]:
-    """Evaluate, iterate, log, checkpoint. The first Ctrl-C lets the iteration in flight finish,
-    saves it and stops; a second stops at once, `latest` naming the last complete checkpoint."""
+    """Evaluate, iterate, log, checkpoint. SIGTERM saves and exits with PREEMPTED: an iteration
+    whose first optimizer step has not begun is abandoned (redone on resume), a later one
+    finishes first; out of GPU memory saves the same way and ends in one line. The first Ctrl-C
+    lets the iteration finish, saves and stops; a second stops at once (`latest` complete)."""
     from tqdm.auto import tqdm
-    args, history, stop = run.args, [], []
+    args, history, failed = run.args, [], True
     log_f = open_run_dir(run, run_dir)
-    tracker = Tracker(run) if run.rank == 0 else None
+    curves = functools.partial(writing, f"the live curves in {run_dir}", run_dir)
+    with curves():
+        tracker = Tracker(run) if run.rank == 0 else None
 
     def log(m: dict, evaluation: bool = False) -> None:
         if run.rank == 0:
-            print(json.dumps(m), file=log_f, flush=True)
-            tracker.log(m, evaluation)
+            with writing(run_dir / "metrics.jsonl", run_dir):
+                print(json.dumps(m), file=log_f, flush=True)
+            with curves():
+                tracker.log(m, evaluation)
             tqdm.write(f"eval at iteration {m['iter']}: reward {m['eval_reward_mean']:.4f}"
                        if evaluation else
                        f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
                        f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}"
                        f"/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
 
-    restore_ctrl_c = catch_ctrl_c(stop)
+    def close_curves() -> None:
+        with curves():
+            tracker.close()                                    # metrics.png, after a crash too
+
+    restore_signals = catch_signals(run)
     bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
                desc="V-GRPO", unit="it", disable=run.rank != 0)
     try:
         for it in bar:
-            if args.eval_every and it % args.eval_every == 0:
-                log(evaluate(run, it), evaluation=True)
-            history.append(m := iteration(run, it))
+            try:
+                if args.eval_every and it % args.eval_every == 0:
+                    with timed({}, "eval"):
+                        log(evaluate(run, it), evaluation=True)
+                history.append(m := iteration(run, it))
+            except (Preempted, torch.cuda.OutOfMemoryError) as e:
+                interrupted(run, it, e)                       # saves if it can; raises
             log(m)
             bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
-            stopping = _any_rank(bool(stop), run)             # every process stops together
+            stopping = _any_rank(bool(run.stop), run)         # every process stops together
             if stopping or (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
                 saved = checkpoint(run, it + 1)
+            run.stepped = False                                # iteration it + 1 starts here
+            if stopping and _any_rank("term" in run.stop, run):
+                interrupted(run, it + 1, Preempted())
             if stopping:
                 if run.rank == 0:
                     tqdm.write(f"stopped after iteration {it}: saved {saved}; continue with "
@@ -1339,35 +1384,70 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
         else:                                                  # not stopped: final evaluation
             if args.eval_every and run.start < args.iterations:
                 log(evaluate(run, args.iterations), evaluation=True)
+        failed = False
     except KeyboardInterrupt:
         print(f"\ninterrupted: checkpoints/latest still names the last complete checkpoint; "
               f"continue with --resume {run_dir}", file=sys.stderr)
         raise
-    finally:
-        restore_ctrl_c()
-        bar.close()
-        if run.rank == 0:
-            log_f.close()
-            tracker.close()                                # metrics.png, after a crash too
-        if run.world > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    finally:                    # every step runs; none masks the error that ended a failed run
+        errors = []
+        for close in [restore_signals, bar.close, *([log_f.close, close_curves] if run.rank == 0
+                      else []), *([torch.distributed.destroy_process_group] if run.world > 1 else [])]:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        if errors and not failed:
+            raise errors[0]
     return history
 
 
-def catch_ctrl_c(stop: list):
-    """The first Ctrl-C appends to `stop` (the loop finishes the iteration, saves and stops); a
-    second raises KeyboardInterrupt. Returns what restores the previous handler (off the main
-    thread signals cannot be caught, and Python's own Ctrl-C stays)."""
-    def on_sigint(*_):
-        if stop:
+def interrupted(run: Run, it: int, e: Exception):
+    """SIGTERM or out of GPU memory in iteration `it`: unless its first optimizer step has begun,
+    save the state after `it` iterations (if `latest` is not it already); end in one line."""
+    ckdir, where = run.run_dir / "checkpoints", "checkpoints/latest is the last complete state"
+    if not run.stepped:
+        same = (ckdir / "latest").is_file() and (ckdir / "latest").read_text() == f"iter_{it:06d}"
+        where = f"saved {ckdir / f'iter_{it:06d}' if same else checkpoint(run, it)}"
+    if isinstance(e, Preempted):
+        if run.rank == 0:
+            _warn(f"preempted at iteration {it}: {where}; the same command with --resume auto "
+                  f"(or --resume {run.run_dir}) continues it")
+        raise Preempted(where) from None
+    raise ConfigError(f"out of GPU memory in {OOM_KNOBS.get(getattr(e, 'vgrpo_phase', ''), 'the run')}"
+                      f"{'' if run.args.offload_text_encoders else ' (or --offload_text_encoders)'}"
+                      f", iteration {it}; {where}; continue with --resume {run.run_dir}") from None
+
+
+def catch_signals(run: Run):
+    """SIGTERM (under torchrun also Ctrl-C, which its agent forwards, SIGKILLing after
+    --shutdown_timeout) appends "term" to run.stop; the loop saves at the next preemption point.
+    Otherwise the first Ctrl-C appends "int" (finish, save, stop), a second raises
+    KeyboardInterrupt. Returns what restores the previous handlers (none off the main thread)."""
+    def on_term(*_):
+        if "term" not in run.stop and run.rank == 0:
+            _warn("SIGTERM: saving at once (an iteration not yet stepped is redone on resume)")
+        run.stop.append("term")
+
+    def on_int(*_):
+        if run.stop:
             raise KeyboardInterrupt
-        stop.append(True)
+        run.stop.append("int")
         _warn("Ctrl-C: finishing this iteration, then saving (Ctrl-C again: stop now)")
+    on = {signal.SIGTERM: on_term,
+          signal.SIGINT: on_term if "TORCHELASTIC_RUN_ID" in os.environ else on_int}
     try:
-        previous = signal.signal(signal.SIGINT, on_sigint)
+        previous = {sig: signal.signal(sig, handler) for sig, handler in on.items()}
     except ValueError:
         return lambda: None
-    return lambda: signal.signal(signal.SIGINT, previous)
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+
+def preemption_point(run: Run) -> None:
+    """Raise Preempted on every process alike if one got SIGTERM and the iteration's first
+    optimizer step has not begun (an all-reduce under torchrun)."""
+    if not run.stepped and _any_rank("term" in run.stop, run):
+        raise Preempted
 
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
@@ -1486,7 +1566,8 @@ def evaluate(run: Run, it: int) -> dict:
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
     lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
-                  run.eval_sigmas, args.solver, args.rollout_batch, run.ctx)
+                  run.eval_sigmas, args.solver, args.rollout_batch, run.ctx,
+                  poll=lambda: preemption_point(run))
     raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval_terms], lat, prompts,
                                   args.reward_batch, keep_images=True)
     if run.run_dir is not None and run.rank == 0:
@@ -1495,8 +1576,9 @@ def evaluate(run: Run, it: int) -> dict:
         cols = math.ceil(math.sqrt(n))
         grid = torch.cat([imgs, imgs.new_zeros((-n % cols, 3, h, w))])   # black padding
         grid = grid.view(-1, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(-1, cols * w, 3)
-        (run.run_dir / "eval").mkdir(parents=True, exist_ok=True)
-        Image.fromarray(grid.numpy()).save(run.run_dir / "eval" / f"iter_{it:06d}.png")
+        with writing(path := run.run_dir / "eval" / f"iter_{it:06d}.png", run.run_dir):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(grid.numpy()).save(path)
     head = rw.headline(raw, rw.eval_terms)
     ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms),
           "eval_nfe": len(run.eval_sigmas) - 1, "eval_n_nonfinite": int((~head.isfinite()).sum())}
@@ -1519,7 +1601,7 @@ class Tracker:
         self.run, self.kind, self.out = run, run.args.report_to, None
         if self.kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
-            self.out = SummaryWriter(str(run.run_dir / "tensorboard"), purge_step=run.start or None)
+            self.out = SummaryWriter(str(run.run_dir / "tensorboard"), purge_step=run.start)
         elif self.kind == "wandb":
             import wandb
             idf = run.run_dir / "wandb_id"
@@ -1581,11 +1663,14 @@ def plot_metrics(run_dir: Path) -> None:
 
 
 # ---- the run folder: planned before anything loads, one trainer at a time ---------------------
-def plan_run_dir(args: Args) -> Path:
+def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     """The run folder (--run_dir, the resumed run's folder, or runs/<model>-<rewards>-<time>),
-    checked writable and, if it exists, locked before anything loads; nothing is created here."""
-    if args.resume and args.run_dir is None:
-        run_dir = find_checkpoint(args.resume).parent.parent
+    checked writable and, if it exists, locked before anything loads; nothing is created here.
+    A folder that holds another run is refused (two runs never share its files) unless this is
+    that run resumed, or fresh_ok (--resume auto found no checkpoint: a killed run starts over)."""
+    resumed = find_checkpoint(args.resume).parent.parent if args.resume else None
+    if resumed is not None and args.run_dir is None:
+        run_dir = resumed
     else:
         tag = "+".join(n.split(":")[-1] for n, _ in args.train_terms)
         run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-"
@@ -1601,6 +1686,13 @@ def plan_run_dir(args: Args) -> Path:
                           f"({e.strerror}); pass a writable --run_dir") from None
     if run_dir.is_dir() and dist_info()[0] == 0:
         lock_run_dir(run_dir)
+    held = [f for f in ("config.json", "metrics.jsonl", "checkpoints/latest") if (run_dir / f).exists()]
+    if held and not fresh_ok and (resumed is None or resumed.resolve() != run_dir.resolve()):
+        latest = run_dir / "checkpoints" / "latest"
+        last = latest.parent / latest.read_text().strip() if latest.is_file() else "none yet"
+        raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run (latest checkpoint: "
+                          f"{last}); continue it with --resume auto (or --resume {run_dir}), or "
+                          "start a new run with another --run_dir")
     return run_dir
 
 
@@ -1634,10 +1726,10 @@ def lock_run_dir(run_dir: Path) -> None:
 
 def open_run_dir(run: Run, run_dir: Path):
     """Every rank learns rank 0's run folder. Rank 0 creates and locks it, clears half-written
-    checkpoints, writes config.json, prints the banner and, on resume, points `latest` at the
-    resumed checkpoint (later saves never overwrite it) and drops the metrics.jsonl lines from
-    its iteration on: they are logged again, so each appears once (TensorBoard's purge_step does
-    the same there). Returns metrics.jsonl open to append (None off rank 0)."""
+    checkpoints, writes config.json, prints the banner, on resume points `latest` at the
+    resumed checkpoint (later saves never overwrite it), and drops the metrics.jsonl lines from
+    the start iteration on: they are logged again, so each appears once (TensorBoard's purge_step
+    does the same there). Returns metrics.jsonl open to append (None off rank 0)."""
     if run.world > 1:                                      # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -1645,13 +1737,13 @@ def open_run_dir(run: Run, run_dir: Path):
     run.run_dir, mpath = run_dir, run_dir / "metrics.jsonl"
     if run.rank > 0:
         return None
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    lock_run_dir(run_dir)
-    for stale in (run_dir / "checkpoints").glob(".tmp-*"):        # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
-    if run.args.resume:
-        if (ckpt := find_checkpoint(run.args.resume)).parent == run_dir / "checkpoints":
+    with writing(run_dir, run_dir):
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        lock_run_dir(run_dir)
+        for stale in (run_dir / "checkpoints").glob(".tmp-*"):        # left by a killed save
+            shutil.rmtree(stale, ignore_errors=True)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
+        if run.args.resume and (ckpt := find_checkpoint(run.args.resume)).parent == run_dir / "checkpoints":
             _point_latest(ckpt)
         keep = []
         for line in mpath.read_text().splitlines() if mpath.exists() else []:
@@ -1665,6 +1757,21 @@ def open_run_dir(run: Run, run_dir: Path):
         os.replace(mpath.with_suffix(".tmp"), mpath)
     print(banner(run))
     return open(mpath, "a")
+
+
+@contextlib.contextmanager
+def writing(what: Path, run_dir: Path):
+    """A write into the run folder that fails for any reason (a full disk, a quota, a read-only
+    folder; safetensors, torch.save, PIL, TensorBoard each raise their own type) ends the run
+    with one line naming what failed and how to continue."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 — every writer's error, one message
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"could not write {what} ({type(e).__name__}: {why}); free space or "
+                          f"fix permissions there, then continue with --resume {run_dir}") from None
 
 
 # ---- checkpoints: one folder per save, `latest` switched atomically once it is complete --------
@@ -1713,7 +1820,8 @@ def checkpoint(run: Run, it: int) -> Path:
     takes part (under FSDP the weights and the optimizer state are gathered), rank 0 writes, the
     others wait. Written to a temporary folder, renamed, and only then `latest` switched
     atomically: at every instant `latest` names a complete checkpoint, and a kill loses at most
-    this save. A failed write (disk full) removes the temporary folder and raises ConfigError."""
+    this save. A failed write (a full disk; any writer's error type) removes its temporary files
+    and raises ConfigError, `latest` unchanged."""
     weights, optim = full_state(run.adapter.transformer, run.opt)
     ckdir, cfg = run.run_dir / "checkpoints", dataclasses.asdict(run.args)
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
@@ -1721,8 +1829,8 @@ def checkpoint(run: Run, it: int) -> Path:
         torch.distributed.barrier()                        # rank 0 writes
         return final
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)                                # umask applies (not mkdtemp's 0700)
     try:
+        tmp.mkdir(parents=True)                            # umask applies (not mkdtemp's 0700)
         if run.args.full_finetune:
             from safetensors.torch import save_file
             run.adapter.transformer.save_config(tmp / "transformer")
@@ -1742,13 +1850,15 @@ def checkpoint(run: Run, it: int) -> Path:
         os.umask(mask)
         for f in tmp.rglob("*"):                           # safetensors writes its files 0600
             f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
-    except OSError as e:
+        shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves only move on from it
+        os.replace(tmp, final)
+        _point_latest(final)
+    except Exception as e:  # noqa: BLE001 — OSError, SafetensorError, torch's RuntimeError, ...
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({e.strerror or e}); "
-                          f"free space there, then continue with --resume {run.run_dir}") from None
-    shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves only move on from it
-    os.replace(tmp, final)
-    _point_latest(final)
+        (ckdir / ".latest.tmp").unlink(missing_ok=True)
+        why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({why}); free space "
+                          f"there, then continue with --resume {run.run_dir}") from None
     if run.world > 1:
         torch.distributed.barrier()
     return final
@@ -1891,7 +2001,8 @@ class Args:
     prompts: Optional[str] = _f(None, "training prompts file (default: examples/prompts.txt)")
     eval_prompts: Optional[str] = _f(None, "held-out prompts (default: split off --prompts)")
     eval_holdout: float = _f(0.1, "fraction of --prompts held out if no --eval_prompts")
-    resume: Optional[str] = _f(None, "checkpoint folder, or a run folder (its latest checkpoint)")
+    resume: Optional[str] = _f(None, "checkpoint folder, a run folder (its latest checkpoint), or "
+                               "auto: --run_dir's run if it has a checkpoint, else a new one")
     save_every: int = _f(10, "checkpoint every k iterations (and at the end / on Ctrl-C)")
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
@@ -2126,14 +2237,29 @@ def banner(run: Run) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The command line: bad input prints one line and returns 2."""
+    """The command line: bad input (or a failed write, or out of memory) prints one line and
+    returns 2; a preemption save returns PREEMPTED. `--resume auto` continues the run in
+    --run_dir if it has a checkpoint and starts one otherwise, so a requeued job's command line
+    never changes."""
     try:
         given = given_flags(argv)
+        auto = given.get("resume") == "auto"
+        if auto and not given.get("run_dir"):
+            raise ConfigError("--resume auto needs --run_dir: the folder to continue or start in")
+        if auto:
+            latest = Path(given["run_dir"], "checkpoints", "latest").is_file()
+            given["resume"] = given["run_dir"] if latest else None
         # a resumed run keeps its own configuration; flags given now override it
         resumed = read_checkpoint(given["resume"])[1]["config"] if given.get("resume") else None
-        train(resolve_args(given, resumed=resumed))
+        train(resolve_args(given, resumed=resumed), fresh_ok=auto)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Preempted:                                      # saved; loop said where
+        return PREEMPTED
+    except torch.cuda.OutOfMemoryError as e:               # outside the iterations: loading
+        print(f"error: out of GPU memory while loading ({str(e).splitlines()[0]}); try "
+              "--offload_text_encoders or fewer --reward models", file=sys.stderr)
         return 2
     except KeyboardInterrupt:                              # a second Ctrl-C (train says where)
         return 130
