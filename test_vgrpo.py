@@ -1653,6 +1653,161 @@ def test_flow_grpo_pure_parts():
 
 
 # ------------------------------------------------------------------------------------------------
+# examples/diffusion_nft_sd3.py: the loss by hand, the old adapter's schedule, dpm2, two iterations
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.examples
+def test_diffusion_nft_loss_by_hand():
+    """DiffusionNFT's loss (scripts/train_nft_sd3.py) on two 2-element samples, float64, β = 0.5,
+    A_max = 5, β_KL = 0.1, every number worked out below; and its gradient at θ = old.
+    Sample 1: t = 0.5, x_t = [0.5, 0.5], x0 = [1, −1], v_θ = [1, 2], v_old = [0, 1], A = 2.5:
+      r = 2.5/5/2 + 1/2 = 0.75;  v⁺ = [0.5, 1.5], x̂⁺ = [0.25, −0.25], x̂⁺ − x0 = [−0.75, 0.75],
+      MAE 0.75, e⁺ = 0.5625/0.75 = 0.75;  v⁻ = 1.5·v_old − 0.5·v_θ = [−0.5, 0.5], x̂⁻ = [0.75, 0.25],
+      x̂⁻ − x0 = [−0.25, 1.25], MAE 0.75, e⁻ = (0.0625 + 1.5625)/2/0.75 = 13/12;
+      A_max·(r e⁺ + (1 − r) e⁻)/β = 5·(0.5625 + 13/48)/0.5 = 25/3;  KL mean([0, 1]) = 0.5.
+    Sample 2: t = 1, x_t = [1, 1], x0 = [0, 0], v_θ = v_old = [1, 1], v_ref = [0, 2], A = −10:
+      clamp → −5, r = 0; x̂± = x0 exactly: MAE 0 is floored at 1e-5, e± = 0 (not 0/0); KL 1.
+    Loss = (25/3 + 0)/2 + 0.1·(0.5 + 1)/2 = 25/6 + 0.075 = 509/120."""
+    nft = _load_example("diffusion_nft_sd3")
+    d = dict(dtype=torch.float64)
+    x_t = torch.tensor([[0.5, 0.5], [1.0, 1.0]], **d)
+    x0 = torch.tensor([[1.0, -1.0], [0.0, 0.0]], **d)
+    t = torch.tensor([0.5, 1.0], **d)
+    v = torch.tensor([[1.0, 2.0], [1.0, 1.0]], **d).requires_grad_(True)
+    v_old = torch.tensor([[0.0, 1.0], [1.0, 1.0]], **d)
+    v_ref = torch.tensor([[1.0, 1.0], [0.0, 2.0]], **d)
+    adv = torch.tensor([2.5, -10.0], **d)
+    loss, st = nft.nft_loss(v, v_old, v_ref, x0, x_t, t, adv, beta=0.5, adv_clip_max=5.0,
+                            kl_coef=0.1)
+    assert loss.dtype == torch.float64
+    assert float(loss.detach()) == pytest.approx(509 / 120, rel=1e-6)
+    assert float(st["policy_loss"]) == pytest.approx(25 / 6, rel=1e-6)
+    assert float(st["kl_div"]) == pytest.approx(0.75, rel=1e-6)
+    assert float(st["r_mean"]) == pytest.approx(0.375)
+    assert float(st["positive_loss"]) == pytest.approx(0.375, rel=1e-6)       # (0.75 + 0)/2
+    assert float(st["negative_loss"]) == pytest.approx(13 / 24, rel=1e-6)     # (13/12 + 0)/2
+    torch.testing.assert_close(nft.optimality_weight(
+        torch.tensor([-10.0, -5.0, -2.5, 0.0, 2.5, 5.0, 10.0], **d), 5.0),
+        torch.tensor([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0], **d))
+    # gradient at θ = old (sample 1 alone, no KL): x̂ − x0 = [−0.5, 1], MAE 0.75, r = 0.75:
+    # dL/dv = A_max·(2/d)·t·(x̂ − x0)/MAE·(1 − 2r) = 5·1·0.5·[−0.5, 1]/0.75·(−0.5) = [5/6, −5/3],
+    # whatever β; a descent step moves x̂ = x_t − t·v towards x0 (A > 0)
+    for beta in (0.5, 1.0):
+        v1 = v_old[:1].clone().requires_grad_(True)
+        l1, _ = nft.nft_loss(v1, v_old[:1], None, x0[:1], x_t[:1], t[:1], adv[:1], beta=beta,
+                             adv_clip_max=5.0, kl_coef=0.0)
+        l1.backward()
+        torch.testing.assert_close(v1.grad, torch.tensor([[5 / 6, -5 / 3]], **d))
+
+
+@pytest.mark.examples
+def test_diffusion_nft_old_adapter_schedule():
+    """train_nft_sd3.py return_decay (types 1 and 2 of config/nft.py) and the soft update
+    old ← d·old + (1 − d)·θ against hand values; the recipes' schedules and the CLI's mapping."""
+    nft = _load_example("diffusion_nft_sd3")
+    one, two = nft.DECAY_TYPES[1], nft.DECAY_TYPES[2]
+    assert one == (0, 0.001, 0.5) and two == (75, 0.0075, 0.999) and nft.DECAY_TYPES[0][2] == 0
+    for step, want in ((0, 0.0), (1, 0.001), (250, 0.25), (500, 0.5), (10_000, 0.5)):
+        assert nft.return_decay(step, *one) == pytest.approx(want)
+    for step, want in ((0, 0.0), (74, 0.0), (75, 0.0), (76, 0.0075), (175, 0.75), (208, 0.9975),
+                       (209, 0.999), (10_000, 0.999)):
+        assert nft.return_decay(step, *two) == pytest.approx(want)
+    assert all(nft.return_decay(s, *nft.DECAY_TYPES[0]) == 0.0 for s in (0, 10, 1000))
+    old = [torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([[-4.0]], dtype=torch.float64)]
+    new = [torch.tensor([3.0, 6.0], dtype=torch.float64), torch.tensor([[4.0]], dtype=torch.float64)]
+    nft.soft_update_(old, new, 0.25)                      # 0.25·old + 0.75·new
+    assert old[0].tolist() == [2.5, 5.0] and old[1].tolist() == [[2.0]]
+    nft.soft_update_(old, new, 1.0)
+    assert old[0].tolist() == [2.5, 5.0]                  # d = 1: the old policy stays
+    nft.soft_update_(old, new, 0.0)
+    assert old[0].tolist() == [3.0, 6.0] and old[1].tolist() == [[4.0]]   # d = 0: a copy
+    rec = nft.RECIPE
+    assert (rec["decay_flat"], rec["decay_uprate"], rec["decay_uphold"]) == one
+    ocr = nft.RECIPES["sd3_ocr"]
+    assert (ocr["decay_flat"], ocr["decay_uprate"], ocr["decay_uphold"]) == two
+    assert ocr["opt_steps"] == 2 and ocr["beta"] == 0.1
+    assert (rec["beta"], rec["kl_coef"], rec["adv_clip_max"], rec["num_steps"]) == (1.0, 1e-4, 5.0, 10)
+    _, _, over = nft.parse(["--decay_type", "2", "--no_ema", "--nft_steps", "4"])
+    assert (over["decay_flat"], over["decay_uprate"], over["decay_uphold"]) == two
+    assert over["ema"] is False and over["num_steps"] == 4 and "lr" not in over
+
+
+@pytest.mark.examples
+def test_diffusion_nft_dpm2_solver():
+    """The "dpm2" rollout (flow_grpo/diffusers_patch/solver.py) on an analytic linear field,
+    float64: a first step that is DDIM from σ = 1 (x' = (1 − σ')x̂0 + σ'x1), a last step that
+    lands on x̂0, the same result as vgrpo's DPM-Solver++(2M) on SD3's shifted grid and on a grid
+    that does not start at 1; Euler ("flow", η = 0) is vgrpo's euler_sample."""
+    nft = _load_example("diffusion_nft_sd3")
+    g = torch.Generator().manual_seed(0)
+    A = 0.5 * torch.randn(4, 4, generator=g, dtype=torch.float64)
+    fn = lambda x, t, c: x @ A + t[:, None]                                   # noqa: E731
+    x1 = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    one = nft.dpm2_sample(fn, x1, torch.tensor([1.0, 0.4], dtype=torch.float64))
+    x0_hat = x1 - fn(x1, torch.ones(3), None)
+    torch.testing.assert_close(one, 0.6 * x0_hat + 0.4 * x1)
+    last = nft.dpm2_sample(fn, x1, torch.tensor([1.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(last, x0_hat)
+    late = torch.tensor([0.9, 0.5, 0.2, 0.0], dtype=torch.float64)             # σ_0 < 1
+    for sig in (V.sigma_grid(10, 3.0), V.sigma_grid(3), late):
+        torch.testing.assert_close(nft.dpm2_sample(fn, x1, sig), V.dpmpp2m_sample(fn, x1, sig))
+    assert nft.SAMPLERS["flow"] is V.euler_sample
+
+
+@pytest.mark.examples
+def test_diffusion_nft_two_iterations_tiny_sd3(monkeypatch):
+    """Two DiffusionNFT iterations on the tiny SD3 pipeline (P×G = 2×2, K = 3 dpm2 steps, T = 2
+    training times per sample, one optimizer step each): the LoRA moves, the base weights do not,
+    the metrics are finite and count 3 + 3·2 forwards per sample; the rollout samples with the
+    old adapter; the old adapter starts as θ and then follows old ← d·old + (1 − d)·θ with the
+    schedule's d (here uprate 0.25, uphold 0.4: d = 0.25, then 0.4); the EMA moves by 9/11 at
+    step 1 (ema.py: 1 − min(2/11, 0.9)); eval_weights swaps the EMA in and back."""
+    nft = _load_example("diffusion_nft_sd3")
+    run = V.setup(V.parse_args(["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2",
+                                "--group_size", "2", "--resolution", "32", "--seed", "0"]))
+    tr = run.adapter.transformer
+    base = {n: p.detach().clone() for n, p in tr.named_parameters() if "lora_" not in n}
+    init = [p.detach().clone() for p in run.params]
+    state = nft.init_state(run, num_steps=3, decay_uprate=0.25, decay_uphold=0.4)
+    assert state["T"] == 2 and len(state["old"]) == len(run.params) > 0
+    assert all(torch.equal(o, q) for o, q in zip(state["old"], state["theta"]))
+    assert all(p.requires_grad for p in run.params) and not any(o.requires_grad for o in state["old"])
+    used = []
+    solve = nft._solve
+
+    def spy(*a, **kw):
+        used.append(tr.active_adapters())
+        return solve(*a, **kw)
+    monkeypatch.setattr(nft, "_solve", spy)
+    for it, d in enumerate((0.25, 0.4)):
+        old_before = [o.detach().clone() for o in state["old"]]
+        m = nft.nft_iteration(run, it, state)
+        assert m["method"] == "diffusion_nft" and m["iter"] == it and state["step"] == it + 1
+        assert m["old_decay"] == pytest.approx(d) and m["opt_steps"] == 1
+        for o, ob, q in zip(state["old"], old_before, state["theta"]):
+            torch.testing.assert_close(o, d * ob + (1 - d) * q.detach())
+        assert (m["nfe_rollout"], m["nfe_theta"], m["nfe_old"], m["nfe_ref"]) == (3, 2, 2, 2)
+        assert m["nfe_total"] == 4 * (3 + 3 * 2) and m["n_trained_samples"] == 4
+        for k in ("reward_mean", "reward_std", "time_rollout", "time_reward", "time_update",
+                  "time_iter", "grad_norm", "loss", "policy_loss", "kl_div", "r_mean"):
+            assert math.isfinite(m[k]), k
+        if it == 0:
+            assert m["old_deviate"] == 0.0 and m["positive_loss"] == m["negative_loss"]  # θ = old
+            theta1 = [q.detach().clone() for q in state["theta"]]
+            for e, q0, q1 in zip(state["ema"].ema, init, theta1):
+                torch.testing.assert_close(e, q0 + 9 / 11 * (q1 - q0))
+    assert used and all(a == [nft.OLD] for a in used)             # rollouts: the old adapter
+    assert tr.active_adapters() == ["default"]
+    assert any(not torch.equal(p, q) for p, q in zip(run.params, init))              # LoRA moved
+    assert not all(torch.equal(o, q) for o, q in zip(state["old"], state["theta"]))
+    assert all(torch.equal(p, base[n]) for n, p in tr.named_parameters() if "lora_" not in n)
+    trained = [p.detach().clone() for p in run.params]
+    ema = [e.clone() for e in state["ema"].ema]
+    with nft.eval_weights(run, state):
+        assert all(torch.equal(p, e) for p, e in zip(run.params, ema))
+    assert all(torch.equal(p, q) for p, q in zip(run.params, trained))
+
+
+# ------------------------------------------------------------------------------------------------
 # Data parallelism: 2 processes under torchrun (gloo, CPU) = 1 process with the same global batch
 # ------------------------------------------------------------------------------------------------
 DDP = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--group_size", "3", "--num_steps", "4",
