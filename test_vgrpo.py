@@ -1414,6 +1414,154 @@ def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
+# examples/mix_grpo_sd3.py: MixGRPO (mixed ODE–SDE window) on the tiny SD3 pipeline
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.examples
+def test_mix_grpo_steps_and_loss_by_hand():
+    """MixGRPO's two SDE steps (sampling_utils.py flow_grpo_step, dance_grpo_step) and its clipped
+    per-step loss against hand computations in float64: x = (1, −2), v = (0.5, 1), σ = 0.75 → 0.5,
+    η = 0.7, ξ = (1, −0.5)."""
+    mix = _load_example("mix_grpo_sd3")
+    f64 = dict(dtype=torch.float64)
+    x, v, xi = (torch.tensor([[1.0, -2.0]], **f64), torch.tensor([[0.5, 1.0]], **f64),
+                torch.tensor([[1.0, -0.5]], **f64))
+    # flow: s_t² = 0.49·0.75/0.25 = 1.47; μ = x·(1 − 1.47/1.5·0.25) + v·(1 + 1.47·0.25/1.5)·(−0.25)
+    #       = 0.755·x − 0.31125·v; std² = 1.47·0.25 = 0.3675
+    xn, lp, mean, std = mix.flow_grpo_step(x, v, 0.75, 0.5, 0.7, 0.9, noise=xi)
+    torch.testing.assert_close(mean, torch.tensor([[0.599375, -1.82125]], **f64))
+    assert std == pytest.approx(math.sqrt(0.3675), rel=1e-12)
+    torch.testing.assert_close(xn, mean + math.sqrt(0.3675) * xi)
+    # log p = mean_elements(−ξ²/2) − log std − ½ log 2π = −(0.5 + 0.125)/2 − … = −0.7309225530
+    expect = -0.3125 - 0.5 * math.log(0.3675) - 0.5 * math.log(2 * math.pi)
+    assert expect == pytest.approx(-0.7309225530, abs=1e-9)
+    torch.testing.assert_close(lp, torch.tensor([expect], **f64))
+    assert lp.dtype == torch.float64
+    _, lp2, _, _ = mix.flow_grpo_step(x, v, 0.75, 0.5, 0.7, 0.9, x_next=xn)   # the stored step
+    torch.testing.assert_close(lp2, lp)
+    # σ = 1: the noise scale uses σ_max = sigmas[1] = 0.9: s_t² = 0.49/0.1 = 4.9, μ = 0.51·x − 0.2·v
+    _, _, mean1, std1 = mix.flow_grpo_step(x, v, 1.0, 0.8, 0.7, 0.9, noise=xi)
+    torch.testing.assert_close(mean1, torch.tensor([[0.41, -1.22]], **f64))
+    assert std1 == pytest.approx(math.sqrt(4.9 * 0.2), rel=1e-12)
+    # dance: x̂0 = (0.625, −2.75); score = −(x − 0.25·x̂0)/0.5625 = (−1.5, 7/3);
+    #        μ = x − 0.25·v + 0.245·score·0.25 = (0.783125, −2.1070833…); std = 0.7·0.5 = 0.35
+    xn, lp, mean, std = mix.dance_grpo_step(x, v, 0.75, 0.5, 0.7, 0.9, noise=xi)
+    torch.testing.assert_close(mean, torch.tensor([[0.783125, -2.25 + 0.245 * 0.25 * 7 / 3]], **f64))
+    assert std == pytest.approx(0.35, rel=1e-12)
+    torch.testing.assert_close(xn, mean + 0.35 * xi)
+    torch.testing.assert_close(lp, torch.tensor([-0.3125], **f64))           # no constants
+    # loss: A = (2, −1, 7 → clamped 5), log ρ = (0, 2e-4, 3e-4), ε = 1e-4
+    #   (−2·1,  max(1.0002000200, 1.0001) = 1.0002000200,  max(−5·1.0003000450, −5·1.0001) = −5.0005)
+    logp = torch.tensor([0.0, 2e-4, 3e-4], **f64, requires_grad=True)
+    loss, st = mix.mix_loss(logp, torch.zeros(3, **f64), torch.tensor([2.0, -1.0, 7.0], **f64),
+                            clip_range=1e-4, adv_clip_max=5.0)
+    torch.testing.assert_close(loss.detach(), torch.tensor([-2.0, 1.0002000200013335, -5.0005], **f64))
+    assert float(st["clip_frac"]) == pytest.approx(2 / 3)
+    assert float(st["abs_log_ratio"]) == pytest.approx(5e-4 / 3)
+    loss.sum().backward()                   # d/d log p = −A·ρ where unclipped, 0 where clipped
+    torch.testing.assert_close(logp.grad, torch.tensor([-2.0, 1.0002000200013335, 0.0], **f64))
+    # the k2 term to θ_old, ½ (log ρ)², only with kl_coeff
+    kl, _ = mix.mix_loss(logp.detach(), torch.zeros(3, **f64), torch.zeros(3, **f64),
+                         clip_range=1e-4, adv_clip_max=5.0, kl_coeff=2.0)
+    torch.testing.assert_close(kl, torch.tensor([0.0, 4e-8, 9e-8], **f64))
+    # optimizer-step shares: the k-th contiguous quarter of every group
+    assert [r.tolist() for r in mix.step_rows(2, 12, 4)] == [[0, 1, 2, 12, 13, 14], [3, 4, 5, 15, 16, 17],
+                                                             [6, 7, 8, 18, 19, 20], [9, 10, 11, 21, 22, 23]]
+    assert [r.tolist() for r in mix.step_rows(1, 6, 4)] == [[0, 1], [2, 3], [4], [5]]
+
+
+@pytest.mark.examples
+def test_mix_grpo_window_schedule_published_and_scaled():
+    """The progressive window (grpo_states.py): published K = 25, window 4, moved by 1 every 25 of
+    300 iterations (starts 0 … 11, never wrapping); the scaled rule and its roll-back, against
+    hand-computed positions and the state machine it is written from."""
+    mix = _load_example("mix_grpo_sd3")
+    R = mix.RECIPE
+    assert (R["num_steps"], R["window"], R["shift_interval"], R["iterations"], R["stride"]) == (25, 4, 25, 300, 1)
+    assert mix.scaled_recipe(25, 300) == R
+    w = lambda it, rec: mix.window_at(it, rec)
+    assert w(0, R) == [0, 1, 2, 3] and w(24, R) == [0, 1, 2, 3] and w(25, R) == [1, 2, 3, 4]
+    assert w(299, R) == [11, 12, 13, 14]
+    assert {w(it, R)[0] for it in range(300)} == set(range(12))            # 12 positions
+    # past the published budget: truncated at K − 2 = 23, the start rolls back after 22
+    assert w(21 * 25, R) == [21, 22] and w(22 * 25, R) == [22] and w(23 * 25, R) == [0, 1, 2, 3]
+    assert w(22 * 25, dict(R, roll_back=False)) == w(40 * 25, dict(R, roll_back=False)) == [22]
+    # scaled: window round½(4K/25), interval round½(25·I/300), halves up
+    s = mix.scaled_recipe(10, 24)
+    assert (s["window"], s["shift_interval"]) == (2, 2)                     # 1.6 → 2, 2.0 → 2
+    assert [w(it, s)[0] for it in range(0, 24, 2)] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+    assert w(0, s) == w(1, s) == [0, 1] and w(14, s) == [7] and w(16, s) == [0, 1]
+    s30 = mix.scaled_recipe(10, 30)
+    assert (s30["window"], s30["shift_interval"]) == (2, 3)                 # 2.5 → 3
+    assert [w(it, s30)[0] for it in range(0, 30, 3)] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    assert (mix.scaled_recipe(4, 2)["window"], mix.scaled_recipe(4, 2)["shift_interval"]) == (1, 1)
+    assert mix.scaled_recipe(40, 150)["window"] == 6 and mix.scaled_recipe(40, 150)["shift_interval"] == 13
+    with pytest.raises(ValueError, match="num_steps"):
+        mix.scaled_recipe(2, 10)
+    # the closed form equals the reference loop (read, then count the iteration)
+    for rec in (R, s, s30, dict(s, stride=3), dict(s, stride=2, roll_back=False)):
+        K, start, n = rec["num_steps"], 0, 0
+        for it in range(200):
+            assert w(it, rec) == list(range(start, min(start + rec["window"], K - 2))), (rec, it)
+            n += 1
+            if n >= rec["shift_interval"]:
+                n, start = 0, start + rec["stride"]
+            if start > K - 3:
+                start = 0 if rec["roll_back"] else K - 3
+
+
+@pytest.mark.examples
+def test_mix_grpo_two_iterations_on_the_tiny_model():
+    """Two MixGRPO iterations on a vgrpo.Run (tiny SD3, P×G = 2×4, K = 4, scaled recipe: window 1,
+    moved every iteration): the LoRA moves, the base weights do not, metrics are finite, the ratio
+    is exactly 1 before the first of the 4 optimizer steps, NFE = rollout K + trained window T."""
+    mix = _load_example("mix_grpo_sd3")
+    args = V.parse_args(["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2",
+                         "--group_size", "4", "--num_steps", "4", "--lora_rank", "4",
+                         "--lora_alpha", "8", "--no-gradient_checkpointing"])
+    run = V.setup(args)
+    named = dict(run.adapter.transformer.named_parameters())
+    before = {n: p.detach().clone() for n, p in named.items()}
+    state = mix.init_state(run, mix.scaled_recipe(4, 2))
+    ms = [mix.mix_iteration(run, it, state) for it in range(2)]
+    lora = [n for n in named if "lora_" in n]
+    assert lora and all(not p.requires_grad for n, p in named.items() if "lora_" not in n)
+    assert all(torch.equal(named[n].detach(), before[n]) for n in named if "lora_" not in n)
+    assert any(not torch.equal(named[n].detach(), before[n]) for n in lora)
+    assert [m["window"] for m in ms] == [[0], [1]]
+    for m in ms:
+        assert m["method"] == "mix_grpo" and m["opt_steps"] == 4 and m["n_trained_samples"] == 8
+        assert (m["nfe_rollout"], m["nfe_theta"], m["nfe_ref"], m["nfe_total"]) == (4, 1, 0, 8 * 4 + 8 * 1)
+        assert m["abs_log_ratio_first"] == 0.0                # θ = θ_old: same rows, shapes, code
+        for k in ("reward_mean", "reward_std", "grad_norm", "clip_frac", "abs_log_ratio",
+                  "time_rollout", "time_reward", "time_update", "time_iter"):
+            assert math.isfinite(m[k]), k
+    assert ms[0]["abs_log_ratio"] > 0                     # steps 2–4 are off-policy
+    assert state["step"] == 8 and state["ema"] is None
+    with mix.eval_weights(run, state):                    # the trained weights, no EMA
+        assert all(torch.equal(named[n], p) for n, p in run.adapter.transformer.named_parameters())
+
+
+@pytest.mark.examples
+def test_mix_grpo_cli_writes_metrics_and_the_lora(tmp_path):
+    """main(argv): tiny model + jpeg by default, vgrpo flags passed through, metrics.jsonl with an
+    evaluation before and after, and the LoRA in diffusers' format."""
+    mix = _load_example("mix_grpo_sd3")
+    out = tmp_path / "mix"
+    lines = mix.main(["--prompts_per_iter", "2", "--group_size", "2", "--mix_steps", "3",
+                      "--iterations", "1", "--n_eval", "1", "--eval_steps", "2", "--out", str(out),
+                      "--lora_rank", "4", "--lora_alpha", "8", "--no-gradient_checkpointing"])
+    assert [("reward_mean" in m, "eval_reward_mean" in m) for m in lines] == \
+        [(False, True), (True, False), (False, True)]
+    assert [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] == lines
+    assert lines[1]["window"] == [0] and lines[1]["opt_steps"] == 2 and lines[1]["nfe_rollout"] == 3
+    assert (out / "lora_mix_grpo" / V.LORA_FILE).is_file()
+    assert json.loads((out / "recipe.json").read_text())["sde"] == "flow"
+    mine, args = mix.parse(["--num_steps", "10", "--iterations", "30", "--sde", "dance"])
+    assert args.num_steps == 10 and mine.rec["window"] == 2 and mine.rec["shift_interval"] == 3
+    assert mine.rec["sde"] == "dance" and mine.rec["init_same_noise"]
+
+
+# ------------------------------------------------------------------------------------------------
 # examples/sd3_diagnostics.py and examples/flow_grpo_sd3.py on the tiny SD3 pipeline
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.examples
