@@ -2119,6 +2119,28 @@ def test_paper_and_stage_presets_follow_the_family():
 
 
 @pytest.mark.trainer
+def test_lora_init_comes_from_the_seed_alone(tmp_path, monkeypatch):
+    """A reward that initialises a model on first use (the digits classifier, HPSv2's
+    create_model) draws from the global RNG during setup's probe, but only in the first setup
+    of a process: the LoRA initialisation must not depend on that (nor on anything run before)."""
+    mod = tmp_path / "lazy_reward.py"
+    mod.write_text("import torch\n_net = []\n"
+                   "def score(images, prompts):\n"
+                   "    if not _net:\n"
+                   "        _net.append(torch.nn.Linear(64, 64))      # random init, global RNG\n"
+                   "    return images.mean(dim=(1, 2, 3))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = V.parse_args(TINY + ["--reward", "lazy_reward:score"])
+    lora = lambda run: {n: p.detach().clone() for n, p in
+                        run.adapter.transformer.named_parameters() if "lora_A" in n}
+    first = lora(V.setup(args))
+    torch.rand(1000)                                            # anything else run before
+    second = lora(V.setup(args))
+    assert first.keys() == second.keys() and first
+    assert all(torch.equal(first[n], second[n]) for n in first)
+
+
+@pytest.mark.trainer
 def test_first_step_ratio_is_one_for_mu_above_one(tmp_path):
     """The first step's S_old is its own pass at θ = θ_old (ours C18): ρ ≡ 1 there for μ = 3 and
     uneven micro-batches too (4 samples per step in micro-batches of 3 + 1)."""

@@ -1465,8 +1465,6 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    torch.manual_seed(args.seed)                           # the same LoRA init on every rank
-    random.seed(args.seed)
     rewards = rewards if rewards is not None else Rewards.load(args, dev, dtype)
     for name, fn in rewards.models.items():                # plug-ins fail here, in one line
         if name not in BUILTIN_REWARDS:
@@ -1476,6 +1474,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     if args.offload_text_encoders:                   # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
     tr = adapter.transformer
+    torch.manual_seed(args.seed)      # the LoRA init from the seed alone, on every rank: rewards
+    random.seed(args.seed)            # and pipelines that initialise randomly drew before this
     lora_cfg = None if args.full_finetune else add_lora(tr, args.lora_rank, args.lora_alpha,
                                                         args.lora_targets.split(","))
     if args.full_finetune:

@@ -538,6 +538,7 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
     if not isinstance(adapter, V.SD3Adapter) or isinstance(adapter, V.FluxAdapter):
         raise ValueError("examples/flow_grpo_sd3.py supports SD3 pipelines only "
                          "(Flow-GRPO's SD3 script); --model names a FLUX pipeline")
+    torch.manual_seed(args.seed)              # the LoRA init from the seed alone (as vgrpo.setup)
     lora_cfg = V.add_lora(adapter.transformer, args.lora_rank, args.lora_alpha,
                           args.lora_targets.split(","))
     if args.gradient_checkpointing:
