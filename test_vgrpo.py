@@ -2133,9 +2133,11 @@ def test_lora_init_comes_from_the_seed_alone(tmp_path, monkeypatch):
     args = V.parse_args(TINY + ["--reward", "lazy_reward:score"])
     lora = lambda run: {n: p.detach().clone() for n, p in
                         run.adapter.transformer.named_parameters() if "lora_A" in n}
-    first = lora(V.setup(args))
+    # pipelines passed in, as from a local folder (the tiny builder would reseed by itself)
+    pipes = [TM.build_tiny_sd3_pipeline(), TM.build_tiny_sd3_pipeline()]
+    first = lora(V.setup(args, pipe=pipes[0]))
     torch.rand(1000)                                            # anything else run before
-    second = lora(V.setup(args))
+    second = lora(V.setup(args, pipe=pipes[1]))
     assert first.keys() == second.keys() and first
     assert all(torch.equal(first[n], second[n]) for n in first)
 
