@@ -559,6 +559,196 @@ def test_mu_two_first_step_equals_a_separate_no_grad_pass(tmp_path, monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------------
+# What a cluster does to a run: preemption (SIGTERM), requeue, a full disk, out of GPU memory
+# ------------------------------------------------------------------------------------------------
+def _same_run(a_dir, b_dir, it):
+    """Identical metrics (times aside) and identical trained weights after `it` iterations: the
+    same process and thread count, so the same float operations."""
+    assert _strip_times(_metrics(a_dir)) == _strip_times(_metrics(b_dir))
+    a, b = _trained(a_dir, it), _trained(b_dir, it)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("where", ["rollout", "update"])
+@pytest.mark.trainer
+def test_sigterm_saves_and_the_requeued_command_continues_exactly(tmp_path, monkeypatch, capsys,
+                                                                  where):
+    """SIGTERM in iteration 1's rollout abandons it (its first optimizer step has not run: the
+    parameters are iteration 0's) and saves after 1 iteration; SIGTERM inside iteration 1's
+    first optimizer step (μ = 2, one step still to go) finishes the iteration and saves after 2.
+    Either exits with PREEMPTED, and the same command with --resume auto then ends exactly
+    where an uninterrupted run does."""
+    import signal
+    argv = TINY + ["--iterations", "4", "--save_every", "10", "--mu", "2", "--eval_every", "2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert V.main(argv + ["--run_dir", str(ref)]) == 0
+    real_rollout, real_step = V.collect_rollouts, V.optimizer_step
+
+    def rollout(r, it):
+        if it == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_rollout(r, it)
+
+    def step(r):
+        if r.stop == [] and len(_metrics(run)) == 2:           # iteration 1's first step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(r)
+    monkeypatch.setattr(V, *(("collect_rollouts", rollout) if where == "rollout"
+                             else ("optimizer_step", step)))
+    again = argv + ["--run_dir", str(run), "--resume", "auto"]
+    assert V.main(again) == V.PREEMPTED
+    err = capsys.readouterr().err
+    saved = 1 if where == "rollout" else 2
+    assert f"saved {run / 'checkpoints' / f'iter_{saved:06d}'}" in err and "--resume auto" in err
+    assert (run / "checkpoints" / "latest").read_text() == f"iter_{saved:06d}"
+    monkeypatch.undo()
+    assert V.main(again) == 0                                  # the requeued job, same command
+    _same_run(run, ref, 4)
+
+
+@pytest.mark.trainer
+def test_ctrl_c_under_torchrun_saves_at_once_like_sigterm(tmp_path, monkeypatch):
+    """torchrun's agent forwards Ctrl-C and SIGKILLs its workers after --shutdown_timeout (30 s),
+    so under torchrun SIGINT takes the preemption path: saved at once, exit PREEMPTED."""
+    import signal
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    real = V.collect_rollouts
+
+    def rollout(r, it):
+        if it == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(r, it)
+    monkeypatch.setattr(V, "collect_rollouts", rollout)
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "3", "--save_every", "10", "--run_dir", str(run)]) == V.PREEMPTED
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
+
+
+@pytest.mark.trainer
+def test_the_same_command_twice_never_mixes_two_runs(tmp_path, capsys):
+    """A folder that holds a run is refused in one line naming its latest checkpoint and the two
+    ways on, and nothing in it changes; --resume auto continues it (each iteration logged once),
+    and on an empty folder starts one. A run killed before its first checkpoint starts over."""
+    run = tmp_path / "run"
+    argv = TINY + ["--iterations", "3", "--run_dir", str(run)]
+    assert V.main(argv) == 0
+    before = {f: (run / f).read_bytes() for f in ("metrics.jsonl", "config.json", "checkpoints/latest")}
+    capsys.readouterr()
+    assert V.main(argv[:-4] + ["--iterations", "2", "--run_dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"already holds a run \(latest checkpoint: .*iter_000003\); continue it with "
+                     r"--resume auto .*another --run_dir", err), err
+    assert len([l for l in err.splitlines() if l.strip()]) == 1
+    assert {f: (run / f).read_bytes() for f in before} == before
+    assert V.main(argv + ["--resume", "auto", "--iterations", "4"]) == 0
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2, 3]
+    fresh = tmp_path / "fresh"
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(fresh), "--resume", "auto"]) == 0
+    (fresh / "checkpoints" / "latest").unlink()                 # as if killed before a save
+    shutil_rm = __import__("shutil").rmtree
+    shutil_rm(fresh / "checkpoints" / "iter_000001")
+    assert V.main(TINY + ["--iterations", "2", "--run_dir", str(fresh), "--resume", "auto"]) == 0
+    assert [m["iter"] for m in _metrics(fresh) if "reward_mean" in m] == [0, 1]
+    assert V.main(TINY + ["--resume", "auto"]) == 2                # needs --run_dir
+    assert "--resume auto needs --run_dir" in capsys.readouterr().err
+
+
+def _tmpfs(path: Path, size: str):
+    """A real small filesystem (root on Linux), or None where it cannot be mounted."""
+    import subprocess
+    path.mkdir(parents=True)
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                        capture_output=True).returncode == 0
+    return path if ok else None
+
+
+@pytest.mark.trainer
+def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iteration_once(
+        tmp_path, monkeypatch, capsys):
+    """The run folder on a 2 MB filesystem, filled up after the first checkpoint: the second
+    checkpoint fails (safetensors' own error type, not OSError) with one line naming it, the
+    clean-up (metrics.png in `finally`) fails too and masks nothing, no temporary file is left,
+    `latest` still names the first checkpoint, and --resume after freeing space logs every
+    iteration once. Where no filesystem can be mounted, writers that raise stand in for it."""
+    import subprocess
+    mnt = _tmpfs(tmp_path / "small", "2m")
+    run = (mnt or tmp_path) / "run"
+    argv = TINY + ["--iterations", "2", "--save_every", "1", "--eval_every", "1", "--run_dir", str(run)]
+    real_ckpt = V.checkpoint
+    filler = (mnt or tmp_path) / "filler"
+
+    def fill_then_checkpoint(r, it):
+        if it == 2:
+            if mnt is not None:                                 # take every free byte
+                subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
+            else:
+                from safetensors import SafetensorError
+                def boom(*a, **k):
+                    raise SafetensorError("Error while serializing: I/O error: No space left on device")
+                monkeypatch.setattr("safetensors.torch.save_file", boom)
+                monkeypatch.setattr(r.adapter, "save_lora", boom)
+                monkeypatch.setattr(V, "plot_metrics", lambda d: (_ for _ in ()).throw(
+                    OSError(28, "No space left on device")))
+        return real_ckpt(r, it)
+    monkeypatch.setattr(V, "checkpoint", fill_then_checkpoint)
+    try:
+        capsys.readouterr()
+        assert V.main(argv) == 2
+        err = capsys.readouterr().err
+        lines = [l for l in err.splitlines() if l.strip() and not l.startswith("V-GRPO")
+                 and "it/s" not in l and "s/it" not in l]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert re.search(r"error: could not write .*(space|Space).*--resume", lines[0]), err
+        ck = run / "checkpoints"
+        assert (ck / "latest").read_text() == "iter_000001"
+        assert sorted(p.name for p in ck.iterdir()) == ["iter_000001", "latest"]   # no .tmp-*
+        monkeypatch.undo()
+        filler.unlink(missing_ok=True)                          # space freed
+        assert V.main(["--resume", str(run)]) == 0
+        assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
+        assert [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m] == [0, 1, 2]
+    finally:
+        if mnt is not None:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.parametrize("phase, knob", [("rollout", "--rollout_batch"),
+                                         ("reward", "--reward_batch"),
+                                         ("update", "--micro_batch")])
+@pytest.mark.trainer
+def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_path, monkeypatch,
+                                                                          capsys, phase, knob):
+    """torch.cuda.OutOfMemoryError (raised here from a patched call on the CPU) in iteration 1:
+    one line naming the phase and the knob that lowers its memory; the parameters are still
+    iteration 0's (μ = 1: the step had not run), so they are saved and --resume continues
+    exactly as an uninterrupted run."""
+    argv = TINY + ["--iterations", "3", "--save_every", "10"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert V.main(argv + ["--run_dir", str(ref)]) == 0
+    target = {"rollout": "rollout", "reward": "decode_and_reward", "update": "vgrpo_loss"}[phase]
+    real, calls = getattr(V, target), []
+
+    def oom(*a, **k):
+        if len(_metrics(run)) == 1 and not calls:               # in iteration 1
+            calls.append(1)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*a, **k)
+    monkeypatch.setattr(V, target, oom)
+    capsys.readouterr()
+    assert V.main(argv + ["--run_dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    line = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(line) == 1 and "Traceback" not in err, err
+    said = {"rollout": "the rollout", "reward": "decoding and rewards", "update": "the update"}
+    assert f"out of GPU memory in {said[phase]}" in line[0]
+    assert knob in line[0] and "saved" in line[0] and "--resume" in line[0]
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
+    monkeypatch.undo()
+    assert V.main(["--resume", str(run)]) == 0
+    _same_run(run, ref, 3)
+
+
+# ------------------------------------------------------------------------------------------------
 # PickScore through the real scoring code, on a tiny CLIP built offline
 # ------------------------------------------------------------------------------------------------
 def _tiny_pickscore(folder):
