@@ -2261,6 +2261,43 @@ def test_sigkill_during_a_sharded_checkpoint_write_leaves_latest_loadable(tmp_pa
 
 
 @pytest.mark.multiprocess
+def test_sigterm_to_torchrun_saves_on_every_process_and_the_run_continues(tmp_path):
+    """SIGTERM to the torchrun agent (what SLURM and Kubernetes send) is forwarded to both
+    workers, which agree at the next preemption point, save within the agent's shutdown window
+    and exit with PREEMPTED; the same command with --resume auto then continues, and the two
+    2-process runs end with the same metrics (same processes, same float operations)."""
+    import subprocess
+    import sys
+    (tmp_path / "term_reward.py").write_text(
+        "import os, signal\nfrom pathlib import Path\n"
+        "def score(images, prompts):\n"
+        "    calls = Path(f'calls{os.environ.get(\"RANK\", \"0\")}')\n"
+        "    n = int(calls.read_text()) + 1 if calls.exists() else 1\n"
+        "    calls.write_text(str(n))\n"
+        "    if os.environ.get('TERM_AT') and n == int(os.environ['TERM_AT']) and os.environ.get('RANK') == '0':\n"
+        "        os.kill(os.getppid(), signal.SIGTERM)          # the agent, as a scheduler would\n"
+        "    return images.float().mean(dim=(1, 2, 3))\n")
+    args = DDP + ["--reward", "term_reward:score", "--iterations", "4", "--save_every", "10"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path))
+    launch = lambda run, **e: subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "vgrpo.py")] + args + ["--run_dir", str(run), "--resume", "auto"],
+        env=dict(env, **e), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    ref = launch(tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    for f in tmp_path.glob("calls*"):
+        f.unlink()
+    # call 1 is the start-up probe, 2 the reward of iteration 0, 3 of iteration 1
+    cut = launch(tmp_path / "run", TERM_AT="3")
+    assert "preempted at iteration 1" in cut.stderr, cut.stderr[-3000:]
+    assert cut.returncode != 0 and re.search(r"exitcode\s*:\s*75", cut.stderr), cut.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000001"
+    again = launch(tmp_path / "run")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _strip_times(_metrics(tmp_path / "run")) == _strip_times(_metrics(tmp_path / "ref"))
+
+
+@pytest.mark.multiprocess
 def test_prompts_must_split_evenly_across_processes(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
