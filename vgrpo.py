@@ -1810,9 +1810,12 @@ def shard_transformer(tr, dtype: torch.dtype) -> None:
     """FSDP2: each block its own unit, then the root (embedders, final layer). The fp32 master
     weights and their AdamW state stay sharded; under bf16 / fp16 the parameters are all-gathered
     in that dtype (what autocast casts them to for the matmuls; the frozen base already is) and
-    the gradients reduce-scattered in fp32. In fp32 (the CPU) nothing is cast."""
+    the gradients reduce-scattered in fp32. No input is cast: autocast does it op by op as in one
+    process, and fp32 inputs stay fp32 (in bf16, SD3's timestep 1000·t = 857.69 would reach the
+    time embedding as 856.0, FLUX's rotary cos/sin would lose 16 bits). In fp32 nothing is cast."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                               cast_forward_inputs=False)
           if dtype != torch.float32 else MixedPrecisionPolicy())
     for blk in transformer_blocks(tr):
         fully_shard(blk, mp_policy=mp)
