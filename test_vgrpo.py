@@ -1705,12 +1705,26 @@ for run_dir, argv in json.loads(sys.argv[1]).items():
 """
 
 
+SKIP_REWARD = """\
+calls = []
+
+
+def reward(images, prompts):     # the probe and iteration 0: the mean colour; iteration 1: constant
+    calls.append(len(images))
+    return images.float().mean(dim=(1, 2, 3)) * (len(calls) != 3)
+"""
+
+
 @pytest.fixture(scope="module")
-def bf16_runs(tmp_path_factory) -> Path:
-    """The folder of the 2-process runs of BF16_RUNS, each in its subfolder, all run by one launch."""
-    d = tmp_path_factory.mktemp("bf16")
+def two_process_runs(tmp_path_factory) -> Path:
+    """The folder of the 2-process runs of BF16_RUNS and of a full fine-tune whose second iteration
+    skips its update ("skip"), each in its subfolder, all run by one launch."""
+    d = tmp_path_factory.mktemp("runs")
     reward = _smooth_reward(d)
     runs = {str(d / name): BF16 + ["--reward", reward] + extra for name, extra in BF16_RUNS.items()}
+    (d / "skipping.py").write_text(SKIP_REWARD)
+    runs[str(d / "skip")] = BF16 + ["--reward", "skipping:reward", "--full_finetune", "--lr", "1e-4",
+                                    "--iterations", "2"]
     (d / "runs.py").write_text(RUNS_SCRIPT.format(root=str(ROOT)))
     _torchrun([json.dumps(runs)], d, script=d / "runs.py")
     return d
@@ -1718,10 +1732,10 @@ def bf16_runs(tmp_path_factory) -> Path:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(BF16_RUNS))
-def test_fsdp_bf16_two_processes_equal_one(name, bf16_runs, tmp_path, monkeypatch):
+def test_fsdp_bf16_two_processes_equal_one(name, two_process_runs, tmp_path, monkeypatch):
     """In bf16 autocast 2 processes compute what 1 computes, SD3 and FLUX, LoRA and full: FSDP
     casts no input to bf16 (SD3's timestep 1000·t, FLUX's rotary cos/sin stay fp32)."""
-    one, two = tmp_path / "one", bf16_runs / name
+    one, two = tmp_path / "one", two_process_runs / name
     assert V.main(BF16 + ["--reward", _smooth_reward(tmp_path, monkeypatch), "--run_dir", str(one)]
                   + BF16_RUNS[name]) == 0
     x, y = _metrics(one)[0], _metrics(two)[0]
@@ -1745,6 +1759,18 @@ def test_fsdp_bf16_two_processes_equal_one(name, bf16_runs, tmp_path, monkeypatc
     assert set(a) == set(b) and a
     diff = math.sqrt(sum((a[k].double() - b[k].double()).square().sum().item() for k in a))
     assert diff / math.sqrt(sum(a[k].double().square().sum().item() for k in a)) < 1e-2
+
+
+@pytest.mark.multiprocess
+def test_fsdp_full_finetune_saves_after_a_skipped_update(two_process_runs):
+    """A full fine-tune under FSDP checkpoints after an iteration whose advantages were all 0, after
+    an earlier optimizer step: forwards without a backward leave the root's parameters unsharded,
+    which the optimizer state's gather could not map. The skipped update changed nothing."""
+    run = two_process_runs / "skip"
+    assert [m["skipped"] for m in _metrics(run)] == [False, True]
+    a, b = _trained(run, 1, full=True), _trained(run, 2, full=True)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert V.read_checkpoint(str(run))[1]["optimizer_saved"]
 
 
 @pytest.mark.multiprocess

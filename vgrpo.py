@@ -1837,6 +1837,8 @@ def full_state(tr, opt) -> tuple[dict, dict]:
     torch.distributed.checkpoint would first initialise it with a hidden zero-lr step."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
+    if hasattr(tr, "reshard"):       # FSDP leaves the root unsharded after forwards without a
+        tr.reshard()                 # backward (a skipped update): AdamW's state would not map
     o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     optim = get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
     return get_model_state_dict(tr, options=o), optim
