@@ -456,6 +456,31 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.trainer
+def test_resume_with_fewer_gpus_than_at_the_save(tmp_path, monkeypatch):
+    """The trainer draws from CPU generators only, so a checkpoint holds no CUDA RNG state; an
+    older one that holds the states of 8 GPUs resumes where fewer are visible (simulated: one GPU,
+    whose torch.cuda.set_rng_state_all raises on 8 states)."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--device", "cpu", "--run_dir", str(run)]) == 0
+    saved = run / "checkpoints" / "iter_000001" / V.CKPT_STATE
+    state = torch.load(saved, weights_only=False)
+    assert "cuda" not in state["rng"]
+    state["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 8
+    torch.save(state, saved)
+
+    def one_gpu(states):
+        if len(states) > 1:
+            raise IndexError("list index out of range")
+
+    # a GPU is visible to vgrpo.py's own checks (torch's, such as AdamW's, still see none)
+    monkeypatch.setattr(torch.cuda, "is_available",
+                        lambda: sys._getframe(1).f_globals.get("__name__") == "vgrpo")
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", one_gpu)
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+
+
+@pytest.mark.trainer
 def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     run = tmp_path / "run"
     assert V.main(TINY + ["--run_dir", str(run)]) == 0

@@ -1722,8 +1722,9 @@ def checkpoint(run: Run, it: int) -> Path:
             run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
         if optim:
             torch.save(optim, tmp / OPTIM_FILE)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        # every draw of the trainer comes from CPU generators: no CUDA state (which would tie a
+        # resume to as many visible GPUs as the save had)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim), "rng": rng,
                     "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -1771,9 +1772,7 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
     if state["scaler"]:                          # {} from a disabled (non-fp16) scaler
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    random.setstate(state["rng"]["python"])       # an older checkpoint's "cuda" entry is ignored
 
 
 # ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` --------------------------------------
