@@ -1703,8 +1703,9 @@ def test_fsdp_full_finetune_equals_one_process_and_resumes_one_to_two(tmp_path, 
     _torchrun(full + ["--iterations", "2", "--run_dir", str(tmp_path / "fsdp")], tmp_path)
     assert V.main(full + ["--iterations", "2", "--run_dir", str(tmp_path / "single")]) == 0
     _close_runs(tmp_path / "fsdp", tmp_path / "single", 2, full=True)
-    from diffusers import SD3Transformer2DModel
-    SD3Transformer2DModel.from_pretrained(tmp_path / "fsdp/checkpoints/iter_000002/transformer")
+    from diffusers import AutoModel              # reads the class from config.json: not FSDP's
+    tr = AutoModel.from_pretrained(str(tmp_path / "fsdp/checkpoints/iter_000002/transformer"))
+    assert type(tr).__name__ == "SD3Transformer2DModel"
     assert V.main(full + ["--iterations", "1", "--run_dir", str(tmp_path / "part")]) == 0
     _torchrun(["--resume", str(tmp_path / "part"), "--iterations", "2"], tmp_path)    # 1 → 2
     _close_runs(tmp_path / "part", tmp_path / "single", 2, full=True)
@@ -1790,12 +1791,18 @@ def test_fsdp_bf16_two_processes_equal_one(name, two_process_runs, tmp_path, mon
 def test_fsdp_full_finetune_saves_after_a_skipped_update(two_process_runs):
     """A full fine-tune under FSDP checkpoints after an iteration whose advantages were all 0, after
     an earlier optimizer step: forwards without a backward leave the root's parameters unsharded,
-    which the optimizer state's gather could not map. The skipped update changed nothing."""
+    which the optimizer state's gather could not map. The skipped update changed nothing, and
+    diffusers' AutoModel loads the saved transformer (its config names the model's class, not
+    the FSDP class that wraps it)."""
+    from diffusers import AutoModel
     run = two_process_runs / "skip"
     assert [m["skipped"] for m in _metrics(run)] == [False, True]
     a, b = _trained(run, 1, full=True), _trained(run, 2, full=True)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert V.read_checkpoint(str(run))[1]["optimizer_saved"]
+    tr = AutoModel.from_pretrained(str(run / "checkpoints" / "iter_000002" / "transformer"))
+    assert type(tr).__name__ == "SD3Transformer2DModel"
+    assert all(torch.equal(p.detach(), b[n]) for n, p in tr.named_parameters())
 
 
 @pytest.mark.multiprocess

@@ -1718,6 +1718,8 @@ def checkpoint(run: Run, it: int) -> Path:
         if run.args.full_finetune:
             from safetensors.torch import save_file
             tr.save_config(tmp / "transformer")
+            conf = tmp / "transformer" / "config.json"       # FSDP2's class is FSDP<model class>
+            conf.write_text(conf.read_text().replace('"_class_name": "FSDP', '"_class_name": "'))
             save_file(weights, str(tmp / FULL_FILE))
         else:
             from peft.utils import get_peft_model_state_dict
