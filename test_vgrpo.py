@@ -456,6 +456,31 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.trainer
+def test_resume_with_fewer_gpus_than_at_the_save(tmp_path, monkeypatch):
+    """The trainer draws from CPU generators only, so a checkpoint holds no CUDA RNG state; an
+    older one that holds the states of 8 GPUs resumes where fewer are visible (simulated: one GPU,
+    whose torch.cuda.set_rng_state_all raises on 8 states)."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--device", "cpu", "--run_dir", str(run)]) == 0
+    saved = run / "checkpoints" / "iter_000001" / V.CKPT_STATE
+    state = torch.load(saved, weights_only=False)
+    assert "cuda" not in state["rng"]
+    state["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 8
+    torch.save(state, saved)
+
+    def one_gpu(states):
+        if len(states) > 1:
+            raise IndexError("list index out of range")
+
+    # a GPU is visible to vgrpo.py's own checks (torch's, such as AdamW's, still see none)
+    monkeypatch.setattr(torch.cuda, "is_available",
+                        lambda: sys._getframe(1).f_globals.get("__name__") == "vgrpo")
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", one_gpu)
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+
+
+@pytest.mark.trainer
 def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     run = tmp_path / "run"
     assert V.main(TINY + ["--run_dir", str(run)]) == 0
@@ -2152,12 +2177,12 @@ DDP = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--grou
        "--eval_every", "0", "--save_every", "1", "--mu", "1", "--device", "cpu"]
 
 
-def _torchrun(args, tmp_path, **env_extra):
+def _torchrun(args, tmp_path, script=ROOT / "vgrpo.py", **env_extra):
     import subprocess
     import sys
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **env_extra)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(ROOT / "vgrpo.py")] + args, env=env, cwd=tmp_path, capture_output=True, text=True,
+                        str(script)] + args, env=env, cwd=tmp_path, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
 
@@ -2224,11 +2249,106 @@ def test_fsdp_full_finetune_equals_one_process_and_resumes_one_to_two(tmp_path, 
     _torchrun(full + ["--iterations", "2", "--run_dir", str(tmp_path / "fsdp")], tmp_path)
     assert V.main(full + ["--iterations", "2", "--run_dir", str(tmp_path / "single")]) == 0
     _close_runs(tmp_path / "fsdp", tmp_path / "single", 2, full=True)
-    from diffusers import SD3Transformer2DModel
-    SD3Transformer2DModel.from_pretrained(tmp_path / "fsdp/checkpoints/iter_000002/transformer")
+    from diffusers import AutoModel              # reads the class from config.json: not FSDP's
+    tr = AutoModel.from_pretrained(str(tmp_path / "fsdp/checkpoints/iter_000002/transformer"))
+    assert type(tr).__name__ == "SD3Transformer2DModel"
     assert V.main(full + ["--iterations", "1", "--run_dir", str(tmp_path / "part")]) == 0
     _torchrun(["--resume", str(tmp_path / "part"), "--iterations", "2"], tmp_path)    # 1 → 2
     _close_runs(tmp_path / "part", tmp_path / "single", 2, full=True)
+
+
+# Under bf16 autocast (what every GPU run uses), one torchrun launch runs every 2-process run: a
+# launch spends ~15 s importing, a tiny run 1–3 s. The runs share one process group. FLUX at 128 px:
+# the rotary angles of its 64 px 4 × 4 token grid are too small for a bf16 rounding of cos/sin to
+# show; SD3 at 64 px.
+BF16 = DDP + ["--dtype", "bf16", "--iterations", "1"]
+BF16_RUNS = {"sd3-lora": ["--model", "tiny"],
+             "sd3-full": ["--model", "tiny", "--full_finetune", "--lr", "1e-4"],
+             "flux-lora": ["--model", "tiny-flux", "--resolution", "128"],
+             "flux-full": ["--model", "tiny-flux", "--resolution", "128", "--full_finetune", "--lr", "1e-4"]}
+RUNS_SCRIPT = """\
+import json, sys
+import torch
+sys.path.insert(0, {root!r})
+import vgrpo
+torch.distributed.destroy_process_group = lambda: None      # one process group for every run
+for run_dir, argv in json.loads(sys.argv[1]).items():
+    assert vgrpo.main(argv + ["--run_dir", run_dir]) == 0, run_dir
+"""
+
+
+SKIP_REWARD = """\
+calls = []
+
+
+def reward(images, prompts):     # the probe and iteration 0: the mean colour; iteration 1: constant
+    calls.append(len(images))
+    return images.float().mean(dim=(1, 2, 3)) * (len(calls) != 3)
+"""
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> Path:
+    """The folder of the 2-process runs of BF16_RUNS and of a full fine-tune whose second iteration
+    skips its update ("skip"), each in its subfolder, all run by one launch."""
+    d = tmp_path_factory.mktemp("runs")
+    reward = _smooth_reward(d)
+    runs = {str(d / name): BF16 + ["--reward", reward] + extra for name, extra in BF16_RUNS.items()}
+    (d / "skipping.py").write_text(SKIP_REWARD)
+    runs[str(d / "skip")] = BF16 + ["--reward", "skipping:reward", "--full_finetune", "--lr", "1e-4",
+                                    "--iterations", "2"]
+    (d / "runs.py").write_text(RUNS_SCRIPT.format(root=str(ROOT)))
+    _torchrun([json.dumps(runs)], d, script=d / "runs.py")
+    return d
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(BF16_RUNS))
+def test_fsdp_bf16_two_processes_equal_one(name, two_process_runs, tmp_path, monkeypatch):
+    """In bf16 autocast 2 processes compute what 1 computes, SD3 and FLUX, LoRA and full: FSDP
+    casts no input to bf16 (SD3's timestep 1000·t, FLUX's rotary cos/sin stay fp32)."""
+    one, two = tmp_path / "one", two_process_runs / name
+    assert V.main(BF16 + ["--reward", _smooth_reward(tmp_path, monkeypatch), "--run_dir", str(one)]
+                  + BF16_RUNS[name]) == 0
+    x, y = _metrics(one)[0], _metrics(two)[0]
+    # Iteration 0 runs the same weights through the same operations in the same dtypes; only the
+    # rows are split over the processes. Its forward quantities (the rollouts' mean colour ≈ 0.55,
+    # S_old's CV) measured equal to 7 digits: 1e-5 absolute and 2e-4 relative leave room for a
+    # kernel that rounds a split batch otherwise. One bf16 rounding more of an input (8 mantissa
+    # bits: 2^-9 ≈ 2e-3 relative), what a cast of FSDP's adds, moved them by 1e-4 (SD3: the
+    # timestep) and 2e-3 relative (FLUX: the CV, through cos/sin). SD3's full fine-tune: FSDP
+    # gathers the attention's RMSNorm scales in bf16, where one process keeps them fp32, and
+    # diffusers' RMSNorm then rounds q and k to bf16: the CV moved by 2.4e-3, so 1e-2 there.
+    assert y["reward_mean"] == pytest.approx(x["reward_mean"], abs=1e-5)
+    assert y["surrogate_cv"] == pytest.approx(x["surrogate_cv"], rel=1e-2 if name == "sd3-full" else 2e-4)
+    # The gradient: each process's weight gradients come out of bf16 matmuls over its own rows and
+    # are added in fp32, one bf16 rounding (2e-3) per element that the norm averages (measured ≤
+    # 3.2e-4; 2.1e-2 with the input cast): 2e-3. The weights after the step: Adam moves each by
+    # ≈ lr·sign(g), a sign that rounding may flip where g ≈ 0 (measured ≤ 1.7e-3 in relative norm
+    # of the difference; 2.3e-2 with the input cast): 1e-2.
+    assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=2e-3)
+    a, b = _trained(one, 1, "full" in name), _trained(two, 1, "full" in name)
+    assert set(a) == set(b) and a
+    diff = math.sqrt(sum((a[k].double() - b[k].double()).square().sum().item() for k in a))
+    assert diff / math.sqrt(sum(a[k].double().square().sum().item() for k in a)) < 1e-2
+
+
+@pytest.mark.multiprocess
+def test_fsdp_full_finetune_saves_after_a_skipped_update(two_process_runs):
+    """A full fine-tune under FSDP checkpoints after an iteration whose advantages were all 0, after
+    an earlier optimizer step: forwards without a backward leave the root's parameters unsharded,
+    which the optimizer state's gather could not map. The skipped update changed nothing, and
+    diffusers' AutoModel loads the saved transformer (its config names the model's class, not
+    the FSDP class that wraps it)."""
+    from diffusers import AutoModel
+    run = two_process_runs / "skip"
+    assert [m["skipped"] for m in _metrics(run)] == [False, True]
+    a, b = _trained(run, 1, full=True), _trained(run, 2, full=True)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert V.read_checkpoint(str(run))[1]["optimizer_saved"]
+    tr = AutoModel.from_pretrained(str(run / "checkpoints" / "iter_000002" / "transformer"))
+    assert type(tr).__name__ == "SD3Transformer2DModel"
+    assert all(torch.equal(p.detach(), b[n]) for n, p in tr.named_parameters())
 
 
 @pytest.mark.multiprocess

@@ -76,7 +76,7 @@ CONTENTS (top-down): §1 imports · §2–§6 the pure math: flow matching, ODE 
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse, contextlib, dataclasses, functools, importlib.util, io, json, math, os
+import argparse, contextlib, dataclasses, datetime, functools, importlib.util, io, json, math, os
 import random, shutil, signal, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1464,7 +1464,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     rank, world, local_rank = dist_info()
     dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
     if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                             timeout=datetime.timedelta(hours=1))  # §9 "torchrun"
     rewards = rewards if rewards is not None else Rewards.load(args, dev, dtype)
     for name, fn in rewards.models.items():                # plug-ins fail here, in one line
         if name not in BUILTIN_REWARDS:
@@ -1822,10 +1823,12 @@ def checkpoint(run: Run, it: int) -> Path:
     atomically: at every instant `latest` names a complete checkpoint, and a kill loses at most
     this save. A failed write (a full disk; any writer's error type) removes its temporary files
     and raises ConfigError, `latest` unchanged."""
-    weights, optim = full_state(run.adapter.transformer, run.opt)
+    tr = run.adapter.transformer
     ckdir, cfg = run.run_dir / "checkpoints", dataclasses.asdict(run.args)
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
+    weights = full_state(tr)                  # the optimizer state follows, once these are written
     if run.rank > 0:
+        full_state(tr, run.opt)
         torch.distributed.barrier()                        # rank 0 writes
         return final
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1833,16 +1836,20 @@ def checkpoint(run: Run, it: int) -> Path:
         tmp.mkdir(parents=True)                            # umask applies (not mkdtemp's 0700)
         if run.args.full_finetune:
             from safetensors.torch import save_file
-            run.adapter.transformer.save_config(tmp / "transformer")
+            tr.save_config(tmp / "transformer")
+            conf = tmp / "transformer" / "config.json"       # FSDP2's class is FSDP<model class>
+            conf.write_text(conf.read_text().replace('"_class_name": "FSDP', '"_class_name": "'))
             save_file(weights, str(tmp / FULL_FILE))
         else:
             from peft.utils import get_peft_model_state_dict
-            lora = get_peft_model_state_dict(run.adapter.transformer, state_dict=weights)
+            lora = get_peft_model_state_dict(tr, state_dict=weights)
             run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
+        del weights                         # host memory: never the weights and AdamW's at once
+        optim = full_state(tr, run.opt)
         if optim:
             torch.save(optim, tmp / OPTIM_FILE)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        # no CUDA state: every draw comes from CPU generators, and a resume may see fewer GPUs
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim), "rng": rng,
                     "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -1892,24 +1899,19 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
     if state["scaler"]:                          # {} from a disabled (non-fp16) scaler
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    random.setstate(state["rng"]["python"])       # an older checkpoint's "cuda" entry is ignored
 
 
 # ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` --------------------------------------
-# nanoGPT's pattern: WORLD_SIZE > 1 in the environment ⇒ torch.distributed (NCCL on GPUs, gloo on
-# CPU), and PyTorch FSDP2 (`fully_shard`, the engine Flow-Factory and torchtitan use) shards the
-# transformer's parameters, gradients and AdamW state over the processes. Every process draws the
-# same prompts, noise and pairs from the (seed, iteration) generators and works on its own whole
-# groups (Run.local); rewards are all-gathered, so the advantages (global std included) see the
-# global batch; FSDP averages the gradients (reduce-scatter, fp32) at the end of each optimizer
-# step. A rollout's K no-grad calls gather each block again at every call (FSDP's default):
-# K× the traffic of gathering once, but no process ever holds more than two blocks unsharded,
-# which is what lets a FLUX full fine-tune fit (README "Memory per process"). The text encoders,
-# the VAE and the reward models are frozen and replicated: they run once per prompt or image and
-# hold no optimizer state. One process computes what a single process would, up to the order of
-# floating-point sums.
+# nanoGPT's pattern: WORLD_SIZE > 1 ⇒ torch.distributed (NCCL on GPUs, gloo on CPU) and PyTorch
+# FSDP2 (`fully_shard`, as in Flow-Factory and torchtitan) shards the transformer's parameters,
+# gradients and AdamW state. Every process draws the same prompts, noise and pairs from the (seed,
+# iteration) generators and works on its own whole groups (Run.local); rewards are all-gathered.
+# Each network call gathers every block again (FSDP's default; a rollout: K·⌈N_local/rollout_batch⌉
+# gathers of the model), so no process holds more than two blocks unsharded: what lets a FLUX full
+# fine-tune fit (README "Scaling"). Frozen models are replicated. Collectives wait up to 1 h, not
+# NCCL's 10 min: the others wait while rank 0 writes a checkpoint, at most a FLUX full fine-tune's
+# 95 GB of AdamW state (16 min at 100 MB/s). N processes compute what one does, up to rounding.
 def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0, 1, 0) alone
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
@@ -1930,10 +1932,13 @@ def check_world(args: Args, world: int) -> None:
 def shard_transformer(tr, dtype: torch.dtype) -> None:
     """FSDP2: each block its own unit, then the root (embedders, final layer). The fp32 master
     weights and their AdamW state stay sharded; under bf16 / fp16 the parameters are all-gathered
-    in that dtype (what autocast casts them to for the matmuls; the frozen base already is) and
-    the gradients reduce-scattered in fp32. In fp32 (the CPU) nothing is cast."""
+    in that dtype (what autocast casts them to for the matmuls; the frozen base already is, but a
+    full fine-tune's norm scales stay fp32 in one process) and the gradients reduce-scattered in
+    fp32. No input is cast: autocast does it op by op, as in one process (a bf16 cast would turn
+    SD3's timestep 1000·t = 857.69 into 856.0, and round FLUX's rotary cos/sin). fp32: no cast."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                               cast_forward_inputs=False)
           if dtype != torch.float32 else MixedPrecisionPolicy())
     for blk in transformer_blocks(tr):
         fully_shard(blk, mp_policy=mp)
@@ -1948,16 +1953,19 @@ def grad_sync(run: Run, last: bool) -> None:
         run.adapter.transformer.set_requires_gradient_sync(last or run.args.full_finetune)
 
 
-def full_state(tr, opt) -> tuple[dict, dict]:
-    """The trainable weights and the optimizer state, whole, on the CPU, keyed by parameter name:
-    gathered from the shards under FSDP, the same for any number of processes. Every process
-    calls it (a collective). An optimizer that never stepped gives {}: asked for its state,
-    torch.distributed.checkpoint would first initialise it with a hidden zero-lr step."""
+def full_state(tr, opt=None) -> dict:
+    """The trainable weights, or with `opt` the optimizer state, whole, on the CPU, keyed by
+    parameter name: gathered from the shards under FSDP, the same for any number of processes.
+    Every process calls it (a collective). An optimizer that never stepped gives {}: asked for
+    its state, torch.distributed.checkpoint would first initialise it with a hidden zero-lr step."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
+    if hasattr(tr, "reshard"):       # FSDP leaves the root unsharded after forwards without a
+        tr.reshard()                 # backward (a skipped update): AdamW's state would not map
     o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    optim = get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
-    return get_model_state_dict(tr, options=o), optim
+    if opt is None:
+        return get_model_state_dict(tr, options=o)
+    return get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
 
 
 def _any_rank(flag: bool, run: Run) -> bool:    # True everywhere if anywhere (Ctrl-C may not be)
