@@ -1909,7 +1909,7 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
 # iteration) generators and works on its own whole groups (Run.local); rewards are all-gathered.
 # Each network call gathers every block again (FSDP's default; a rollout: K·⌈N_local/rollout_batch⌉
 # gathers of the model), so no process holds more than two blocks unsharded: what lets a FLUX full
-# fine-tune fit (README "Scaling"). Frozen models are replicated. Collectives wait up to 1 h, not
+# fine-tune fit (docs/scaling.md). Frozen models are replicated. Collectives wait up to 1 h, not
 # NCCL's 10 min: the others wait while rank 0 writes a checkpoint, at most a FLUX full fine-tune's
 # 95 GB of AdamW state (16 min at 100 MB/s). N processes compute what one does, up to rounding.
 def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0, 1, 0) alone
@@ -2083,7 +2083,7 @@ class Args:
     device: str = _f("auto", "cuda, cpu, or auto")
     report_to: str = _f("none", "live curves (wandb: pip install wandb; WANDB_MODE=offline ok)",
                         choices=("none", "tensorboard", "wandb"))
-    preset: Optional[str] = _f(None, "bundle of overrides (README \"Presets\")",
+    preset: Optional[str] = _f(None, "bundle of overrides (docs/training.md \"Presets\")",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
 
     @functools.cached_property
@@ -2120,7 +2120,7 @@ FAMILY_PRESETS: dict[str, dict] = {
 # --preset NAME, per family. "paper": SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
 # MixGRPO's 32 prompts × 12 per iteration [ours C1–C3]. The stage presets are the later SD3.5
 # stages' controls [ours C9] (our choice where the paper is silent), the same on both families;
-# their rewards (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not
+# their rewards (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (docs/training.md "Not
 # included").
 _BOTH = lambda d: {"sd3": d, "flux": d}                         # noqa: E731
 PRESETS: dict[str, dict] = {
