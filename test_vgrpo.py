@@ -2674,15 +2674,27 @@ def _load_digits(monkeypatch, cache: Path):
     return D
 
 
+@pytest.fixture(scope="module")
+def digits_cache(tmp_path_factory):
+    """The fast digits build (examples/digits.py FAST_BUILD), made once for every test that needs
+    it: afterwards `D.build(cache, **D.FAST_BUILD)` finds it and returns its pipeline folder."""
+    cache = tmp_path_factory.mktemp("digits_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        D = _load_digits(mp, cache)
+        D.build(cache, **D.FAST_BUILD, log=lambda s: None)
+    return cache
+
+
 @pytest.mark.examples
-def test_digits_pretrained_base_loads_and_vgrpo_raises_heldout_accuracy(tmp_path, monkeypatch):
+def test_digits_pretrained_base_loads_and_vgrpo_raises_heldout_accuracy(tmp_path, monkeypatch,
+                                                                        digits_cache):
     """Fast version of examples/digits.py (small budgets): the pretrained base is far above chance
     (10 %) on unseen phrasings and noise, its folder loads through `vgrpo.py --model DIR` and a
     stock StableDiffusion3Pipeline, and a short V-GRPO run raises held-out prompt accuracy."""
     from diffusers import StableDiffusion3Pipeline
-    D = _load_digits(monkeypatch, tmp_path)
-    folder = D.build(tmp_path, **D.FAST_BUILD, log=lambda s: None)
-    info = json.loads((tmp_path / "build.json").read_text())
+    D = _load_digits(monkeypatch, digits_cache)
+    folder = D.build(digits_cache, **D.FAST_BUILD, log=lambda s: None)
+    info = json.loads((digits_cache / "build.json").read_text())
     assert info["classifier_heldout_acc"] >= FAST_DIGITS["classifier"]
     assert info["vae_recon_acc"] >= FAST_DIGITS["vae_recon"]
     base = info["base"]["acc"]                             # 10 digits × 10 samples
@@ -2773,3 +2785,186 @@ def test_digits_benchmark_statistics_lr_choice_intervals_threshold(tmp_path, mon
     assert D.frontier_margin(pts, 1.1) == pytest.approx(0.7)
     assert D.frontier_margin(pts, 0.8) == pytest.approx(0.8)
     assert D.frontier_margin(pts, 1.3) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# examples/evaluate.py: the base and its checkpoints on unseen prompts, the same noise for every
+# model, paired bootstrap intervals, resumable, bad input in one line
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ev():
+    return _load_example("evaluate")
+
+
+@pytest.fixture(scope="module")
+def jpeg_run(tmp_path_factory):
+    """A tiny V-GRPO run on JPEG size: 8 iterations at the tiny preset (lr 1e-2), one checkpoint."""
+    run = tmp_path_factory.mktemp("eval") / "jpeg"
+    assert V.main(["--model", "tiny", "--reward", "jpeg", "--iterations", "8", "--eval_every", "0",
+                   "--save_every", "8", "--run_dir", str(run)]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def heldout_prompts(tmp_path_factory):
+    """examples/prompts.txt's held-out fifth (every 5th line), which the tiny run never trained on."""
+    f = tmp_path_factory.mktemp("eval") / "heldout.txt"
+    f.write_text("\n".join((ROOT / "examples" / "prompts.txt").read_text().splitlines()[::5]) + "\n")
+    return f
+
+
+EVAL_TINY = ["--model", "tiny", "--rewards", "jpeg", "--images_per_prompt", "2", "--num_steps", "8"]
+
+
+@pytest.fixture(scope="module")
+def jpeg_eval(ev, jpeg_run, heldout_prompts, tmp_path_factory):
+    """base, the run's checkpoint, the base again and the checkpoint again, on 8 unseen prompts."""
+    out = tmp_path_factory.mktemp("eval") / "out"
+    assert ev.main(EVAL_TINY + ["--checkpoints", "base", str(jpeg_run), str(jpeg_run),
+                                "--prompts", str(heldout_prompts), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.examples
+def test_evaluate_trained_checkpoint_beats_base_on_unseen_prompts(jpeg_eval):
+    res = json.loads((jpeg_eval / "results.json").read_text())
+    assert list(res["models"]) == ["base", "base-2", "jpeg-it8", "jpeg-it8-2"]
+    assert res["models"]["jpeg-it8"]["kind"] == "lora" and res["models"]["jpeg-it8"]["iteration"] == 8
+    r = res["models"]["jpeg-it8"]["rewards"]["jpeg"]
+    assert r["mean"] > res["models"]["base"]["rewards"]["jpeg"]["mean"]
+    assert r["diff"] > 0 and r["diff_ci"][0] > 0, r                 # the paired interval excludes 0
+    assert r["ci"][0] <= r["mean"] <= r["ci"][1]
+    # one record and one image per (model, prompt, image); the report names every model
+    recs = [json.loads(l) for l in (jpeg_eval / "scores.jsonl").read_text().splitlines()]
+    assert len(recs) == 4 * 8 * 2 and {k for k in recs[0]} == {"model", "prompt_index", "prompt",
+                                                              "image_index", "file", "jpeg"}
+    assert all((jpeg_eval / x["file"]).is_file() for x in recs)
+    assert (jpeg_eval / "images" / "jpeg-it8" / "p0007_i01.png").is_file()
+    md = (jpeg_eval / "results.md").read_text()
+    assert "Paired difference to `base`" in md and "| jpeg-it8 | **+" in md
+    from PIL import Image
+    assert Image.open(jpeg_eval / "grid.png").size[1] == 18 + 8 * 128            # 8 rows of 64 px ×2
+
+
+@pytest.mark.examples
+def test_evaluate_identical_models_differ_by_exactly_zero(ev, jpeg_eval, jpeg_run, heldout_prompts,
+                                                          monkeypatch):
+    res = json.loads((jpeg_eval / "results.json").read_text())
+    assert res["models"]["base-2"]["rewards"]["jpeg"]["diff"] == 0.0
+    assert res["models"]["base-2"]["rewards"]["jpeg"]["diff_ci"] == [0.0, 0.0]
+    # the checkpoint against itself: the same folder, the differences taken to the checkpoint now;
+    # every image is recorded already, so nothing is sampled again
+    monkeypatch.setattr(ev, "sample_chunk", lambda *a, **k: pytest.fail("sampled again"))
+    assert ev.main(EVAL_TINY + ["--checkpoints", "base", str(jpeg_run), str(jpeg_run),
+                                "--baseline", str(jpeg_run), "--prompts", str(heldout_prompts),
+                                "--out", str(jpeg_eval)]) == 0
+    again = json.loads((jpeg_eval / "results.json").read_text())
+    assert again["baseline"] == "jpeg-it8"
+    e = again["models"]["jpeg-it8-2"]["rewards"]["jpeg"]
+    assert e["diff"] == 0.0 and e["diff_ci"] == [0.0, 0.0]
+    assert again["models"]["base"]["rewards"]["jpeg"]["diff"] == pytest.approx(
+        -res["models"]["jpeg-it8"]["rewards"]["jpeg"]["diff"], abs=1e-12)
+
+
+@pytest.mark.examples
+def test_evaluate_statistics_and_noise_by_hand(ev):
+    """Per-prompt means, one set of resamples for every model, a paired difference; each image's
+    noise depends on (seed, prompt, image) only."""
+    import numpy as np
+    base = np.array([[1.0, 3.0], [2.0, 2.0], [0.0, 4.0]])                  # (P, I) = (3, 2)
+    st = ev.summarize({"base": {"r": base}, "up": {"r": base + 0.5}}, "base", draws=500)
+    assert st["base"]["r"]["mean"] == pytest.approx(2.0)                  # per-prompt means 2, 2, 2
+    assert st["base"]["r"]["ci"] == pytest.approx([2.0, 2.0])
+    assert st["up"]["r"]["diff"] == pytest.approx(0.5) and st["up"]["r"]["diff_ci"] == pytest.approx([0.5, 0.5])
+    x = np.array([[0.0], [1.0], [5.0]])
+    s = ev.summarize({"base": {"r": x}}, "base", draws=2000)["base"]["r"]
+    assert s["mean"] == pytest.approx(2.0) and 0.0 <= s["ci"][0] < 2.0 < s["ci"][1] <= 5.0
+    a = ev.initial_noise(0, 3, 1, (4, 2, 2))
+    assert torch.equal(a, ev.initial_noise(0, 3, 1, (4, 2, 2)))
+    assert not torch.equal(a, ev.initial_noise(0, 1, 3, (4, 2, 2)))
+    assert not torch.equal(a, ev.initial_noise(1, 3, 1, (4, 2, 2)))
+
+
+@pytest.mark.examples
+def test_evaluate_killed_and_rerun_equals_uninterrupted(ev, jpeg_run, tmp_path, monkeypatch):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red cube\na blue sphere\na green cone\n")
+    flags = EVAL_TINY + ["--num_steps", "4", "--rollout_batch", "4", "--checkpoints", str(jpeg_run),
+                         "--prompts", str(prompts)]
+    assert ev.main(flags + ["--out", str(tmp_path / "whole")]) == 0
+    real, calls = ev.save_image, []
+
+    def dies_after_5(img, path):                    # killed in the middle of the second chunk
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        calls.append(path)
+        real(img, path)
+
+    monkeypatch.setattr(ev, "save_image", dies_after_5)
+    with pytest.raises(KeyboardInterrupt):
+        ev.main(flags + ["--out", str(tmp_path / "cut")])
+    with open(tmp_path / "cut" / "scores.jsonl", "a") as f:
+        f.write('{"model": "base", "prompt_ind')           # and a line the kill cut short
+    calls.clear()
+    monkeypatch.setattr(ev, "save_image", lambda img, path: (calls.append(path), real(img, path)))
+    assert ev.main(flags + ["--out", str(tmp_path / "cut")]) == 0
+    assert len(calls) == 2 * 3 * 2 - 5                              # only the missing images
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for name in ("results.json", "results.md", "scores.jsonl", "grid.png"):
+        assert (whole / name).read_bytes() == (cut / name).read_bytes(), name
+    for f in (whole / "images").rglob("*.png"):
+        assert f.read_bytes() == (cut / f.relative_to(whole)).read_bytes()
+
+
+def _eval_fails(ev, argv, tmp_path, capsys, pattern):
+    out = tmp_path / "should_not_exist"
+    assert ev.main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(pattern, err), err
+    assert not out.exists()
+
+
+@pytest.mark.examples
+def test_evaluate_bad_input_is_one_line_and_writes_nothing(ev, jpeg_run, heldout_prompts, tmp_path,
+                                                           capsys, monkeypatch):
+    p = ["--prompts", str(heldout_prompts)]
+    # a LoRA and a full fine-tune of the tiny SD3 transformer do not fit the tiny FLUX one
+    full = tmp_path / "full"
+    assert V.main(TINY + ["--iterations", "1", "--full_finetune", "--run_dir", str(full)]) == 0
+    capsys.readouterr()
+    for run, kind in ((jpeg_run, "lora"), (full, "full")):
+        _eval_fails(ev, EVAL_TINY + p + ["--model", "tiny-flux", "--checkpoints", str(run)], tmp_path,
+                    capsys, rf"checkpoint .* \({kind}\) does not (match|fit) --model 'tiny-flux'")
+    _eval_fails(ev, EVAL_TINY + p + ["--checkpoints", str(tmp_path / "nope")], tmp_path, capsys,
+                r"--checkpoints .*nope': no checkpoint there")
+    # an empty prompt file, and a plug-in reward that fails on the probe batch: before any model loads
+    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    _eval_fails(ev, EVAL_TINY + ["--prompts", str(tmp_path / "empty.txt")], tmp_path, capsys,
+                r"--prompts .*empty.txt': the file holds no prompts")
+    (tmp_path / "evalplug.py").write_text("def fn(images, prompts):\n    raise KeyError('no key')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _eval_fails(ev, EVAL_TINY + p + ["--rewards", "jpeg,evalplug:fn"], tmp_path, capsys,
+                r"reward 'evalplug:fn' failed on a probe batch .*KeyError")
+    _eval_fails(ev, EVAL_TINY + p + ["--rewards", "jpeg:2"], tmp_path, capsys,
+                r"weights mean nothing here")
+
+
+@pytest.mark.examples
+def test_evaluate_digits_checkpoint_above_base(ev, digits_cache, tmp_path, monkeypatch):
+    """On the pretrained digits model (the fast build above): a short V-GRPO run, then the
+    evaluation on the unseen phrasings puts the checkpoint above the base on the digit reward."""
+    D = _load_digits(monkeypatch, digits_cache)
+    folder = D.build(digits_cache, **D.FAST_BUILD, log=lambda s: None)
+    run = tmp_path / "digits"
+    assert V.main(D.vgrpo_flags(folder, 0, ["--iterations", "10", "--save_every", "10",
+                                            "--run_dir", str(run), *D.FAST_RL["flags"]])) == 0
+    out = tmp_path / "eval"
+    assert ev.main(["--model", str(folder), "--checkpoints", str(run), "--prompts",
+                    str(digits_cache / "eval_prompts.txt"), "--rewards", "examples.digits:reward",
+                    "--images_per_prompt", "2", "--num_steps", "10", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["resolution"] == 32 and res["settings"]["max_sequence_length"] == 32
+    r = res["models"]["digits-it10"]["rewards"]["examples.digits:reward"]
+    assert r["diff"] > 0 and r["diff_ci"][0] > 0, r
