@@ -204,10 +204,9 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
 
     Args:
         rewards: (P, G) float; non-finite entries mark dropped samples.
-        global_std: std of ALL finite rewards of the batch around the BATCH mean (so it includes
-            the spread between prompts) instead of each group's own std: Flow-GRPO's
-            `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo, flow_grpo/stat_tracking.py:
-            np.std(rewards) + 1e-4, population std), which DiffusionNFT's code inherits (ours C3).
+        global_std: population std of ALL finite rewards of the batch around the BATCH mean (so
+            it includes the spread between prompts) instead of each group's own std: Flow-GRPO's
+            `PerPromptStatTracker(global_std=True)`, which DiffusionNFT inherits [ours C3; peer X1].
         std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
         clamp, eta: see clip_advantages. unbiased: divide by n − 1 (torch.std, MixGRPO), not n.
     Returns: adv (P, G) fp32, 0 for dropped samples and for groups with < 2 finite rewards; and
@@ -231,11 +230,8 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
 def clip_advantages(adv: torch.Tensor, keep: torch.Tensor, ok: torch.Tensor, *, clamp: float,
                     eta: float):
     """The tail every aggregation shares: A ← clamp(A, ±clamp), then A ← η·tanh(A/η), 0 where not
-    `keep` [ours C1; paper P9, Eq. 17]. The clamp (Flow-GRPO's ±5) acts BEFORE the soft-clip, so
-    it is not inert whenever |A| > clamp is possible. Under global_std it is: one outlier in a
-    6 × 24 batch (143 rewards 0, one 1) gets A = (1 − 1/24)/0.083 ≈ 11.5, which the clamp cuts to
-    5 and the soft-clip maps to 3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00. With a
-    per-group std |A| ≤ √(G − 1) (= 4.8 for G = 24) and the clamp never acts.
+    `keep` [ours C1; paper P9, Eq. 17]. The clamp (Flow-GRPO's ±5) acts BEFORE the soft-clip: one
+    outlier under global_std can exceed it (C1's worked example); a per-group std never.
     Args: adv, keep (samples that get an advantage), ok (finite rewards): all (P, G).
     Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η) (eta = 0: no soft-clip), detached stats."""
     adv = adv.clamp(-clamp, clamp)
@@ -260,8 +256,7 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
     """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3]:
     A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w,
     of rewards (R, P, G) and weights (R,); a sample with any non-finite component is dropped.
-    std_k: the UNBIASED group std, torch.std() as in MixGRPO (Tencent-Hunyuan/MixGRPO,
-    fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8). Returns (P, G) fp32 A, stats."""
+    std_k: the UNBIASED group std, MixGRPO's torch.std() [peer X2]. Returns (P, G) fp32 A, stats."""
     r = rewards.float()
     ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
     r = torch.where(ok, r, torch.full_like(r, float("nan")))                 # drop whole sample
@@ -334,8 +329,7 @@ def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.T
     """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)). [paper P6, P7]
 
     e is the prediction error in the chosen space (§2): with x-prediction e = x̂0 − x0 =
-    −t·(v̂ − (ε − x0)). The official code: `x0_pred = z − σ·pred; s = −mean((x0_pred − x0)²);
-    s = s / mean(|x0_pred.detach() − x0|)` [paper P7]. adaptive=False returns −‖e‖²_mean.
+    −t·(v̂ − (ε − x0)), the official code's form [paper P7]. adaptive=False returns −‖e‖²_mean.
     Args: v_pred (M, *D) the network velocity at z = (1 − t)·x0 + t·ε (any dtype); x0 (M, *D)
         rollout latents; eps (M, *D) pair noises; t (M,) pair times, t = 1 noise → 0 data.
     Returns: s (M,) fp32, differentiable through v_pred only."""
@@ -383,8 +377,7 @@ def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tens
 
 def surrogate_cv(S: torch.Tensor) -> dict:
     """Coefficient of variation CV = std / |mean| (population std) of the surrogate S (P, G), over
-    the batch and within groups; detached scalars. The paper reports 0.230 → 0.128 (batch) and
-    0.170 → 0.038 (within group) when the three techniques are switched on [paper P8]."""
+    the batch and within groups; detached scalars (the paper's values: [paper P8])."""
     S = S.float()
     cv_all = S.std(unbiased=False) / S.mean().abs().clamp(min=1e-12)
     cv_grp = (S.std(dim=1, unbiased=False) / S.mean(dim=1).abs().clamp(min=1e-12)).mean()
