@@ -3,18 +3,14 @@ vgrpo.py — V-GRPO in one file: online RL for flow-matching image models, where
 model's own (variance-reduced) flow-matching loss stands in for log π_θ(image | prompt).
 
 Paper: "V-GRPO: Online Reinforcement Learning for Denoising Generative Models Is Easier than
-You Think", Tang et al., 2026, arXiv 2604.23380; its equation numbers are not quoted (the full
-text could not be checked end to end). Tags resolve in METHOD.md, beside this file: [paper P3]
-a fact the paper states, its source named; [peer X5] a convention of another codebase,
-repository and file named; [ours C4] our choice where the paper is silent; [Alg. step 4] a step
-of the box below. A bare "§k" is a section of this file.
+You Think", Tang et al., 2026, arXiv 2604.23380. Tags resolve in METHOD.md, beside this file:
+[paper P3] stated by the paper, [peer X5] another codebase's convention, [ours C4] our choice
+where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" is a section here.
 
-What this file IS: a readable reference of the algorithm plus a working trainer for Stable
-Diffusion 3 / 3.5 and FLUX.1 (diffusers) with human-preference rewards (PickScore, HPSv2.1,
-CLIPScore, aesthetic, ImageReward, your own), on one GPU or under torchrun (FSDP2), with live
-curves (--report_to) and offline tiny models, so everything runs on a laptop CPU. What it is NOT:
-a framework; the loss can be copied into any trainer (§2–§6). On a CPU: examples/toy_2d.py (a 2-D
-toy) and examples/digits.py (8×8 digits), each with its .md; GPU measurements are in results/.
+What this file IS: a readable reference of the algorithm plus a working trainer for SD3 / SD3.5
+and FLUX.1 (diffusers) with six rewards or your own, on one GPU or under torchrun (FSDP2), and
+offline tiny models, so everything runs on a laptop CPU, as examples/toy_2d.py and digits.py do.
+What it is NOT: a framework; the loss can be copied into any trainer (§2–§6).
 
 Quickstart
     pip install -r requirements.txt
