@@ -430,10 +430,9 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 #     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
 # ------------------------------------------------------------------------------------------------
 # Scores are CPU fp32; `raw` always means {reward name: (N,) raw values}. A reward with weights is
-# a factory that loads its frozen model once, in the compute dtype, and returns a scoring closure
-# (as Flow-GRPO's rewards.py does). REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for
-# a plug-in; advantages see raw · train_scale (it matters only for sums of rewards and std_eps).
-# PickScore is logged raw (≈ 18–24), trained on raw/26 as Flow-GRPO and DiffusionNFT do [ours C17].
+# a factory that loads its frozen model once, in the compute dtype, and returns a scoring closure.
+# REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for a plug-in; advantages see
+# raw · train_scale (only sums of rewards and std_eps notice), e.g. PickScore's raw/26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
                 "aesthetic": ("1-10", 1.0), "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
@@ -492,9 +491,8 @@ def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
 
 def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
                 logit_scale: bool = False, head: Optional[torch.nn.Module] = None) -> Callable:
-    """A CLIPModel + CLIPProcessor as three rewards [peer X10]. pickscore: logit_scale.exp() ·
-    cos(image, text), CLIP ViT-H/14 tuned on Pick-a-Pic; clipscore: cos(image, text), ViT-L/14
-    (its logits/100); aesthetic: head(L2-normalised ViT-L/14 image features), prompts unused."""
+    """A CLIPModel + CLIPProcessor as three rewards [peer X10]: pickscore logit_scale.exp() · cos,
+    clipscore cos(image, text), aesthetic head(L2-normalised image features), prompts unused."""
     model = model.eval().requires_grad_(False).to(device, dtype)
     head = None if head is None else head.eval().requires_grad_(False).to(device, torch.float32)
     @torch.no_grad()
@@ -513,9 +511,8 @@ def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
 
 
 def aesthetic_head(weights: Optional[str] = None) -> torch.nn.Module:
-    """The LAION improved aesthetic predictor's MLP (sac+logos+ava1-l14-linearMSE, ≈ 1–10 scale),
-    parameters named like the original's so its state dict loads as is; dropouts are inert in
-    eval. weights: a file or owner/repo/file; None leaves it randomly initialised."""
+    """The LAION improved aesthetic predictor's MLP [peer X10], named like the original so its
+    state dict loads as is. weights: a file or owner/repo/file; None leaves it random."""
     nn = torch.nn
     head = nn.Sequential()
     head.layers = nn.Sequential(                                # 768 → 1024 → 128 → 64 → 16 → 1
@@ -541,8 +538,7 @@ def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
-    """HPSv2.1 [peer X10]: cos(image, text) of open_clip ViT-H/14 tuned on human preferences
-    (xswu/HPSv2, HPS_v2.1_compressed.pt). arch: a model name or an open_clip JSON config."""
+    """HPSv2.1 [peer X10]: cos(image, text) of open_clip; arch: a model name or a JSON config."""
     import open_clip
     if arch.endswith(".json"):
         open_clip.add_model_config(arch)
@@ -578,8 +574,7 @@ def imagereward_reward(location: str, device: torch.device) -> Callable:
 
 
 def plugin_reward(spec: str) -> Callable:
-    """A user's `module.path:function`, (images (N, 3, H, W) in [0, 1], prompts) -> (N,), its
-    output checked on every call (a tensor, array or list of N numbers)."""
+    """A user's `module.path:function` under the contract above, its output checked every call."""
     module, _, fn_name = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())       # so `examples.custom_reward:fn` works from the repo
@@ -605,8 +600,7 @@ def plugin_reward(spec: str) -> Callable:
 
 
 def probe_reward(name: str, fn: Callable, size: int, device: torch.device, prompts: list[str]):
-    """One call of a plug-in on 2 random images with the run's first 2 training prompts (it may
-    expect its own prompt format): a broken one fails in one line before the model loads."""
+    """One trial call of a plug-in (2 random images, 2 training prompts) before the model loads."""
     images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
     batch = f"a probe batch of 2 random {size}×{size} images"
     try:
