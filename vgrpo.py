@@ -747,7 +747,7 @@ def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
 
 def check_local_pipeline(location: str) -> tuple[str, dict]:
     """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
-    and {component: None} for those saved as null (diffusers' way to save SD3 without T5)."""
+    and {component: None} for those saved as null (SD3 without T5), which loading must pass on."""
     index, where = Path(location, "model_index.json"), f"--model {location!r}"
     if not index.is_file():
         raise ConfigError(f"{where} is not a diffusers pipeline folder (no model_index.json); "
@@ -782,7 +782,6 @@ def load_pipeline(name: str, dtype: torch.dtype):
     cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
     with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
         warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
-        # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
         pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
                                 "the model", "--model", torch_dtype=dtype, **null)
     if type(pipe).__name__ not in SUPPORTED_PIPELINES:
@@ -793,8 +792,7 @@ def load_pipeline(name: str, dtype: torch.dtype):
 
 def freeze_and_cast(pipe, dtype: torch.dtype):
     """Every part frozen, in eval mode, in the compute dtype; the VAE stays fp32 (decoding is cheap;
-    fp16/bf16 VAEs band). The explicit casts also undo a diffusers loading bug that can leave the
-    transformer in fp32 when bf16 is requested [peer X11]."""
+    fp16/bf16 VAEs band). The casts also undo a diffusers bug that can keep fp32 [peer X11]."""
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if (m := getattr(pipe, part, None)) is not None:
             m.requires_grad_(False).eval().to(torch.float32 if part == "vae" else dtype)
@@ -803,8 +801,7 @@ def freeze_and_cast(pipe, dtype: torch.dtype):
 
 
 def tiny_models():
-    """examples/tiny_models.py, the offline tiny SD3 / FLUX builders behind --model tiny and
-    tiny-flux, loaded by path (it is scaffolding, not part of the method). Raises ConfigError."""
+    """examples/tiny_models.py (scaffolding: the offline --model tiny / tiny-flux), by path."""
     if "vgrpo_tiny_models" in sys.modules:
         return sys.modules["vgrpo_tiny_models"]
     path = Path(__file__).resolve().parent / "examples" / "tiny_models.py"
@@ -948,9 +945,8 @@ def make_adapter(pipe, args: "Args", device: torch.device):
 
 
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
-    """Attach a peft LoRA through diffusers and return its config (trainable params in fp32)
-    [ours C17]. targets: module suffixes (to_q, ff.net.2, proj_out, ...), matched only inside the
-    numbered blocks, never the top-level layers (the final `proj_out`, the embedders)."""
+    """Attach a peft LoRA through diffusers (trainable params fp32) [ours C17]; returns its config.
+    targets: module suffixes, matched inside the numbered blocks only (never the final proj_out)."""
     import re
     from peft import LoraConfig
     alts = "|".join(re.escape(t.strip()) for t in targets if t.strip())
