@@ -965,15 +965,13 @@ def transformer_blocks(transformer) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-# §9  Training loop, top-down: the loop's state, then `iteration` (the algorithm box of §0) and
-#     its five steps; the run around it (setup, outer loop, evaluation, live curves); then what a
-#     reader of the method can skip: the run folder, checkpoints, torchrun.
+# §9  Training loop, top-down: the state, `iteration` (the algorithm box of §0) and its five steps,
+#     the run around it, then what a method reader can skip (run folder, checkpoints, torchrun).
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """Everything an iteration needs, built once by `setup` (no globals). Under torchrun each
-    process holds whole groups: a contiguous slice of the N = P·G samples that every process
-    draws alike (prompts, noise, pairs), cut by `local`."""
+    """Everything an iteration needs, built once by `setup` (no globals). Under torchrun `local`
+    cuts this process's whole groups from the N = P·G samples every process draws alike."""
     args: Args
     adapter: object               # SD3Adapter or FluxAdapter (§8)
     rewards: Rewards
@@ -993,7 +991,6 @@ class Run:
     world: int = 1
     run_dir: Optional[Path] = None
     scaler: object = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
-    # the loss scaler: active under --dtype fp16 only
     stop: list = field(default_factory=list)   # signals received: "term" (preempt), "int" (Ctrl-C)
     stepped: bool = False                      # this iteration's first optimizer step has begun
 
@@ -1032,10 +1029,9 @@ class Scored:
 
 # ---- one iteration: the algorithm box of §0, step by step --------------------------------------
 def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration, Alg. steps 1–5 of §0; returns host-side metrics. The first step 5
-    minibatch runs at θ = θ_old, so it supplies its own S_old = sg(S_θ) (ours C18): step 4 covers
-    the others, none at μ = 1. Host syncs: the rewards (the advantages need all of them), one per
-    optimizer step (whether to step), one for the metrics, and on a GPU the phase timers' waits."""
+    """One V-GRPO iteration, Alg. steps 1–5 of §0 (step 4 only for the minibatches after the first
+    [ours C18]); returns host-side metrics. Host syncs: the rewards (the advantages need all of
+    them), one per optimizer step (whether to step), one for the metrics, and the phase timers."""
     times, t0 = {}, time.perf_counter()
     with timed(times, "time_rollout", run.dev):
         ro = collect_rollouts(run, it)                                      # step 1
@@ -1106,9 +1102,8 @@ def draw_iteration_pairs(run: Run, it: int) -> Pairs:
 
 def minibatches(run: Run, it: int) -> list:
     """[(step k, rows), ...]: the μ optimizer steps' disjoint, equal minibatches of local rows
-    (check_world) in micro-batches, in the order the update visits them. Drawn before Alg. step
-    4, so that S_old of the later steps is computed in exactly their own micro-batches (rows and
-    shapes): ρ then moves away from 1 only by what the earlier steps changed [ours C14]."""
+    (check_world) in micro-batches, in the order the update visits them; drawn before Alg. step 4,
+    so S_old is computed in the very micro-batches (rows, shapes) of θ's pass [ours C14]."""
     a = run.args
     perm = (torch.randperm(run.Nl, generator=_gen(a.seed, it, 3)).to(run.dev) if a.mu > 1
             else torch.arange(run.Nl, device=run.dev))
@@ -1118,10 +1113,9 @@ def minibatches(run: Run, it: int) -> list:
 
 @torch.no_grad()
 def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list, skipped: bool):
-    """[Alg. step 4] S_old, the behaviour policy's surrogate, for the rows of minibatches k ≥ 1
-    (all rows when the update is skipped, for the CV statistics); update_steps fills in the
-    first minibatch's rows from its own pass at θ = θ_old. Returns s_old (Nl, J), x̂0_old
-    (Nl, J, *D) or None (only the KL needs it), and how many rows were computed here."""
+    """[Alg. step 4] S_old for the rows of minibatches k ≥ 1 (all rows when the update is skipped,
+    for the CV statistics); update_steps fills in the first's at θ = θ_old. Returns s_old (Nl, J),
+    x̂0_old (Nl, J, *D) or None (only the KL needs it), and how many rows were computed here."""
     a = run.args
     s_old = torch.empty(run.Nl, a.n_mc, device=run.dev)
     x0h_old = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev) if a.kl_coef else None
@@ -1199,8 +1193,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
          "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
          "grad_scale": run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
-         # network evaluations per sample: the rollout, θ_old's no-grad pass (the minibatches
-         # after the first: n_mc·(μ − 1)/μ), θ's surrogate
+         # network evaluations per sample (θ_old's pass: n_mc·(μ − 1)/μ, README "Logged metrics")
          "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * n_old / run.Nl, "nfe_theta": a.n_mc}
     for n, r in sc.raw.items() if len(sc.raw) > 1 else ():
         m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
