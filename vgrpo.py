@@ -1285,8 +1285,7 @@ OOM_KNOBS = {"time_rollout": "the rollout: lower --rollout_batch", "time_reward"
 
 
 class Preempted(Exception):
-    """SIGTERM (or Ctrl-C under torchrun) before the iteration's first optimizer step: raised on
-    every process at the same preemption point; the parameters are the last iteration's."""
+    """SIGTERM before the iteration's first optimizer step, raised on every process alike."""
 
 
 def train(args: Args, fresh_ok: bool = False) -> list[dict]:
@@ -1301,10 +1300,8 @@ def train(args: Args, fresh_ok: bool = False) -> list[dict]:
 
 
 def loop(run: Run, run_dir: Path) -> list[dict]:
-    """Evaluate, iterate, log, checkpoint. SIGTERM saves and exits with PREEMPTED: an iteration
-    whose first optimizer step has not begun is abandoned (redone on resume), a later one
-    finishes first; out of GPU memory saves the same way and ends in one line. The first Ctrl-C
-    lets the iteration finish, saves and stops; a second stops at once (`latest` complete)."""
+    """Evaluate, iterate, log, checkpoint; a signal or out of GPU memory ends it as catch_signals
+    and interrupted say (README "Outputs": Ctrl-C, preemption, one-line failures)."""
     from tqdm.auto import tqdm
     args, history, failed = run.args, [], True
     log_f = open_run_dir(run, run_dir)
@@ -1392,10 +1389,9 @@ def interrupted(run: Run, it: int, e: Exception):
 
 
 def catch_signals(run: Run):
-    """SIGTERM (under torchrun also Ctrl-C, which its agent forwards, SIGKILLing after
-    --shutdown_timeout) appends "term" to run.stop; the loop saves at the next preemption point.
-    Otherwise the first Ctrl-C appends "int" (finish, save, stop), a second raises
-    KeyboardInterrupt. Returns what restores the previous handlers (none off the main thread)."""
+    """SIGTERM (under torchrun also Ctrl-C, which its agent forwards) appends "term" to run.stop:
+    the loop saves at the next preemption point. Otherwise a first Ctrl-C appends "int" (finish,
+    save, stop), a second raises KeyboardInterrupt. Returns what restores the previous handlers."""
     def on_term(*_):
         if "term" not in run.stop and run.rank == 0:
             _warn("SIGTERM: saving at once (an iteration not yet stepped is redone on resume)")
@@ -1416,16 +1412,14 @@ def catch_signals(run: Run):
 
 
 def preemption_point(run: Run) -> None:
-    """Raise Preempted on every process alike if one got SIGTERM and the iteration's first
-    optimizer step has not begun (an all-reduce under torchrun)."""
+    """Raise Preempted on every process (an all-reduce) if one got SIGTERM and none has stepped."""
     if not run.stepped and _any_rank("term" in run.stop, run):
         raise Preempted
 
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     """Load the model and rewards, attach LoRA, shard under torchrun, build the optimizer, restore
-    a checkpoint; writes nothing. Expects an Args from parse_args / resolve_args (validated
-    there). `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
+    a checkpoint; writes nothing. args: validated (resolve_args); pipe / rewards: prebuilt or None."""
     train_prompts, eval_prompts = load_prompts(args)
     ckpt, state = read_checkpoint(args.resume) if args.resume else (None, None)
     for k in RESUME_FIXED if state else ():
@@ -1460,9 +1454,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
         shard_transformer(tr, dtype)                 # replaces the parameters: before AdamW
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
-    # underflow without loss scaling; bf16 and fp32 need none (the scaler is then a no-op). The
-    # sharded scaler agrees on an overflow across processes.
+    # fp16's 5 exponent bits: means over ~65k latent elements underflow the gradients without loss
+    # scaling; bf16 and fp32 need none (a no-op scaler). The sharded one agrees across processes.
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     scaler = (ShardedGradScaler if world > 1 else torch.amp.GradScaler)(
         dev.type, enabled=dtype == torch.float16)
@@ -1531,9 +1524,8 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
 
 @torch.no_grad()
 def evaluate(run: Run, it: int) -> dict:
-    """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
-    with eval_steps and scored with every --eval_rewards; rank 0 saves the grid (⌈√n⌉ per row)
-    to eval/iter_XXXXXX.png. Every process runs it: under FSDP a forward needs all of them."""
+    """Held-out prompts, one image each from fixed noise, eval_steps, every --eval_rewards; rank 0
+    saves the grid to eval/iter_XXXXXX.png. Every process runs it: an FSDP forward needs all."""
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
@@ -1563,11 +1555,9 @@ def evaluate(run: Run, it: int) -> dict:
 
 
 class Tracker:
-    """Live curves (rank 0): every logged scalar to TensorBoard or W&B (--report_to), the
-    evaluation grids as images, and run_dir/metrics.png redrawn at each evaluation and at the
-    end. The step is the iteration, so a resumed run continues the same curves: TensorBoard
-    drops what was logged after the checkpoint (`purge_step`); W&B resumes the run by the id
-    kept in the run folder and ignores steps it already holds."""
+    """Live curves (rank 0): every logged scalar to TensorBoard or W&B (--report_to), evaluation
+    grids as images, metrics.png at each evaluation and the end. The step is the iteration, so a
+    resumed run continues its curves (`purge_step`; W&B's id in the run folder)."""
 
     def __init__(self, run: Run):
         self.run, self.kind, self.out = run, run.args.report_to, None
