@@ -1419,7 +1419,7 @@ def preemption_point(run: Run) -> None:
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     """Load the model and rewards, attach LoRA, shard under torchrun, build the optimizer, restore
-    a checkpoint; writes nothing. args come validated (resolve_args); pipe, rewards: built or None."""
+    a checkpoint; writes nothing. args: validated (resolve_args); pipe, rewards: built, or None."""
     train_prompts, eval_prompts = load_prompts(args)
     ckpt, state = read_checkpoint(args.resume) if args.resume else (None, None)
     for k in RESUME_FIXED if state else ():
