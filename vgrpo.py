@@ -1626,10 +1626,9 @@ def plot_metrics(run_dir: Path) -> None:
 
 # ---- the run folder: planned before anything loads, one trainer at a time ---------------------
 def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
-    """The run folder (--run_dir, the resumed run's folder, or runs/<model>-<rewards>-<time>),
-    checked writable and, if it exists, locked before anything loads; nothing is created here.
-    A folder that holds another run is refused (two runs never share its files) unless this is
-    that run resumed, or fresh_ok (--resume auto found no checkpoint: a killed run starts over)."""
+    """The run folder (--run_dir, the resumed run's, or runs/<model>-<rewards>-<time>), checked
+    writable and, if it exists, locked; nothing is created. One holding another run is refused
+    unless this is that run resumed, or fresh_ok (--resume auto, no checkpoint: start over)."""
     resumed = find_checkpoint(args.resume).parent.parent if args.resume else None
     if resumed is not None and args.run_dir is None:
         run_dir = resumed
@@ -1662,9 +1661,8 @@ _LOCKS: dict = {}                               # run folder → its open lock f
 
 
 def lock_run_dir(run_dir: Path) -> None:
-    """One trainer per run folder: an exclusive flock on run_dir/.lock, which the operating
-    system releases when the holder exits or is killed; a second trainer gets a ConfigError
-    naming the process that holds it, before it changes anything."""
+    """One trainer per run folder: an exclusive flock on run_dir/.lock (the system releases it when
+    its holder dies); a second trainer gets a ConfigError naming the holder, changing nothing."""
     try:
         import fcntl                            # POSIX; `import vgrpo` must work everywhere
     except ImportError:
@@ -1688,10 +1686,9 @@ def lock_run_dir(run_dir: Path) -> None:
 
 def open_run_dir(run: Run, run_dir: Path):
     """Every rank learns rank 0's run folder. Rank 0 creates and locks it, clears half-written
-    checkpoints, writes config.json, prints the banner, on resume points `latest` at the
-    resumed checkpoint (later saves never overwrite it), and drops the metrics.jsonl lines from
-    the start iteration on: they are logged again, so each appears once (TensorBoard's purge_step
-    does the same there). Returns metrics.jsonl open to append (None off rank 0)."""
+    checkpoints, writes config.json, prints the banner, on resume points `latest` at the resumed
+    checkpoint (later saves never overwrite it) and drops the metrics.jsonl lines from the start
+    iteration on, logged again. Returns metrics.jsonl open to append (None off rank 0)."""
     if run.world > 1:                                      # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -1723,9 +1720,8 @@ def open_run_dir(run: Run, run_dir: Path):
 
 @contextlib.contextmanager
 def writing(what: Path, run_dir: Path):
-    """A write into the run folder that fails for any reason (a full disk, a quota, a read-only
-    folder; safetensors, torch.save, PIL, TensorBoard each raise their own type) ends the run
-    with one line naming what failed and how to continue."""
+    """A write into the run folder that fails for any reason (full disk, quota, read-only; every
+    writer raises its own type) ends the run in one line naming what failed and how to go on."""
     try:
         yield
     except ConfigError:
