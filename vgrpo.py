@@ -1944,9 +1944,7 @@ def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # mean over 
 # ------------------------------------------------------------------------------------------------
 # §10  Configuration and command line. One dataclass is the single source of truth: every field
 #      is a CLI flag of the same name, and its `src` says where the default comes from (a
-#      METHOD.md label, or "our choice").
-#      Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > per-family
-#      preset (FAMILY_PRESETS: SD3 or FLUX) > default. Then the start-up banner and main().
+#      METHOD.md label, or "our choice"). Then presets, resolve_args, the banner and main().
 # ------------------------------------------------------------------------------------------------
 def _f(default, help: str, src: str = "our choice", choices=None):
     return field(default=default, metadata=dict(help=help, src=src, choices=choices))
@@ -2055,8 +2053,7 @@ MODEL_PRESETS: dict[str, dict] = {"tiny": TINY, "tiny-flux": dict(TINY, reward="
 FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"  # attn
                      "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"  # double FF
                      "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
-# Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
-# baseline numbers [ours C1–C3, C8, C17], with LoRA (use --full_finetune --lr 1e-5 for theirs).
+# Per family, under the per-model presets; FLUX with LoRA (MixGRPO's: --full_finetune --lr 1e-5).
 FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation",
                      "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
 FAMILY_PRESETS: dict[str, dict] = {
@@ -2067,11 +2064,9 @@ FAMILY_PRESETS: dict[str, dict] = {
                  global_std=False, std_eps=1e-8, max_sequence_length=512,
                  lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
-# --preset NAME, per family. "paper": SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
-# MixGRPO's 32 prompts × 12 per iteration [ours C1–C3]. The stage presets are the later SD3.5
-# stages' controls [ours C9] (our choice where the paper is silent), the same on both families;
-# their rewards (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (README "Not
-# included").
+# --preset NAME, per family. "paper": SD3.5-M Stage 1's 48 prompts × 24 [paper P11], FLUX
+# MixGRPO's 32 × 12 [ours C1–C3]. The stage presets: the later SD3.5 stages' controls [ours C9],
+# on both families; their rewards (GenEval, OCR) are plug-ins of yours (README "Presets").
 _BOTH = lambda d: {"sd3": d, "flux": d}                         # noqa: E731
 PRESETS: dict[str, dict] = {
     "paper": {"sd3": dict(prompts_per_iter=48, group_size=24),
@@ -2086,8 +2081,7 @@ PRESETS: dict[str, dict] = {
 
 
 def given_flags(argv: Optional[list[str]] = None) -> dict:
-    """The flags given on the command line, and only those (flag name == field name; bools get
-    --name / --no-name)."""
+    """The flags given on the command line, and only those (flag name == field name)."""
     p = argparse.ArgumentParser(
         description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
         epilog="Sources in brackets are items of METHOD.md: [paper Pk] stated by the paper, "
@@ -2196,9 +2190,8 @@ def banner(run: Run) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """The command line: bad input (or a failed write, or out of memory) prints one line and
-    returns 2; a preemption save returns PREEMPTED. `--resume auto` continues the run in
-    --run_dir if it has a checkpoint and starts one otherwise, so a requeued job's command line
-    never changes."""
+    returns 2; a preemption save returns PREEMPTED. `--resume auto` continues --run_dir's run if
+    it has a checkpoint, else starts one: a requeued job's command line never changes."""
     try:
         given = given_flags(argv)
         auto = given.get("resume") == "auto"
