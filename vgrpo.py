@@ -1050,8 +1050,7 @@ def iteration(run: Run, it: int) -> dict:
 
 
 def collect_rollouts(run: Run, it: int) -> Rollouts:
-    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (= θ:
-    nothing is copied), for this process's groups."""
+    """[Alg. step 1] G images per prompt of this process's groups, ODE-solved by θ_old (= θ)."""
     args, ad = run.args, run.adapter
     P, n_tr, g = args.prompts_per_iter, len(run.train_prompts), _gen(args.seed, it, 0)
     pick = torch.randperm(n_tr, generator=g)[:P] if P <= n_tr else torch.randint(n_tr, (P,), generator=g)
@@ -1065,8 +1064,7 @@ def collect_rollouts(run: Run, it: int) -> Rollouts:
 
 
 def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
-    """[Alg. step 2] Rewards, all-gathered so that the advantages see the global batch, then the
-    group-relative advantages of the chosen aggregation (§4)."""
+    """[Alg. step 2] Rewards, all-gathered so that the advantages (§4) see the global batch."""
     args, G, rw = run.args, run.args.group_size, run.rewards
     names = [n for n, _ in rw.train_terms]
     mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
@@ -1598,8 +1596,7 @@ class Tracker:
 
 
 def plot_metrics(run_dir: Path) -> None:
-    """run_dir/metrics.png from metrics.jsonl: training and held-out reward; |log ρ| and clip
-    fraction; surrogate CV; seconds per phase (matplotlib's object API: no GUI, any process)."""
+    """run_dir/metrics.png from metrics.jsonl, the panels below (matplotlib's API: no GUI)."""
     from matplotlib.figure import Figure
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(l) for l in path.read_text().splitlines()] if path.is_file() else []
@@ -2105,9 +2102,8 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
 
 
 def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
-    """The one configuration pass: layer per-family, per-model and named presets, a resumed run's
-    saved config and the given flags (later layers win); validate once; record where each value
-    came from in `args.origin`."""
+    """The one configuration pass: per-family, per-model and named presets, a resumed run's config
+    and the given flags, later layers winning; validated once; `args.origin` says where from."""
     model = given.get("model", (resumed or {}).get("model", Args.model))
     family, preset = model_family(model), given.get("preset")
     layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
