@@ -463,8 +463,7 @@ def _to_pil(images: torch.Tensor) -> list:
 
 
 def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [peer X10].
-    Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
+    """−(kB of the image as a quality-95 JPEG) [peer X10]: needs no weights, the smoke reward."""
     sizes = []
     for im in _to_pil(images):
         im.save(buf := io.BytesIO(), format="JPEG", quality=95)
@@ -2040,8 +2039,7 @@ class Args:
         return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
 
-# Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
-# minutes; its numbers are our choice, measured on a 2-core machine (README "Quickstart").
+# Per-model defaults (our choice): `--model tiny --reward jpeg` learns visibly in ~2 CPU minutes.
 TINY = dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4,
             group_size=8, gradient_checkpointing=False, lora_rank=8, lora_alpha=16, lr=1e-2,
             iterations=30, micro_batch=32, rollout_batch=32, eval_every=10, save_every=10,
