@@ -3,18 +3,14 @@ vgrpo.py — V-GRPO in one file: online RL for flow-matching image models, where
 model's own (variance-reduced) flow-matching loss stands in for log π_θ(image | prompt).
 
 Paper: "V-GRPO: Online Reinforcement Learning for Denoising Generative Models Is Easier than
-You Think", Tang et al., 2026, arXiv 2604.23380; its equation numbers are not quoted (the full
-text could not be checked end to end). Tags resolve in METHOD.md, beside this file: [paper P3]
-a fact the paper states, its source named; [peer X5] a convention of another codebase,
-repository and file named; [ours C4] our choice where the paper is silent; [Alg. step 4] a step
-of the box below. A bare "§k" is a section of this file.
+You Think", Tang et al., 2026, arXiv 2604.23380. Tags resolve in METHOD.md, beside this file:
+[paper P3] stated by the paper, [peer X5] another codebase's convention, [ours C4] our choice
+where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" is a section here.
 
-What this file IS: a readable reference of the algorithm plus a working trainer for Stable
-Diffusion 3 / 3.5 and FLUX.1 (diffusers) with human-preference rewards (PickScore, HPSv2.1,
-CLIPScore, aesthetic, ImageReward, your own), on one GPU or under torchrun (FSDP2), with live
-curves (--report_to) and offline tiny models, so everything runs on a laptop CPU. What it is NOT:
-a framework; the loss can be copied into any trainer (§2–§6). On a CPU: examples/toy_2d.py (a 2-D
-toy) and examples/digits.py (8×8 digits), each with its .md; GPU measurements are in results/.
+What this file IS: a readable reference of the algorithm plus a working trainer for SD3 / SD3.5
+and FLUX.1 (diffusers) with six rewards or your own, on one GPU or under torchrun (FSDP2), and
+offline tiny models, so everything runs on a laptop CPU, as examples/toy_2d.py and digits.py do.
+What it is NOT: a framework; the loss can be copied into any trainer (§2–§6).
 
 Quickstart
     pip install -r requirements.txt
@@ -204,10 +200,9 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
 
     Args:
         rewards: (P, G) float; non-finite entries mark dropped samples.
-        global_std: std of ALL finite rewards of the batch around the BATCH mean (so it includes
-            the spread between prompts) instead of each group's own std: Flow-GRPO's
-            `PerPromptStatTracker(global_std=True)` (yifan123/flow_grpo, flow_grpo/stat_tracking.py:
-            np.std(rewards) + 1e-4, population std), which DiffusionNFT's code inherits (ours C3).
+        global_std: population std of ALL finite rewards of the batch around the BATCH mean (so
+            it includes the spread between prompts) instead of each group's own std: Flow-GRPO's
+            `PerPromptStatTracker(global_std=True)`, which DiffusionNFT inherits [ours C3; peer X1].
         std_eps: added to the std, so a group of equal rewards gets A = 0, never NaN.
         clamp, eta: see clip_advantages. unbiased: divide by n − 1 (torch.std, MixGRPO), not n.
     Returns: adv (P, G) fp32, 0 for dropped samples and for groups with < 2 finite rewards; and
@@ -231,11 +226,8 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
 def clip_advantages(adv: torch.Tensor, keep: torch.Tensor, ok: torch.Tensor, *, clamp: float,
                     eta: float):
     """The tail every aggregation shares: A ← clamp(A, ±clamp), then A ← η·tanh(A/η), 0 where not
-    `keep` [ours C1; paper P9, Eq. 17]. The clamp (Flow-GRPO's ±5) acts BEFORE the soft-clip, so
-    it is not inert whenever |A| > clamp is possible. Under global_std it is: one outlier in a
-    6 × 24 batch (143 rewards 0, one 1) gets A = (1 − 1/24)/0.083 ≈ 11.5, which the clamp cuts to
-    5 and the soft-clip maps to 3·tanh(5/3) = 2.79 instead of 3·tanh(11.5/3) = 3.00. With a
-    per-group std |A| ≤ √(G − 1) (= 4.8 for G = 24) and the clamp never acts.
+    `keep` [ours C1; paper P9, Eq. 17]. The clamp (Flow-GRPO's ±5) acts BEFORE the soft-clip: one
+    outlier under global_std can exceed it (C1's worked example); a per-group std never.
     Args: adv, keep (samples that get an advantage), ok (finite rewards): all (P, G).
     Returns: adv (P, G) fp32 with |A| ≤ min(clamp, η) (eta = 0: no soft-clip), detached stats."""
     adv = adv.clamp(-clamp, clamp)
@@ -260,8 +252,7 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
     """Several rewards, "normalise each then sum" (MixGRPO's advantage_aggr) [ours C3]:
     A = soft_clip(clamp(Σ_k ŵ_k · (r_k − mean_group) / (std_k + std_eps))),  ŵ = w / Σ w,
     of rewards (R, P, G) and weights (R,); a sample with any non-finite component is dropped.
-    std_k: the UNBIASED group std, torch.std() as in MixGRPO (Tencent-Hunyuan/MixGRPO,
-    fastvideo/train_grpo_flux.py: group_rewards.std() + 1e-8). Returns (P, G) fp32 A, stats."""
+    std_k: the UNBIASED group std, MixGRPO's torch.std() [peer X2]. Returns (P, G) fp32 A, stats."""
     r = rewards.float()
     ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
     r = torch.where(ok, r, torch.full_like(r, float("nan")))                 # drop whole sample
@@ -334,8 +325,7 @@ def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.T
     """Per-pair surrogate log-likelihood s = −‖e‖²_mean / sg(max(‖e‖₁_mean, floor)). [paper P6, P7]
 
     e is the prediction error in the chosen space (§2): with x-prediction e = x̂0 − x0 =
-    −t·(v̂ − (ε − x0)). The official code: `x0_pred = z − σ·pred; s = −mean((x0_pred − x0)²);
-    s = s / mean(|x0_pred.detach() − x0|)` [paper P7]. adaptive=False returns −‖e‖²_mean.
+    −t·(v̂ − (ε − x0)), the official code's form [paper P7]. adaptive=False returns −‖e‖²_mean.
     Args: v_pred (M, *D) the network velocity at z = (1 − t)·x0 + t·ε (any dtype); x0 (M, *D)
         rollout latents; eps (M, *D) pair noises; t (M,) pair times, t = 1 noise → 0 data.
     Returns: s (M,) fp32, differentiable through v_pred only."""
@@ -383,8 +373,7 @@ def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tens
 
 def surrogate_cv(S: torch.Tensor) -> dict:
     """Coefficient of variation CV = std / |mean| (population std) of the surrogate S (P, G), over
-    the batch and within groups; detached scalars. The paper reports 0.230 → 0.128 (batch) and
-    0.170 → 0.038 (within group) when the three techniques are switched on [paper P8]."""
+    the batch and within groups; detached scalars (the paper's values: [paper P8])."""
     S = S.float()
     cv_all = S.std(unbiased=False) / S.mean().abs().clamp(min=1e-12)
     cv_grp = (S.std(dim=1, unbiased=False) / S.mean(dim=1).abs().clamp(min=1e-12)).mean()
@@ -441,10 +430,9 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 #     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
 # ------------------------------------------------------------------------------------------------
 # Scores are CPU fp32; `raw` always means {reward name: (N,) raw values}. A reward with weights is
-# a factory that loads its frozen model once, in the compute dtype, and returns a scoring closure
-# (as Flow-GRPO's rewards.py does). REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for
-# a plug-in; advantages see raw · train_scale (it matters only for sums of rewards and std_eps).
-# PickScore is logged raw (≈ 18–24), trained on raw/26 as Flow-GRPO and DiffusionNFT do [ours C17].
+# a factory that loads its frozen model once, in the compute dtype, and returns a scoring closure.
+# REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for a plug-in; advantages see
+# raw · train_scale (only sums of rewards and std_eps notice), e.g. PickScore's raw/26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
                 "aesthetic": ("1-10", 1.0), "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
@@ -475,8 +463,7 @@ def _to_pil(images: torch.Tensor) -> list:
 
 
 def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """JPEG compressibility: −(size in kB of the image saved as JPEG, quality 95) [peer X10].
-    Needs no weights, so it is the offline smoke-test reward (ddpo-pytorch's convention)."""
+    """−(kB of the image as a quality-95 JPEG) [peer X10]: needs no weights, the smoke reward."""
     sizes = []
     for im in _to_pil(images):
         im.save(buf := io.BytesIO(), format="JPEG", quality=95)
@@ -503,9 +490,8 @@ def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
 
 def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
                 logit_scale: bool = False, head: Optional[torch.nn.Module] = None) -> Callable:
-    """A CLIPModel + CLIPProcessor as three rewards [peer X10]. pickscore: logit_scale.exp() ·
-    cos(image, text), CLIP ViT-H/14 tuned on Pick-a-Pic; clipscore: cos(image, text), ViT-L/14
-    (its logits/100); aesthetic: head(L2-normalised ViT-L/14 image features), prompts unused."""
+    """A CLIPModel + CLIPProcessor as three rewards [peer X10]: pickscore logit_scale.exp() · cos,
+    clipscore cos(image, text), aesthetic head(L2-normalised image features), prompts unused."""
     model = model.eval().requires_grad_(False).to(device, dtype)
     head = None if head is None else head.eval().requires_grad_(False).to(device, torch.float32)
     @torch.no_grad()
@@ -524,9 +510,8 @@ def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
 
 
 def aesthetic_head(weights: Optional[str] = None) -> torch.nn.Module:
-    """The LAION improved aesthetic predictor's MLP (sac+logos+ava1-l14-linearMSE, ≈ 1–10 scale),
-    parameters named like the original's so its state dict loads as is; dropouts are inert in
-    eval. weights: a file or owner/repo/file; None leaves it randomly initialised."""
+    """The LAION improved aesthetic predictor's MLP [peer X10], named like the original so its
+    state dict loads as is. weights: a file or owner/repo/file; None leaves it random."""
     nn = torch.nn
     head = nn.Sequential()
     head.layers = nn.Sequential(                                # 768 → 1024 → 128 → 64 → 16 → 1
@@ -552,8 +537,7 @@ def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
-    """HPSv2.1 [peer X10]: cos(image, text) of open_clip ViT-H/14 tuned on human preferences
-    (xswu/HPSv2, HPS_v2.1_compressed.pt). arch: a model name or an open_clip JSON config."""
+    """HPSv2.1 [peer X10]: cos(image, text) of open_clip; arch: a model name or a JSON config."""
     import open_clip
     if arch.endswith(".json"):
         open_clip.add_model_config(arch)
@@ -589,8 +573,7 @@ def imagereward_reward(location: str, device: torch.device) -> Callable:
 
 
 def plugin_reward(spec: str) -> Callable:
-    """A user's `module.path:function`, (images (N, 3, H, W) in [0, 1], prompts) -> (N,), its
-    output checked on every call (a tensor, array or list of N numbers)."""
+    """A user's `module.path:function` under the contract above, its output checked every call."""
     module, _, fn_name = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())       # so `examples.custom_reward:fn` works from the repo
@@ -616,8 +599,7 @@ def plugin_reward(spec: str) -> Callable:
 
 
 def probe_reward(name: str, fn: Callable, size: int, device: torch.device, prompts: list[str]):
-    """One call of a plug-in on 2 random images with the run's first 2 training prompts (it may
-    expect its own prompt format): a broken one fails in one line before the model loads."""
+    """One trial call of a plug-in (2 random images, 2 training prompts) before the model loads."""
     images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
     batch = f"a probe batch of 2 random {size}×{size} images"
     try:
@@ -764,7 +746,7 @@ def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
 
 def check_local_pipeline(location: str) -> tuple[str, dict]:
     """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
-    and {component: None} for those saved as null (diffusers' way to save SD3 without T5)."""
+    and {component: None} for those saved as null (SD3 without T5), which loading must pass on."""
     index, where = Path(location, "model_index.json"), f"--model {location!r}"
     if not index.is_file():
         raise ConfigError(f"{where} is not a diffusers pipeline folder (no model_index.json); "
@@ -799,7 +781,6 @@ def load_pipeline(name: str, dtype: torch.dtype):
     cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
     with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
         warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
-        # components saved as null (e.g. SD3 without T5) must be passed as None explicitly
         pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
                                 "the model", "--model", torch_dtype=dtype, **null)
     if type(pipe).__name__ not in SUPPORTED_PIPELINES:
@@ -810,8 +791,7 @@ def load_pipeline(name: str, dtype: torch.dtype):
 
 def freeze_and_cast(pipe, dtype: torch.dtype):
     """Every part frozen, in eval mode, in the compute dtype; the VAE stays fp32 (decoding is cheap;
-    fp16/bf16 VAEs band). The explicit casts also undo a diffusers loading bug that can leave the
-    transformer in fp32 when bf16 is requested [peer X11]."""
+    fp16/bf16 VAEs band). The casts also undo a diffusers bug that can keep fp32 [peer X11]."""
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if (m := getattr(pipe, part, None)) is not None:
             m.requires_grad_(False).eval().to(torch.float32 if part == "vae" else dtype)
@@ -820,8 +800,7 @@ def freeze_and_cast(pipe, dtype: torch.dtype):
 
 
 def tiny_models():
-    """examples/tiny_models.py, the offline tiny SD3 / FLUX builders behind --model tiny and
-    tiny-flux, loaded by path (it is scaffolding, not part of the method). Raises ConfigError."""
+    """examples/tiny_models.py (scaffolding: the offline --model tiny / tiny-flux), by path."""
     if "vgrpo_tiny_models" in sys.modules:
         return sys.modules["vgrpo_tiny_models"]
     path = Path(__file__).resolve().parent / "examples" / "tiny_models.py"
@@ -965,9 +944,8 @@ def make_adapter(pipe, args: "Args", device: torch.device):
 
 
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
-    """Attach a peft LoRA through diffusers and return its config (trainable params in fp32)
-    [ours C17]. targets: module suffixes (to_q, ff.net.2, proj_out, ...), matched only inside the
-    numbered blocks, never the top-level layers (the final `proj_out`, the embedders)."""
+    """Attach a peft LoRA through diffusers (trainable params fp32) [ours C17]; returns its config.
+    targets: module suffixes, matched inside the numbered blocks only (never the final proj_out)."""
     import re
     from peft import LoraConfig
     alts = "|".join(re.escape(t.strip()) for t in targets if t.strip())
@@ -986,15 +964,13 @@ def transformer_blocks(transformer) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-# §9  Training loop, top-down: the loop's state, then `iteration` (the algorithm box of §0) and
-#     its five steps; the run around it (setup, outer loop, evaluation, live curves); then what a
-#     reader of the method can skip: the run folder, checkpoints, torchrun.
+# §9  Training loop, top-down: the state, `iteration` (the algorithm box of §0) and its five steps,
+#     the run around it, then what a method reader can skip (run folder, checkpoints, torchrun).
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """Everything an iteration needs, built once by `setup` (no globals). Under torchrun each
-    process holds whole groups: a contiguous slice of the N = P·G samples that every process
-    draws alike (prompts, noise, pairs), cut by `local`."""
+    """Everything an iteration needs, built once by `setup` (no globals). Under torchrun `local`
+    cuts this process's whole groups from the N = P·G samples every process draws alike."""
     args: Args
     adapter: object               # SD3Adapter or FluxAdapter (§8)
     rewards: Rewards
@@ -1014,7 +990,6 @@ class Run:
     world: int = 1
     run_dir: Optional[Path] = None
     scaler: object = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
-    # the loss scaler: active under --dtype fp16 only
     stop: list = field(default_factory=list)   # signals received: "term" (preempt), "int" (Ctrl-C)
     stepped: bool = False                      # this iteration's first optimizer step has begun
 
@@ -1053,10 +1028,9 @@ class Scored:
 
 # ---- one iteration: the algorithm box of §0, step by step --------------------------------------
 def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration, Alg. steps 1–5 of §0; returns host-side metrics. The first step 5
-    minibatch runs at θ = θ_old, so it supplies its own S_old = sg(S_θ) (ours C18): step 4 covers
-    the others, none at μ = 1. Host syncs: the rewards (the advantages need all of them), one per
-    optimizer step (whether to step), one for the metrics, and on a GPU the phase timers' waits."""
+    """One V-GRPO iteration, Alg. steps 1–5 of §0 (step 4 only for the minibatches after the first
+    [ours C18]); returns host-side metrics. Host syncs: the rewards (the advantages need all of
+    them), one per optimizer step (whether to step), one for the metrics, and the phase timers."""
     times, t0 = {}, time.perf_counter()
     with timed(times, "time_rollout", run.dev):
         ro = collect_rollouts(run, it)                                      # step 1
@@ -1075,8 +1049,7 @@ def iteration(run: Run, it: int) -> dict:
 
 
 def collect_rollouts(run: Run, it: int) -> Rollouts:
-    """[Alg. step 1] P prompts, G images each, by a deterministic ODE solve of θ_old (= θ:
-    nothing is copied), for this process's groups."""
+    """[Alg. step 1] G images per prompt of this process's groups, ODE-solved by θ_old (= θ)."""
     args, ad = run.args, run.adapter
     P, n_tr, g = args.prompts_per_iter, len(run.train_prompts), _gen(args.seed, it, 0)
     pick = torch.randperm(n_tr, generator=g)[:P] if P <= n_tr else torch.randint(n_tr, (P,), generator=g)
@@ -1090,8 +1063,7 @@ def collect_rollouts(run: Run, it: int) -> Rollouts:
 
 
 def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
-    """[Alg. step 2] Rewards, all-gathered so that the advantages see the global batch, then the
-    group-relative advantages of the chosen aggregation (§4)."""
+    """[Alg. step 2] Rewards, all-gathered so that the advantages (§4) see the global batch."""
     args, G, rw = run.args, run.args.group_size, run.rewards
     names = [n for n, _ in rw.train_terms]
     mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
@@ -1127,9 +1099,8 @@ def draw_iteration_pairs(run: Run, it: int) -> Pairs:
 
 def minibatches(run: Run, it: int) -> list:
     """[(step k, rows), ...]: the μ optimizer steps' disjoint, equal minibatches of local rows
-    (check_world) in micro-batches, in the order the update visits them. Drawn before Alg. step
-    4, so that S_old of the later steps is computed in exactly their own micro-batches (rows and
-    shapes): ρ then moves away from 1 only by what the earlier steps changed [ours C14]."""
+    (check_world) in micro-batches, in the order the update visits them; drawn before Alg. step 4,
+    so S_old is computed in the very micro-batches (rows, shapes) of θ's pass [ours C14]."""
     a = run.args
     perm = (torch.randperm(run.Nl, generator=_gen(a.seed, it, 3)).to(run.dev) if a.mu > 1
             else torch.arange(run.Nl, device=run.dev))
@@ -1139,10 +1110,9 @@ def minibatches(run: Run, it: int) -> list:
 
 @torch.no_grad()
 def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list, skipped: bool):
-    """[Alg. step 4] S_old, the behaviour policy's surrogate, for the rows of minibatches k ≥ 1
-    (all rows when the update is skipped, for the CV statistics); update_steps fills in the
-    first minibatch's rows from its own pass at θ = θ_old. Returns s_old (Nl, J), x̂0_old
-    (Nl, J, *D) or None (only the KL needs it), and how many rows were computed here."""
+    """[Alg. step 4] S_old for the rows of minibatches k ≥ 1 (all rows when the update is skipped,
+    for the CV statistics); update_steps fills in the first's at θ = θ_old. Returns s_old (Nl, J),
+    x̂0_old (Nl, J, *D) or None (only the KL needs it), and how many rows were computed here."""
     a = run.args
     s_old = torch.empty(run.Nl, a.n_mc, device=run.dev)
     x0h_old = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev) if a.kl_coef else None
@@ -1220,8 +1190,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
          "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
          "grad_scale": run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
-         # network evaluations per sample: the rollout, θ_old's no-grad pass (the minibatches
-         # after the first: n_mc·(μ − 1)/μ), θ's surrogate
+         # network evaluations per sample (θ_old's pass: n_mc·(μ − 1)/μ, README "Logged metrics")
          "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * n_old / run.Nl, "nfe_theta": a.n_mc}
     for n, r in sc.raw.items() if len(sc.raw) > 1 else ():
         m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
@@ -1313,8 +1282,7 @@ OOM_KNOBS = {"time_rollout": "the rollout: lower --rollout_batch", "time_reward"
 
 
 class Preempted(Exception):
-    """SIGTERM (or Ctrl-C under torchrun) before the iteration's first optimizer step: raised on
-    every process at the same preemption point; the parameters are the last iteration's."""
+    """SIGTERM before the iteration's first optimizer step, raised on every process alike."""
 
 
 def train(args: Args, fresh_ok: bool = False) -> list[dict]:
@@ -1329,10 +1297,8 @@ def train(args: Args, fresh_ok: bool = False) -> list[dict]:
 
 
 def loop(run: Run, run_dir: Path) -> list[dict]:
-    """Evaluate, iterate, log, checkpoint. SIGTERM saves and exits with PREEMPTED: an iteration
-    whose first optimizer step has not begun is abandoned (redone on resume), a later one
-    finishes first; out of GPU memory saves the same way and ends in one line. The first Ctrl-C
-    lets the iteration finish, saves and stops; a second stops at once (`latest` complete)."""
+    """Evaluate, iterate, log, checkpoint; a signal or out of GPU memory ends it as catch_signals
+    and interrupted say (README "Outputs": Ctrl-C, preemption, one-line failures)."""
     from tqdm.auto import tqdm
     args, history, failed = run.args, [], True
     log_f = open_run_dir(run, run_dir)
@@ -1420,10 +1386,9 @@ def interrupted(run: Run, it: int, e: Exception):
 
 
 def catch_signals(run: Run):
-    """SIGTERM (under torchrun also Ctrl-C, which its agent forwards, SIGKILLing after
-    --shutdown_timeout) appends "term" to run.stop; the loop saves at the next preemption point.
-    Otherwise the first Ctrl-C appends "int" (finish, save, stop), a second raises
-    KeyboardInterrupt. Returns what restores the previous handlers (none off the main thread)."""
+    """SIGTERM (under torchrun also Ctrl-C, which its agent forwards) appends "term" to run.stop:
+    the loop saves at the next preemption point. Otherwise a first Ctrl-C appends "int" (finish,
+    save, stop), a second raises KeyboardInterrupt. Returns what restores the previous handlers."""
     def on_term(*_):
         if "term" not in run.stop and run.rank == 0:
             _warn("SIGTERM: saving at once (an iteration not yet stepped is redone on resume)")
@@ -1444,16 +1409,14 @@ def catch_signals(run: Run):
 
 
 def preemption_point(run: Run) -> None:
-    """Raise Preempted on every process alike if one got SIGTERM and the iteration's first
-    optimizer step has not begun (an all-reduce under torchrun)."""
+    """Raise Preempted on every process (an all-reduce) if one got SIGTERM and none has stepped."""
     if not run.stepped and _any_rank("term" in run.stop, run):
         raise Preempted
 
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     """Load the model and rewards, attach LoRA, shard under torchrun, build the optimizer, restore
-    a checkpoint; writes nothing. Expects an Args from parse_args / resolve_args (validated
-    there). `pipe` / `rewards` may be passed in already built (tests, benchmarks)."""
+    a checkpoint; writes nothing. args: validated (resolve_args); pipe, rewards: built, or None."""
     train_prompts, eval_prompts = load_prompts(args)
     ckpt, state = read_checkpoint(args.resume) if args.resume else (None, None)
     for k in RESUME_FIXED if state else ():
@@ -1489,9 +1452,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
         shard_transformer(tr, dtype)                 # replaces the parameters: before AdamW
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    # fp16 has 5 exponent bits: per-element means over ~65k latent elements give gradients that
-    # underflow without loss scaling; bf16 and fp32 need none (the scaler is then a no-op). The
-    # sharded scaler agrees on an overflow across processes.
+    # fp16's 5 exponent bits: means over ~65k latent elements underflow the gradients without loss
+    # scaling; bf16 and fp32 need none (a no-op scaler). The sharded one agrees across processes.
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     scaler = (ShardedGradScaler if world > 1 else torch.amp.GradScaler)(
         dev.type, enabled=dtype == torch.float16)
@@ -1560,9 +1522,8 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
 
 @torch.no_grad()
 def evaluate(run: Run, it: int) -> dict:
-    """Held-out prompts, one image each from noise that is the same at every evaluation, sampled
-    with eval_steps and scored with every --eval_rewards; rank 0 saves the grid (⌈√n⌉ per row)
-    to eval/iter_XXXXXX.png. Every process runs it: under FSDP a forward needs all of them."""
+    """Held-out prompts, one image each from fixed noise, eval_steps, every --eval_rewards; rank 0
+    saves the grid to eval/iter_XXXXXX.png. Every process runs it: an FSDP forward needs all."""
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
     x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
@@ -1592,11 +1553,9 @@ def evaluate(run: Run, it: int) -> dict:
 
 
 class Tracker:
-    """Live curves (rank 0): every logged scalar to TensorBoard or W&B (--report_to), the
-    evaluation grids as images, and run_dir/metrics.png redrawn at each evaluation and at the
-    end. The step is the iteration, so a resumed run continues the same curves: TensorBoard
-    drops what was logged after the checkpoint (`purge_step`); W&B resumes the run by the id
-    kept in the run folder and ignores steps it already holds."""
+    """Live curves (rank 0): every logged scalar to TensorBoard or W&B (--report_to), evaluation
+    grids as images, metrics.png at each evaluation and the end. The step is the iteration, so a
+    resumed run continues its curves (`purge_step`; W&B's id in the run folder)."""
 
     def __init__(self, run: Run):
         self.run, self.kind, self.out = run, run.args.report_to, None
@@ -1637,8 +1596,7 @@ class Tracker:
 
 
 def plot_metrics(run_dir: Path) -> None:
-    """run_dir/metrics.png from metrics.jsonl: training and held-out reward; |log ρ| and clip
-    fraction; surrogate CV; seconds per phase (matplotlib's object API: no GUI, any process)."""
+    """run_dir/metrics.png from metrics.jsonl, the panels below (matplotlib's API: no GUI)."""
     from matplotlib.figure import Figure
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(l) for l in path.read_text().splitlines()] if path.is_file() else []
@@ -1665,10 +1623,9 @@ def plot_metrics(run_dir: Path) -> None:
 
 # ---- the run folder: planned before anything loads, one trainer at a time ---------------------
 def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
-    """The run folder (--run_dir, the resumed run's folder, or runs/<model>-<rewards>-<time>),
-    checked writable and, if it exists, locked before anything loads; nothing is created here.
-    A folder that holds another run is refused (two runs never share its files) unless this is
-    that run resumed, or fresh_ok (--resume auto found no checkpoint: a killed run starts over)."""
+    """The run folder (--run_dir, the resumed run's, or runs/<model>-<rewards>-<time>), checked
+    writable and, if it exists, locked; nothing is created. One holding another run is refused
+    unless this is that run resumed, or fresh_ok (--resume auto, no checkpoint: start over)."""
     resumed = find_checkpoint(args.resume).parent.parent if args.resume else None
     if resumed is not None and args.run_dir is None:
         run_dir = resumed
@@ -1701,9 +1658,8 @@ _LOCKS: dict = {}                               # run folder → its open lock f
 
 
 def lock_run_dir(run_dir: Path) -> None:
-    """One trainer per run folder: an exclusive flock on run_dir/.lock, which the operating
-    system releases when the holder exits or is killed; a second trainer gets a ConfigError
-    naming the process that holds it, before it changes anything."""
+    """One trainer per run folder: an exclusive flock on run_dir/.lock (the system releases it when
+    its holder dies); a second trainer gets a ConfigError naming the holder, changing nothing."""
     try:
         import fcntl                            # POSIX; `import vgrpo` must work everywhere
     except ImportError:
@@ -1727,10 +1683,9 @@ def lock_run_dir(run_dir: Path) -> None:
 
 def open_run_dir(run: Run, run_dir: Path):
     """Every rank learns rank 0's run folder. Rank 0 creates and locks it, clears half-written
-    checkpoints, writes config.json, prints the banner, on resume points `latest` at the
-    resumed checkpoint (later saves never overwrite it), and drops the metrics.jsonl lines from
-    the start iteration on: they are logged again, so each appears once (TensorBoard's purge_step
-    does the same there). Returns metrics.jsonl open to append (None off rank 0)."""
+    checkpoints, writes config.json, prints the banner, on resume points `latest` at the resumed
+    checkpoint (later saves never overwrite it) and drops the metrics.jsonl lines from the start
+    iteration on, logged again. Returns metrics.jsonl open to append (None off rank 0)."""
     if run.world > 1:                                      # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -1762,9 +1717,8 @@ def open_run_dir(run: Run, run_dir: Path):
 
 @contextlib.contextmanager
 def writing(what: Path, run_dir: Path):
-    """A write into the run folder that fails for any reason (a full disk, a quota, a read-only
-    folder; safetensors, torch.save, PIL, TensorBoard each raise their own type) ends the run
-    with one line naming what failed and how to continue."""
+    """A write into the run folder that fails for any reason (full disk, quota, read-only; every
+    writer raises its own type) ends the run in one line naming what failed and how to go on."""
     try:
         yield
     except ConfigError:
@@ -1994,9 +1948,7 @@ def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # mean over 
 # ------------------------------------------------------------------------------------------------
 # §10  Configuration and command line. One dataclass is the single source of truth: every field
 #      is a CLI flag of the same name, and its `src` says where the default comes from (a
-#      METHOD.md label, or "our choice").
-#      Resolution order: explicit flag > --preset > per-model preset (MODEL_PRESETS) > per-family
-#      preset (FAMILY_PRESETS: SD3 or FLUX) > default. Then the start-up banner and main().
+#      METHOD.md label, or "our choice"). Then presets, resolve_args, the banner and main().
 # ------------------------------------------------------------------------------------------------
 def _f(default, help: str, src: str = "our choice", choices=None):
     return field(default=default, metadata=dict(help=help, src=src, choices=choices))
@@ -2095,8 +2047,7 @@ class Args:
         return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
 
-# Per-model defaults. "tiny" is sized so `--model tiny --reward jpeg` learns visibly in ~2 CPU
-# minutes; its numbers are our choice, measured on a 2-core machine (README "Quickstart").
+# Per-model defaults (our choice): `--model tiny --reward jpeg` learns visibly in ~2 CPU minutes.
 TINY = dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4,
             group_size=8, gradient_checkpointing=False, lora_rank=8, lora_alpha=16, lr=1e-2,
             iterations=30, micro_batch=32, rollout_batch=32, eval_every=10, save_every=10,
@@ -2105,8 +2056,7 @@ MODEL_PRESETS: dict[str, dict] = {"tiny": TINY, "tiny-flux": dict(TINY, reward="
 FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"  # attn
                      "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"  # double FF
                      "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
-# Per family, under the per-model presets. FLUX: the MixGRPO protocol that produced the paper's
-# baseline numbers [ours C1–C3, C8, C17], with LoRA (use --full_finetune --lr 1e-5 for theirs).
+# Per family, under the per-model presets; FLUX with LoRA (MixGRPO's: --full_finetune --lr 1e-5).
 FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation",
                      "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
 FAMILY_PRESETS: dict[str, dict] = {
@@ -2117,11 +2067,9 @@ FAMILY_PRESETS: dict[str, dict] = {
                  global_std=False, std_eps=1e-8, max_sequence_length=512,
                  lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
-# --preset NAME, per family. "paper": SD3.5-M Stage 1 is 48 prompts × 24 [paper P11]; FLUX follows
-# MixGRPO's 32 prompts × 12 per iteration [ours C1–C3]. The stage presets are the later SD3.5
-# stages' controls [ours C9] (our choice where the paper is silent), the same on both families;
-# their rewards (GenEval, OCR) are not shipped: pass them as plug-ins with --reward (docs/training.md "Not
-# included").
+# --preset NAME, per family. "paper": SD3.5-M Stage 1's 48 prompts × 24 [paper P11], FLUX
+# MixGRPO's 32 × 12 [ours C1–C3]. The stage presets: the later SD3.5 stages' controls [ours C9],
+# on both families; their rewards (GenEval, OCR) are plug-ins of yours (docs/training.md "Presets").
 _BOTH = lambda d: {"sd3": d, "flux": d}                         # noqa: E731
 PRESETS: dict[str, dict] = {
     "paper": {"sd3": dict(prompts_per_iter=48, group_size=24),
@@ -2136,8 +2084,7 @@ PRESETS: dict[str, dict] = {
 
 
 def given_flags(argv: Optional[list[str]] = None) -> dict:
-    """The flags given on the command line, and only those (flag name == field name; bools get
-    --name / --no-name)."""
+    """The flags given on the command line, and only those (flag name == field name)."""
     p = argparse.ArgumentParser(
         description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
         epilog="Sources in brackets are items of METHOD.md: [paper Pk] stated by the paper, "
@@ -2161,9 +2108,8 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
 
 
 def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
-    """The one configuration pass: layer per-family, per-model and named presets, a resumed run's
-    saved config and the given flags (later layers win); validate once; record where each value
-    came from in `args.origin`."""
+    """The one configuration pass: per-family, per-model and named presets, a resumed run's config
+    and the given flags, later layers winning; validated once; `args.origin` says where from."""
     model = given.get("model", (resumed or {}).get("model", Args.model))
     family, preset = model_family(model), given.get("preset")
     layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
@@ -2246,9 +2192,8 @@ def banner(run: Run) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """The command line: bad input (or a failed write, or out of memory) prints one line and
-    returns 2; a preemption save returns PREEMPTED. `--resume auto` continues the run in
-    --run_dir if it has a checkpoint and starts one otherwise, so a requeued job's command line
-    never changes."""
+    returns 2; a preemption save returns PREEMPTED. `--resume auto` continues --run_dir's run if
+    it has a checkpoint, else starts one: a requeued job's command line never changes."""
     try:
         given = given_flags(argv)
         auto = given.get("resume") == "auto"
