@@ -1190,7 +1190,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
          "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
          "grad_scale": run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
-         # network evaluations per sample (θ_old's pass: n_mc·(μ − 1)/μ, README "Logged metrics")
+         # network evaluations per sample (θ_old's pass: n_mc·(μ − 1)/μ, docs/training.md "Logged metrics")
          "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * n_old / run.Nl, "nfe_theta": a.n_mc}
     for n, r in sc.raw.items() if len(sc.raw) > 1 else ():
         m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
@@ -1298,7 +1298,7 @@ def train(args: Args, fresh_ok: bool = False) -> list[dict]:
 
 def loop(run: Run, run_dir: Path) -> list[dict]:
     """Evaluate, iterate, log, checkpoint; a signal or out of GPU memory ends it as catch_signals
-    and interrupted say (README "Outputs": Ctrl-C, preemption, one-line failures)."""
+    and interrupted say (docs/training.md "Outputs": Ctrl-C, preemption, one-line failures)."""
     from tqdm.auto import tqdm
     args, history, failed = run.args, [], True
     log_f = open_run_dir(run, run_dir)
