@@ -7,6 +7,8 @@ examples — the scripts in examples/; multiprocess — data parallelism under t
 """
 import ast
 import builtins
+import contextlib
+import copy
 import importlib.util
 import json
 import math
@@ -771,6 +773,354 @@ def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_pa
     monkeypatch.undo()
     assert V.main(["--resume", str(run)]) == 0
     _same_run(run, ref, 3)
+
+
+# ------------------------------------------------------------------------------------------------
+# The iteration's steps one by one: what the update receives, on one tiny run reset per test
+# ------------------------------------------------------------------------------------------------
+STEPS = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--group_size", "3",
+         "--num_steps", "4", "--eval_every", "0", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    """One tiny SD3 Run (no run folder), its iteration-0 rollouts and rewards, and reset(*flags):
+    the LoRA back to its initial values, a fresh AdamW state and run.args = STEPS + flags. Only
+    flags that the iteration reads from run.args may change (not the model, lr or resolution).
+    The rollouts and rewards of iteration 0 depend on θ0 and the seed alone, so a test that
+    replaces steps 1–2 by them (`_replay`) runs the same iteration as a fresh run would."""
+    run = V.setup(V.parse_args(STEPS), pipe=TM.build_tiny_sd3_pipeline())
+    theta0 = [p.detach().clone() for p in run.params]
+    opt0 = copy.deepcopy(run.opt.state_dict())
+    ro = V.collect_rollouts(run, 0)
+    sc = V.reward_and_advantages(run, ro)
+
+    def reset(*flags):
+        run.args = V.parse_args(STEPS + [str(f) for f in flags])
+        with torch.no_grad():
+            for p, p0 in zip(run.params, theta0):
+                p.copy_(p0)
+                p.grad = None
+        run.opt.load_state_dict(copy.deepcopy(opt0))
+        run.stepped, run.stop, run.run_dir, run.start = False, [], None, 0
+        return run
+    return types.SimpleNamespace(run=run, theta0=theta0, ro=ro, sc=sc, reset=reset)
+
+
+def _replay(monkeypatch, tiny):
+    """Steps 1–2 of every iteration answered by the cached rollouts and rewards of iteration 0."""
+    monkeypatch.setattr(V, "collect_rollouts", lambda run, it: tiny.ro)
+    monkeypatch.setattr(V, "reward_and_advantages", lambda run, ro: tiny.sc)
+
+
+def _global_norm(params) -> float:
+    grads = [p.grad.detach().double().flatten() for p in params if p.grad is not None]
+    return torch.cat(grads).norm().item() if grads else 0.0
+
+
+@contextlib.contextmanager
+def _optimizer_steps(run):
+    """The global norm of the gradient each optimizer step receives (after the clip), in order."""
+    norms = []
+    handle = run.opt.register_step_pre_hook(lambda opt, a, k: norms.append(_global_norm(run.params)))
+    try:
+        yield norms
+    finally:
+        handle.remove()
+
+
+def _loss_calls(monkeypatch):
+    """Wrap V.vgrpo_loss: every call's (loss, s_new, s_old), detached, in order."""
+    calls, real = [], V.vgrpo_loss
+
+    def spy(s_new, s_old, adv, **kw):
+        loss, st = real(s_new, s_old, adv, **kw)
+        calls.append((loss.detach(), s_new.detach().clone(), s_old.detach().clone()))
+        return loss, st
+    monkeypatch.setattr(V, "vgrpo_loss", spy)
+    return calls
+
+
+@pytest.mark.trainer
+def test_micro_batches_change_memory_not_the_update(tiny_run, monkeypatch):
+    """One micro-batch against unequal ones (6 vs 4 + 2 vs 5 + 1 at μ = 1; 3 vs 2 + 1 per step at
+    μ = 2): the same minibatch loss, the same pre-clip gradient norm of every step, the same
+    weights after the iteration. Tolerances: fp32 on the CPU, and the micro-batches only reorder
+    the sums (rows per network call, gradient accumulation): measured ≤ 1e-7 relative on the
+    gradient norm, so 1e-5. Adam's first step moves each weight by lr·g/(|g| + 1e-8) ≈ ±lr
+    (1e-2): a weight whose gradient is near 1e-8 moves by a rounding-sensitive fraction of it
+    (measured ≤ 1.3e-5), so 1e-4, 1 % of a step; a wrong weighting of micro-batches flips signs,
+    i.e. moves weights by up to 2·lr. Also: exactly μ optimizer steps, the logged grad_norm is
+    the mean of the steps' norms, and no gradient is left behind."""
+    _replay(monkeypatch, tiny_run)
+    calls = _loss_calls(monkeypatch)
+    mbs_seen, real_mbs = [], V.minibatches
+    monkeypatch.setattr(V, "minibatches", lambda run, it: mbs_seen.append(real_mbs(run, it)) or mbs_seen[-1])
+    for mu, sizes in ((1, (6, 4, 5)), (2, (3, 2))):
+        results = []
+        for mb in sizes:
+            run = tiny_run.reset("--mu", mu, "--micro_batch", mb)
+            calls.clear()
+            with _optimizer_steps(run) as norms:
+                m = V.iteration(run, 0)
+            mbs = mbs_seen[-1]
+            assert [len(r) for _, r in mbs] == {6: [6], 4: [4, 2], 5: [5, 1], 3: [3, 3],
+                                                2: [2, 1, 2, 1]}[mb]
+            # the loss the optimizer minimises: each step's mean over its samples
+            step_loss = [sum(loss * len(s) for (k, _), (loss, s, _) in zip(mbs, calls) if k == j)
+                         / sum(len(r) for k, r in mbs if k == j)
+                         for j in range(mu)]
+            assert len(norms) == mu                                   # one step per minibatch
+            assert m["grad_norm"] == pytest.approx(sum(norms) / mu, rel=1e-5)   # under the clip
+            assert all(p.grad is None for p in run.params)            # zeroed after every step
+            results.append((mb, torch.stack(step_loss), norms,
+                            [p.detach().clone() for p in run.params]))
+        _, loss0, norms0, w0 = results[0]
+        step = max((a - b).abs().max().item() for a, b in zip(w0, tiny_run.theta0))
+        assert step == pytest.approx(mu * 1e-2, rel=0.1)               # the weights did move
+        for mb, loss, norms, w in results[1:]:
+            torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-7, msg=f"μ={mu} mb={mb}")
+            assert norms == pytest.approx(norms0, rel=1e-5), (mu, mb)
+            dw = max((a - b).abs().max().item() for a, b in zip(w, w0))
+            assert dw < 1e-4, (mu, mb, dw)
+
+
+@pytest.mark.trainer
+@pytest.mark.parametrize("sharing", ["batch", "group", "none"])
+def test_pair_sharing_scope_reaches_the_update(tiny_run, monkeypatch, sharing):
+    """--pair_sharing: the (t, ε) pairs each sample is scored on in the update (what the network
+    sees) are shared by the whole batch, by each group of G, or by no two samples; and the
+    iteration's pairs are redrawn every iteration, the same for the same iteration (resume)."""
+    _replay(monkeypatch, tiny_run)
+    run = tiny_run.reset("--pair_sharing", sharing, "--micro_batch", 4)
+    rows_of, seen = [], []
+    real_sur, real_pair = V.surrogates, V.pair_surrogates
+
+    def sur(run, ro, pairs, rows):
+        rows_of.append(rows.clone())
+        return real_sur(run, ro, pairs, rows)
+
+    def pair(velocity_fn, x0, cond, t, eps, **kw):
+        seen.append((t.clone(), eps.clone()))
+        return real_pair(velocity_fn, x0, cond, t, eps, **kw)
+    monkeypatch.setattr(V, "surrogates", sur)
+    monkeypatch.setattr(V, "pair_surrogates", pair)
+    V.iteration(run, 0)
+    assert len(rows_of) == len(seen) == 2                            # 4 + 2, μ = 1
+    N, G, J = run.N, run.args.group_size, run.args.n_mc
+    t, eps = torch.empty(N, J), torch.empty((N, J) + run.D)
+    for rows, (tj, ej) in zip(rows_of, seen):
+        t[rows], eps[rows] = tj, ej
+    assert sorted(torch.cat(rows_of).tolist()) == list(range(N))
+    scope = {"batch": [0] * N, "group": [n // G for n in range(N)], "none": list(range(N))}[sharing]
+    for a in range(N):
+        for b in range(a + 1, N):
+            same = torch.equal(eps[a], eps[b])
+            assert same == (scope[a] == scope[b]), (sharing, a, b)
+            if same:
+                assert torch.equal(t[a], t[b])
+    p0, p0_again, p1 = (V.draw_iteration_pairs(run, it) for it in (0, 0, 1))
+    assert torch.equal(p0.eps, p0_again.eps) and torch.equal(p0.t, p0_again.t)
+    assert not torch.equal(p0.eps, p1.eps)
+
+
+@pytest.mark.trainer
+def test_max_grad_norm_clips_what_the_optimizer_receives(tiny_run, monkeypatch):
+    """--max_grad_norm 1e-4 (the tiny run's pre-clip norm is ≈ 3e-3): the gradient AdamW steps
+    on has norm 1e-4 (clip_grad_norm_ scales by max/(norm + 1e-6): within 1e-3 below it), while
+    the logged grad_norm is the pre-clip norm, the same as an unclipped run's (exactly: the norm
+    is computed before the clip acts, on the same gradients)."""
+    _replay(monkeypatch, tiny_run)
+    got = {}
+    for clip in (1.0, 1e-4):
+        run = tiny_run.reset("--max_grad_norm", clip)
+        with _optimizer_steps(run) as norms:
+            got[clip] = (V.iteration(run, 0)["grad_norm"], norms)
+    logged, (received,) = got[1e-4]
+    assert received <= 1e-4 * (1 + 1e-5) and received == pytest.approx(1e-4, rel=1e-3)
+    assert logged == got[1.0][0] and logged > 10 * 1e-4
+    assert got[1.0][1] == [pytest.approx(logged, rel=1e-5)]         # unclipped: what it received
+
+
+@pytest.mark.trainer
+def test_advantages_reach_their_own_samples(tiny_run, monkeypatch):
+    """A reward that prefers one known sample per group (rows 0 and 4 of 2 groups of 3, another
+    position in each group): one step at μ = 1 raises the surrogate S of that sample more than
+    of any other sample of its group, on the same pairs (advantages permuted, rolled or
+    transposed within the batch fail this). The reward sees each sample with its own prompt
+    (prompt-major), and the network evaluations per sample are the logged nfe_rollout and
+    nfe_theta."""
+    run = tiny_run.reset()
+    N, G = run.N, run.args.group_size
+    preferred = torch.zeros(N)
+    preferred[[0, 4]] = 1.0
+    scored = {}
+
+    def rewards(adapter, rw, names, latents, prompts, chunk, keep_images=False):
+        scored["prompts"], scored["n"] = list(prompts), len(latents)
+        return {n: preferred.clone() for n in names}, None
+    monkeypatch.setattr(V, "decode_and_reward", rewards)
+    got, real_update = {}, V.update_steps
+
+    def update(run, ro, sc, pairs, mbs, s_old, x0h_old):
+        out = real_update(run, ro, sc, pairs, mbs, s_old, x0h_old)
+        got["done"] = True                                  # the iteration's own calls end here
+        with torch.no_grad():                               # θ after the step, the same pairs
+            got["after"] = V.surrogates(run, ro, pairs, torch.arange(N))[0].mean(dim=1)
+        got["before"], got["prompts"] = s_old.mean(dim=1), ro.prompts   # S_old = S at θ_old
+        return out
+    monkeypatch.setattr(V, "update_steps", update)
+    rows, real_velocity = [], run.adapter.velocity
+
+    def velocity(x, t, c):
+        if "done" not in got:
+            rows.append((torch.is_grad_enabled(), len(x)))
+        return real_velocity(x, t, c)
+    monkeypatch.setattr(run.adapter, "velocity", velocity)
+    m = V.iteration(run, 0)
+    assert scored["n"] == N and scored["prompts"] == [got["prompts"][n // G] for n in range(N)]
+    dS = (got["after"] - got["before"]).view(-1, G)
+    for g, best in enumerate(preferred.view(-1, G).argmax(dim=1).tolist()):
+        others = [j for j in range(G) if j != best]
+        assert dS[g, best] > 0 and (dS[g, best] > dS[g, others]).all(), (g, dS)
+    assert sum(n for grad, n in rows if not grad) == m["nfe_rollout"] * N == run.args.num_steps * N
+    assert sum(n for grad, n in rows if grad) == m["nfe_theta"] * N == run.args.n_mc * N
+
+
+@pytest.mark.trainer
+def test_rollout_draws_prompts_and_independent_noise(tiny_run, monkeypatch):
+    """Step 1: P distinct training prompts (without replacement; with replacement when P exceeds
+    them), redrawn each iteration and the same for the same iteration; G samples per prompt in
+    prompt-major order; one independent standard-normal initial noise per sample, redrawn each
+    iteration. (The ODE solve itself is replaced by the identity here.)"""
+    calls = []
+
+    def solve(adapter, x1, cond, prompt_idx, sigmas, solver, chunk, ctx, poll=None):
+        calls.append(x1.clone())
+        return x1.float()
+    monkeypatch.setattr(V, "rollout", solve)
+    run = tiny_run.reset("--prompts_per_iter", 4)
+    P, G, train = 4, run.args.group_size, run.train_prompts
+    draws = []
+    for it in (0, 1, 2, 3, 0):
+        ro = V.collect_rollouts(run, it)
+        assert len(ro.prompts) == P and len(set(ro.prompts)) == P and set(ro.prompts) <= set(train)
+        assert ro.prompt_idx.tolist() == [n // G for n in range(P * G)]
+        assert torch.equal(ro.x0, calls[-1]) and ro.x0.shape == (P * G,) + run.D
+        draws.append((ro.prompts, calls[-1]))
+    assert draws[0][0] == draws[-1][0] and torch.equal(draws[0][1], draws[-1][1])   # reproducible
+    assert len({tuple(p) for p, _ in draws[:4]}) == 4                # new prompts every iteration
+    x = torch.stack([x1 for _, x1 in draws[:4]]).flatten(2)          # (iterations, N, d)
+    assert x.mean().abs() < 0.05 and (x.std() - 1).abs() < 0.05      # 49k N(0, 1) draws
+    corr = torch.corrcoef(x.flatten(0, 1))                           # 48 samples, d = 1024 each
+    assert (corr - torch.eye(len(corr))).abs().max() < 0.2           # pairwise independent
+    run = tiny_run.reset("--prompts_per_iter", len(train) + 8, "--group_size", 2)
+    ro = V.collect_rollouts(run, 0)
+    assert len(ro.prompts) == len(train) + 8 and set(ro.prompts) <= set(train)
+
+
+@pytest.mark.trainer
+def test_minibatches_partition_the_samples_each_iteration(tiny_run):
+    """μ = 3 on 12 samples in micro-batches of 3: each step k gets 4 samples (as 3 + 1, visited
+    in step order), every sample in exactly one step; the partition is redrawn each iteration
+    and the same for the same iteration. μ = 1: every sample in order."""
+    run = tiny_run.reset("--prompts_per_iter", 4, "--mu", 3, "--micro_batch", 3)
+    parts = []
+    for it in (0, 1, 2, 3, 0):
+        mbs = V.minibatches(run, it)
+        assert [k for k, _ in mbs] == [0, 0, 1, 1, 2, 2] and [len(r) for _, r in mbs] == [3, 1] * 3
+        steps = [sorted(torch.cat([r for k, r in mbs if k == j]).tolist()) for j in range(3)]
+        assert sorted(sum(steps, [])) == list(range(12))
+        parts.append(steps)
+    assert parts[0] == parts[-1] and len({str(p) for p in parts[:4]}) == 4
+    run = tiny_run.reset("--micro_batch", 4)
+    assert [r.tolist() for _, r in V.minibatches(run, 5)] == [[0, 1, 2, 3], [4, 5]]
+
+
+@pytest.mark.trainer
+def test_skipped_iteration_takes_no_step_and_still_measures_the_surrogate(tiny_run, monkeypatch):
+    """Equal rewards in every group: every advantage is 0, so the update is skipped: no optimizer
+    step (AdamW's weight decay would move the weights even on a zero gradient), the weights are
+    unchanged, θ_old's pass covers every sample (nfe_old = N_MC) and the surrogate CV (batch,
+    within groups) is that of S on the iteration's pairs. 1e-5: the pass here is one batch,
+    the loop's runs in micro-batches (fp32 reordering only)."""
+    monkeypatch.setattr(V, "collect_rollouts", lambda run, it: tiny_run.ro)
+    monkeypatch.setattr(V, "decode_and_reward", lambda ad, rw, names, *a, **k: (
+        {n: torch.ones(len(tiny_run.ro.x0)) for n in names}, None))
+    run = tiny_run.reset("--micro_batch", 4)
+    with _optimizer_steps(run) as norms:
+        m = V.iteration(run, 0)
+    assert m["skipped"] is True and norms == [] and m["grad_norm"] == 0.0
+    assert all(torch.equal(p, p0) for p, p0 in zip(run.params, tiny_run.theta0))
+    assert m["nfe_old"] == run.args.n_mc and math.isnan(m["abs_log_ratio"])
+    with torch.no_grad():
+        S = V.surrogates(run, tiny_run.ro, V.draw_iteration_pairs(run, 0),
+                         torch.arange(run.N))[0].mean(dim=1).double()
+    Sg = S.view(run.args.prompts_per_iter, run.args.group_size)
+    assert m["surrogate_cv"] == pytest.approx((S.std(unbiased=False) / S.mean().abs()).item(), rel=1e-5)
+    cv_group = (Sg.std(dim=1, unbiased=False) / Sg.mean(dim=1).abs()).mean().item()
+    assert m["surrogate_cv_group"] == pytest.approx(cv_group, rel=1e-5)
+
+
+@pytest.mark.trainer
+def test_logged_ratio_statistics_are_means_over_the_samples(tiny_run, monkeypatch):
+    """README "Logged metrics": ratio, |log ρ| and approx_kl are means over the update's samples.
+    μ = 2, 3 samples per step in micro-batches of 2 + 1: each sample counts once, whatever the
+    micro-batch it fell in (1e-5 relative: fp32 means of the same numbers in another order)."""
+    _replay(monkeypatch, tiny_run)
+    calls = _loss_calls(monkeypatch)
+    run = tiny_run.reset("--mu", 2, "--micro_batch", 2)
+    m = V.iteration(run, 0)
+    log_ratio = torch.cat([s.mean(dim=1) - s_old.mean(dim=1) for _, s, s_old in calls]).double()
+    assert len(calls) == 4 and len(log_ratio) == run.N and log_ratio.abs().max() > 1e-4
+    assert m["abs_log_ratio"] == pytest.approx(log_ratio.abs().mean().item(), rel=1e-5)
+    assert m["ratio"] == pytest.approx(log_ratio.exp().mean().item(), rel=1e-5)
+    assert m["approx_kl"] == pytest.approx((0.5 * log_ratio.square()).mean().item(), rel=1e-5)
+
+
+@pytest.mark.trainer
+def test_evaluation_noise_is_the_same_at_every_evaluation(tiny_run, monkeypatch):
+    """evaluate(): one fixed initial noise per held-out prompt, the same at every iteration (only
+    the weights change what it shows), distinct across prompts and from the training noise."""
+    calls, real = [], V.rollout
+
+    def spy(adapter, x1, *a, **k):
+        calls.append(x1.clone())
+        return real(adapter, x1, *a, **k)
+    monkeypatch.setattr(V, "rollout", spy)
+    run = tiny_run.reset("--n_eval", 3)
+    first, later = V.evaluate(run, 0), V.evaluate(run, 7)
+    assert len(calls) == 2 and calls[0].shape == (3,) + run.D and torch.equal(calls[0], calls[1])
+    assert first == {**later, "iter": 0}                             # same weights: same numbers
+    x = calls[0].flatten(1)
+    assert not torch.equal(x[0], x[1]) and not torch.equal(x[0], x[2])
+    train = torch.randn((run.N,) + run.D, generator=V._gen(run.args.seed, 0, 1))
+    assert not any(torch.equal(x[0], r) for r in train.flatten(1))
+
+
+@pytest.mark.trainer
+def test_loop_schedule_of_evaluations_checkpoints_and_metrics_lines(tiny_run, monkeypatch, tmp_path):
+    """The outer loop with the iteration and evaluation stubbed: 5 iterations, --eval_every 2,
+    --save_every 2: evaluations before iterations 0, 2, 4 and after the last; checkpoints after
+    2, 4 and 5 iterations, `latest` the last; metrics.jsonl one line per evaluation and per
+    iteration, in order; the lines the loop returns are the iterations'."""
+    keys = ("reward_mean", "reward_std", "grad_norm", "surrogate_cv", "surrogate_cv_group",
+            "time_iter", "abs_log_ratio")
+    monkeypatch.setattr(V, "iteration", lambda run, it: {"iter": it, "reward_unit": "raw",
+                                                         **dict.fromkeys(keys, 0.0)})
+    monkeypatch.setattr(V, "evaluate", lambda run, it: {"iter": it, "eval_reward_mean": 0.0})
+    run = tiny_run.reset("--iterations", 5, "--eval_every", 2, "--save_every", 2)
+    try:
+        hist = V.loop(run, tmp_path)
+    finally:
+        V._LOCKS.pop(str(tmp_path.resolve())).close()
+    assert [m["iter"] for m in hist] == list(range(5))
+    lines = [(m["iter"], "eval_reward_mean" in m) for m in _metrics(tmp_path)]
+    assert lines == [(0, True), (0, False), (1, False), (2, True), (2, False), (3, False),
+                     (4, True), (4, False), (5, True)]
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert saved == ["iter_000002", "iter_000004", "iter_000005"]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "iter_000005"
 
 
 # ------------------------------------------------------------------------------------------------
