@@ -2279,7 +2279,7 @@ def write_report(S: dict, cmd: str, figs: dict) -> tuple[str, str]:
           + "\n## Learning-rate sweep (final held-out numbers, 95 % intervals)\n\n"
           + parts["sweep"]
           + "\n## The paper's speed-up claims, measured as it states them\n\n"
-          + _claims_text(S)
+          + img("claims", "claims") + "\n" + _claims_text(S)
           + "\n## The reward–diversity frontier\n\n" + img("frontier", "frontier")
           + "\n" + parts["frontier"]
           + "\n## Efficiency at each method's chosen lr\n\n" + parts["eff"]
@@ -2476,6 +2476,41 @@ def figures(S: dict, out: Path, fig_dir: Path, prefix: str) -> dict:
         figs["frontier"] = fig_dir / f"{prefix}_frontier.png"
         fig.tight_layout()
         fig.savefig(figs["frontier"], dpi=110)
+        plt.close(fig)
+    # 1b. the claims: every method's held-out reward curve at its chosen lr (seed mean), each
+    # baseline's final reward as a dashed line, where V-GRPO's curve crosses it marked
+    if S.get("claims"):
+        fig, ax = plt.subplots(figsize=(7.5, 4.6))
+        for m in methods_of(S["plan"]):
+            rs = [r for r in S["runs"] if r["kind"] == "sweep" and r["method"] == m
+                  and m in S["chosen"] and abs(r["lr"] - S["chosen"][m]["lr"]) < 1e-12]
+            if not rs:
+                continue
+            key = S["chosen"][m]["variant"]
+            cv = [r["heldout_curve"].get(key) for r in rs]
+            if any(c is None for c in cv):
+                continue
+            its = [q["iter"] for q in cv[0]]
+            y = np.array([[q["reward"] for q in c] for c in cv]).mean(0)
+            st = STYLE[m]
+            ax.plot(its, y, color=st["color"], marker=st["marker"], ms=5,
+                    label=f"{_label(m, key)}, lr {_lr(S['chosen'][m]['lr'])}")
+            c = S["claims"].get(m)
+            if c:
+                ax.axhline(c["threshold"], color=st["color"], ls="--", lw=0.8)
+                if c["reached"]:
+                    ax.plot([c["vgrpo_iters"][0]], [c["threshold"]], marker="*", ms=12,
+                            color=st["color"], mec="black")
+        ax.axhline(b["reward"][0], color="black", ls=":", lw=0.8, label="base model")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("held-out reward (mean over seeds)")
+        ax.set_title("Held-out reward at each method's chosen lr\ndashed: each baseline's final "
+                     "reward; ★ where V-GRPO's curve reaches it", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        figs["claims"] = fig_dir / f"{prefix}_claims.png"
+        fig.tight_layout()
+        fig.savefig(figs["claims"], dpi=100)
         plt.close(fig)
     # 2. long runs: training reward, held-out accuracy, diversity, nn-real against iterations
     if S["long"]:
