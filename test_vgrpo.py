@@ -2474,7 +2474,7 @@ def test_digits_benchmark_claims_speedup_ratios_bound_frontier_verdicts(tmp_path
     assert c2["bound"]["seconds"] == pytest.approx(2.0)
     assert c2["ratio"]["steps"] == pytest.approx((1.0, 0.0, 1.0))   # below the bound
     verdict, reason = D.claim_verdict(c2, 1700 / 580, "steps")
-    assert verdict == "disagrees" and "below 1.00×" in reason
+    assert verdict == "disagrees" and "below the bound 1.00×" in reason
     assert D._ratio_ci(c2, "steps").startswith("< 1.00 (not reached)")
     # a baseline that stayed at the base model: not resolved, no ratio shown
     c3 = D.claim(v, flat, timing, "Flow-GRPO (no CFG)")
