@@ -3318,3 +3318,96 @@ def test_evaluate_digits_checkpoint_above_base(ev, digits_cache, tmp_path, monke
     assert res["settings"]["resolution"] == 32 and res["settings"]["max_sequence_length"] == 32
     r = res["models"]["digits-it10"]["rewards"]["examples.digits:reward"]
     assert r["diff"] > 0 and r["diff_ci"][0] > 0, r
+
+
+@pytest.mark.examples
+def test_digits_benchmark_claims_speedup_ratios_bound_frontier_verdicts(tmp_path, monkeypatch):
+    """examples/digits.py's measurement of the paper's speed-up claims on synthetic runs (no
+    model): V-GRPO's iterations to a baseline's final held-out reward are interpolated on its
+    seed-mean curve; the ratios B·u_b / (h·u_v) in iterations, gradient steps, NFE and seconds;
+    a baseline V-GRPO never reaches gives the bound B/Bv·(counts) and "disagrees"; a baseline
+    that did not improve is "not resolved"; the frontier places every baseline's points."""
+    import numpy as np
+    D = _load_digits(monkeypatch, tmp_path)
+    n = 40
+
+    def ev(reward):
+        return {"n": n, "acc": 0.5, "reward": reward, "diversity": 1.0, "nn_real": 1.0,
+                "img_reward": [reward] * n, "img_correct": "1" * 20 + "0" * 20}
+
+    def run(method, seed, its, rewards, nfe, steps, key="raw"):
+        return {"kind": "sweep", "method": method, "lr": 1e-3, "seed": seed, "eval_key": key,
+                "ema": key == "ema", "iterations": its[-1], "final": {},
+                "iters": [{"nfe_total": nfe, "opt_steps": steps}] * its[-1],
+                "evals": [{"iter": i, key: ev(r)} for i, r in zip(its, rewards)]}
+
+    v = [run("V-GRPO", s, (0, 4, 8), (0.5, 0.7, 0.9), 448, 1) for s in (0, 1)]
+    mix = [run("MixGRPO", s, (0, 8), (0.5, 0.6), 384, 4) for s in (0, 1)]
+    nft = [run("DiffusionNFT", s, (0, 8), (0.5, 0.95), 1184, 1, key="ema") for s in (0, 1)]
+    flat = [run("Flow-GRPO (no CFG)", s, (0, 8), (0.5, 0.5), 416, 2, key="ema") for s in (0, 1)]
+    timing = {"seconds_per_iter": {"V-GRPO": [2.0, 2.0], "MixGRPO": [1.0, 1.0],
+                                   "DiffusionNFT": [4.0, 4.0]}}
+    # MixGRPO's final 0.6 is crossed between 0.5 @0 and 0.7 @4: h = 2 → 8/2 = 4 iterations,
+    # 8·4/(2·1) = 16 gradient steps, 8·384/(2·448) NFE, 8·1/(2·2) = 2 seconds
+    c = D.claim(v, mix, timing, "MixGRPO")
+    assert c["reached"] and c["vgrpo_iters"][0] == pytest.approx(2.0)
+    want = {"iters": 4.0, "steps": 16.0, "nfe": 8 * 384 / (2 * 448), "seconds": 2.0}
+    for u, x in want.items():
+        assert c["ratio"][u] == pytest.approx((x, x, x)), u      # constant images: no width
+    assert c["baseline_final"][0] == pytest.approx(0.6)
+    assert c["gain_over_base"][0] == pytest.approx(0.1)
+    assert D.claim_verdict(c, 2.0, "iters")[0] == "agrees"
+    assert D.claim_verdict(c, 5.0, "iters")[0] == "disagrees"
+    # DiffusionNFT's 0.95 is never reached in V-GRPO's 8 iterations: bound 8·u_b / (8·u_v)
+    c2 = D.claim(v, nft, timing, "DiffusionNFT")
+    assert not c2["reached"] and c2["reached_draws"] == 0
+    assert c2["bound"]["steps"] == pytest.approx(1.0)
+    assert c2["bound"]["nfe"] == pytest.approx(1184 / 448)
+    assert c2["bound"]["seconds"] == pytest.approx(2.0)
+    assert c2["ratio"]["steps"] == pytest.approx((1.0, 0.0, 1.0))   # below the bound
+    verdict, reason = D.claim_verdict(c2, 1700 / 580, "steps")
+    assert verdict == "disagrees" and "below the bound 1.00×" in reason
+    assert D._ratio_ci(c2, "steps").startswith("< 1.00 (not reached)")
+    # a baseline that stayed at the base model: not resolved, no ratio shown
+    c3 = D.claim(v, flat, timing, "Flow-GRPO (no CFG)")
+    assert c3["gain_over_base"][0] == pytest.approx(0.0)
+    assert D.claim_verdict(c3, 2.0, "iters")[0] == "not resolved"
+    assert D._ratio_ci(c3, "iters").startswith("— (no gain")
+    # the verdict lines of the report name each claim with its verdict
+    for cc, m in ((c, "MixGRPO"), (c2, "DiffusionNFT")):
+        cc.update(label=m, lr=1e-3, vgrpo_lr=1e-3, claim=dict(D.CLAIMS[m]))
+        cc["verdict"], cc["reason"] = D.claim_verdict(cc, D.CLAIMS[m]["factor"],
+                                                      D.CLAIMS[m]["unit"])
+    lines = D._claim_lines({"claims": {"MixGRPO": c, "DiffusionNFT": c2}})
+    assert "2× fewer iterations than MixGRPO" in lines[0] and ": agrees**" in lines[0]
+    assert "3× fewer gradient steps than DiffusionNFT" in lines[1]
+    assert ": disagrees**" in lines[1] and "did not reach" in lines[1]
+    # the frontier: V-GRPO's points (1.0, 0.8), (1.2, 0.6) and the base model (1.3, 0.5); one
+    # point of every baseline, each at a hand-computed height of that envelope
+    reps = lambda x: np.full(D.N_BOOT, x)
+
+    def pt(method, variant, d, r):
+        return {"method": method, "lr": 1e-3, "variant": variant,
+                "heldout": {"diversity": (d, d, d), "reward": (r, r, r)},
+                "_reps": {"diversity": reps(d), "reward": reps(r)}}
+    sweep = [pt("V-GRPO", "raw", 1.0, 0.8), pt("V-GRPO", "raw", 1.2, 0.6),
+             pt("Flow-GRPO (no CFG)", "ema", 1.1, 0.6),     # envelope 0.7: 0.1 below
+             pt("DiffusionNFT", "ema", 0.9, 0.85),          # envelope 0.8: 0.05 above
+             pt("MixGRPO", "raw", 1.25, 0.55),              # envelope 0.55: on it
+             pt("MixGRPO", "raw", 1.4, 0.3)]                # more diverse than every V-GRPO point
+    S = {"base_ci": {"reward": (0.5, 0.5, 0.5), "diversity": (1.3, 1.3, 1.3)},
+         "_base_reps": {"reward": reps(0.5), "diversity": reps(1.3)},
+         "chosen": {"Flow-GRPO (no CFG)": {"variant": "ema"}, "DiffusionNFT": {"variant": "ema"},
+                    "MixGRPO": {"variant": "raw"}}}
+    S["frontier"] = F = D.frontier(sweep, S)
+    by = {(p["method"], p["diversity"]): p for p in F["points"]}
+    assert len(F["points"]) == 4
+    assert by[("Flow-GRPO (no CFG)", 1.1)]["margin"][0] == pytest.approx(0.1)
+    assert by[("DiffusionNFT", 0.9)]["margin"][0] == pytest.approx(-0.05)
+    assert by[("MixGRPO", 1.25)]["margin"][0] == pytest.approx(0.0, abs=1e-12)
+    assert "margin" not in by[("MixGRPO", 1.4)]
+    groups = {m: g["verdict"] for m, v_, pts, g in D._frontier_groups(S)}
+    assert groups == {"Flow-GRPO (no CFG)": "lies above it",
+                      "DiffusionNFT": "does not lie above it",
+                      "MixGRPO": "is level with it within noise"}
+    assert F["any_above_ci"] and not F["all_below"]
