@@ -690,7 +690,7 @@ class Trainer:
         r = self.run
         if self.kind == "vgrpo":
             m = V.iteration(r, it)
-            nfe = self.N * (m["nfe_rollout"] + _old_extra(m) + m["nfe_theta"])   # rollout, θ_old, θ
+            nfe = self.N * (m["nfe_rollout"] + _old_extra(m, self.args.mu) + m["nfe_theta"])   # rollout, θ_old, θ
             m["opt_steps"] = 0 if m.get("skipped") else self.args.mu
         elif self.kind == "flow":
             m = self.FG.flow_grpo_iteration(self.mine, self.args, r.adapter, self.guided, r.rewards,
@@ -1427,20 +1427,30 @@ def claim_verdict(c: dict, factor: float, unit: str) -> tuple[str, str]:
     return "not resolved", f"the interval spans 1 and {factor:.2g}×"
 
 
-def _old_extra(m: dict) -> int:
-    """V-GRPO's θ_old forwards beyond the rollout. vgrpo's `nfe_old` counted the rollout too
-    before it was changed to count only these; either reading gives the extra (N_MC) here, where
-    N_MC < the rollout's steps."""
-    return m["nfe_old"] - m["nfe_rollout"] if m["nfe_old"] > m["nfe_rollout"] else m["nfe_old"]
+def _old_extra(m: dict, mu: int) -> float:
+    """V-GRPO's θ_old no-grad forwards per sample beyond the rollout, as vgrpo counts them now:
+    N_MC·(μ − 1)/μ (the first minibatch takes S_old from its own pass at θ = θ_old; none at
+    μ = 1). Runs logged before that change (nfe_old an int: N_MC, or rollout + N_MC) are
+    recounted the same way, from N_MC = nfe_theta and the run's μ; a skipped update is logged
+    with the N_MC forwards it did run."""
+    if isinstance(m["nfe_old"], float):                    # logged as it runs
+        return m["nfe_old"]
+    return m["nfe_theta"] * (mu - 1) / mu
+
+
+def _mu(r: dict) -> int:
+    """The μ a V-GRPO run trained with (its flags; vgrpo's default 1)."""
+    f = r.get("flags") or []
+    return int(f[f.index("--mu") + 1]) if isinstance(f, list) and "--mu" in f else 1
 
 
 def nfe_per_iter(r: dict) -> float:
-    """Mean training forwards per iteration; V-GRPO's recomputed from the logged counts (so runs
-    logged under either meaning of nfe_old agree)."""
+    """Mean training forwards per iteration; V-GRPO's recomputed from the logged counts, so runs
+    logged before and after θ_old's pass was folded into the first step count alike."""
     its = r["iters"]
     if its and "n_trained_samples" not in its[0] and "nfe_rollout" in its[0]:
         N = r["nfe_n"] if "nfe_n" in r else 32
-        tot = [N * (x["nfe_rollout"] + _old_extra(x) + x["nfe_theta"]) for x in its]
+        tot = [N * (x["nfe_rollout"] + _old_extra(x, _mu(r)) + x["nfe_theta"]) for x in its]
     else:
         tot = [x["nfe_total"] for x in its]
     return sum(tot) / max(len(tot), 1)
