@@ -2324,6 +2324,11 @@ def _readme_text(S: dict, figs: dict, img) -> str:
     head = ["method", "chosen lr", "final held-out reward"] + [
         f"speed-up in {UNITS[u]}" for u in UNITS]
     claims = _claim_lines(S, short=True)
+    missing = [m for m in CLAIMS if m not in methods_of(p)]
+    if missing:                            # a results folder from before the baseline existed
+        claims.append(f"* **Not measured in this run:** the claims over {' and '.join(missing)} "
+                      "(this run predates them); `python examples/digits.py benchmark` "
+                      "measures them.")
     groups = [g for g in _frontier_groups(S) if g[1] == ch.get(g[0], {}).get("variant", "raw")]
     front = ("* **Reward–diversity frontier** (not a claim of the paper): V-GRPO's frontier "
              + "; ".join(f"{g['verdict']} against {_label(m, v)}" for m, v, _, g in groups)
