@@ -737,8 +737,8 @@ class Trainer:
 # processes (each takes the next unclaimed job whose inputs exist; resumable), one JSON per run.
 # ------------------------------------------------------------------------------------------------
 # `benchmark --quick` timed once, end to end (build cached), on the 2-core machine of this report
-QUICK_TIMED = ("2,827 s (47 min) end to end at commit 23b1592 (build cached, 2 workers × 1 "
-               "thread) on the 2-core machine while 4–5 other processes shared it (1-minute load "
+QUICK_TIMED = ("2,827 s (47 min) end to end with the training code of commit 23b1592 (build "
+               "cached, 2 workers × 1 thread) on the 2-core machine while 4–5 other processes shared it (1-minute load "
                "average 5–12); its own CPU time was 17.8 min, about 9 min of the 2 cores, against "
                "the plan's estimate of 10 min wall-clock")
 THRESHOLD_RULE = ("half of the base model's remaining held-out error removed: "
