@@ -2209,7 +2209,7 @@ def test_flow_grpo_baseline_and_cost_table(tmp_path):
     v, f = json.loads((out / "summary.json").read_text())["rows"]
     assert v["method"] == "V-GRPO" and f["method"] == "Flow-GRPO"
     K, J, T = 4, 4, int(0.99 * 4)
-    assert (v["nfe_rollout"], v["nfe_old_extra"], v["nfe_theta"], v["nfe_ref"]) == (K, J, J, 0)
+    assert (v["nfe_rollout"], v["nfe_old_extra"], v["nfe_theta"], v["nfe_ref"]) == (K, 0, J, 0)  # μ = 1
     assert (f["nfe_rollout"], f["nfe_old_extra"], f["nfe_theta"], f["nfe_ref"]) == \
         (2 * K, 0, 2 * T, 2 * T)                      # CFG: 2 forwards per step
     assert f["opt_steps"] == 2 and v["opt_steps"] == 1

@@ -1136,7 +1136,7 @@ def surrogates(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
 
 def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_old, x0h_old):
     """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollouts. Returns
-    ({stat: [per micro-batch tensors]}, [grad norm per step])."""
+    ({stat: [(micro-batch value × rows, rows)]}, [grad norm per step])."""
     args, stats, grad_norms = run.args, {}, []
     mbs = [] if sc.skipped else mbs
     size = {k: sum(len(r) for j, r in mbs if j == k) for k, _ in mbs}       # samples per step
@@ -1155,7 +1155,7 @@ def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_
         run.scaler.scale(loss * len(rows) / size[k]).backward()   # minibatch mean [ours C16]
         for name, v in {**st, **({"abs_log_ratio_first": st["abs_log_ratio"]} if k == 0
                                  else {})}.items():
-            stats.setdefault(name, []).append(v)
+            stats.setdefault(name, []).append((v * len(rows), len(rows)))    # sample-weighted
         if last:
             grad_norms.append(optimizer_step(run))
     return stats, grad_norms
@@ -1180,7 +1180,8 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
     """One host sync for everything logged; this process's statistics averaged over processes."""
     a = run.args
     gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
-    scal = {k: torch.stack(v).mean() for k, v in stats.items()}
+    scal = {k: torch.stack([x for x, _ in v]).sum() / sum(n for _, n in v)   # means over samples
+            for k, v in stats.items()}
     scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
     vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), run.world)
     scal = {**dict(zip(scal, vec)), **sc.adv_stats, **cv}

@@ -674,8 +674,8 @@ def to_markdown(rows, info) -> str:
             "old-policy pass (the paper's Table 1 convention, paper P10); π_θ = forwards with "
             "grad (each also one backward); ref = no-grad forwards of the reference policy (LoRA "
             "off) for the KL. "
-            "Flow-GRPO's old log-probs come with its rollout (0 extra), V-GRPO needs N_MC extra "
-            "surrogate forwards. Clip frac (1st step): fraction of per-step ratios outside 1 ± ε "
+            "Flow-GRPO's old log-probs come with its rollout (0 extra), V-GRPO needs N_MC·(μ − 1)/μ "
+            "extra surrogate forwards (its first optimizer step is θ_old's pass). Clip frac (1st step): fraction of per-step ratios outside 1 ± ε "
             "before the first optimizer step (θ = θ_old: 0 expected). Train reward: Flow-GRPO's is "
             "of its (SDE) rollouts, V-GRPO's of ODE rollouts; eval reward: deterministic ODE on "
             f"{info['n_eval']} held-out prompts with fixed noise, at each method's own guidance.\n")
