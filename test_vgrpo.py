@@ -822,7 +822,8 @@ def _global_norm(params) -> float:
 def _optimizer_steps(run):
     """The global norm of the gradient each optimizer step receives (after the clip), in order."""
     norms = []
-    handle = run.opt.register_step_pre_hook(lambda opt, a, k: norms.append(_global_norm(run.params)))
+    handle = run.opt.register_step_pre_hook(
+        lambda opt, a, k: norms.append(_global_norm(run.params)))
     try:
         yield norms
     finally:
@@ -851,19 +852,40 @@ def test_micro_batches_change_memory_not_the_update(tiny_run, monkeypatch):
     (1e-2): a weight whose gradient is near 1e-8 moves by a rounding-sensitive fraction of it
     (measured ≤ 1.3e-5), so 1e-4, 1 % of a step; a wrong weighting of micro-batches flips signs,
     i.e. moves weights by up to 2·lr. Also: exactly μ optimizer steps, the logged grad_norm is
-    the mean of the steps' norms, and no gradient is left behind."""
+    the mean of the steps' norms, no gradient is left behind, nfe_old and nfe_theta are the
+    network rows run per sample, and with one micro-batch per step the logged |log ρ| is the
+    mean over the samples (0 on the first step)."""
     _replay(monkeypatch, tiny_run)
     calls = _loss_calls(monkeypatch)
+    rows, real_velocity = [], tiny_run.run.adapter.velocity
+
+    def velocity(x, t, c):
+        rows.append((torch.is_grad_enabled(), len(x)))
+        return real_velocity(x, t, c)
+    monkeypatch.setattr(tiny_run.run.adapter, "velocity", velocity)
     mbs_seen, real_mbs = [], V.minibatches
-    monkeypatch.setattr(V, "minibatches", lambda run, it: mbs_seen.append(real_mbs(run, it)) or mbs_seen[-1])
+
+    def minibatches(run, it):
+        mbs_seen.append(real_mbs(run, it))
+        return mbs_seen[-1]
+    monkeypatch.setattr(V, "minibatches", minibatches)
     for mu, sizes in ((1, (6, 4, 5)), (2, (3, 2))):
         results = []
         for mb in sizes:
             run = tiny_run.reset("--mu", mu, "--micro_batch", mb)
             calls.clear()
+            rows.clear()
             with _optimizer_steps(run) as norms:
                 m = V.iteration(run, 0)
             mbs = mbs_seen[-1]
+            N, J = run.N, run.args.n_mc
+            assert sum(n for grad, n in rows if grad) == m["nfe_theta"] * N == J * N
+            assert (sum(n for grad, n in rows if not grad) == m["nfe_old"] * N
+                    == J * N * (mu - 1) / mu)
+            if mb == N // mu:                              # one micro-batch per step
+                log_ratio = torch.cat([s.mean(dim=1) - o.mean(dim=1) for _, s, o in calls])
+                assert m["abs_log_ratio"] == pytest.approx(log_ratio.abs().mean().item(), rel=1e-5)
+                assert m["abs_log_ratio_first"] == 0.0 and (mu == 1) == (m["abs_log_ratio"] == 0)
             assert [len(r) for _, r in mbs] == {6: [6], 4: [4, 2], 5: [5, 1], 3: [3, 3],
                                                 2: [2, 1, 2, 1]}[mb]
             # the loss the optimizer minimises: each step's mean over its samples
@@ -940,6 +962,24 @@ def test_max_grad_norm_clips_what_the_optimizer_receives(tiny_run, monkeypatch):
     assert received <= 1e-4 * (1 + 1e-5) and received == pytest.approx(1e-4, rel=1e-3)
     assert logged == got[1.0][0] and logged > 10 * 1e-4
     assert got[1.0][1] == [pytest.approx(logged, rel=1e-5)]         # unclipped: what it received
+
+
+@pytest.mark.trainer
+def test_nonfinite_gradient_skips_the_optimizer_step(tiny_run, monkeypatch):
+    """A NaN loss (hence NaN gradients): the step is skipped, the weights stay as they were
+    (AdamW would write NaN into them), the gradients are still zeroed, and the metrics say so."""
+    _replay(monkeypatch, tiny_run)
+    real = V.vgrpo_loss
+
+    def nan_loss(*a, **k):
+        loss, st = real(*a, **k)
+        return loss * math.nan, st
+    monkeypatch.setattr(V, "vgrpo_loss", nan_loss)
+    run = tiny_run.reset()
+    m = V.iteration(run, 0)
+    assert m["nonfinite_grad_steps"] == 1.0 and math.isnan(m["grad_norm"])
+    assert all(torch.equal(p, p0) for p, p0 in zip(run.params, tiny_run.theta0))
+    assert all(p.grad is None for p in run.params) and not run.opt.state
 
 
 @pytest.mark.trainer
@@ -1057,7 +1097,8 @@ def test_skipped_iteration_takes_no_step_and_still_measures_the_surrogate(tiny_r
         S = V.surrogates(run, tiny_run.ro, V.draw_iteration_pairs(run, 0),
                          torch.arange(run.N))[0].mean(dim=1).double()
     Sg = S.view(run.args.prompts_per_iter, run.args.group_size)
-    assert m["surrogate_cv"] == pytest.approx((S.std(unbiased=False) / S.mean().abs()).item(), rel=1e-5)
+    cv = (S.std(unbiased=False) / S.mean().abs()).item()
+    assert m["surrogate_cv"] == pytest.approx(cv, rel=1e-5)
     cv_group = (Sg.std(dim=1, unbiased=False) / Sg.mean(dim=1).abs()).mean().item()
     assert m["surrogate_cv_group"] == pytest.approx(cv_group, rel=1e-5)
 
@@ -1099,7 +1140,8 @@ def test_evaluation_noise_is_the_same_at_every_evaluation(tiny_run, monkeypatch)
 
 
 @pytest.mark.trainer
-def test_loop_schedule_of_evaluations_checkpoints_and_metrics_lines(tiny_run, monkeypatch, tmp_path):
+def test_loop_schedule_of_evaluations_checkpoints_and_metrics_lines(tiny_run, monkeypatch,
+                                                                   tmp_path):
     """The outer loop with the iteration and evaluation stubbed: 5 iterations, --eval_every 2,
     --save_every 2: evaluations before iterations 0, 2, 4 and after the last; checkpoints after
     2, 4 and 5 iterations, `latest` the last; metrics.jsonl one line per evaluation and per
