@@ -1217,14 +1217,12 @@ def _warn(msg: str) -> None:
 def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
             solver: str, chunk: int, ctx, poll: Optional[Callable] = None) -> torch.Tensor:
     """ODE-solve every row of x1 (N, *D), `chunk` rows at a time: the actions o (N, *D) fp32.
-    poll() runs before every network call (the trainer's preemption point)."""
-    def velocity(x, t, c):
-        poll and poll()
-        return adapter.velocity(x, t, c)
+    poll() runs before every chunk (the trainer's preemption point: no sync inside a solve)."""
     out = []
     for rows in torch.arange(len(x1)).split(chunk):
+        poll and poll()
         with ctx:
-            x0 = SOLVERS[solver](velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
+            x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
         out.append(x0.float())
     return torch.cat(out)
 
