@@ -693,8 +693,8 @@ def _tmpfs(path: Path, size: str):
 def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iteration_once(
         tmp_path, monkeypatch, capsys):
     """The run folder on a 2 MB filesystem, filled up after the first checkpoint: the second
-    checkpoint fails (safetensors' own error type, not OSError) with one line naming it, the
-    clean-up (metrics.png in `finally`) fails too and masks nothing, no temporary file is left,
+    checkpoint fails (safetensors' own error type, not OSError) with one line naming it, a
+    clean-up in `finally` (the curves' writer) fails too and masks nothing, no temporary file is left,
     `latest` still names the first checkpoint, and --resume after freeing space logs every
     iteration once. Where no filesystem can be mounted, writers that raise stand in for it."""
     import subprocess
@@ -714,8 +714,8 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
                     raise SafetensorError("Error while serializing: I/O error: No space left on device")
                 monkeypatch.setattr("safetensors.torch.save_file", boom)
                 monkeypatch.setattr(r.adapter, "save_lora", boom)
-                monkeypatch.setattr(V, "plot_metrics", lambda d: (_ for _ in ()).throw(
-                    OSError(28, "No space left on device")))
+            monkeypatch.setattr(V.Tracker, "close", lambda self: (_ for _ in ()).throw(
+                OSError(28, "No space left on device")))
         return real_ckpt(r, it)
     monkeypatch.setattr(V, "checkpoint", fill_then_checkpoint)
     try:
@@ -1401,8 +1401,8 @@ def test_default_prompts_and_their_missing_file(tmp_path, capsys, monkeypatch):
     assert held[-1] == "a plate of sushi arranged on a slate board"
     assert train[-1] == "a portrait of a woman with freckles in natural light"
     monkeypatch.setattr(V, "__file__", str(tmp_path / "vgrpo.py"))
-    _one_line(TINY, tmp_path, capsys, r"without --prompts, vgrpo needs .*examples/prompts.txt.*"
-                                      r"copy it there, or pass --prompts FILE")
+    _one_line(TINY, tmp_path, capsys, r"--prompts not given, and the default .*examples/prompts.txt"
+                                      r"' does not exist")
 
 
 @pytest.mark.trainer
@@ -1530,13 +1530,15 @@ def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, ca
 
 
 # ------------------------------------------------------------------------------------------------
-# Watching a run: TensorBoard / W&B, metrics.png, one trainer per run folder
+# Watching a run: TensorBoard, examples/plot_metrics.py, one trainer per run folder
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.trainer
-def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, monkeypatch):
+def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, monkeypatch,
+                                                                       capsys):
     """--report_to tensorboard: TensorBoard's own reader finds reward_mean once per iteration,
     also after a kill (iteration 2 was logged, then lost with the kill) and --resume, and the
-    evaluation grids as images; metrics.png is a real image."""
+    evaluation grids as images. examples/plot_metrics.py draws the run's metrics.jsonl as a real
+    image, skipping a line cut short by a kill; a folder without metrics is one line, exit 2."""
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run, real = tmp_path / "run", V.iteration
@@ -1557,8 +1559,15 @@ def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, 
     assert [e.step for e in acc.Scalars("reward_mean")] == [0, 1, 2, 3, 4]
     assert [e.step for e in acc.Scalars("eval_reward_mean")] == [0, 2, 4, 5]
     assert [e.step for e in acc.Images("eval_grid")] == [0, 2, 4, 5]
+    pm = _load_example("plot_metrics")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"iter": 5, "rew')                                  # cut short by a kill
+    assert pm.main([str(run)]) == 0
     with Image.open(run / "metrics.png") as im:
         assert im.format == "PNG" and im.size[0] > 500 and im.size[1] > 300
+    capsys.readouterr()
+    assert pm.main([str(tmp_path)]) == 2
+    assert re.fullmatch(r"error: .*has no metrics.jsonl.*\n", capsys.readouterr().err)
 
 
 @pytest.mark.trainer
@@ -1594,12 +1603,20 @@ def test_a_second_trainer_on_a_live_run_folder_exits_in_one_line(tmp_path, capsy
 
 
 @pytest.mark.trainer
-def test_report_to_wandb_without_wandb_is_one_line_before_loading(tmp_path, capsys, monkeypatch):
-    real = V.importlib.util.find_spec
-    monkeypatch.setattr(V.importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
-    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
-    _one_line(TINY + ["--report_to", "wandb"], tmp_path, capsys, r"--report_to wandb needs the "
-              r"optional package wandb: pip install wandb")
+def test_resume_drops_options_removed_since_the_checkpoint(tmp_path, capsys):
+    """A checkpoint whose config holds options this version no longer has (ImageReward's built-in
+    location, W&B tracking) resumes: those are dropped, the run continues; W&B is not a choice."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
+    ckpt, state = V.read_checkpoint(str(run))
+    state["config"].update(imagereward_model="ImageReward-v1.0", report_to="wandb")
+    torch.save(state, ckpt / V.CKPT_STATE)
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
+    assert json.loads((run / "config.json").read_text())["report_to"] == "none"
+    with pytest.raises(SystemExit):
+        V.given_flags(["--report_to", "wandb"])
+    assert "invalid choice: 'wandb'" in capsys.readouterr().err
 
 
 @pytest.mark.trainer
@@ -1876,13 +1893,35 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
 
 
 @pytest.mark.trainer
-def test_imagereward_without_package_says_how_to_install(tmp_path, capsys):
-    try:
-        import ImageReward  # noqa: F401
-        pytest.skip("image-reward is installed here")
-    except ImportError:
-        pass
-    _fails(TINY + ["--reward", "imagereward"], tmp_path, capsys, r"pip install image-reward")
+def test_imagereward_plugin_scores_pairs_and_without_package_says_how_to_install(
+        tmp_path, capsys, monkeypatch):
+    """examples/imagereward.py: without the package, one line saying how to install it (from the
+    plug-in probe, before the model loads); with it (a stand-in module here), one score per
+    (prompt, image) pair from the images as uint8 PIL images, the model loaded once per device."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setitem(sys.modules, "ImageReward", None)               # import fails
+    monkeypatch.delitem(sys.modules, "examples.imagereward", raising=False)
+    _fails(TINY + ["--reward", "examples.imagereward:score"], tmp_path, capsys,
+           r"reward 'examples.imagereward:score' failed .*pip install image-reward")
+    loads, seen = [], []
+
+    class FakeModel:
+        def score(self, prompt, image):
+            seen.append((prompt, image.size, image.getpixel((0, 0))))
+            return len(prompt) + image.getpixel((0, 0))[0] / 255
+
+    fake = types.SimpleNamespace(load=lambda name, device: loads.append((name, device)) or FakeModel())
+    monkeypatch.setitem(sys.modules, "ImageReward", fake)
+    monkeypatch.setenv("IMAGEREWARD_MODEL", "/local/ImageReward.pt")
+    from examples import imagereward as IR
+    monkeypatch.setattr(IR, "_MODEL", {})
+    images = torch.zeros(2, 3, 8, 6)
+    images[1, 0] = 1.0                                                  # red
+    out = IR.score(images, ["ab", "abcd"])
+    assert out.tolist() == pytest.approx([2.0, 5.0])
+    assert seen == [("ab", (6, 8), (0, 0, 0)), ("abcd", (6, 8), (255, 0, 0))]
+    IR.score(images, ["ab", "abcd"])
+    assert loads == [("/local/ImageReward.pt", "cpu")]
 
 
 @pytest.mark.trainer
@@ -1994,7 +2033,7 @@ def test_flux_defaults_follow_the_paper_protocol():
     # every value says where it comes from
     assert a.origin["clip_eps"].startswith("flux preset") and "[ours C" in a.origin["clip_eps"]
     assert s.origin["num_steps"] == "[paper P11] 40-step ODE rollouts" and s.origin["model"] == "command line"
-    assert V.parse_args(["--model", "tiny"]).origin["lr"] == "tiny preset (our choice)"
+    assert V.parse_args(["--model", "tiny"]).origin["lr"] == "tiny preset (examples/tiny_models.py)"
 
 
 @pytest.mark.trainer

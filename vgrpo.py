@@ -8,8 +8,8 @@ You Think", Tang et al., 2026, arXiv 2604.23380. Tags resolve in METHOD.md, besi
 where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" is a section here.
 
 What this file IS: a readable reference of the algorithm plus a working trainer for SD3 / SD3.5
-and FLUX.1 (diffusers) with six rewards or your own, on one GPU or under torchrun (FSDP2), and
-offline tiny models, so everything runs on a laptop CPU, as examples/toy_2d.py and digits.py do.
+and FLUX.1 (diffusers) with five rewards, or your own (ImageReward is one in examples/), on one
+GPU or under torchrun (FSDP2), and offline tiny models: it all runs on a laptop CPU.
 What it is NOT: a framework; the loss can be copied into any trainer (§2–§6).
 
 Quickstart
@@ -434,7 +434,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for a plug-in; advantages see
 # raw · train_scale (only sums of rewards and std_eps notice), e.g. PickScore's raw/26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
-                "aesthetic": ("1-10", 1.0), "imagereward": ("raw", 1.0), "jpeg": ("-kB", 1.0)}
+                "aesthetic": ("1-10", 1.0), "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
 
 
@@ -557,21 +557,6 @@ def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.
     return score
 
 
-def imagereward_reward(location: str, device: torch.device) -> Callable:
-    """ImageReward (THUDM), from the optional `image-reward` package; it takes PIL images."""
-    try:
-        import ImageReward as RM  # noqa: N813 — the package's own name
-    except ImportError as e:
-        raise ConfigError("--reward imagereward needs the optional package `image-reward` "
-                          "(pip install image-reward), not in requirements.txt: its pins "
-                          "(timm 0.6.13, fairscale 0.4.13) clash with open_clip") from e
-    model = RM.load(location, device=str(device))
-    @torch.no_grad()
-    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        return torch.tensor([float(model.score(p, im)) for p, im in zip(prompts, _to_pil(images))])
-    return score
-
-
 def plugin_reward(spec: str) -> Callable:
     """A user's `module.path:function` under the contract above, its output checked every call."""
     module, _, fn_name = spec.partition(":")
@@ -627,7 +612,7 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             name, weight = item, 1.0
         if name not in BUILTIN_REWARDS and ":" not in name:
             raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, "
-                              "or module.path:function for your own")
+                              "or module.path:function (ImageReward: examples.imagereward:score)")
         if not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
         out.append((name, weight))
@@ -652,8 +637,6 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
         return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore", head=head)
     if name == "hpsv2":
         return hpsv2_reward(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
-    if name == "imagereward":
-        return imagereward_reward(args.imagereward_model, device)
     return jpeg_reward if name == "jpeg" else plugin_reward(name)
 
 
@@ -1319,7 +1302,7 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
 
     def close_curves() -> None:
         with curves():
-            tracker.close()                                    # metrics.png, after a crash too
+            tracker.close()                                    # after a crash too
 
     restore_signals = catch_signals(run)
     bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
@@ -1504,10 +1487,7 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
 
     if args.prompts is None:
         path = Path(__file__).resolve().parent / "examples" / "prompts.txt"
-        if not path.is_file():
-            raise ConfigError(f"without --prompts, vgrpo needs {str(path)!r} (examples/prompts.txt "
-                              "of the repository); copy it there, or pass --prompts FILE")
-        allp = read(str(path), "default prompts")
+        allp = read(str(path), "--prompts not given, and the default")
         train, held = [p for i, p in enumerate(allp) if i % 5], allp[::5]
     else:
         allp = read(args.prompts, "--prompts")
@@ -1533,10 +1513,8 @@ def evaluate(run: Run, it: int) -> dict:
                                   args.reward_batch, keep_images=True)
     if run.run_dir is not None and run.rank == 0:
         from PIL import Image
-        n, _, h, w = imgs.shape
-        cols = math.ceil(math.sqrt(n))
-        grid = torch.cat([imgs, imgs.new_zeros((-n % cols, 3, h, w))])   # black padding
-        grid = grid.view(-1, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(-1, cols * w, 3)
+        from torchvision.utils import make_grid          # ⌈√n⌉ per row, black where none is
+        grid = make_grid(imgs, nrow=math.ceil(math.sqrt(len(imgs))), padding=0).permute(1, 2, 0)
         with writing(path := run.run_dir / "eval" / f"iter_{it:06d}.png", run.run_dir):
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(grid.numpy()).save(path)
@@ -1552,72 +1530,31 @@ def evaluate(run: Run, it: int) -> dict:
 
 
 class Tracker:
-    """Live curves (rank 0): every logged scalar to TensorBoard or W&B (--report_to), evaluation
-    grids as images, metrics.png at each evaluation and the end. The step is the iteration, so a
-    resumed run continues its curves (`purge_step`; W&B's id in the run folder)."""
+    """Live curves with --report_to tensorboard (rank 0): every logged scalar, and the evaluation
+    grids as images. The step is the iteration, so a resumed run continues its curves
+    (`purge_step`). W&B can sync these logs; examples/plot_metrics.py draws metrics.jsonl."""
 
     def __init__(self, run: Run):
-        self.run, self.kind, self.out = run, run.args.report_to, None
-        if self.kind == "tensorboard":
+        self.run, self.out = run, None
+        if run.args.report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
             self.out = SummaryWriter(str(run.run_dir / "tensorboard"), purge_step=run.start)
-        elif self.kind == "wandb":
-            import wandb
-            idf = run.run_dir / "wandb_id"
-            idf.exists() or idf.write_text(os.urandom(6).hex())    # this run's W&B id
-            self.out = wandb.init(project="vgrpo", name=run.run_dir.name, dir=str(run.run_dir),
-                                  id=idf.read_text(), resume="allow",
-                                  config=dataclasses.asdict(run.args))
 
     def log(self, m: dict, evaluation: bool) -> None:
+        if self.out is None:
+            return
         step, grid = m["iter"], self.run.run_dir / "eval" / f"iter_{m['iter']:06d}.png"
-        scalars = {k: v for k, v in m.items() if k != "iter" and isinstance(v, (int, float))}
-        image = grid if evaluation and grid.is_file() else None
-        if self.kind == "tensorboard":
-            import numpy as np
-            from PIL import Image
-            for k, v in scalars.items():
+        for k, v in m.items():
+            if k != "iter" and isinstance(v, (int, float)):
                 self.out.add_scalar(k, v, step)
-            if image:
-                self.out.add_image("eval_grid", np.asarray(Image.open(image).convert("RGB")),
-                                   step, dataformats="HWC")
-        elif self.kind == "wandb":
-            import wandb
-            self.out.log({**scalars, **({"eval_grid": wandb.Image(str(image))} if image else {})},
-                         step=step)
-        if evaluation:
-            plot_metrics(self.run.run_dir)
+        if evaluation and grid.is_file():
+            from PIL import Image
+            from torchvision.transforms.functional import pil_to_tensor     # (3, H, W) uint8
+            self.out.add_image("eval_grid", pil_to_tensor(Image.open(grid).convert("RGB")), step)
 
     def close(self) -> None:
-        plot_metrics(self.run.run_dir)
         if self.out is not None:
-            self.out.close() if self.kind == "tensorboard" else self.out.finish()
-
-
-def plot_metrics(run_dir: Path) -> None:
-    """run_dir/metrics.png from metrics.jsonl, the panels below (matplotlib's API: no GUI)."""
-    from matplotlib.figure import Figure
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(l) for l in path.read_text().splitlines()] if path.is_file() else []
-    its, evs = [m for m in rows if "reward_mean" in m], [m for m in rows if "eval_reward_mean" in m]
-    if not its:
-        return
-    panels = {"reward": [("reward_mean", its, "training"), ("eval_reward_mean", evs, "held-out")],
-              "|log ρ| and clip fraction": [("abs_log_ratio", its, "|log ρ|"),
-                                            ("clip_frac", its, "clip fraction")],
-              "surrogate CV": [("surrogate_cv", its, "batch"), ("surrogate_cv_group", its, "group")],
-              "seconds per phase": [(f"time_{k}", its, k)
-                                    for k in ("rollout", "reward", "old", "update")]}
-    fig = Figure(figsize=(11, 7), layout="constrained")
-    for ax, (title, series) in zip(fig.subplots(2, 2).flatten(), panels.items()):
-        for key, ms, label in series:
-            ax.plot([m["iter"] for m in ms], [m.get(key, math.nan) for m in ms], label=label,
-                    marker="o" if ms is evs else None)
-        ax.set(title=title, xlabel="iteration")
-        ax.legend(fontsize=8)
-    fig.axes[0].set_ylabel(its[-1]["reward_unit"])
-    fig.savefig(run_dir / ".metrics.png.tmp", format="png", dpi=90)
-    os.replace(run_dir / ".metrics.png.tmp", run_dir / "metrics.png")
+            self.out.close()
 
 
 # ---- the run folder: planned before anything loads, one trainer at a time ---------------------
@@ -1768,14 +1705,10 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
 
 
 def checkpoint(run: Run, it: int) -> Path:
-    """checkpoints/iter_XXXXXX after `it` iterations: the weights in diffusers' format (a LoRA that
-    `load_lora_weights` reads, or a transformer folder that `from_pretrained` reads), the
-    optimizer state, the trainer state (iteration, loss scale, RNG) and the config. Every process
-    takes part (under FSDP the weights and the optimizer state are gathered), rank 0 writes, the
-    others wait. Written to a temporary folder, renamed, and only then `latest` switched
-    atomically: at every instant `latest` names a complete checkpoint, and a kill loses at most
-    this save. A failed write (a full disk; any writer's error type) removes its temporary files
-    and raises ConfigError, `latest` unchanged."""
+    """checkpoints/iter_XXXXXX after `it` iterations: the weights in diffusers' format (LoRA or a
+    transformer folder), the optimizer and trainer state (iteration, loss scale, RNG), the config.
+    Every process takes part (FSDP gathers), rank 0 writes into a temporary folder, renames it and
+    only then switches `latest`. A failed write removes its files and raises ConfigError."""
     tr = run.adapter.transformer
     ckdir, cfg = run.run_dir / "checkpoints", dataclasses.asdict(run.args)
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
@@ -1860,11 +1793,10 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
 # FSDP2 (`fully_shard`, as in Flow-Factory and torchtitan) shards the transformer's parameters,
 # gradients and AdamW state. Every process draws the same prompts, noise and pairs from the (seed,
 # iteration) generators and works on its own whole groups (Run.local); rewards are all-gathered.
-# Each network call gathers every block again (FSDP's default; a rollout: K·⌈N_local/rollout_batch⌉
-# gathers of the model), so no process holds more than two blocks unsharded: what lets a FLUX full
-# fine-tune fit (docs/scaling.md). Frozen models are replicated. Collectives wait up to 1 h, not
-# NCCL's 10 min: the others wait while rank 0 writes a checkpoint, at most a FLUX full fine-tune's
-# 95 GB of AdamW state (16 min at 100 MB/s). N processes compute what one does, up to rounding.
+# Each network call gathers every block again (FSDP's default; the counts: docs/scaling.md), so no
+# process holds more than two blocks unsharded. Frozen models are replicated. Collectives wait up
+# to 1 h, not NCCL's 10 min, while rank 0 writes a checkpoint (a FLUX full fine-tune's 95 GB of
+# AdamW state: 16 min at 100 MB/s). N processes compute what one does, up to rounding.
 def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0, 1, 0) alone
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
@@ -2002,7 +1934,6 @@ class Args:
     clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore, aesthetic", "[peer X10]")
     aesthetic_weights: str = _f("trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
                                 "LAION aesthetic MLP: file or owner/repo/file", "[peer X10]")
-    imagereward_model: str = _f("ImageReward-v1.0", "ImageReward name or path (optional package)")
     reward_batch: int = _f(32, "images per decode and reward-model call (memory knob)")
     # --- objective -------------------------------------------------------------------------------
     prompts_per_iter: int = _f(6, "P: prompts per iteration (paper: 48; 6 = one GPU's share of 8)")
@@ -2032,8 +1963,8 @@ class Args:
     # --- system ----------------------------------------------------------------------------------
     seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
     device: str = _f("auto", "cuda, cpu, or auto")
-    report_to: str = _f("none", "live curves (wandb: pip install wandb; WANDB_MODE=offline ok)",
-                        choices=("none", "tensorboard", "wandb"))
+    report_to: str = _f("none", "live curves in run_dir/tensorboard",
+                        choices=("none", "tensorboard"))
     preset: Optional[str] = _f(None, "bundle of overrides (docs/training.md \"Presets\")",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
 
@@ -2046,12 +1977,6 @@ class Args:
         return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
 
-# Per-model defaults (our choice): `--model tiny --reward jpeg` learns visibly in ~2 CPU minutes.
-TINY = dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4,
-            group_size=8, gradient_checkpointing=False, lora_rank=8, lora_alpha=16, lr=1e-2,
-            iterations=30, micro_batch=32, rollout_batch=32, eval_every=10, save_every=10,
-            n_eval=8)
-MODEL_PRESETS: dict[str, dict] = {"tiny": TINY, "tiny-flux": dict(TINY, reward="jpeg")}
 FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"  # attn
                      "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"  # double FF
                      "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
@@ -2111,8 +2036,12 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     and the given flags, later layers winning; validated once; `args.origin` says where from."""
     model = given.get("model", (resumed or {}).get("model", Args.model))
     family, preset = model_family(model), given.get("preset")
+    fields = {f.name: f for f in dataclasses.fields(Args)}
+    resumed = {k: v for k, v in (resumed or {}).items()       # options removed since: dropped
+               if k in fields and v in (fields[k].metadata["choices"] or [v])}
     layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
-              (f"{model} preset (our choice)", MODEL_PRESETS.get(model, {})),
+              (f"{model} preset (examples/tiny_models.py)",
+               tiny_models().PRESETS[model] if model in TINY_MODELS else {}),
               (f"--preset {preset}", PRESETS[preset][family] if preset else {}),
               ("the resumed run's config", resumed or {}),
               ("command line", given)]
@@ -2120,12 +2049,12 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     for where, layer in layers:
         values.update(layer)
         origin.update({k: where for k in layer})
-    unknown = set(values) - {f.name for f in dataclasses.fields(Args)}
+    unknown = set(values) - set(fields)
     if unknown:
         raise ConfigError(f"unknown option(s): {sorted(unknown)}")
     args = Args(**values)
     check_args(args)
-    args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in dataclasses.fields(Args)}
+    args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in fields.values()}
     return args
 
 
@@ -2149,9 +2078,7 @@ def check_args(args: Args) -> None:
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
         (not 0 <= args.eval_holdout < 1,
-         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})"),
-        (args.report_to == "wandb" and importlib.util.find_spec("wandb") is None,
-         "--report_to wandb needs the optional package wandb: pip install wandb")]
+         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})")]
     problems += [msg for failed, msg in checks if failed]
     for terms in ("train_terms", "eval_terms"):
         try:

@@ -132,7 +132,7 @@ PUBLISHED_SETUP = dict(
     model="FLUX.1-dev", resolution=720, shift=3.0, group_size=12,   # .sh: --h/--w 720, --shift 3
     prompts_per_iter=32,                    # .sh: 4 nodes × 8 GPUs × --train_batch_size 1
     full_finetune=True, lr=1e-5, weight_decay=1e-4, max_grad_norm=1.0,   # .sh
-    rewards="hpsv2:1,imagereward:1,pickscore:1",   # .sh: reward_model="multi_reward", weights 1
+    rewards="hpsv2:1,examples.imagereward:score:1,pickscore:1",   # .sh: "multi_reward", weights 1
     advantage_aggregation="advantage_aggr", precision="bf16")      # .sh: multi_reward_mix, bf16
 METHOD = "mix_grpo"
 
