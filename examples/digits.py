@@ -407,7 +407,7 @@ def build(cache: Path = CACHE, pretrain_steps: int = 1500, vae_steps: int = 300,
 # threads and 90 s with 1 on an otherwise idle 2-core machine.
 FAST_BUILD = dict(clf_steps=100, vae_steps=80, pretrain_steps=500, pretrain_lr=3e-3, layers=2,
                   heads=2, train_text=True)
-FAST_RL = dict(iterations=20, flags=["--lr", "5e-3", "--prompts_per_iter", "8"])
+FAST_RL = dict(iterations=20, flags=["--lr", "2e-3", "--prompts_per_iter", "8"])
 
 
 def load_pipe(folder):
