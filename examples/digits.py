@@ -737,10 +737,10 @@ class Trainer:
 # processes (each takes the next unclaimed job whose inputs exist; resumable), one JSON per run.
 # ------------------------------------------------------------------------------------------------
 # `benchmark --quick` timed once, end to end (build cached), on the 2-core machine of this report
-QUICK_TIMED = ("2,827 s (47 min) end to end with the training code of commit 23b1592 (build "
-               "cached, 2 workers × 1 thread) on the 2-core machine while 4–5 other processes shared it (1-minute load "
-               "average 5–12); its own CPU time was 17.8 min, about 9 min of the 2 cores, against "
-               "the plan's estimate of 10 min wall-clock")
+QUICK_TIMED = ("464 s (7.7 min) end to end with the training code of commit e0d737d (build "
+               "cached, 2 workers × 1 thread) on an otherwise idle 2-core machine (AMD EPYC; one "
+               "regeneration of another report ran meanwhile), against the plan's estimate of "
+               "10 min wall-clock")
 THRESHOLD_RULE = ("half of the base model's remaining held-out error removed: "
                   "accuracy ≥ base + (1 − base)/2")
 CLAIM_BUDGET_RULE = (
@@ -1933,16 +1933,19 @@ def _frontier_text(S: dict) -> str:
 
 def _eff_rows(E: dict) -> list[list[str]]:
     rows = []
+    ev_iters = (E.get("V-GRPO") or {}).get("iters") or [0.0]
+    unreached = isinstance(ev_iters[0], float) and math.isinf(ev_iters[0])
     for m, e in E.items():
         f = e["final"]
         vs = e.get("vs_vgrpo", {})
+        if vs and unreached:             # a count over V-GRPO's infinite one: not a ratio to show
+            vs = {k: None for k in vs}
         rows.append([e["label"], _lr(e["lr"]),
                      f"{e['reached']}/{e['seeds']}", _ci(e["iters"], "{:.1f}"),
                      _ci(e["nfe"], "{:,.0f}"), _ci(e.get("seconds"), "{:.0f}"),
                      _ci(e.get("sec_per_iter"), "{:.2f}"), f"{e['nfe_per_iter']:,.0f}",
-                     _ci(vs.get("iters"), "{:.2f}") if vs else "1",
-                     _ci(vs.get("nfe"), "{:.2f}") if vs else "1",
-                     _ci(vs.get("seconds"), "{:.2f}") if vs else "1",
+                     *[("V-GRPO not reached" if unreached else _ci(vs.get(k), "{:.2f}"))
+                       if vs else "1" for k in ("iters", "nfe", "seconds")],
                      _ci(f.get("reward")), _ci(f.get("acc"))])
     return rows
 
@@ -2207,7 +2210,8 @@ def _cost_text(S: dict) -> str:
     if sessions:            # each `benchmark` invocation's own span: idle time between them out
         wall = sum(stamp(s["ended"]) - stamp(s["started"]) for s in sessions)
         span = (f"{wall / 60:.0f} min of wall-clock time in {len(sessions)} invocation(s) of "
-                f"`benchmark` ({', '.join(s['note'] for s in sessions if s.get('note'))})")
+                f"`benchmark`" + (f" ({', '.join(notes)})" if (notes := [s["note"] for s in
+                                  sessions if s.get("note")]) else ""))
     else:
         wall = max(map(stamp, S["finished"])) - stamp(plan["started"])
         span = (f"{wall / 60:.0f} min from start to the last result (including any runs left "
@@ -2366,11 +2370,17 @@ def _strip(x):
 README_SECTION = "## Results on real handwritten digits: a pretrained model, a learned reward"
 
 
+README_END = "<!-- the digits summary above is written by `python examples/digits.py report` -->"
+
+
 def replace_readme_section(readme: Path, body: str) -> None:
+    """The README's digits summary: from its heading to README_END (what follows the marker, such
+    as the toy's lines, is kept), or to the next heading where there is no marker."""
     text = readme.read_text()
     start = text.index(README_SECTION) + len(README_SECTION)
-    end = text.index("\n## ", start)
-    readme.write_text(text[:start] + "\n" + body.rstrip("\n") + "\n" + text[end:])
+    end = text.find(README_END, start)
+    end, gap = (end, "\n\n") if end >= 0 else (text.index("\n## ", start), "\n")
+    readme.write_text(text[:start] + "\n" + body.rstrip("\n") + gap + text[end:])
 
 
 def report(out: Path = RESULTS, md: Path | None = None, readme: Path | None = None,
