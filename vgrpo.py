@@ -2043,7 +2043,7 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
               (f"{model} preset (examples/tiny_models.py)",
                tiny_models().PRESETS[model] if model in TINY_MODELS else {}),
               (f"--preset {preset}", PRESETS[preset][family] if preset else {}),
-              ("the resumed run's config", resumed or {}),
+              ("the resumed run's config", resumed),
               ("command line", given)]
     values, origin = {}, {}
     for where, layer in layers:

@@ -1937,9 +1937,7 @@ def _eff_rows(E: dict) -> list[list[str]]:
     unreached = isinstance(ev_iters[0], float) and math.isinf(ev_iters[0])
     for m, e in E.items():
         f = e["final"]
-        vs = e.get("vs_vgrpo", {})
-        if vs and unreached:             # a count over V-GRPO's infinite one: not a ratio to show
-            vs = {k: None for k in vs}
+        vs = e.get("vs_vgrpo", {})     # over V-GRPO's infinite count (unreached): no ratio
         rows.append([e["label"], _lr(e["lr"]),
                      f"{e['reached']}/{e['seeds']}", _ci(e["iters"], "{:.1f}"),
                      _ci(e["nfe"], "{:,.0f}"), _ci(e.get("seconds"), "{:.0f}"),
@@ -2209,9 +2207,9 @@ def _cost_text(S: dict) -> str:
     plan, sessions = S["plan"], [s for s in S["plan"].get("sessions", []) if s.get("ended")]
     if sessions:            # each `benchmark` invocation's own span: idle time between them out
         wall = sum(stamp(s["ended"]) - stamp(s["started"]) for s in sessions)
+        notes = ", ".join(s["note"] for s in sessions if s.get("note"))
         span = (f"{wall / 60:.0f} min of wall-clock time in {len(sessions)} invocation(s) of "
-                f"`benchmark`" + (f" ({', '.join(notes)})" if (notes := [s["note"] for s in
-                                  sessions if s.get("note")]) else ""))
+                f"`benchmark`" + (f" ({notes})" if notes else ""))
     else:
         wall = max(map(stamp, S["finished"])) - stamp(plan["started"])
         span = (f"{wall / 60:.0f} min from start to the last result (including any runs left "

@@ -16,7 +16,7 @@ import torch
 
 
 # vgrpo.py's per-model defaults for --model tiny / tiny-flux (our choice): `--model tiny --reward
-# jpeg` learns visibly in about 2 CPU minutes. Flags given on the command line override them.
+# jpeg` learns visibly in well under a minute of CPU. Flags given on the command line override them.
 _TINY = dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_length=32, prompts_per_iter=4,
              group_size=8, gradient_checkpointing=False, lora_rank=8, lora_alpha=16, lr=1e-2,
              iterations=30, micro_batch=32, rollout_batch=32, eval_every=10, save_every=10,
