@@ -10,6 +10,7 @@ import builtins
 import contextlib
 import copy
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -739,20 +740,93 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.mark.parametrize("writer", ["png", "metrics", "tensorboard", "torch.save"])
+@pytest.mark.trainer
+def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
+        tmp_path, monkeypatch, capsys, writer):
+    """The disk fills up right after the first checkpoint, seen by each writer of the run folder in
+    turn: the evaluation grid (PIL), the metrics line, TensorBoard, torch.save (whose error is a
+    RuntimeError, not an OSError). One line names what failed and --resume; `latest` still names
+    the complete first checkpoint, no temporary folder is left, and --resume then logs every
+    iteration and evaluation once."""
+    import errno
+    named = {"png": r"eval/iter_000001\.png \(OSError", "metrics": r"metrics\.jsonl \(OSError",
+             "tensorboard": r"the live curves in .*\(OSError",
+             "torch.save": r"a checkpoint in .*inline_container"}[writer]
+    run = tmp_path / "run"
+    latest = run / "checkpoints" / "latest"
+    full = lambda: OSError(errno.ENOSPC, "No space left on device")
+    if writer == "png":
+        from PIL import Image
+        real_png = Image.Image.save
+        monkeypatch.setattr(Image.Image, "save", lambda self, fp, *a, **k: (_ for _ in ()).throw(
+            full()) if latest.exists() and isinstance(fp, (str, Path)) else real_png(self, fp, *a, **k))
+    elif writer == "metrics":
+        real_open = V.open_run_dir
+
+        class Full:                                  # metrics.jsonl, full once a save exists
+            def __init__(self, f):
+                self.f = f
+
+            def write(self, text):
+                if latest.exists():
+                    raise full()
+                return self.f.write(text)
+
+            def flush(self):
+                self.f.flush()
+
+            def close(self):
+                self.f.close()
+        monkeypatch.setattr(V, "open_run_dir", lambda r, d: Full(real_open(r, d)))
+    elif writer == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        real_scalar = SummaryWriter.add_scalar
+        monkeypatch.setattr(SummaryWriter, "add_scalar", lambda self, *a, **k: (
+            _ for _ in ()).throw(full()) if latest.exists() else real_scalar(self, *a, **k))
+    else:
+        real_save = torch.save
+
+        def save(obj, f, *a, **k):
+            if latest.exists() and str(f).endswith(V.OPTIM_FILE):
+                raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter "
+                                   "failed writing file data/0: file write failed")
+            return real_save(obj, f, *a, **k)
+        monkeypatch.setattr(torch, "save", save)
+    argv = TINY + ["--save_every", "1", "--eval_every", "1", "--run_dir", str(run)]      # 2 iterations
+    argv += ["--report_to", "tensorboard"] * (writer == "tensorboard")
+    capsys.readouterr()
+    assert V.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.strip() and not l.startswith(("V-GRPO", "eval at"))
+             and "it/s" not in l and "s/it" not in l]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(r"^error: could not write .*" + named + r".*continue with --resume ", lines[0]), err
+    assert latest.read_text() == "iter_000001"
+    assert sorted(p.name for p in latest.parent.iterdir()) == ["iter_000001", "latest"]
+    V.read_checkpoint(str(run))
+    monkeypatch.undo()                                          # space freed
+    assert V.main(["--resume", str(run)]) == 0
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
+    assert [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("phase, knob", [("rollout", "--rollout_batch"),
                                          ("reward", "--reward_batch"),
+                                         ("old", "--micro_batch"),
                                          ("update", "--micro_batch")])
 @pytest.mark.trainer
 def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_path, monkeypatch,
                                                                           capsys, phase, knob):
     """torch.cuda.OutOfMemoryError (raised here from a patched call on the CPU) in iteration 1:
     one line naming the phase and the knob that lowers its memory; the parameters are still
-    iteration 0's (μ = 1: the step had not run), so they are saved and --resume continues
-    exactly as an uninterrupted run."""
-    argv = TINY + ["--iterations", "3", "--save_every", "10"]
+    iteration 0's (the step had not run), so they are saved and --resume continues exactly as
+    an uninterrupted run. The θ_old pass ("old") runs at μ = 2 only, before the first step."""
+    argv = TINY + ["--iterations", "3", "--save_every", "10"] + ["--mu", "2"] * (phase == "old")
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert V.main(argv + ["--run_dir", str(ref)]) == 0
-    target = {"rollout": "rollout", "reward": "decode_and_reward", "update": "vgrpo_loss"}[phase]
+    target = {"rollout": "rollout", "reward": "decode_and_reward", "old": "surrogates",
+              "update": "vgrpo_loss"}[phase]
     real, calls = getattr(V, target), []
 
     def oom(*a, **k):
@@ -766,7 +840,8 @@ def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_pa
     err = capsys.readouterr().err
     line = [l for l in err.splitlines() if l.startswith("error:")]
     assert len(line) == 1 and "Traceback" not in err, err
-    said = {"rollout": "the rollout", "reward": "decoding and rewards", "update": "the update"}
+    said = {"rollout": "the rollout", "reward": "decoding and rewards", "old": "the θ_old pass",
+            "update": "the update"}
     assert f"out of GPU memory in {said[phase]}" in line[0]
     assert knob in line[0] and "saved" in line[0] and "--resume" in line[0]
     assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
@@ -944,6 +1019,56 @@ def test_pair_sharing_scope_reaches_the_update(tiny_run, monkeypatch, sharing):
     p0, p0_again, p1 = (V.draw_iteration_pairs(run, it) for it in (0, 0, 1))
     assert torch.equal(p0.eps, p0_again.eps) and torch.equal(p0.t, p0_again.t)
     assert not torch.equal(p0.eps, p1.eps)
+
+
+# Each ablation switch (README "Map from the paper to the code"), as the pure function of §3–§6 that
+# must receive it, with a value other than its default: a flag the trainer dropped on its way would
+# silently run the shipped recipe (the digits ablations would measure nothing).
+ABLATIONS = {
+    "stratified": (["--no-stratified"], "draw_pairs", {"stratified": False}),
+    "parameterization": (["--parameterization", "v"], "pair_surrogates", {"parameterization": "v"}),
+    "adaptive_weighting": (["--no-adaptive_weighting"], "pair_surrogates", {"adaptive": False}),
+    "mae_floor": (["--mae_floor", "0.5"], "pair_surrogates", {"mae_floor": 0.5}),
+    "advantages": (["--no-global_std", "--std_eps", "0.25", "--adv_clamp", "1.5", "--soft_clip_eta",
+                    "0"], "weighted_sum_advantages",
+                   {"global_std": False, "std_eps": 0.25, "clamp": 1.5, "eta": 0.0}),
+    "per_reward": (["--reward_aggregation", "per_reward", "--global_std", "--std_eps", "0.25",
+                    "--adv_clamp", "1.5", "--soft_clip_eta", "2"], "per_reward_advantages",
+                   {"global_std": True, "std_eps": 0.25, "clamp": 1.5, "eta": 2.0}),
+    "off_policy": (["--clip_eps", "0.02", "--kl_coef", "0.3"], "vgrpo_loss",
+                   {"clip_eps": 0.02, "kl_coef": 0.3}),
+}
+
+
+@pytest.mark.parametrize("ablation", list(ABLATIONS))
+@pytest.mark.trainer
+def test_every_ablation_switch_reaches_the_math(tiny_run, monkeypatch, ablation):
+    """Each switch's value arrives at the pure function that implements it, at every call of the
+    iteration (real rewards: the advantages are computed, not replayed), and the default run
+    passes the defaults there; the values asked differ from the defaults, so a switch that is
+    dropped fails here."""
+    flags, fn, want = ABLATIONS[ablation]
+    monkeypatch.setattr(V, "collect_rollouts", lambda run, it: tiny_run.ro)
+    real, seen = getattr(V, fn), []
+
+    def spy(*a, **kw):
+        seen.append(kw)
+        return real(*a, **kw)
+    monkeypatch.setattr(V, fn, spy)
+    default = inspect.signature(V.group_advantages if fn == "weighted_sum_advantages" else real).parameters
+    V.iteration(tiny_run.reset(), 0)                      # the default run: the defaults arrive
+    if fn == "per_reward_advantages":
+        assert seen == []                                 # "sum" is the default aggregation
+    else:
+        got = {k: seen[0].get(k, default[k].default) for k in want}
+        assert got == {k: getattr(V.Args(), {"adaptive": "adaptive_weighting", "clamp": "adv_clamp",
+                                             "eta": "soft_clip_eta"}.get(k, k)) for k in want}
+        assert all(got[k] != v for k, v in want.items())
+    seen.clear()
+    V.iteration(tiny_run.reset(*flags), 0)
+    assert seen and all({k: kw.get(k) for k in want} == want for kw in seen), (ablation, seen)
+    if fn == "vgrpo_loss":                                # β > 0: the x-space KL is passed
+        assert all(kw.get("kl") is not None for kw in seen)
 
 
 @pytest.mark.trainer
@@ -2694,6 +2819,7 @@ def test_fsdp_full_finetune_equals_one_process_and_resumes_one_to_two(tmp_path, 
 # show; SD3 at 64 px.
 BF16 = DDP + ["--dtype", "bf16", "--iterations", "1"]
 BF16_RUNS = {"sd3-lora": ["--model", "tiny"],
+             "sd3-lora-group": ["--model", "tiny", "--pair_sharing", "group"],
              "sd3-full": ["--model", "tiny", "--full_finetune", "--lr", "1e-4"],
              "flux-lora": ["--model", "tiny-flux", "--resolution", "128"],
              "flux-full": ["--model", "tiny-flux", "--resolution", "128", "--full_finetune", "--lr", "1e-4"]}
@@ -2737,7 +2863,9 @@ def two_process_runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", list(BF16_RUNS))
 def test_fsdp_bf16_two_processes_equal_one(name, two_process_runs, tmp_path, monkeypatch):
     """In bf16 autocast 2 processes compute what 1 computes, SD3 and FLUX, LoRA and full: FSDP
-    casts no input to bf16 (SD3's timestep 1000·t, FLUX's rotary cos/sin stay fp32)."""
+    casts no input to bf16 (SD3's timestep 1000·t, FLUX's rotary cos/sin stay fp32). With
+    --pair_sharing group each process scores its own groups on their own pairs (indexed
+    globally), as one process does."""
     one, two = tmp_path / "one", two_process_runs / name
     assert V.main(BF16 + ["--reward", _smooth_reward(tmp_path, monkeypatch), "--run_dir", str(one)]
                   + BF16_RUNS[name]) == 0
@@ -3347,6 +3475,29 @@ def test_evaluate_killed_and_rerun_equals_uninterrupted(ev, jpeg_run, tmp_path, 
         assert (whole / name).read_bytes() == (cut / name).read_bytes(), name
     for f in (whole / "images").rglob("*.png"):
         assert f.read_bytes() == (cut / f.relative_to(whole)).read_bytes()
+
+
+@pytest.mark.examples
+def test_evaluate_full_finetune_checkpoint_after_the_base(ev, tmp_path):
+    """A full fine-tune's checkpoint (its whole transformer) is evaluated like a LoRA. Named before
+    'base', it is still sampled after the base (its weights replace the base's): the base named
+    again is the base exactly, image for image, and the fine-tune's images are its own."""
+    full = tmp_path / "full"
+    assert V.main(TINY + ["--iterations", "1", "--full_finetune", "--lr", "1e-3", "--run_dir",
+                          str(full)]) == 0
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red cube\na blue sphere\n")
+    out = tmp_path / "out"
+    assert ev.main(EVAL_TINY + ["--num_steps", "4", "--checkpoints", str(full), "base",
+                                "--prompts", str(prompts), "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["models"]) == ["base", "full-it1", "base-2"]            # as named
+    assert res["models"]["full-it1"]["kind"] == "full" and res["models"]["full-it1"]["iteration"] == 1
+    assert res["models"]["base-2"]["rewards"]["jpeg"]["diff"] == 0.0
+    files = lambda tag: sorted((out / "images" / tag).glob("*.png"))
+    assert [f.name for f in files("full-it1")] == [f.name for f in files("base")] and files("base")
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(files("base"), files("base-2")))
+    assert any(a.read_bytes() != b.read_bytes() for a, b in zip(files("base"), files("full-it1")))
 
 
 def _eval_fails(ev, argv, tmp_path, capsys, pattern):
