@@ -850,6 +850,47 @@ def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_pa
     _same_run(run, ref, 3)
 
 
+@pytest.mark.parametrize("save_every", [1, 10])
+@pytest.mark.trainer
+def test_out_of_gpu_memory_after_the_first_step_saves_nothing_and_the_run_continues(
+        tmp_path, monkeypatch, capsys, save_every):
+    """μ = 2, out of memory in iteration 1's second optimizer step: the first step has changed the
+    weights, so no consistent state is in memory and nothing is saved. The line names the last
+    complete checkpoint (or says there is none) and the command that goes on from there:
+    --resume RUN, or --resume auto, which starts over; either ends where an uninterrupted run
+    does."""
+    argv = TINY + ["--iterations", "3", "--save_every", str(save_every), "--mu", "2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert V.main(argv + ["--run_dir", str(ref)]) == 0
+    real, calls = V.vgrpo_loss, []
+
+    def oom(*a, **k):
+        if len(_metrics(run)) == 1:                             # iteration 1: one per step
+            calls.append(1)
+            if len(calls) == 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*a, **k)
+    monkeypatch.setattr(V, "vgrpo_loss", oom)
+    capsys.readouterr()
+    assert V.main(argv + ["--run_dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    line = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(line) == 1 and "Traceback" not in err, err
+    assert "out of GPU memory in the update" in line[0] and "--micro_batch" in line[0]
+    assert "saved" not in line[0]
+    monkeypatch.undo()
+    if save_every == 1:
+        assert f"checkpoints/latest (iter_000001) is the last complete state; continue with " \
+               f"--resume {run}" in line[0], line[0]
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "latest"]
+        assert V.main(["--resume", str(run)]) == 0
+    else:
+        assert f"no checkpoint; start again with --resume auto --run_dir {run}" in line[0], line[0]
+        assert list((run / "checkpoints").iterdir()) == []
+        assert V.main(argv + ["--run_dir", str(run), "--resume", "auto"]) == 0
+    _same_run(run, ref, 3)
+
+
 # ------------------------------------------------------------------------------------------------
 # The iteration's steps one by one: what the update receives, on one tiny run reset per test
 # ------------------------------------------------------------------------------------------------
@@ -2829,6 +2870,16 @@ import torch
 sys.path.insert(0, {root!r})
 import vgrpo
 torch.distributed.destroy_process_group = lambda: None      # one process group for every run
+save = vgrpo.checkpoint
+
+
+def checkpoint(run, it):     # "skip" also gathers AdamW's state first, before the weights: either
+    if run.run_dir.name == "skip":                  # order must work after no-grad forwards
+        vgrpo.full_state(run.adapter.transformer, run.opt)
+    return save(run, it)
+
+
+vgrpo.checkpoint = checkpoint
 for run_dir, argv in json.loads(sys.argv[1]).items():
     assert vgrpo.main(argv + ["--run_dir", run_dir]) == 0, run_dir
 """
@@ -2896,7 +2947,8 @@ def test_fsdp_bf16_two_processes_equal_one(name, two_process_runs, tmp_path, mon
 def test_fsdp_full_finetune_saves_after_a_skipped_update(two_process_runs):
     """A full fine-tune under FSDP checkpoints after an iteration whose advantages were all 0, after
     an earlier optimizer step: forwards without a backward leave the root's parameters unsharded,
-    which the optimizer state's gather could not map. The skipped update changed nothing, and
+    which the optimizer state's gather could not map (KeyError: 0 when it is gathered before the
+    weights, as RUNS_SCRIPT does here too). The skipped update changed nothing, and
     diffusers' AutoModel loads the saved transformer (its config names the model's class, not
     the FSDP class that wraps it)."""
     from diffusers import AutoModel
@@ -2972,6 +3024,41 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_run_continues(tmp_pa
     assert cut.returncode != 0                      # the agent itself dies of its SIGTERM
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000001"
     again = launch(tmp_path / "run")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _strip_times(_metrics(tmp_path / "run")) == _strip_times(_metrics(tmp_path / "ref"))
+
+
+@pytest.mark.multiprocess
+def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path):
+    """Out of memory in one process of two (rank 1's reward of iteration 3, after the save of
+    iteration 2): that process ends in one line and saves nothing (a save is a collective that
+    the other process, waiting in its own, would never join: NCCL would hang for the 1-h
+    timeout), torchrun stops the other, `latest` names the last complete checkpoint, and
+    --resume continues to the uninterrupted run's end."""
+    import subprocess
+    import sys
+    (tmp_path / "oom_reward.py").write_text(
+        "import os\nimport torch\ncalls = []\n"
+        "def score(images, prompts):\n"
+        "    calls.append(1)             # call 1: the start-up probe, then iteration len(calls) - 2\n"
+        "    if os.environ.get('OOM') and os.environ.get('RANK') == '1' and len(calls) == 5:\n"
+        "        raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+        "    return images.float().mean(dim=(1, 2, 3))\n")
+    args = DDP + ["--reward", "oom_reward:score", "--iterations", "4", "--save_every", "2"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path))
+    launch = lambda argv, **e: subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "vgrpo.py")] + argv, env=dict(env, **e), cwd=tmp_path, capture_output=True,
+        text=True, timeout=180)                # ~20 s each; a hang fails here
+    ref = launch(args + ["--run_dir", str(tmp_path / "ref")])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    cut = launch(args + ["--run_dir", str(tmp_path / "run")], OOM="1")
+    assert cut.returncode != 0
+    said = [l for l in cut.stderr.splitlines() if "out of GPU memory" in l]
+    assert len(said) == 1 and "error: out of GPU memory in decoding and rewards" in said[0]
+    assert "saved" not in said[0] and "checkpoints/latest (iter_000002)" in said[0], said[0]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000002"
+    again = launch(["--resume", str(tmp_path / "run")])
     assert again.returncode == 0, again.stderr[-3000:]
     assert _strip_times(_metrics(tmp_path / "run")) == _strip_times(_metrics(tmp_path / "ref"))
 

@@ -1352,11 +1352,12 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
 
 def interrupted(run: Run, it: int, e: Exception):
     """SIGTERM or out of GPU memory in iteration `it`: unless its first optimizer step has begun,
-    save the state after `it` iterations (if `latest` is not it already); end in one line."""
-    ckdir, where = run.run_dir / "checkpoints", "checkpoints/latest is the last complete state"
-    if not run.stepped:
-        same = (ckdir / "latest").is_file() and (ckdir / "latest").read_text() == f"iter_{it:06d}"
-        where = f"saved {ckdir / f'iter_{it:06d}' if same else checkpoint(run, it)}"
+    save the state after `it` iterations (out of memory: alone only, no peer in a collective)."""
+    ckdir = run.run_dir / "checkpoints"
+    last = (ckdir / "latest").read_text() if (ckdir / "latest").is_file() else None
+    where = f"checkpoints/latest ({last}) is the last complete state" if last else "no checkpoint"
+    if not run.stepped and (isinstance(e, Preempted) or run.world == 1):
+        where = last = f"saved {ckdir / last if last == f'iter_{it:06d}' else checkpoint(run, it)}"
     if isinstance(e, Preempted):
         if run.rank == 0:
             _warn(f"preempted at iteration {it}: {where}; the same command with --resume auto "
@@ -1364,7 +1365,8 @@ def interrupted(run: Run, it: int, e: Exception):
         raise Preempted(where) from None
     raise ConfigError(f"out of GPU memory in {OOM_KNOBS.get(getattr(e, 'vgrpo_phase', ''), 'the run')}"
                       f"{'' if run.args.offload_text_encoders else ' (or --offload_text_encoders)'}"
-                      f", iteration {it}; {where}; continue with --resume {run.run_dir}") from None
+                      f", iteration {it}; {where}; " + (f"continue with --resume {run.run_dir}" if last
+                      else f"start again with --resume auto --run_dir {run.run_dir}")) from None
 
 
 def catch_signals(run: Run):
@@ -1739,8 +1741,7 @@ def checkpoint(run: Run, it: int) -> Path:
         torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim), "rng": rng,
                     "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        mask = os.umask(0)
-        os.umask(mask)
+        os.umask(mask := os.umask(0))                      # read the umask
         for f in tmp.rglob("*"):                           # safetensors writes its files 0600
             f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
         shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves only move on from it
