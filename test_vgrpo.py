@@ -2825,33 +2825,30 @@ def _close_runs(a_dir, b_dir, it, full=False):
 
 
 @pytest.mark.multiprocess
-def test_fsdp_two_processes_equal_one_and_resume_two_to_one(tmp_path, monkeypatch):
+def test_fsdp_two_processes_equal_one_and_resume_two_to_one(two_process_runs, tmp_path, monkeypatch):
     """LoRA under FSDP2: 2 processes (half the groups each) compute what 1 process computes; a
     2-process run resumed by 1 process continues like the uninterrupted 2-process run."""
     smooth = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch)]
-    _torchrun(smooth + ["--iterations", "2", "--run_dir", str(tmp_path / "fsdp")], tmp_path)
     assert V.main(smooth + ["--iterations", "2", "--run_dir", str(tmp_path / "single")]) == 0
-    _close_runs(tmp_path / "fsdp", tmp_path / "single", 2)
-    _torchrun(smooth + ["--iterations", "1", "--run_dir", str(tmp_path / "part")], tmp_path)
-    assert V.main(["--resume", str(tmp_path / "part"), "--iterations", "2"]) == 0      # 2 → 1
-    _close_runs(tmp_path / "part", tmp_path / "fsdp", 2)
+    _close_runs(two_process_runs / "fp32-lora", tmp_path / "single", 2)
+    part = two_process_runs / "fp32-lora-part"                                    # 1 iteration
+    assert V.main(["--resume", str(part), "--iterations", "2"]) == 0              # 2 → 1
+    _close_runs(part, two_process_runs / "fp32-lora", 2)
 
 
 @pytest.mark.multiprocess
-def test_fsdp_full_finetune_equals_one_process_and_resumes_one_to_two(tmp_path, monkeypatch):
+def test_fsdp_full_finetune_equals_one_process_and_resumes_one_to_two(two_process_runs, tmp_path,
+                                                                       monkeypatch):
     """Full fine-tuning under FSDP2 (fp32 master weights and AdamW state sharded): 2 processes
     equal 1, and a 1-process run resumed by 2 processes equals the uninterrupted 1-process run."""
     full = DDP + ["--reward", _smooth_reward(tmp_path, monkeypatch), "--full_finetune",
                   "--lr", "1e-4"]
-    _torchrun(full + ["--iterations", "2", "--run_dir", str(tmp_path / "fsdp")], tmp_path)
     assert V.main(full + ["--iterations", "2", "--run_dir", str(tmp_path / "single")]) == 0
-    _close_runs(tmp_path / "fsdp", tmp_path / "single", 2, full=True)
+    _close_runs(two_process_runs / "fp32-full", tmp_path / "single", 2, full=True)
     from diffusers import AutoModel              # reads the class from config.json: not FSDP's
-    tr = AutoModel.from_pretrained(str(tmp_path / "fsdp/checkpoints/iter_000002/transformer"))
+    tr = AutoModel.from_pretrained(str(two_process_runs / "fp32-full/checkpoints/iter_000002/transformer"))
     assert type(tr).__name__ == "SD3Transformer2DModel"
-    assert V.main(full + ["--iterations", "1", "--run_dir", str(tmp_path / "part")]) == 0
-    _torchrun(["--resume", str(tmp_path / "part"), "--iterations", "2"], tmp_path)    # 1 → 2
-    _close_runs(tmp_path / "part", tmp_path / "single", 2, full=True)
+    _close_runs(two_process_runs / "fp32-full-part", tmp_path / "single", 2, full=True)   # 1 → 2
 
 
 # Under bf16 autocast (what every GPU run uses), one torchrun launch runs every 2-process run: a
@@ -2897,14 +2894,27 @@ def reward(images, prompts):     # the probe and iteration 0: the mean colour; i
 
 @pytest.fixture(scope="module")
 def two_process_runs(tmp_path_factory) -> Path:
-    """The folder of the 2-process runs of BF16_RUNS and of a full fine-tune whose second iteration
-    skips its update ("skip"), each in its subfolder, all run by one launch."""
+    """The folder of every 2-process run of the tests below, each in its subfolder, all run by one
+    launch: the bf16 runs of BF16_RUNS, a bf16 full fine-tune whose second iteration skips its
+    update ("skip"), and fp32 runs: LoRA for 2 iterations and for 1 (resumed by 1 process in its
+    test), a full fine-tune for 2, and a 1-process full fine-tune of 1 iteration (run here,
+    before the launch) resumed by the launch to 2."""
     d = tmp_path_factory.mktemp("runs")
     reward = _smooth_reward(d)
     runs = {str(d / name): BF16 + ["--reward", reward] + extra for name, extra in BF16_RUNS.items()}
     (d / "skipping.py").write_text(SKIP_REWARD)
     runs[str(d / "skip")] = BF16 + ["--reward", "skipping:reward", "--full_finetune", "--lr", "1e-4",
                                     "--iterations", "2"]
+    fp32, full = DDP + ["--reward", reward], ["--full_finetune", "--lr", "1e-4"]
+    runs[str(d / "fp32-lora")] = fp32 + ["--iterations", "2"]
+    runs[str(d / "fp32-lora-part")] = fp32 + ["--iterations", "1"]
+    runs[str(d / "fp32-full")] = fp32 + full + ["--iterations", "2"]
+    sys.path.insert(0, str(d))                                  # the reward, for this process
+    try:
+        assert V.main(fp32 + full + ["--iterations", "1", "--run_dir", str(d / "fp32-full-part")]) == 0
+    finally:
+        sys.path.remove(str(d))
+    runs[str(d / "fp32-full-part")] = ["--resume", str(d / "fp32-full-part"), "--iterations", "2"]
     (d / "runs.py").write_text(RUNS_SCRIPT.format(root=str(ROOT)))
     _torchrun([json.dumps(runs)], d, script=d / "runs.py")
     return d
@@ -3034,7 +3044,7 @@ def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path):
     iteration 2): that process ends in one line and saves nothing (a save is a collective that
     the other process, waiting in its own, would never join: NCCL would hang for the 1-h
     timeout), torchrun stops the other, `latest` names the last complete checkpoint, and
-    --resume continues to the uninterrupted run's end."""
+    --resume (here by one process) continues, logging each iteration once."""
     import subprocess
     import sys
     (tmp_path / "oom_reward.py").write_text(
@@ -3050,17 +3060,19 @@ def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(ROOT / "vgrpo.py")] + argv, env=dict(env, **e), cwd=tmp_path, capture_output=True,
         text=True, timeout=180)                # ~20 s each; a hang fails here
-    ref = launch(args + ["--run_dir", str(tmp_path / "ref")])
-    assert ref.returncode == 0, ref.stderr[-3000:]
     cut = launch(args + ["--run_dir", str(tmp_path / "run")], OOM="1")
     assert cut.returncode != 0
     said = [l for l in cut.stderr.splitlines() if "out of GPU memory" in l]
     assert len(said) == 1 and "error: out of GPU memory in decoding and rewards" in said[0]
     assert "saved" not in said[0] and "checkpoints/latest (iter_000002)" in said[0], said[0]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000002"
-    again = launch(["--resume", str(tmp_path / "run")])
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert _strip_times(_metrics(tmp_path / "run")) == _strip_times(_metrics(tmp_path / "ref"))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert V.main(["--resume", str(tmp_path / "run")]) == 0
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert [m["iter"] for m in _metrics(tmp_path / "run")] == [0, 1, 2, 3]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000004"
 
 
 @pytest.mark.multiprocess
