@@ -2774,13 +2774,18 @@ DDP = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--grou
        "--eval_every", "0", "--save_every", "1", "--mu", "1", "--device", "cpu"]
 
 
-def _torchrun(args, tmp_path, script=ROOT / "vgrpo.py", **env_extra):
+def _launch(args, cwd, script=ROOT / "vgrpo.py", timeout=600, **env_extra):
+    """`torchrun --nproc_per_node=2 script args` in cwd, one thread per process; the finished run."""
     import subprocess
     import sys
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **env_extra)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(script)] + args, env=env, cwd=tmp_path, capture_output=True, text=True,
-                       timeout=600)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(script)] + args, env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _torchrun(args, tmp_path, script=ROOT / "vgrpo.py", **env_extra):
+    p = _launch(args, tmp_path, script, **env_extra)
     assert p.returncode == 0, p.stderr[-3000:]
 
 
@@ -3007,8 +3012,6 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_run_continues(tmp_pa
     workers, which agree at the next preemption point, save within the agent's shutdown window
     and exit with PREEMPTED; the same command with --resume auto then continues, and the two
     2-process runs end with the same metrics (same processes, same float operations)."""
-    import subprocess
-    import sys
     (tmp_path / "term_reward.py").write_text(
         "import os, signal\nfrom pathlib import Path\n"
         "def score(images, prompts):\n"
@@ -3019,11 +3022,8 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_run_continues(tmp_pa
         "        os.kill(os.getppid(), signal.SIGTERM)          # the agent, as a scheduler would\n"
         "    return images.float().mean(dim=(1, 2, 3))\n")
     args = DDP + ["--reward", "term_reward:score", "--iterations", "4", "--save_every", "10"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path))
-    launch = lambda run, **e: subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "vgrpo.py")] + args + ["--run_dir", str(run), "--resume", "auto"],
-        env=dict(env, **e), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    launch = lambda run, **e: _launch(args + ["--run_dir", str(run), "--resume", "auto"], tmp_path,
+                                      PYTHONPATH=str(tmp_path), **e)
     ref = launch(tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr[-3000:]
     for f in tmp_path.glob("calls*"):
@@ -3045,7 +3045,6 @@ def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path):
     the other process, waiting in its own, would never join: NCCL would hang for the 1-h
     timeout), torchrun stops the other, `latest` names the last complete checkpoint, and
     --resume (here by one process) continues, logging each iteration once."""
-    import subprocess
     import sys
     (tmp_path / "oom_reward.py").write_text(
         "import os\nimport torch\ncalls = []\n"
@@ -3055,12 +3054,8 @@ def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path):
         "        raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
         "    return images.float().mean(dim=(1, 2, 3))\n")
     args = DDP + ["--reward", "oom_reward:score", "--iterations", "4", "--save_every", "2"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path))
-    launch = lambda argv, **e: subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "vgrpo.py")] + argv, env=dict(env, **e), cwd=tmp_path, capture_output=True,
-        text=True, timeout=180)                # ~20 s each; a hang fails here
-    cut = launch(args + ["--run_dir", str(tmp_path / "run")], OOM="1")
+    cut = _launch(args + ["--run_dir", str(tmp_path / "run")], tmp_path, timeout=180,  # ~15 s;
+                  PYTHONPATH=str(tmp_path), OOM="1")                              # a hang fails
     assert cut.returncode != 0
     said = [l for l in cut.stderr.splitlines() if "out of GPU memory" in l]
     assert len(said) == 1 and "error: out of GPU memory in decoding and rewards" in said[0]
