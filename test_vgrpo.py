@@ -880,12 +880,12 @@ def test_out_of_gpu_memory_after_the_first_step_saves_nothing_and_the_run_contin
     assert "saved" not in line[0]
     monkeypatch.undo()
     if save_every == 1:
-        assert f"checkpoints/latest (iter_000001) is the last complete state; continue with " \
+        assert f"checkpoints/latest (iter_000001) is the last complete one; continue with " \
                f"--resume {run}" in line[0], line[0]
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "latest"]
         assert V.main(["--resume", str(run)]) == 0
     else:
-        assert f"no checkpoint; start again with --resume auto --run_dir {run}" in line[0], line[0]
+        assert f"no checkpoint yet; continue with --resume auto --run_dir {run}" in line[0], line[0]
         assert list((run / "checkpoints").iterdir()) == []
         assert V.main(argv + ["--run_dir", str(run), "--resume", "auto"]) == 0
     _same_run(run, ref, 3)

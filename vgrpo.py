@@ -1353,20 +1353,20 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
 def interrupted(run: Run, it: int, e: Exception):
     """SIGTERM or out of GPU memory in iteration `it`: unless its first optimizer step has begun,
     save the state after `it` iterations (out of memory: alone only, no peer in a collective)."""
-    ckdir = run.run_dir / "checkpoints"
-    last = (ckdir / "latest").read_text() if (ckdir / "latest").is_file() else None
-    where = f"checkpoints/latest ({last}) is the last complete state" if last else "no checkpoint"
-    if not run.stepped and (isinstance(e, Preempted) or run.world == 1):
-        where = last = f"saved {ckdir / last if last == f'iter_{it:06d}' else checkpoint(run, it)}"
+    latest = run.run_dir / "checkpoints" / "latest"
+    last = latest.read_text() if latest.is_file() else None
+    where = f"checkpoints/latest ({last}) is the last complete one" if last else "no checkpoint yet"
+    if saves := not run.stepped and (isinstance(e, Preempted) or run.world == 1):
+        where = f"saved {latest.parent / last if last == f'iter_{it:06d}' else checkpoint(run, it)}"
     if isinstance(e, Preempted):
         if run.rank == 0:
             _warn(f"preempted at iteration {it}: {where}; the same command with --resume auto "
                   f"(or --resume {run.run_dir}) continues it")
         raise Preempted(where) from None
+    go_on = f"--resume {run.run_dir}" if saves or last else f"--resume auto --run_dir {run.run_dir}"
     raise ConfigError(f"out of GPU memory in {OOM_KNOBS.get(getattr(e, 'vgrpo_phase', ''), 'the run')}"
                       f"{'' if run.args.offload_text_encoders else ' (or --offload_text_encoders)'}"
-                      f", iteration {it}; {where}; " + (f"continue with --resume {run.run_dir}" if last
-                      else f"start again with --resume auto --run_dir {run.run_dir}")) from None
+                      f", iteration {it}; {where}; continue with {go_on}") from None
 
 
 def catch_signals(run: Run):
