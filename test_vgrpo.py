@@ -1096,7 +1096,9 @@ def test_every_ablation_switch_reaches_the_math(tiny_run, monkeypatch, ablation)
         seen.append(kw)
         return real(*a, **kw)
     monkeypatch.setattr(V, fn, spy)
-    default = inspect.signature(V.group_advantages if fn == "weighted_sum_advantages" else real).parameters
+    # weighted_sum_advantages passes its keywords on to group_advantages, whose defaults apply
+    default = inspect.signature(V.group_advantages if fn == "weighted_sum_advantages"
+                                else real).parameters
     V.iteration(tiny_run.reset(), 0)                      # the default run: the defaults arrive
     if fn == "per_reward_advantages":
         assert seen == []                                 # "sum" is the default aggregation
@@ -3039,13 +3041,12 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_run_continues(tmp_pa
 
 
 @pytest.mark.multiprocess
-def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path):
+def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path, monkeypatch):
     """Out of memory in one process of two (rank 1's reward of iteration 3, after the save of
     iteration 2): that process ends in one line and saves nothing (a save is a collective that
     the other process, waiting in its own, would never join: NCCL would hang for the 1-h
     timeout), torchrun stops the other, `latest` names the last complete checkpoint, and
     --resume (here by one process) continues, logging each iteration once."""
-    import sys
     (tmp_path / "oom_reward.py").write_text(
         "import os\nimport torch\ncalls = []\n"
         "def score(images, prompts):\n"
@@ -3061,11 +3062,8 @@ def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path):
     assert len(said) == 1 and "error: out of GPU memory in decoding and rewards" in said[0]
     assert "saved" not in said[0] and "checkpoints/latest (iter_000002)" in said[0], said[0]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000002"
-    sys.path.insert(0, str(tmp_path))
-    try:
-        assert V.main(["--resume", str(tmp_path / "run")]) == 0
-    finally:
-        sys.path.remove(str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))                  # the reward, for this process
+    assert V.main(["--resume", str(tmp_path / "run")]) == 0
     assert [m["iter"] for m in _metrics(tmp_path / "run")] == [0, 1, 2, 3]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000004"
 
