@@ -116,6 +116,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 import vgrpo as V
+from baseline_cli import add_run_flags, vgrpo_args
 import flow_grpo_sd3 as FG          # its stat tracker and EMA are DiffusionNFT's too (see below)
 
 OLD = "old"                         # the sampling policy's adapter (train_nft_sd3.py: "old")
@@ -516,19 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--recipe", default="sd3_pickscore", choices=tuple(RECIPES),
       help="upstream config (config/nft.py)")
-    a("--model", default="tiny", help="vgrpo alias, hub id or local diffusers folder")
-    a("--reward", default="jpeg", help="as vgrpo.py: pickscore | jpeg | ... | module:function")
-    a("--prompts", default=None, help="training prompts file (default: examples/prompts.txt)")
-    a("--eval_prompts", default=None, help="held-out prompts file (default: split off --prompts)")
-    a("--prompts_per_iter", type=int, default=None, help="P (default: vgrpo's per-model preset)")
-    a("--group_size", type=int, default=None, help="G (default: vgrpo's per-model preset)")
-    a("--iterations", type=int, default=5, help="iterations (upstream epochs)")
-    a("--seed", type=int, default=0)
-    a("--device", default="auto", help="cuda | cpu | auto")
-    a("--dtype", default="auto", choices=("auto", "fp16", "bf16", "fp32"),
-      help="compute dtype; auto = fp16 on CUDA (config/base.py), fp32 on CPU")
-    a("--lr", type=float, default=None, help="AdamW lr (default: vgrpo's per-model preset)")
-    a("--out", default=None, help="output folder (default runs/diffusion_nft_sd3-<model>-...)")
+    add_run_flags(p, dtype_help="compute dtype; auto = fp16 on CUDA (config/base.py), fp32 on CPU",
+                  iterations_help="iterations (upstream epochs)",
+                  out_default="runs/diffusion_nft_sd3-<model>-<reward>-<date>")
     a("--nft_steps", type=int, default=None, help="override the recipe's rollout steps K")
     a("--beta", type=float, default=None, help="override the recipe's mixing β")
     a("--kl_coef", type=float, default=None, help="override the recipe's β_KL")
@@ -544,15 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv=None):
     """argv → (this script's options, vgrpo.Args, recipe overrides)."""
     mine, rest = build_parser().parse_known_args(argv)
-    given = ["--model", mine.model, "--reward", mine.reward, "--seed", str(mine.seed),
-             "--device", mine.device]
-    for k in ("prompts", "eval_prompts", "prompts_per_iter", "group_size", "lr"):
-        if getattr(mine, k) is not None:
-            given += [f"--{k}", str(getattr(mine, k))]
-    cuda = mine.device.startswith("cuda") or (mine.device == "auto" and torch.cuda.is_available())
-    if mine.dtype != "auto" or cuda:
-        given += ["--dtype", mine.dtype if mine.dtype != "auto" else "fp16"]
-    args = V.parse_args(given + rest)
+    args = vgrpo_args(mine, rest, cuda_dtype="fp16")
     over = {k: v for k, v in RECIPES[mine.recipe].items() if k not in RUN_LEVEL}
     for flag, key in (("nft_steps", "num_steps"), ("beta", "beta"), ("kl_coef", "kl_coef"),
                       ("opt_steps", "opt_steps"), ("timestep_fraction", "timestep_fraction"),

@@ -66,10 +66,12 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # never wait on a hub look-up (tiny model)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
 import vgrpo as V
+from baseline_cli import add_run_flags, vgrpo_args
 
 # Flow-GRPO's published recipes (module docstring for the sources).
 RECIPES = {
@@ -98,25 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="comma-separated: vgrpo, flow_grpo (run in this order)")
     a("--recipe", default="cfg4.5", choices=tuple(RECIPES),
       help="Flow-GRPO recipe (see the docstring)")
-    a("--model", default="tiny",
-      help="vgrpo alias (tiny, sd3.5-medium, ...), hub id or local diffusers folder")
-    a("--reward", default="jpeg",
-      help="as vgrpo.py: pickscore | jpeg | ... | module.path:function; weights a:1,b:1")
-    a("--prompts", default=None,
-      help="training prompts file, one per line (default: examples/prompts.txt)")
-    a("--eval_prompts", default=None,
-      help="held-out prompts file (default: split off --prompts, as vgrpo)")
-    a("--prompts_per_iter", type=int, default=None, help="P (default: vgrpo's per-model preset)")
-    a("--group_size", type=int, default=None, help="G (default: vgrpo's per-model preset)")
-    a("--iterations", type=int, default=5, help="iterations of each method")
-    a("--seed", type=int, default=0)
-    a("--device", default="auto", help="cuda | cpu | auto")
-    a("--dtype", default="auto", choices=("auto", "fp16", "bf16", "fp32"),
-      help="compute dtype; auto = Flow-GRPO fp16 and V-GRPO bf16 on CUDA, fp32 on CPU")
-    a("--lr", type=float, default=None,
-      help="AdamW lr of both methods (default: vgrpo's per-model preset)")
-    a("--out", default=None,
-      help="output folder (default runs/flow_grpo_sd3-<model>-<reward>-<date>)")
+    add_run_flags(p, dtype_help="compute dtype; auto = Flow-GRPO fp16 and V-GRPO bf16 on CUDA, "
+                  "fp32 on CPU", iterations_help="iterations of each method",
+                  out_default="runs/flow_grpo_sd3-<model>-<reward>-<date>")
     a("--flow_steps", type=int, default=10,
       help="Flow-GRPO's SDE steps K (grpo.py: sample.num_steps = 10); V-GRPO's: --num_steps")
     a("--batch", type=int, default=None,
@@ -141,14 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv=None):
     """argv → (flow options, vgrpo.Args). Raises ValueError with one line per problem."""
     mine, rest = build_parser().parse_known_args(argv)
-    given = ["--model", mine.model, "--reward", mine.reward, "--seed", str(mine.seed),
-             "--device", mine.device]
-    for k in ("prompts", "eval_prompts", "prompts_per_iter", "group_size", "lr"):
-        if getattr(mine, k) is not None:
-            given += [f"--{k}", str(getattr(mine, k))]
-    if mine.dtype != "auto":
-        given += ["--dtype", mine.dtype]
-    args = V.parse_args(given + rest)                    # vgrpo.Args, per-model presets applied
+    args = vgrpo_args(mine, rest)                        # vgrpo.Args, per-model presets applied
     rec = dict(RECIPES[mine.recipe])
     for k in ("guidance", "noise_level", "clip_range", "beta", "timestep_fraction"):
         if getattr(mine, k) is not None:

@@ -58,6 +58,11 @@ max(1, round½(25·iterations/300)) (round½: halves round up), stride 1 and eve
 published; so the number of window positions over the budget stays ≈ 300/25 = 12. On a short
 grid 12 positions may pass the last trainable step; the window then rolls back to step 0 as
 upstream's roll_back does (K = 10, 30 iterations: window 2, interval 3, starts 0…7, 0, 1).
+The published run trains only σ ≥ 0.70 (steps 0–14 of its shift-3 grid); such a squeezed schedule
+trains far lower σ. `in_range_recipe(K, iterations, sigmas)` keeps the window inside the published
+range instead: the same window width, its last start the last one whose steps all have σ ≥ 0.702,
+and the shift interval chosen so that the window visits each position once over the budget (on
+the digits benchmark's 10-step grid: window 2, starts 0 and 1, σ 1.0–0.78).
 
 DEVIATIONS from upstream, each with its reason:
   1. Model: an SD3 pipeline through vgrpo's adapter, no CFG (upstream: FLUX.1-dev with its
@@ -103,10 +108,12 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # never wait on a hub look-up (tiny model)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
 import vgrpo as V
+from baseline_cli import add_run_flags, vgrpo_args
 
 # MixGRPO's published numbers that this script uses (scripts/finetune/finetune_flux_grpo_MixGRPO.sh
 # and the defaults of fastvideo/train_grpo_flux.py for the flags it leaves unset).
@@ -155,6 +162,45 @@ def scaled_recipe(num_steps: int, iterations: int) -> dict:
                                                      / R["iterations"])))
 
 
+# The σ range the published run trains (PUBLISHED_SETUP: shift 3 on upstream's linspace(1, 0, K + 1)
+# grid): its window starts at steps 0, 1, …, 11 of 25 in 300 iterations, so it trains steps 0–14,
+# σ from 1 down to σ_14 = 0.702. A schedule squeezed into a short grid and budget (scaled_recipe)
+# visits steps far below that; in_range_recipe keeps the window inside it.
+def published_sigma_range() -> tuple[float, float]:
+    """(lowest, highest) σ at which the published run trains a window step."""
+    R, K = RECIPE, RECIPE["num_steps"]
+    grid = V.time_shift(1 - torch.arange(K + 1, dtype=torch.float64) / K,
+                        PUBLISHED_SETUP["shift"])                               # (K + 1,)
+    steps = sorted({j for it in range(R["iterations"]) for j in window_at(it, R)})
+    return float(grid[steps[-1]]), float(grid[steps[0]])
+
+
+def in_range_recipe(num_steps: int, iterations: int, sigmas) -> dict:
+    """RECIPE on a K-step grid `sigmas` (K + 1,) and an iteration budget, with every trained σ
+    inside the published range: the window as scaled_recipe (max(1, round½(4·K/25)) steps), its
+    last start the last one whose steps all have σ ≥ the published lowest (published_sigma_range),
+    and the shift interval round½(iterations / positions), so that the window visits each of its
+    positions once in the budget, as the published run visits its 12 in 300 iterations. Raises
+    ValueError if not even the first window fits in the range."""
+    rec = scaled_recipe(num_steps, iterations)
+    low = published_sigma_range()[0]
+    sig = [float(x) for x in sigmas]
+    W, K = rec["window"], num_steps
+    starts = [s for s in range(0, K - 2, rec["stride"])
+              if all(sig[j] >= low - 1e-9 for j in range(s, min(s + W, K - 2)))]
+    if not starts:
+        raise ValueError(f"no {W}-step window of this grid lies at σ ≥ {low:.3f}")
+    rec["last_start"] = starts[-1]
+    rec["shift_interval"] = max(1, _round_half_up(iterations / len(starts)))
+    return rec
+
+
+def sigmas_trained(recipe: dict, sigmas, iterations: int) -> list[float]:
+    """The σ at which the window trains over `iterations` iterations, highest first."""
+    steps = sorted({j for it in range(iterations) for j in window_at(it, recipe)})
+    return [float(sigmas[j]) for j in steps]
+
+
 # ------------------------------------------------------------------------------------------------
 # The sliding window (fastvideo/utils/grpo_states.py, GRPOTrainingStates, sample_strategy
 # "progressive", prog_overlap): iteration `it` trains steps [start, min(start + window, K − 2)).
@@ -166,18 +212,19 @@ def window_at(it: int, recipe: dict) -> list[int]:
     iterations the start moves by `stride`; a start past the last trainable step rolls back to 0
     (roll_back) or stays at the last one. Since the start only moves on an interval boundary this
     is start = stride · (it // shift_interval), taken modulo the number of positions.
-    Positions: 0, stride, … ≤ K − 3 (deviation 6: upstream also visits K − 2, an empty window).
+    Positions: 0, stride, … ≤ last = recipe["last_start"] if given (in_range_recipe), else K − 3
+    (deviation 6: upstream also visits K − 2, an empty window).
 
     Reference form (equal for every it):
         start, n = 0, 0
         for _ in range(it):
             n += 1
             if n >= shift_interval: n, start = 0, start + stride
-            if start > K - 3: start = 0 if roll_back else K - 3
+            if start > last: start = 0 if roll_back else last
         return list(range(start, min(start + window, K - 2)))
     """
     K, W, S, s = recipe["num_steps"], recipe["window"], recipe["shift_interval"], recipe["stride"]
-    last = K - 3                                               # last trainable step index
+    last = recipe.get("last_start", K - 3)      # last window start (K − 3: the last trainable step)
     moves = it // S
     if recipe["roll_back"]:
         start = (moves % (last // s + 1)) * s
@@ -441,20 +488,9 @@ def mix_iteration(run: V.Run, it: int, state: dict) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     a = p.add_argument
-    a("--model", default="tiny", help="vgrpo alias (tiny, sd3.5-medium, ...), hub id or folder")
-    a("--reward", default="jpeg", help="as vgrpo.py: pickscore | jpeg | module:function | a:1,b:1")
-    a("--prompts", default=None, help="training prompts file (default: examples/prompts.txt)")
-    a("--eval_prompts", default=None, help="held-out prompts file (default: split off --prompts)")
-    a("--prompts_per_iter", type=int, default=None, help="P (default: vgrpo's per-model preset)")
-    a("--group_size", type=int, default=None, help="G (default: vgrpo's per-model preset)")
-    a("--iterations", type=int, default=5, help="MixGRPO iterations (scales the window schedule)")
-    a("--seed", type=int, default=0)
-    a("--device", default="auto", help="cuda | cpu | auto")
-    a("--dtype", default="auto", choices=("auto", "fp16", "bf16", "fp32"),
-      help="compute dtype; auto = bf16 on CUDA (MixGRPO's), fp32 on CPU")
-    a("--lr", type=float, default=None, help="AdamW lr (default: vgrpo's per-model preset)")
-    a("--out", default=None,
-      help="output folder (default runs/mix_grpo_sd3-<model>-<reward>-<date>)")
+    add_run_flags(p, dtype_help="compute dtype; auto = bf16 on CUDA (MixGRPO's), fp32 on CPU",
+                  iterations_help="MixGRPO iterations (scales the window schedule)",
+                  out_default="runs/mix_grpo_sd3-<model>-<reward>-<date>")
     a("--mix_steps", type=int, default=None,
       help="MixGRPO's sampler steps K (default: vgrpo's --num_steps; published 25)")
     a("--window", type=int, default=None, help="override the scaled window size")
@@ -470,14 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv=None):
     """argv → (this script's options with .rec, the MixGRPO recipe; vgrpo.Args)."""
     mine, rest = build_parser().parse_known_args(argv)
-    given = ["--model", mine.model, "--reward", mine.reward, "--seed", str(mine.seed),
-             "--device", mine.device]
-    for k in ("prompts", "eval_prompts", "prompts_per_iter", "group_size", "lr"):
-        if getattr(mine, k) is not None:
-            given += [f"--{k}", str(getattr(mine, k))]
-    if mine.dtype != "auto":
-        given += ["--dtype", mine.dtype]
-    args = V.parse_args(given + rest)
+    args = vgrpo_args(mine, rest)
     rec = scaled_recipe(mine.mix_steps or args.num_steps, mine.iterations)
     for k in ("window", "shift_interval", "sde", "eta", "clip_range", "kl_coeff"):
         if getattr(mine, k) is not None:

@@ -1,0 +1,55 @@
+"""The command-line front that examples/flow_grpo_sd3.py, diffusion_nft_sd3.py and mix_grpo_sd3.py
+share: the run-level flags each adds to its own parser, and the vgrpo.Args built from them and from
+every flag the script does not know (passed through to vgrpo's parser, same names there)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+import vgrpo as V
+
+# The flags a baseline script passes to vgrpo's parser when given (None: vgrpo's per-model preset)
+PASSED = ("prompts", "eval_prompts", "prompts_per_iter", "group_size", "lr")
+
+
+def add_run_flags(p, *, dtype_help: str, iterations_help: str, out_default: str) -> None:
+    """The flags every baseline script has: model, reward, prompts, P, G, iterations, seed,
+    device, dtype, lr and the output folder."""
+    a = p.add_argument
+    a("--model", default="tiny",
+      help="vgrpo alias (tiny, sd3.5-medium, ...), hub id or local diffusers folder")
+    a("--reward", default="jpeg",
+      help="as vgrpo.py: pickscore | jpeg | ... | module.path:function; weights a:1,b:1")
+    a("--prompts", default=None,
+      help="training prompts file, one per line (default: examples/prompts.txt)")
+    a("--eval_prompts", default=None,
+      help="held-out prompts file (default: split off --prompts, as vgrpo)")
+    a("--prompts_per_iter", type=int, default=None, help="P (default: vgrpo's per-model preset)")
+    a("--group_size", type=int, default=None, help="G (default: vgrpo's per-model preset)")
+    a("--iterations", type=int, default=5, help=iterations_help)
+    a("--seed", type=int, default=0)
+    a("--device", default="auto", help="cuda | cpu | auto")
+    a("--dtype", default="auto", choices=("auto", "fp16", "bf16", "fp32"), help=dtype_help)
+    a("--lr", type=float, default=None, help="AdamW lr (default: vgrpo's per-model preset)")
+    a("--out", default=None, help=f"output folder (default {out_default})")
+
+
+def vgrpo_args(mine, rest: list[str], cuda_dtype: str | None = None) -> V.Args:
+    """vgrpo.Args from the script's run-level options `mine` and the flags it did not parse.
+    --dtype auto leaves vgrpo's choice, except on CUDA where `cuda_dtype` is given (DiffusionNFT's
+    fp16, config/base.py)."""
+    given = ["--model", mine.model, "--reward", mine.reward, "--seed", str(mine.seed),
+             "--device", mine.device]
+    for k in PASSED:
+        if getattr(mine, k) is not None:
+            given += [f"--{k}", str(getattr(mine, k))]
+    cuda = mine.device.startswith("cuda") or (mine.device == "auto" and torch.cuda.is_available())
+    if mine.dtype != "auto":
+        given += ["--dtype", mine.dtype]
+    elif cuda_dtype is not None and cuda:
+        given += ["--dtype", cuda_dtype]
+    return V.parse_args(given + rest)
