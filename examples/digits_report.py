@@ -1,0 +1,857 @@
+"""The digits benchmark's report: its text, tables and figures, and the README's digits section.
+
+    python examples/digits.py report                          # examples/digits_results → digits.md
+    python examples/digits.py report --out examples/digits_results_b32   # the B = 32 benchmark
+    python examples/digits.py report --out runs/digits-quick  # any other folder: its report.md
+
+`analyse` turns a results folder into one dict of numbers (written as summary.json); the
+functions after it write that dict as prose and tables, one section each. Numbers go in tables;
+sentences are short and state one thing. digits_stats.py computes every number.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from examples import digits as D
+from examples import digits_bench as BENCH
+from examples import digits_stats as ST
+
+RESULTS = BENCH.RESULTS
+RESULTS_B32 = Path(__file__).with_name("digits_results_b32")
+README_SECTION = "## Results on real handwritten digits"
+README_END = "<!-- the digits summary above is written by `python examples/digits.py report` -->"
+# The paper's two speed-up claims (its abstract): the baseline trains B iterations; V-GRPO's
+# count to the baseline's final held-out reward; the claim is the ratio in the paper's unit.
+CLAIMS = {
+    "MixGRPO": dict(factor=2.0, unit="iters", label="2× fewer iterations than MixGRPO",
+                    paper="FLUX.1-dev: MixGRPO's reward after 300 iterations in 150"),
+    "DiffusionNFT": dict(factor=1700 / 580, unit="steps",
+                         label="3× fewer gradient steps than DiffusionNFT",
+                         paper="SD3.5-M: about 1.7K gradient steps down to 580"),
+}
+EMA_METHODS = ("DiffusionNFT", "DiffusionNFT (decay scaled)", "Flow-GRPO (no CFG)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Formatting.
+# ------------------------------------------------------------------------------------------------
+def lr_s(x) -> str:
+    return f"{x:.0e}".replace("e-0", "e-")
+
+
+def num(x, fmt="{:.3f}") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return "not reached" if math.isinf(x) else fmt.format(x)
+
+
+def ci_s(t, fmt="{:.3f}") -> str:
+    """(point, lo, hi) as "p [lo, hi]"; an unreached point or end is said in words."""
+    if not t or any(isinstance(x, float) and math.isnan(x) for x in t[:3]):
+        return "—"
+    p, lo, hi = t[:3]
+    if math.isinf(p):
+        return "not reached"
+    return f"{fmt.format(p)} [{num(lo, fmt)}, {num(hi, fmt)}]"
+
+
+def table(head: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def label(m: str, variant: str = "main") -> str:
+    """A method's name in the report; an EMA method's trained weights are named as such."""
+    return f"{m}, trained weights" if variant == "raw" and m in EMA_METHODS else m
+
+
+def _ci_or_reached(t, reached: int, seeds: int, fmt="{:.1f}") -> str:
+    if math.isinf(t[0]):
+        return f"not reached ({reached} of {seeds} seeds)"
+    return f"{ci_s(t, fmt)} ({reached} of {seeds} seeds)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Analysis: the folder's runs → one dict of numbers.
+# ------------------------------------------------------------------------------------------------
+def analyse(out: Path) -> dict:
+    """Everything the report shows, from the runs in `out`."""
+    plan = json.loads((out / "plan.json").read_text())
+    base = json.loads((out / "base.json").read_text())
+    results = BENCH.load_results(out)
+    timing = next((r for r in results.values() if r.get("kind") == "timing"), None)
+    chosen = ST.choose(results, plan, base)
+    S = {"plan": plan, "base": base, "results": results, "timing": timing, "chosen": chosen,
+         "vgrpo": plan.get("claims_vgrpo", "V-GRPO"), "out": out,
+         "base_reward": ST.ci(*ST.boot_mean(ST.arrays([base["heldout"]], "reward")))}
+    S["selection"] = selection_rows(S)
+    S["claims"] = claims_of(S)
+    S["same_lr"] = same_lr_rows(S)
+    S["ladder"] = ladder_of(S)
+    S["variants"] = variant_rows(S)
+    S["swaps"] = swap_rows(S)
+    S["nmc"] = nmc_rows(S)
+    if plan.get("version") != 2:
+        S["frontier"] = ST.frontier(S["selection"], base_point(S))
+        S["ablations"] = ablation_rows(S)
+        S["long"] = [r for r in results.values() if r.get("kind") == "long"]
+    planned = {j["id"] for j in BENCH.jobs_of(plan)} if plan.get("version") == 2 else set()
+    S["failed"] = sorted(p.stem for p in out.glob("*.failed"))
+    S["not_finished"] = sorted(planned - set(results) - set(S["failed"]))
+    return S
+
+
+def base_point(S: dict) -> dict:
+    """The base model as a frontier point (lr 0: where every method starts)."""
+    bh = S["base"]["heldout"]
+    reps, held = {}, {}
+    for name, key in (("reward", "reward"), ("diversity", "div")):
+        p, b = ST.boot_mean(ST.arrays([bh], key))
+        held[name], reps[name] = ST.ci(p, b), b
+    return {"heldout": held, "_reps": reps}
+
+
+def selection_rows(S: dict) -> list[dict]:
+    """Every (method, lr) of the selection runs: validation means, held-out final with intervals."""
+    plan, rows = S["plan"], []
+    for m in plan["methods"]:
+        for lr in plan["lrs"]:
+            rs = ST.runs_of(S["results"], ST.select_kind(plan), m, lr)
+            fs = ST.final_stats(rs)
+            if not fs:
+                continue
+            vs = ST.final_stats(rs, "val")
+            rows.append(dict(method=m, lr=lr, variant=rs[0]["eval_key"], seeds=len(rs),
+                             heldout=fs, val=vs, _reps=fs["_reps"],
+                             chosen=m in S["chosen"] and S["chosen"][m]["lr"] == lr))
+    return rows
+
+
+def baselines(S: dict) -> list[str]:
+    return [m for m in S["plan"]["methods"] if not m.startswith("V-GRPO")]
+
+
+def claims_of(S: dict) -> dict:
+    """The claim measurement against every baseline (the paper's two marked with their verdict)."""
+    v = S["vgrpo"]
+    v_rs = ST.confirm_runs(S["results"], S["plan"], S["chosen"], v)
+    out = {}
+    for m in baselines(S):
+        b_rs = ST.confirm_runs(S["results"], S["plan"], S["chosen"], m)
+        if not v_rs or not b_rs:
+            continue
+        c = ST.claim(v_rs, b_rs, S["timing"], m, v)
+        c.update(lr=S["chosen"][m]["lr"], vgrpo_lr=S["chosen"][v]["lr"])
+        if m in CLAIMS:
+            c["claim"] = CLAIMS[m]
+            c["verdict"], c["reason"] = ST.verdict(c, CLAIMS[m]["factor"], CLAIMS[m]["unit"])
+        out[m] = c
+    return out
+
+
+def same_lr_rows(S: dict) -> list[dict]:
+    """V-GRPO (each of its recipes) against each baseline at every lr, on the selection runs."""
+    plan, kind, rows = S["plan"], ST.select_kind(S["plan"]), []
+    vs = [m for m in plan["methods"] if m.startswith("V-GRPO")]
+    for lr in plan["lrs"]:
+        for v in vs:
+            v_rs = ST.runs_of(S["results"], kind, v, lr)
+            for m in baselines(S):
+                b_rs = ST.runs_of(S["results"], kind, m, lr)
+                if v_rs and b_rs:
+                    rows.append(dict(lr=lr, vgrpo=v, method=m,
+                                     **ST.same_spend(v_rs, b_rs, S["timing"], v, m)))
+    return rows
+
+
+def ladder_of(S: dict) -> dict:
+    groups = {m: ST.confirm_runs(S["results"], S["plan"], S["chosen"], m)
+              for m in S["plan"]["methods"]}
+    groups = {m: rs for m, rs in groups.items() if rs}
+    if S["vgrpo"] not in groups or len(groups) < 2:
+        return {}
+    seeds = set.intersection(*[{r["seed"] for r in rs} for rs in groups.values()])
+    groups = {m: [r for r in rs if r["seed"] in seeds] for m, rs in groups.items()}
+    L = ST.ladder(groups, S["base_reward"][0], S["timing"])
+    L["rates"] = {m: ST.rates(rs, S["timing"], m) for m, rs in groups.items()}
+    return L
+
+
+def variant_rows(S: dict) -> list[dict]:
+    """Each variant against its method at the method's chosen lr, on the confirmation seeds."""
+    rows = []
+    for v, parent in (S["plan"].get("variants") or {}).items():
+        v_rs = ST.runs_of(S["results"], "variant", v)
+        p_rs = [r for r in ST.confirm_runs(S["results"], S["plan"], S["chosen"], parent)
+                if r["seed"] in {x["seed"] for x in v_rs}]
+        if not v_rs or len(p_rs) != len(v_rs):
+            continue
+        a, b = ST.final_stats(v_rs), ST.final_stats(p_rs)
+        rows.append(dict(variant=v, parent=parent, seeds=len(v_rs), lr=v_rs[0]["lr"],
+                         final=a["reward"], parent_final=b["reward"],
+                         diff=ST.paired_difference(a, b), recipe=v_rs[0].get("recipe") or {},
+                         parent_recipe=p_rs[0].get("recipe") or {},
+                         decay=[r["iters"][-1].get("old_decay") for r in v_rs + p_rs]))
+    return rows
+
+
+def swap_rows(S: dict) -> list[dict]:
+    """The one-knob swaps at B = 32: each against its reference on the same seeds (paired)."""
+    sw = S["plan"].get("swap")
+    if not sw:
+        return []
+    get = lambda m: ST.runs_of(S["results"], "swap", m)
+    ref_v, ref_n = get("V-GRPO"), get("DiffusionNFT")
+    cases = [("V-GRPO with an evaluation EMA", ref_v, "ema", ref_v, "raw", "V-GRPO")]
+    cases += [(m, get(m), None, ref_v, None, "V-GRPO") for m in sw["configs"]
+              if m not in ("V-GRPO", "DiffusionNFT")]
+    cases += [("DiffusionNFT without its EMA", ref_n, "raw", ref_n, "ema", "DiffusionNFT"),
+              ("DiffusionNFT against V-GRPO", ref_n, None, ref_v, None, "V-GRPO")]
+    rows = []
+    for name, rs, var, ref, ref_var, ref_name in cases:
+        if not rs or len(rs) != len(ref):
+            continue
+        a, b = ST.final_stats(rs, variant=var), ST.final_stats(ref, variant=ref_var)
+        if a and b:
+            rows.append(dict(name=name, ref=ref_name, seeds=len(rs), final=a["reward"],
+                             ref_final=b["reward"], diff=ST.paired_difference(a, b)))
+    return rows
+
+
+def nmc_rows(S: dict) -> list[dict]:
+    """V-GRPO's held-out reward at B = 32 for each N_MC and lr (N_MC 4 is the shipped value)."""
+    nm, rows = S["plan"].get("nmc"), []
+    if not nm:
+        return rows
+    for lr in nm["lrs"]:
+        for j in nm["values"]:
+            rs = [r for r in S["results"].values() if r.get("kind") == "nmc"
+                  and r["method"] == f"V-GRPO, N_MC {j}"
+                  and (r.get("parent") == "V-GRPO" if lr == "chosen"
+                       else r.get("parent") is None and abs(r["lr"] - lr) < 1e-12)]
+            rs = sorted(rs, key=lambda r: r["seed"])
+            fs = ST.final_stats(rs)
+            if fs:
+                rows.append(dict(n_mc=j, lr=rs[0]["lr"], lr_rule=lr, seeds=len(rs), final=fs,
+                                 nfe=np.mean([ST.nfe_per_iter(r) for r in rs]),
+                                 cv=_mean_metric(rs, "surrogate_cv")))
+    return rows
+
+
+def ablation_rows(S: dict) -> list[dict]:
+    """Version-1 ablations at V-GRPO's chosen lr, paired against the shipped recipe."""
+    ref = ST.confirm_runs(S["results"], S["plan"], S["chosen"], "V-GRPO")
+    ref_fs = ST.final_stats(ref) if ref else {}
+    rows = []
+    for m in S["plan"].get("ablations", []):
+        rs = ST.runs_of(S["results"], "ablation", m)
+        fs = ST.final_stats(rs)
+        if not fs or len(rs) != len(ref):
+            continue
+        rows.append(dict(method=m, seeds=len(rs), final=fs, diff=ST.paired_difference(fs, ref_fs),
+                         cv=_mean_metric(rs, "surrogate_cv"),
+                         cv_group=_mean_metric(rs, "surrogate_cv_group")))
+    if rows:
+        rows.insert(0, dict(method="V-GRPO (shipped)", seeds=len(ref), final=ref_fs, diff=None,
+                            cv=_mean_metric(ref, "surrogate_cv"),
+                            cv_group=_mean_metric(ref, "surrogate_cv_group")))
+    return rows
+
+
+def _mean_metric(rs: list[dict], key: str):
+    xs = [x[key] for r in rs for x in r["iters"] if x.get(key) is not None
+          and math.isfinite(x[key])]
+    return sum(xs) / len(xs) if xs else None
+
+
+# ------------------------------------------------------------------------------------------------
+# The sections.
+# ------------------------------------------------------------------------------------------------
+def regime(S: dict, m: str) -> str:
+    """"B = 128, MixGRPO at lr 1e-3, V-GRPO (GenEval-stage) at lr 3e-3": the regime of a claim."""
+    c, v = S["claims"][m], S["vgrpo"]
+    return f"B = {c['B']}, {m} at lr {lr_s(c['lr'])}, {v} at lr {lr_s(c['vgrpo_lr'])}"
+
+
+def claim_statement(S: dict, m: str) -> str:
+    """One paragraph per claim: the verdict, the regime, what V-GRPO reached, why the verdict."""
+    c = S["claims"][m]
+    cl, u = c["claim"], c["claim"]["unit"]
+    seeds = f"{plural(c['seeds'], 'seed')} ({'confirmation seeds' if S['plan'].get('version') == 2 else 'the seeds the lrs were chosen on'})"
+    s = (f"**{cl['label']}: {c['verdict']}.** Measured at {regime(S, m)}, on {seeds}. "
+         f"{m} ends at a held-out reward of {ci_s(c['baseline_final'])}. ")
+    if c["reached"]:
+        s += (f"V-GRPO reaches it after {ci_s(c['vgrpo_iters'], '{:.1f}')} iterations; the "
+              f"speed-up in {ST.UNITS[u]} is {ratio_s(c, u)}. ")
+    else:
+        s += (f"V-GRPO does not reach it in its {c['Bv']} iterations "
+              f"({c['seeds_reached']} of {c['seeds']} seeds do). ")
+    return s + c["reason"][0].upper() + c["reason"][1:] + "."
+
+
+def ratio_s(c: dict, u: str) -> str:
+    """A claim's speed-up in unit u: "2.96× [2.08, 7.77]", or in words where V-GRPO did not reach
+    the target; an upper end bounded by unreached draws is marked †."""
+    if u not in c["ratio"]:
+        return "—"
+    if not c["reached"]:
+        return f"not reached ({c['seeds_reached']} of {c['seeds']} seeds)"
+    p, lo, hi = c["ratio"][u]
+    mark = "†" if c["hi_is_bound"].get(u) else ""
+    return f"{num(p, '{:.2f}')}× [{num(lo, '{:.2f}')}, {num(hi, '{:.2f}')}{mark}]"
+
+
+def verdicts_text(S: dict) -> str:
+    rows, paras = [], []
+    for m, c in S["claims"].items():
+        if "claim" not in c:
+            continue
+        cl = c["claim"]
+        rows.append([cl["label"], cl["paper"], regime(S, m),
+                     ratio_s(c, cl["unit"]), f"{cl['factor']:.2g}×", f"**{c['verdict']}**"])
+        paras.append(claim_statement(S, m))
+    if not rows:
+        return "Not measured yet: the runs the claims need are not finished.\n"
+    note = ("\n† The interval's upper end counts the draws in which V-GRPO did not reach the "
+            "target at the largest speed-up they allow.\n"
+            if any(any(c["hi_is_bound"].values()) for c in S["claims"].values()) else "")
+    return (table(["claim", "in the paper", "measured at", "speed-up", "claimed", "verdict"], rows)
+            + note + "\n" + "\n\n".join(paras) + "\n")
+
+
+def setup_text(S: dict) -> str:
+    p, b = S["plan"], S["base"]
+    info = json.loads((D.CACHE / "build.json").read_text()) if (D.CACHE / "build.json").is_file() \
+        else {}
+    v2 = p.get("version") == 2
+    seeds = (f"selection seeds {_seeds(p['selection_seeds'])}, confirmation seeds "
+             f"{_seeds(p['confirmation_seeds'])}" if v2 else
+             f"seeds {_seeds(p['seeds'])}, used both to choose the lr and to report")
+    lines = [
+        f"* **Model.** The tiny SD3 pipeline of `examples/digits.py build` "
+        f"({info.get('transformer_params', 0) / 1e6:.2f}M-parameter transformer), pretrained on "
+        f"real digits. Reward: the probability a conv classifier gives the prompted digit "
+        f"({info.get('classifier_heldout_acc', math.nan):.1%} accurate on held-out real digits).",
+        f"* **Every run.** P × G = 4 × 8 rollouts per iteration, 10 sampler steps, LoRA rank 32 "
+        f"from vgrpo's `setup`, B = {p['iterations']} iterations. Held-out evaluation every "
+        f"{p['eval_every']} iterations.",
+        f"* **Held-out set** (every reported number): {b['heldout']['n']} images, 4 unseen "
+        f"phrasings × 10 digits × {p['n_heldout'] // 4} noises, the same for every run. "
+        f"**Validation set** (only to choose the lr): {b['val']['n']} images from 4 other "
+        f"phrasings and other noises.",
+        f"* **lr choice.** Grid {', '.join(lr_s(x) for x in p['lrs'])}; {seeds}. The lr with the "
+        f"best final validation reward among those that keep ≥ {p['diversity_keep']:.0%} of the "
+        f"base model's validation diversity.",
+        f"* **Intervals.** 95 % percentile bootstrap, {ST.N_BOOT} draws. Each draw resamples the "
+        f"held-out images once for every seed and method, and resamples the seeds. Differences "
+        f"between methods are paired.",
+    ]
+    lines += methods_lines(S)
+    return "\n".join(lines) + "\n"
+
+
+def _seeds(xs: list[int]) -> str:
+    return ", ".join(map(str, xs))
+
+
+def methods_lines(S: dict) -> list[str]:
+    """One bullet per method: the trainer it runs through and the recipe it runs with."""
+    p, rec = S["plan"], S["plan"].get("recipes", {})
+    out = []
+    for m in p["methods"] + list(p.get("variants") or {}):
+        spec = (p.get("configs") or {}).get(m) or {}
+        r = rec.get(m, {})
+        if m.startswith("V-GRPO"):
+            fl = " ".join(spec.get("flags", [])) or "the shipped recipe (N_MC 4, μ 1, soft clip 3)"
+            s = f"vgrpo's `iteration`, {fl}"
+        elif m.startswith("DiffusionNFT"):
+            s = (f"examples/diffusion_nft_sd3.py, recipe sd3_pickscore; old-policy decay "
+                 f"min({r.get('decay_uprate', 0.001):.4g}·step, 0.5), {r.get('decay_at_B', 0):.3f} "
+                 f"at B; evaluated through its EMA")
+        elif m.startswith("MixGRPO"):
+            sig = r.get("sigma_trained") or []
+            s = (f"examples/mix_grpo_sd3.py, a {r.get('window', '?')}-step window moved every "
+                 f"{r.get('shift_interval', '?')} iterations; trains σ "
+                 f"{min(sig, default=math.nan):.2f}–{max(sig, default=math.nan):.2f}")
+        else:
+            s = "examples/flow_grpo_sd3.py, recipe nocfg; evaluated through its EMA"
+        out.append(f"* **{m}.** {s}.")
+    if p.get("claims_vgrpo"):
+        out.append(f"* **The claims use {p['claims_vgrpo']}**, named in the plan before any run: "
+                   f"{p['claims_vgrpo_reason']}.")
+    return out
+
+
+def selection_text(S: dict) -> str:
+    rows = []
+    for r in S["selection"]:
+        v, h = r["val"], r["heldout"]
+        rows.append([label(r["method"]) + (" **(chosen)**" if r["chosen"] else ""), lr_s(r["lr"]),
+                     str(r["seeds"]), num(v.get("reward", (math.nan,))[0]),
+                     num(v.get("diversity", (math.nan,))[0]), ci_s(h.get("reward")),
+                     ci_s(h.get("acc")), ci_s(h.get("diversity"))])
+    edge = [m for m, c in S["chosen"].items() if c["lr"] == max(S["plan"]["lrs"])]
+    fb = [m for m, c in S["chosen"].items() if c["fallback"]]
+    notes = [f"{m}'s chosen lr is the top of the grid; its best lr may lie above it." for m in edge]
+    notes += [f"No lr kept {m}'s diversity floor; the most diverse one was taken." for m in fb]
+    return (f"The base model's held-out reward is {ci_s(S['base_reward'])}. Final numbers after "
+            f"{S['plan']['iterations']} iterations.\n\n"
+            + table(["method", "lr", "seeds", "val reward", "val diversity", "held-out reward",
+                     "held-out accuracy", "held-out diversity"], rows)
+            + ("\n" + "\n".join(notes) + "\n" if notes else ""))
+
+
+def claims_table_text(S: dict) -> str:
+    C = S["claims"]
+    if not C:
+        return "Not measured yet.\n"
+    rows = []
+    for m, c in C.items():
+        lq = c["last_quarter"]
+        rows.append([f"{m} (lr {lr_s(c['lr'])})", ci_s(c["baseline_final"]),
+                     ci_s(lq[:3], "{:+.3f}"),
+                     _ci_or_reached(c["vgrpo_iters"], c["seeds_reached"], c["seeds"]),
+                     *[ratio_s(c, u) for u in ("iters", "steps", "nfe", "seconds")]])
+    v = next(iter(C.values()))
+    return (f"{S['vgrpo']} at lr {lr_s(v['vgrpo_lr'])} against each baseline at its chosen lr, "
+            f"B = {v['B']}. Target: the baseline's final held-out reward. Speed-up: the "
+            f"baseline's count over B iterations divided by V-GRPO's count to the target (> 1: "
+            f"V-GRPO needs less). The last-quarter gain is the baseline's reward change over "
+            f"its last quarter of iterations; an interval that excludes 0 means it had not "
+            f"settled, and the claim is then not tested.\n\n"
+            + table(["baseline", "its final reward", "its last-quarter gain",
+                     "V-GRPO's iterations to it", "speed-up in iterations",
+                     "in gradient steps", "in NFE", "in seconds"], rows))
+
+
+def same_lr_text(S: dict) -> str:
+    rows = []
+    for r in S["same_lr"]:
+        d = r["diff"]
+        rows.append([lr_s(r["lr"]), r["vgrpo"], r["method"], ci_s(r["vgrpo_final"]),
+                     ci_s(r["baseline_final"])]
+                    + [ci_s(d[u], "{:+.3f}") if u in d else "—"
+                       for u in ("iters", "steps", "nfe", "seconds")])
+    if not rows:
+        return "Not measured yet.\n"
+    n = S["same_lr"][0]["seeds"]
+    return (f"Both methods at the same lr, on the {plural(n, 'selection seed')}. The last four "
+            f"columns give V-GRPO's held-out reward minus the baseline's at the same spend: the "
+            f"largest number of iterations, gradient steps, NFE or seconds both runs reached "
+            f"(each curve interpolated there). Positive: V-GRPO is ahead.\n\n"
+            + table(["lr", "V-GRPO recipe", "baseline", "V-GRPO final", "baseline final",
+                     "at the same iterations", "gradient steps", "NFE", "seconds"], rows))
+
+
+def ladder_text(S: dict) -> str:
+    L = S["ladder"]
+    if not L:
+        return "Not measured yet.\n"
+    v, parts = S["vgrpo"], []
+    parts.append(f"Targets: the base model's held-out reward plus 25, 50, 75 and 90 % of the "
+                 f"largest final gain of any method (+{L['best_gain']:.3f}). Each method at its "
+                 f"chosen lr. A count is the iterations to the target times the method's count "
+                 f"per iteration. The speed-up columns divide the baseline's count by "
+                 f"{v}'s (> 1: V-GRPO needs less).\n")
+    for t in L["targets"]:
+        rows = []
+        a = t["methods"][v]
+        for m, e in t["methods"].items():
+            c = e["counts"]
+            sp = ["—"] * 4 if m == v else [ci_s(ST.speedup(a, e, u, L["rates"][v], L["rates"][m]),
+                                                "{:.2f}") if u in c else "—"
+                                           for u in ("iters", "steps", "nfe", "seconds")]
+            rows.append([m, f"{e['reached']} of {e['seeds']}",
+                         ci_s(c["iters"], "{:.1f}"), ci_s(c["steps"], "{:.1f}"),
+                         ci_s(c["nfe"], "{:,.0f}"), ci_s(c.get("seconds"), "{:.0f}"), *sp])
+        parts.append(f"**Target {t['fraction']:.0%} of the gain: held-out reward "
+                     f"{t['reward']:.3f}.**\n\n" + table(
+                         ["method", "seeds reaching", "iterations", "gradient steps", "NFE",
+                          "seconds", "speed-up in iterations", "in gradient steps", "in NFE",
+                          "in seconds"], rows))
+    return "\n".join(parts)
+
+
+def variants_text(S: dict) -> str:
+    if not S["variants"]:
+        return "Not measured yet.\n"
+    rows, notes = [], []
+    for r in S["variants"]:
+        rows.append([r["variant"], r["parent"], lr_s(r["lr"]), str(r["seeds"]),
+                     ci_s(r["final"]), ci_s(r["parent_final"]), ci_s(r["diff"], "{:+.3f}")])
+        sig = r["recipe"].get("sigma_trained")
+        if sig:
+            notes.append(f"* {r['variant']} trains σ {min(sig):.2f}–{max(sig):.2f}; {r['parent']} "
+                         f"trains σ {min(r['parent_recipe']['sigma_trained']):.2f}–"
+                         f"{max(r['parent_recipe']['sigma_trained']):.2f}, inside the published "
+                         f"run's 0.70–1.")
+        if "decay_uprate" in r["recipe"]:
+            d = [x for x in r["decay"] if x is not None]
+            notes.append(f"* {r['variant']}: old-policy decay min({r['recipe']['decay_uprate']:.4g}"
+                         f"·step, 0.5), {max(d, default=math.nan):.3f} at B. The published "
+                         f"schedule reaches {min(d, default=math.nan):.3f} at B. A decay d lets "
+                         f"the old policy lag θ by d/(1 − d) optimizer steps on average.")
+    return (table(["variant", "of", "lr", "seeds", "its final reward", "the method's",
+                   "difference"], rows) + "\n" + "\n".join(notes) + "\n")
+
+
+def swaps_text(S: dict) -> str:
+    if not S["swaps"]:
+        return "Not measured yet.\n"
+    sw = S["plan"]["swap"]
+    rows = [[r["name"], r["ref"], str(r["seeds"]), ci_s(r["final"]), ci_s(r["ref_final"]),
+             ci_s(r["diff"], "{:+.3f}")] for r in S["swaps"]]
+    return (f"At θ = old, DiffusionNFT's gradient equals V-GRPO's μ = 1 gradient on the same "
+            f"(t, ε) pairs with advantages clamped at ±5 (`test_vgrpo.py::"
+            f"test_nft_gradient_identity_at_theta_old`). What is left are knobs. Here each knob "
+            f"is swapped alone, at B = {sw['iterations']} and lr {lr_s(sw['lr'])}, on "
+            f"{plural(len(sw['seeds']), 'seed')}; the difference is paired.\n\n"
+            + table(["run", "against", "seeds", "its final reward", "the reference's",
+                     "difference"], rows))
+
+
+def nmc_text(S: dict) -> str:
+    if not S["nmc"]:
+        return "Not measured yet.\n"
+    rows = [[str(r["n_mc"]) + (" (shipped)" if r["n_mc"] == 4 else ""),
+             lr_s(r["lr"]) + (" (V-GRPO's chosen)" if r["lr_rule"] == "chosen" else ""),
+             str(r["seeds"]), ci_s(r["final"]["reward"]), ci_s(r["final"]["acc"]),
+             f"{r['nfe']:,.0f}", num(r["cv"])] for r in S["nmc"]]
+    nm = S["plan"]["nmc"]
+    return (f"V-GRPO's shipped recipe with another number of (t, ε) pairs, B = "
+            f"{nm['iterations']}. The paper (its Fig. 4f): 2 fails, 4 is the trade-off, 8 is "
+            f"marginal; 10 is its GenEval and OCR value.\n\n"
+            + table(["N_MC", "lr", "seeds", "held-out reward", "held-out accuracy",
+                     "NFE per iteration", "surrogate CV"], rows))
+
+
+def cost_text(S: dict) -> str:
+    rs = [r for r in S["results"].values() if "seconds" in r]
+    if not rs:
+        return ""
+    p = S["plan"]
+    stamp = lambda s: time.mktime(time.strptime(s, "%Y-%m-%d %H:%M:%S"))
+    spans = [stamp(s["ended"]) - stamp(s["started"]) for s in p.get("sessions", [])
+             if s.get("ended")]
+    wall = (f"{sum(spans) / 3600:.1f} h of wall-clock time over "
+            f"{plural(len(spans), 'invocation')} of `benchmark`" if spans else
+            "wall-clock time not recorded (the benchmark has not ended)")
+    est = p.get("estimate") or {}
+    return (f"{plural(len(rs), 'training run')}, {sum(r['seconds'] for r in rs) / 3600:.1f} h of "
+            f"run time in {p['workers']} worker processes of {plural(p['threads'], 'thread')}; "
+            f"{wall}. The plan estimated {est.get('worker_seconds', 0) / 3600:.1f} h of run time. "
+            f"The machine also ran other work at times, so seconds are measured in one process "
+            f"that runs one iteration of each method in turn (the timing run).\n")
+
+
+def status_text(S: dict) -> str:
+    out = ""
+    if S["failed"]:
+        out += f"\nFailed runs: {', '.join(S['failed'])}.\n"
+    if S["not_finished"]:
+        out += (f"\n**Not finished when this report was written** "
+                f"({plural(len(S['not_finished']), 'run')}): sections that need them say "
+                f"\"Not measured yet\". `python examples/digits.py benchmark` continues.\n")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections of plans of version 1 (the B = 32 benchmark): frontier, ablations, long runs.
+# ------------------------------------------------------------------------------------------------
+FRONTIER_WORDS = {"above": "V-GRPO's frontier lies above all its points",
+                  "not above": "some of its points lie above V-GRPO's frontier",
+                  "mixed": "its points lie below V-GRPO's frontier or level with it",
+                  "level": "its points are level with V-GRPO's frontier within noise",
+                  "beyond": "its points are all more diverse than V-GRPO's"}
+
+
+def frontier_text(S: dict) -> str:
+    F = S.get("frontier") or {}
+    if not F.get("points"):
+        return "Not enough runs.\n"
+    variants = {m: c["variant"] for m, c in S["chosen"].items()}
+    rows, lines = [], []
+    for m, v, pts, g in ST.frontier_groups(F, baselines(S), variants):
+        lines.append(f"* **{label(m)}:** {FRONTIER_WORDS[g['verdict']]}.")
+        for q in pts:
+            rows.append([label(m), lr_s(q["lr"]), f"{q['reward']:.3f}", f"{q['diversity']:.3f}",
+                         ci_s(q["margin"], "{:+.3f}") if "margin" in q else "beyond its range",
+                         q.get("position", "—")])
+    return ("V-GRPO's frontier joins its (diversity, reward) points at every lr and the base model. "
+            "The gap is V-GRPO's frontier minus the point's reward at the point's diversity: "
+            "positive when the point lies below the frontier. A point is below, above or level "
+            "with it as the gap's interval lies above 0, below 0 or across 0.\n\n"
+            + table(["method", "lr", "held-out reward", "held-out diversity",
+                     "gap to V-GRPO's frontier", "position"], rows) + "\n" + "\n".join(lines)
+            + "\n")
+
+
+def ablations_text(S: dict) -> str:
+    if not S.get("ablations"):
+        return "Not run.\n"
+    rows = [[a["method"], str(a["seeds"]), ci_s(a["final"]["reward"]),
+             ci_s(a["diff"], "{:+.3f}") if a["diff"] else "—", ci_s(a["final"].get("diversity")),
+             num(a["cv"]), num(a["cv_group"])] for a in S["ablations"]]
+    return (f"V-GRPO one switch away from the shipped recipe, at its chosen lr "
+            f"{lr_s(S['chosen']['V-GRPO']['lr'])}; the difference is paired with the shipped "
+            f"runs.\n\n" + table(["run", "seeds", "held-out reward", "difference",
+                                  "held-out diversity", "surrogate CV", "CV within group"], rows))
+
+
+def long_text(S: dict) -> str:
+    if not S.get("long"):
+        return "Not run.\n"
+    rows = []
+    for r in sorted(S["long"], key=lambda r: r["method"]):
+        c = [e[r["eval_key"]] for e in r["evals"]]
+        peak = max(range(len(c)), key=lambda i: c[i]["acc"])
+        rows.append([r["method"] + (", EMA" if r["ema"] else ""), lr_s(r["lr"]),
+                     str(r["iterations"]), f"{c[0]['acc']:.3f}",
+                     f"{c[peak]['acc']:.3f} (iteration {r['evals'][peak]['iter']})",
+                     f"{c[-1]['acc']:.3f}", f"{c[-1]['diversity']:.2f}", f"{c[-1]['nn_real']:.2f}"])
+    b = S["base"]["heldout"]
+    return (f"One seed each. The base model's held-out diversity is {b['diversity']:.2f} and its "
+            f"distance to the nearest real digit {b['nn_real']:.2f} (real digits: 1 and 1).\n\n"
+            + table(["run", "lr", "iterations", "start accuracy", "peak accuracy",
+                     "final accuracy", "final diversity", "final nn-real"], rows))
+
+
+# ------------------------------------------------------------------------------------------------
+# The documents: the report, summary.json, the README's section.
+# ------------------------------------------------------------------------------------------------
+def write_report(S: dict, cmd: str, figs: dict) -> str:
+    p = S["plan"]
+    img = lambda k, alt: f"\n![{alt}]({figs[k]})\n" if k in figs else ""
+    v2 = p.get("version") == 2
+    title = ("V-GRPO against DiffusionNFT and MixGRPO on handwritten digits" if v2 else
+             f"V-GRPO and its baselines on handwritten digits at B = {p['iterations']}")
+    parts = [f"# {title}\n",
+             f"Produced by `{cmd}` (plan `{p['mode']}`, written at commit {p.get('commit', '?')}; "
+             f"this report by `python examples/digits.py report` at commit {BENCH.commit()}). "
+             f"All numbers are held-out rewards unless a column says otherwise.\n"
+             + status_text(S),
+             "## Verdicts\n", verdicts_text(S) + img("curves", "held-out reward curves"),
+             "## Setup\n", setup_text(S),
+             "## Learning-rate selection\n", selection_text(S),
+             "## The paper's claims\n", claims_table_text(S),
+             "## At the same learning rate\n", same_lr_text(S),
+             "## Speed-up at every target\n", ladder_text(S)]
+    if v2:
+        parts += ["## Variants of the baselines\n", variants_text(S),
+                  "## Why DiffusionNFT leads at 3e-3\n", swaps_text(S),
+                  "## The number of (t, ε) pairs\n", nmc_text(S),
+                  "## Flow-GRPO\n", flow_b32_text()]
+    else:
+        parts += ["## The reward–diversity frontier\n", frontier_text(S) + img("frontier", "frontier"),
+                  "## Ablations\n", ablations_text(S), "## Long runs\n", long_text(S)]
+    parts += ["## Cost\n", cost_text(S), img("samples", "samples")]
+    return "\n".join(parts)
+
+
+def flow_b32_text() -> str:
+    rel = "digits_b32.md"
+    return (f"Flow-GRPO was not run at this budget. Its results at B = 32 are in [{rel}]({rel}) "
+            f"(the earlier plan, lrs chosen and reported on the same three seeds).\n")
+
+
+def readme_text(S: dict, link: str, fig: str | None) -> str:
+    """The README's digits section: a short table, a figure and a link."""
+    rows = []
+    for m, c in S["claims"].items():
+        if "claim" in c:
+            rows.append([c["claim"]["label"], regime(S, m), ratio_s(c, c["claim"]["unit"]),
+                         f"**{c['verdict']}**"])
+    p = S["plan"]
+    intro = (f"`python examples/digits.py benchmark` trains V-GRPO and the baselines on the "
+             f"pretrained digits model, on a CPU, for B = {p['iterations']} iterations; each "
+             f"method's lr is chosen on a validation set, and the claims are measured on "
+             + (f"{plural(len(p['confirmation_seeds']), 'seed')} the choice never saw."
+                if p.get("version") == 2 else f"the same {plural(len(p['seeds']), 'seed')}."))
+    body = intro + "\n\n" + (table(["claim of the paper", "measured at", "speed-up", "verdict"],
+                                   rows) if rows else "The claims' runs are not finished yet.\n")
+    if S["not_finished"]:
+        body += f"\n{plural(len(S['not_finished']), 'run')} of the plan are not finished yet.\n"
+    if fig:
+        body += f"\n![held-out reward at each method's chosen lr]({fig})\n"
+    return body + f"\nThe statements, every table and the set-up: [{link}]({link}).\n"
+
+
+def replace_readme_section(readme: Path, body: str) -> None:
+    """The README's digits section, from its heading to README_END; the rest is kept."""
+    text = readme.read_text()
+    start = text.index(README_SECTION)
+    start = text.index("\n", start) + 1
+    end = text.index(README_END, start)
+    readme.write_text(text[:start] + "\n" + body.rstrip("\n") + "\n\n" + text[end:])
+
+
+def strip(x):
+    """JSON-ready copy: numpy → float, private keys (leading _) and infinities dropped."""
+    if isinstance(x, dict):
+        return {k: strip(v) for k, v in x.items() if not str(k).startswith("_")
+                and k not in ("results", "out", "base")}
+    if isinstance(x, (list, tuple)):
+        return [strip(v) for v in x]
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    if isinstance(x, np.ndarray):
+        return None
+    return x
+
+
+def report(out: Path = RESULTS, md: Path | None = None, readme: Path | None = None,
+           log=print) -> str:
+    """summary.json, the markdown and the figures of the runs in `out`. The shipped folders
+    write examples/digits.md (digits_b32.md for the B = 32 folder) and their figures beside it;
+    the regime folder also rewrites the README's section. Any other folder: report.md inside it."""
+    out = Path(out)
+    here = Path(__file__).parent
+    shipped = {RESULTS.resolve(): "digits", RESULTS_B32.resolve(): "digits_b32"}.get(out.resolve())
+    md = Path(md) if md else (here / f"{shipped}.md" if shipped else out / "report.md")
+    if readme is None and shipped == "digits":
+        readme = D.ROOT / "README.md"
+    S = analyse(out)
+    cmd = "python examples/digits.py benchmark" + (
+        " --quick" if S["plan"]["mode"] == "quick" else "") + (
+        "" if shipped == "digits" else f" --out {os.path.relpath(out, D.ROOT)}")
+    figs = figures(S, md.parent, shipped or "report")
+    text = write_report(S, cmd, {k: os.path.relpath(v, md.parent) for k, v in figs.items()})
+    md.write_text(text)
+    (out / "summary.json").write_text(json.dumps(strip(S), indent=1))
+    if readme:
+        rel = lambda f: os.path.relpath(f, Path(readme).parent)
+        replace_readme_section(Path(readme), readme_text(
+            S, rel(md), rel(figs["curves"]) if "curves" in figs else None))
+    log(f"wrote {md}, {out / 'summary.json'}" + "".join(f", {v}" for v in figs.values()))
+    return text
+
+
+def add_command(sub) -> None:
+    r = sub.add_parser("report", help="the report, summary.json and figures of a results folder")
+    r.add_argument("--out", default=str(RESULTS), help="results folder")
+    r.add_argument("--md", default=None, help="markdown path (default: see report())")
+    r.add_argument("--readme", default=None, help="also rewrite this README's digits section")
+
+
+def run_command(a) -> None:
+    if not (Path(a.out) / "plan.json").is_file():
+        raise ValueError(f"{a.out} holds no benchmark (no plan.json)")
+    report(Path(a.out), md=a.md, readme=a.readme)
+
+
+# ------------------------------------------------------------------------------------------------
+# Figures (matplotlib): held-out curves at the chosen lrs with sample grids; the frontier.
+# ------------------------------------------------------------------------------------------------
+COLORS = {"V-GRPO": "tab:blue", "V-GRPO (GenEval-stage)": "tab:cyan", "DiffusionNFT": "tab:green",
+          "MixGRPO": "tab:purple", "Flow-GRPO (no CFG)": "tab:orange"}
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def figures(S: dict, fig_dir: Path, prefix: str) -> dict:
+    figs = {}
+    groups = {m: ST.confirm_runs(S["results"], S["plan"], S["chosen"], m)
+              for m in S["plan"]["methods"]}
+    groups = {m: rs for m, rs in groups.items() if rs}
+    if groups:
+        figs["curves"] = curves_figure(S, groups, fig_dir / f"{prefix}_curves.png")
+        figs["samples"] = samples_figure(S, groups, fig_dir / f"{prefix}_samples.png")
+    if S.get("frontier", {}).get("points"):
+        figs["frontier"] = frontier_figure(S, fig_dir / f"{prefix}_frontier.png")
+    return {k: v for k, v in figs.items() if v}
+
+
+def curves_figure(S: dict, groups: dict, path: Path) -> Path:
+    """Held-out reward against iterations and against training NFE, seed means, band min–max."""
+    plt = _plt()
+    fig, axs = plt.subplots(1, 2, figsize=(12, 4.2))
+    for m, rs in groups.items():
+        its, X = ST.curves(rs)
+        y = X.mean(-1)                                               # (S, E) per seed
+        nfe = its * np.mean([ST.nfe_per_iter(r) for r in rs])
+        lab = f"{m}, lr {lr_s(rs[0]['lr'])} ({plural(len(rs), 'seed')})"
+        for ax, x in zip(axs, (its, nfe)):
+            ax.plot(x, y.mean(0), color=COLORS.get(m, "gray"), marker="o", ms=3, label=lab)
+            ax.fill_between(x, y.min(0), y.max(0), color=COLORS.get(m, "gray"), alpha=0.15)
+    for ax, xl in zip(axs, ("iteration", "training NFE (transformer forwards)")):
+        ax.axhline(S["base_reward"][0], color="black", ls=":", lw=0.8, label="base model")
+        ax.set_xlabel(xl)
+        ax.set_ylabel("held-out reward")
+        ax.grid(alpha=0.3)
+    axs[0].legend(fontsize=7)
+    axs[0].set_title("held-out reward at each method's chosen lr (band: min–max over seeds)",
+                     fontsize=9)
+    axs[1].set_title("the same against training network evaluations", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def samples_figure(S: dict, groups: dict, path: Path):
+    """The base model's held-out samples and each method's after B (its first seed)."""
+    from PIL import Image
+    grids = [("base model", S["out"] / "grids" / "base.png")]
+    grids += [(f"{m} @{rs[0]['iterations']}", S["out"] / "grids" / f"{rs[0]['id']}__"
+               f"{rs[0]['eval_key']}.png") for m, rs in groups.items()]
+    grids = [(t, p) for t, p in grids if p.is_file()]
+    if not grids:
+        return None
+    plt = _plt()
+    fig, axs = plt.subplots(1, len(grids), figsize=(2.6 * len(grids), 3.0), squeeze=False)
+    for ax, (t, p) in zip(axs[0], grids):
+        ax.imshow(np.asarray(Image.open(p)), cmap="gray", vmin=0, vmax=255)
+        ax.set_title(t, fontsize=8)
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def frontier_figure(S: dict, path: Path) -> Path:
+    """Every (method, lr) point of the sweep, final held-out diversity and reward with intervals."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 5.2))
+    for m in S["plan"]["methods"]:
+        rows = sorted([r for r in S["selection"] if r["method"] == m], key=lambda r: r["lr"])
+        if not rows:
+            continue
+        xs = [r["heldout"]["diversity"][0] for r in rows]
+        ys = [r["heldout"]["reward"][0] for r in rows]
+        ax.plot(xs, ys, color=COLORS.get(m, "gray"), marker="o", label=label(m))
+        for x, y, r in zip(xs, ys, rows):
+            ax.annotate(lr_s(r["lr"]) + (" ★" if r["chosen"] else ""), (x, y), fontsize=7,
+                        textcoords="offset points", xytext=(5, 4), color=COLORS.get(m, "gray"))
+    b = base_point(S)["heldout"]
+    ax.plot([b["diversity"][0]], [b["reward"][0]], "kD", label="base model")
+    ax.axvline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xlabel("held-out diversity (within-digit; real handwriting = 1)")
+    ax.set_ylabel("held-out reward")
+    ax.set_title(f"Reward and diversity after {S['plan']['iterations']} iterations (★ chosen lr)",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
