@@ -96,12 +96,12 @@ PLANS = {
         claims_vgrpo="V-GRPO (GenEval-stage)", claims_vgrpo_reason="as the full plan",
         variants={}, timing_rounds=2, swap=None, nmc=None),
     "smoke": dict(
-        iterations=2, lrs=[1e-3, 3e-3], selection_seeds=[0], confirmation_seeds=[1],
-        eval_every=1, n_heldout=4, n_val=2, methods=["V-GRPO", "DiffusionNFT", "MixGRPO"],
+        iterations=2, lrs=[3e-3], selection_seeds=[0], confirmation_seeds=[1],
+        eval_every=2, n_heldout=4, n_val=2, methods=["V-GRPO", "DiffusionNFT", "MixGRPO"],
         claims_vgrpo="V-GRPO", claims_vgrpo_reason="a test of the machinery",
         variants={"MixGRPO (old scaled schedule)": "MixGRPO"}, timing_rounds=1,
-        swap=dict(iterations=2, lr=3e-3, seeds=[0], eval_every=1, configs=["V-GRPO"]),
-        nmc=dict(iterations=2, lrs=["chosen"], seeds=[0], eval_every=1, values=[2])),
+        swap=dict(iterations=2, lr=3e-3, seeds=[0], eval_every=2, configs=["V-GRPO"]),
+        nmc=dict(iterations=2, lrs=["chosen"], seeds=[0], eval_every=2, values=[2])),
 }
 DIVERSITY_KEEP = 0.9      # an lr is eligible if its validation diversity ≥ 0.9 × the base model's
 # Seconds per training iteration measured on the 2-core machine (1 thread per process, another
@@ -510,7 +510,7 @@ def timing_job(folder: Path, plan: dict, chosen: dict, log=print) -> dict:
 def load_results(out: Path) -> dict:
     """{job id: result dict} of every finished run in `out`."""
     return {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))
-            if p.name not in ("plan.json", "base.json", "summary.json")}
+            if p.name not in ("plan.json", "base.json", "build.json", "summary.json")}
 
 
 def claim(path: Path) -> bool:
@@ -570,10 +570,12 @@ def worker(out: Path, log=print) -> None:
         path.with_suffix(".claim").unlink(missing_ok=True)
 
 
-def prepare(out: Path, mode: str, workers: int, threads: int, log=print) -> dict:
-    """Build (or reuse) the model; write plan.json and base.json if the folder has none (both are
-    fixed before any training run). Returns the plan."""
-    D.build(log=log)
+def prepare(out: Path, mode: str, workers: int, threads: int, log=print,
+            build: dict | None = None) -> dict:
+    """Build (or reuse) the model (`build`: digits.build's budgets, default its own); write
+    plan.json and base.json if the folder has none (both are fixed before any training run).
+    Returns the plan."""
+    D.build(log=log, **(build or {}))
     (out / "grids").mkdir(parents=True, exist_ok=True)
     path = out / "plan.json"
     if path.is_file():
@@ -592,10 +594,10 @@ def prepare(out: Path, mode: str, workers: int, threads: int, log=print) -> dict
 
 
 def benchmark(out: Path, mode: str = "regime", workers: int = 2, threads: int = 1,
-              log=print) -> None:
+              log=print, build: dict | None = None) -> None:
     """prepare, then every job with `workers` processes of `threads` threads each, then the
     report. Each invocation's span is recorded in plan.json (the report's cost section)."""
-    prepare(out, mode, workers, threads, log)
+    prepare(out, mode, workers, threads, log, build)
     path = out / "plan.json"
     plan = json.loads(path.read_text())
     plan.setdefault("sessions", []).append(dict(started=time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -626,13 +628,13 @@ def add_commands(sub) -> None:
     k.add_argument("--quick", action="store_true",
                    help="the plan in miniature: 1 selection and 1 confirmation seed, 2 lrs, "
                    "8 iterations (default out: runs/digits-quick)")
-    k.add_argument("--out", default=None, help=f"results folder (default {RESULTS})")
+    k.add_argument("--out", default=None, help="results folder (default examples/digits_results)")
     k.add_argument("--workers", type=int, default=2, help="worker processes")
     k.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     k.add_argument("--plan_only", action="store_true",
                    help="write plan.json and base.json, then stop (no training run)")
     k.add_argument("--plan", default=None, choices=tuple(PLANS), help=argparse.SUPPRESS)
-    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w = sub.add_parser("worker", help="one worker process of a running benchmark (internal)")
     w.add_argument("--out", required=True)
     w.add_argument("--threads", type=int, default=1)
 

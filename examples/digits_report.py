@@ -280,6 +280,7 @@ def _mean_metric(rs: list[dict], key: str):
 def regime(S: dict, m: str) -> str:
     """"B = 128, MixGRPO at lr 1e-3, V-GRPO (GenEval-stage) at lr 3e-3": the regime of a claim."""
     c, v = S["claims"][m], S["vgrpo"]
+    v = "V-GRPO (shipped recipe)" if v == "V-GRPO" else v
     return f"B = {c['B']}, {m} at lr {lr_s(c['lr'])}, {v} at lr {lr_s(c['vgrpo_lr'])}"
 
 
@@ -293,7 +294,7 @@ def claim_statement(S: dict, m: str) -> str:
     if c["reached"]:
         s += (f"V-GRPO reaches it after {ci_s(c['vgrpo_iters'], '{:.1f}')} iterations; the "
               f"speed-up in {ST.UNITS[u]} is {ratio_s(c, u)}. ")
-    else:
+    elif c["verdict"] != "disagrees":          # a disagreement's reason says it already
         s += (f"V-GRPO does not reach it in its {c['Bv']} iterations "
               f"({c['seeds_reached']} of {c['seeds']} seeds do). ")
     return s + c["reason"][0].upper() + c["reason"][1:] + "."
@@ -304,11 +305,14 @@ def ratio_s(c: dict, u: str) -> str:
     the target; an upper end bounded by unreached draws is marked †."""
     if u not in c["ratio"]:
         return "—"
+    if not c["gain_over_base"][1] > 0:
+        return "— (the baseline did not improve)"
     if not c["reached"]:
         return f"not reached ({c['seeds_reached']} of {c['seeds']} seeds)"
     p, lo, hi = c["ratio"][u]
     mark = "†" if c["hi_is_bound"].get(u) else ""
-    return f"{num(p, '{:.2f}')}× [{num(lo, '{:.2f}')}, {num(hi, '{:.2f}')}{mark}]"
+    f = lambda x: "∞" if math.isinf(x) else f"{x:.2f}"
+    return f"{f(p)}× [{f(lo)}, {f(hi)}{mark}]"
 
 
 def verdicts_text(S: dict) -> str:
@@ -324,15 +328,15 @@ def verdicts_text(S: dict) -> str:
         return "Not measured yet: the runs the claims need are not finished.\n"
     note = ("\n† The interval's upper end counts the draws in which V-GRPO did not reach the "
             "target at the largest speed-up they allow.\n"
-            if any(any(c["hi_is_bound"].values()) for c in S["claims"].values()) else "")
+            if any("†" in r[3] for r in rows) else "")
     return (table(["claim", "in the paper", "measured at", "speed-up", "claimed", "verdict"], rows)
             + note + "\n" + "\n\n".join(paras) + "\n")
 
 
 def setup_text(S: dict) -> str:
     p, b = S["plan"], S["base"]
-    info = json.loads((D.CACHE / "build.json").read_text()) if (D.CACHE / "build.json").is_file() \
-        else {}
+    info = next((json.loads(f.read_text()) for f in (S["out"] / "build.json", D.CACHE / "build.json")
+                 if f.is_file()), {})                    # the build record kept with the runs
     v2 = p.get("version") == 2
     seeds = (f"selection seeds {_seeds(p['selection_seeds'])}, confirmation seeds "
              f"{_seeds(p['confirmation_seeds'])}" if v2 else
@@ -346,7 +350,7 @@ def setup_text(S: dict) -> str:
         f"from vgrpo's `setup`, B = {p['iterations']} iterations. Held-out evaluation every "
         f"{p['eval_every']} iterations.",
         f"* **Held-out set** (every reported number): {b['heldout']['n']} images, 4 unseen "
-        f"phrasings × 10 digits × {p['n_heldout'] // 4} noises, the same for every run. "
+        f"phrasings × 10 digits × {plural(p['n_heldout'] // 4, 'noise')}, the same for every run. "
         f"**Validation set** (only to choose the lr): {b['val']['n']} images from 4 other "
         f"phrasings and other noises.",
         f"* **lr choice.** Grid {', '.join(lr_s(x) for x in p['lrs'])}; {seeds}. The lr with the "
@@ -375,11 +379,14 @@ def methods_lines(S: dict) -> list[str]:
             fl = " ".join(spec.get("flags", [])) or "the shipped recipe (N_MC 4, μ 1, soft clip 3)"
             s = f"vgrpo's `iteration`, {fl}"
         elif m.startswith("DiffusionNFT"):
+            r.setdefault("decay_at_B", BENCH.example("diffusion_nft_sd3").return_decay(
+                p["iterations"], r["decay_flat"], r["decay_uprate"], r["decay_uphold"]))
             s = (f"examples/diffusion_nft_sd3.py, recipe sd3_pickscore; old-policy decay "
                  f"min({r.get('decay_uprate', 0.001):.4g}·step, 0.5), {r.get('decay_at_B', 0):.3f} "
                  f"at B; evaluated through its EMA")
         elif m.startswith("MixGRPO"):
-            sig = r.get("sigma_trained") or []
+            sig = r.get("sigma_trained") or BENCH.example("mix_grpo_sd3").sigmas_trained(
+                r, BENCH.grid_sigmas(r["num_steps"]), p["iterations"])
             s = (f"examples/mix_grpo_sd3.py, a {r.get('window', '?')}-step window moved every "
                  f"{r.get('shift_interval', '?')} iterations; trains σ "
                  f"{min(sig, default=math.nan):.2f}–{max(sig, default=math.nan):.2f}")
@@ -418,7 +425,7 @@ def claims_table_text(S: dict) -> str:
     rows = []
     for m, c in C.items():
         lq = c["last_quarter"]
-        rows.append([f"{m} (lr {lr_s(c['lr'])})", ci_s(c["baseline_final"]),
+        rows.append([f"{m}, lr {lr_s(c['lr'])}", ci_s(c["baseline_final"]),
                      ci_s(lq[:3], "{:+.3f}"),
                      _ci_or_reached(c["vgrpo_iters"], c["seeds_reached"], c["seeds"]),
                      *[ratio_s(c, u) for u in ("iters", "steps", "nfe", "seconds")]])
@@ -459,7 +466,7 @@ def ladder_text(S: dict) -> str:
         return "Not measured yet.\n"
     v, parts = S["vgrpo"], []
     parts.append(f"Targets: the base model's held-out reward plus 25, 50, 75 and 90 % of the "
-                 f"largest final gain of any method (+{L['best_gain']:.3f}). Each method at its "
+                 f"largest final gain of any method ({L['best_gain']:+.3f}). Each method at its "
                  f"chosen lr. A count is the iterations to the target times the method's count "
                  f"per iteration. The speed-up columns divide the baseline's count by "
                  f"{v}'s (> 1: V-GRPO needs less).\n")
@@ -468,8 +475,7 @@ def ladder_text(S: dict) -> str:
         a = t["methods"][v]
         for m, e in t["methods"].items():
             c = e["counts"]
-            sp = ["—"] * 4 if m == v else [ci_s(ST.speedup(a, e, u, L["rates"][v], L["rates"][m]),
-                                                "{:.2f}") if u in c else "—"
+            sp = ["—"] * 4 if m == v else [_speedup_s(a, e, u, L["rates"][v], L["rates"][m])
                                            for u in ("iters", "steps", "nfe", "seconds")]
             rows.append([m, f"{e['reached']} of {e['seeds']}",
                          ci_s(c["iters"], "{:.1f}"), ci_s(c["steps"], "{:.1f}"),
@@ -480,6 +486,17 @@ def ladder_text(S: dict) -> str:
                           "seconds", "speed-up in iterations", "in gradient steps", "in NFE",
                           "in seconds"], rows))
     return "\n".join(parts)
+
+
+def _speedup_s(a: dict, b: dict, u: str, ra: dict, rb: dict) -> str:
+    """A ladder speed-up cell: the ratio with its interval, or who did not reach the target."""
+    if u not in a["counts"] or u not in b["counts"]:
+        return "—"
+    if math.isinf(a["counts"][u][0]):
+        return "— (V-GRPO did not reach it)"
+    if math.isinf(b["counts"][u][0]):
+        return "— (the baseline did not reach it)"
+    return ci_s(ST.speedup(a, b, u, ra, rb), "{:.2f}")
 
 
 def variants_text(S: dict) -> str:
@@ -536,22 +553,23 @@ def nmc_text(S: dict) -> str:
 
 
 def cost_text(S: dict) -> str:
-    rs = [r for r in S["results"].values() if "seconds" in r]
+    rs = [r for r in S["results"].values() if r.get("kind") and "seconds" in r]
     if not rs:
         return ""
     p = S["plan"]
     stamp = lambda s: time.mktime(time.strptime(s, "%Y-%m-%d %H:%M:%S"))
     spans = [stamp(s["ended"]) - stamp(s["started"]) for s in p.get("sessions", [])
              if s.get("ended")]
-    wall = (f"{sum(spans) / 3600:.1f} h of wall-clock time over "
+    hours = lambda x: f"{x / 3600:.1f} h" if x >= 3600 else f"{x / 60:.0f} min"
+    wall = (f"{hours(sum(spans))} of wall-clock time over "
             f"{plural(len(spans), 'invocation')} of `benchmark`" if spans else
             "wall-clock time not recorded (the benchmark has not ended)")
     est = p.get("estimate") or {}
-    return (f"{plural(len(rs), 'training run')}, {sum(r['seconds'] for r in rs) / 3600:.1f} h of "
+    return (f"{plural(len(rs), 'training run')}, {hours(sum(r['seconds'] for r in rs))} of "
             f"run time in {p['workers']} worker processes of {plural(p['threads'], 'thread')}; "
-            f"{wall}. The plan estimated {est.get('worker_seconds', 0) / 3600:.1f} h of run time. "
-            f"The machine also ran other work at times, so seconds are measured in one process "
-            f"that runs one iteration of each method in turn (the timing run).\n")
+            f"{wall}. The plan estimated {hours(est.get('worker_seconds', 0))} of run time. "
+            f"Seconds per iteration come from the timing run: one process runs one iteration of "
+            f"each method in turn, so every method sees the same machine load.\n")
 
 
 def status_text(S: dict) -> str:
@@ -602,10 +620,15 @@ def ablations_text(S: dict) -> str:
     rows = [[a["method"], str(a["seeds"]), ci_s(a["final"]["reward"]),
              ci_s(a["diff"], "{:+.3f}") if a["diff"] else "—", ci_s(a["final"].get("diversity")),
              num(a["cv"]), num(a["cv_group"])] for a in S["ablations"]]
+    worse = [a["method"] for a in S["ablations"] if a["diff"] and a["diff"][2] < 0]
+    better = [a["method"] for a in S["ablations"] if a["diff"] and a["diff"][1] > 0]
+    said = (f"The difference's interval lies below 0 for {', '.join(worse) or 'none'} and above 0 "
+            f"for {', '.join(better) or 'none'}; for the others it includes 0.")
     return (f"V-GRPO one switch away from the shipped recipe, at its chosen lr "
             f"{lr_s(S['chosen']['V-GRPO']['lr'])}; the difference is paired with the shipped "
             f"runs.\n\n" + table(["run", "seeds", "held-out reward", "difference",
-                                  "held-out diversity", "surrogate CV", "CV within group"], rows))
+                                  "held-out diversity", "surrogate CV", "CV within group"], rows)
+            + "\n" + said + "\n")
 
 
 def long_text(S: dict) -> str:
@@ -621,7 +644,8 @@ def long_text(S: dict) -> str:
                      f"{c[-1]['acc']:.3f}", f"{c[-1]['diversity']:.2f}", f"{c[-1]['nn_real']:.2f}"])
     b = S["base"]["heldout"]
     return (f"One seed each. The base model's held-out diversity is {b['diversity']:.2f} and its "
-            f"distance to the nearest real digit {b['nn_real']:.2f} (real digits: 1 and 1).\n\n"
+            f"distance to the nearest real digit {b['nn_real']:.2f}. Real digits score 1 on "
+            f"both.\n\n"
             + table(["run", "lr", "iterations", "start accuracy", "peak accuracy",
                      "final accuracy", "final diversity", "final nn-real"], rows))
 
@@ -664,26 +688,32 @@ def flow_b32_text() -> str:
             f"(the earlier plan, lrs chosen and reported on the same three seeds).\n")
 
 
-def readme_text(S: dict, link: str, fig: str | None) -> str:
-    """The README's digits section: a short table, a figure and a link."""
+def readme_text(S: dict, link: str, fig: str | None, earlier: dict | None = None) -> str:
+    """The README's digits section: a short table of the claims' verdicts (this plan's and the
+    earlier B = 32 plan's), a figure and the links."""
     rows = []
-    for m, c in S["claims"].items():
-        if "claim" in c:
-            rows.append([c["claim"]["label"], regime(S, m), ratio_s(c, c["claim"]["unit"]),
-                         f"**{c['verdict']}**"])
+    for T in (earlier, S):
+        for m, c in (T or {}).get("claims", {}).items():
+            if "claim" in c:
+                rows.append([c["claim"]["label"], regime(T, m), ratio_s(c, c["claim"]["unit"]),
+                             f"**{c['verdict']}**"])
     p = S["plan"]
-    intro = (f"`python examples/digits.py benchmark` trains V-GRPO and the baselines on the "
-             f"pretrained digits model, on a CPU, for B = {p['iterations']} iterations; each "
-             f"method's lr is chosen on a validation set, and the claims are measured on "
-             + (f"{plural(len(p['confirmation_seeds']), 'seed')} the choice never saw."
-                if p.get("version") == 2 else f"the same {plural(len(p['seeds']), 'seed')}."))
-    body = intro + "\n\n" + (table(["claim of the paper", "measured at", "speed-up", "verdict"],
-                                   rows) if rows else "The claims' runs are not finished yet.\n")
+    body = (f"`python examples/digits.py benchmark` trains V-GRPO and the baselines on the "
+            f"pretrained digits model, on a CPU, for B = {p['iterations']} iterations; each "
+            f"method's lr is chosen on a validation set from "
+            f"{plural(len(p['selection_seeds']), 'seed')}, and the claims are measured on "
+            f"{plural(len(p['confirmation_seeds']), 'other seed')}. The earlier plan ran B = 32 "
+            f"and chose and reported on the same seeds.\n\n")
+    body += table(["claim of the paper", "measured at", "speed-up", "verdict"], rows) \
+        if rows else "No claim is measured yet.\n"
     if S["not_finished"]:
-        body += f"\n{plural(len(S['not_finished']), 'run')} of the plan are not finished yet.\n"
+        body += (f"\n{plural(len(S['not_finished']), 'run')} of the B = {p['iterations']} plan "
+                 f"are not finished yet; its claims are stated when their runs are.\n")
     if fig:
         body += f"\n![held-out reward at each method's chosen lr]({fig})\n"
-    return body + f"\nThe statements, every table and the set-up: [{link}]({link}).\n"
+    b32 = os.path.join(os.path.dirname(link), "digits_b32.md")
+    return body + (f"\nThe statements, every table and the set-up: [{link}]({link}) (B = "
+                   f"{p['iterations']}) and [{b32}]({b32}) (B = 32, with Flow-GRPO).\n")
 
 
 def replace_readme_section(readme: Path, body: str) -> None:
@@ -734,15 +764,18 @@ def report(out: Path = RESULTS, md: Path | None = None, readme: Path | None = No
     (out / "summary.json").write_text(json.dumps(strip(S), indent=1))
     if readme:
         rel = lambda f: os.path.relpath(f, Path(readme).parent)
+        earlier = analyse(RESULTS_B32) if (RESULTS_B32 / "plan.json").is_file() else None
+        fig = figs.get("curves") or (here / "digits_b32_curves.png" if earlier else None)
         replace_readme_section(Path(readme), readme_text(
-            S, rel(md), rel(figs["curves"]) if "curves" in figs else None))
+            S, rel(md), rel(fig) if fig and Path(fig).is_file() else None, earlier))
     log(f"wrote {md}, {out / 'summary.json'}" + "".join(f", {v}" for v in figs.values()))
     return text
 
 
 def add_command(sub) -> None:
     r = sub.add_parser("report", help="the report, summary.json and figures of a results folder")
-    r.add_argument("--out", default=str(RESULTS), help="results folder")
+    r.add_argument("--out", default=str(RESULTS), help="results folder (default "
+                   "examples/digits_results)")
     r.add_argument("--md", default=None, help="markdown path (default: see report())")
     r.add_argument("--readme", default=None, help="also rewrite this README's digits section")
 

@@ -86,7 +86,22 @@ def choose(results: dict, plan: dict, base: dict) -> dict:
         r0 = runs_of(results, kind, m, pick["lr"])[0]
         chosen[m] = {"lr": pick["lr"], "variant": r0["eval_key"], "fallback": not ok,
                      "rows": rows, "diversity_floor": keep}
+        if r0["eval_key"] == "ema":          # what its trained weights would have chosen
+            chosen[m]["lr_raw"] = _choose_raw(results, kind, m, plan["lrs"], keep)
     return chosen
+
+
+def _choose_raw(results: dict, kind: str, m: str, lrs: list, keep: float):
+    """The lr an EMA method's trained weights would have chosen (the report shows it beside)."""
+    rows = []
+    for lr in lrs:
+        vals = [final_eval(r, "val", "raw") for r in runs_of(results, kind, m, lr)]
+        if vals and all(v is not None for v in vals):
+            rows.append((lr, np.mean([v["reward"] for v in vals]),
+                         np.mean([v["diversity"] for v in vals])))
+    ok = [r for r in rows if r[2] >= keep]
+    return (max(ok, key=lambda r: r[1]) if ok else max(rows, key=lambda r: r[2]))[0] \
+        if rows else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -345,9 +360,10 @@ def verdict(c: dict, factor: float, unit: str) -> tuple[str, str]:
         return "agrees", f"the interval lies above 1 and reaches {factor:.2g}×"
     if hi < factor:
         if not c["reached"]:
-            return "disagrees", (f"V-GRPO did not reach the target in its {c['Bv']} iterations "
+            return "disagrees", (f"V-GRPO did not reach it in its {c['Bv']} iterations "
                                  f"({c['seeds_reached']} of {c['seeds']} seeds did), so the "
-                                 f"speed-up is below {c['bound'][unit]:.2f}×")
+                                 f"speed-up in {UNITS[unit]} is below {c['bound'][unit]:.2f}×, "
+                                 f"short of the claimed {factor:.2g}×")
         return "disagrees", f"the whole interval lies below {factor:.2g}×"
     return "not resolved", f"the interval includes both 1 and {factor:.2g}×" if lo <= 1 else \
         "the interval is too wide"
