@@ -334,15 +334,16 @@ def _pretrain_eval(pipe, step: int, log, on_eval) -> None:
 # ------------------------------------------------------------------------------------------------
 # Building / caching.
 # ------------------------------------------------------------------------------------------------
-def build(cache: Path = CACHE, pretrain_steps: int = 1500, vae_steps: int = 300,
+def build(cache: Path | None = None, pretrain_steps: int = 1500, vae_steps: int = 300,
           clf_steps: int = 400, seed: int = 0, force: bool = False, log=print,
           eval_every: int = 0, on_eval=None, pretrain_lr: float = 1e-3, layers: int = 4,
           heads: int = 4, t_density: str = "logit_normal", train_text: bool = False) -> Path:
     """Make (or reuse) cache/pipeline (diffusers folder), cache/classifier.pt and the prompt files.
     Returns the pipeline folder. Reused only if it was built with the same budgets and seed; each
-    stage (classifier, VAE) is also cached on its own recipe."""
+    stage (classifier, VAE) is also cached on its own recipe. cache: default CACHE, read at the
+    call (VGRPO_DIGITS_CACHE, or the one a test set)."""
     global _CLF
-    cache = Path(cache)
+    cache = Path(cache) if cache is not None else CACHE
     recipe = dict(pretrain_steps=pretrain_steps, pretrain_lr=pretrain_lr, vae_steps=vae_steps,
                   clf_steps=clf_steps, seed=seed, layers=layers, heads=heads, t_density=t_density,
                   train_text=train_text, seq_len=SEQ_LEN, templates=TRAIN_TEMPLATES, version=1)

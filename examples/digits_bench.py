@@ -554,6 +554,11 @@ def worker(out: Path, log=print) -> None:
             continue
         path = out / f"{job['id']}.json"
         try:
+            check_model(base)                   # the model every run shares: else stop here
+        except RuntimeError:
+            path.with_suffix(".claim").unlink(missing_ok=True)
+            raise
+        try:
             chosen = ST.choose(load_results(out), plan, base) if needs(job, jobs) else {}
             if job["kind"] == "timing":
                 res = timing_job(folder, plan, chosen, log)
@@ -568,6 +573,27 @@ def worker(out: Path, log=print) -> None:
             path.with_suffix(".tmp").rename(path)
             log(f"-> {path.name} ({res.get('seconds', 0):.0f} s)")
         path.with_suffix(".claim").unlink(missing_ok=True)
+
+
+def model_fingerprint() -> str:
+    """SHA-256 of the files that define the benchmark's model and reward (the pretrained
+    transformer, VAE, text encoders and the classifier in D.CACHE): every run checks it against
+    the one base.json was evaluated with, so runs on another build are never mixed."""
+    import hashlib
+    h = hashlib.sha256()
+    files = sorted((D.CACHE / "pipeline").rglob("*.safetensors")) + [D.CACHE / "classifier.pt"]
+    for f in files:
+        h.update(str(f.relative_to(D.CACHE)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def check_model(base: dict) -> None:
+    want = base.get("model_fingerprint")
+    if want is not None and model_fingerprint() != want:
+        raise RuntimeError(f"the model in {D.CACHE} is not the one this benchmark's base.json was "
+                           f"evaluated with (fingerprint {want}): it was rebuilt or replaced; "
+                           "restore it, or start the benchmark in a new --out folder")
 
 
 def prepare(out: Path, mode: str, workers: int, threads: int, log=print,
@@ -589,7 +615,10 @@ def prepare(out: Path, mode: str, workers: int, threads: int, log=print,
     if not (out / "base.json").is_file():
         torch.set_num_threads(max(threads, 1) * max(workers, 1))
         base = evaluate_base(D.CACHE / "pipeline", plan, out / "grids", log)
+        base["model_fingerprint"] = model_fingerprint()
         (out / "base.json").write_text(json.dumps(base))
+        (out / "build.json").write_text((D.CACHE / "build.json").read_text())   # its record
+    check_model(json.loads((out / "base.json").read_text()))
     return plan
 
 

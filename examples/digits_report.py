@@ -410,6 +410,12 @@ def selection_text(S: dict) -> str:
     edge = [m for m, c in S["chosen"].items() if c["lr"] == max(S["plan"]["lrs"])]
     fb = [m for m, c in S["chosen"].items() if c["fallback"]]
     notes = [f"{m}'s chosen lr is the top of the grid; its best lr may lie above it." for m in edge]
+    only = [m for m, c in S["chosen"].items() if not c["fallback"] and len(c["rows"]) > 1
+            and sum(r["val_diversity"] >= c["diversity_floor"] for r in c["rows"]) == 1]
+    if only:
+        notes.append(f"For {', '.join(only)}, the chosen lr is the only one that kept "
+                     f"{S['plan']['diversity_keep']:.0%} of the base model's validation diversity "
+                     f"(at least {S['chosen'][only[0]]['diversity_floor']:.3f}).")
     notes += [f"No lr kept {m}'s diversity floor; the most diverse one was taken." for m in fb]
     return (f"The base model's held-out reward is {ci_s(S['base_reward'])}. Final numbers after "
             f"{S['plan']['iterations']} iterations.\n\n"
