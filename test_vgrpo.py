@@ -3910,6 +3910,9 @@ def test_digits_benchmark_smoke_plan_end_to_end(digits_cache, tmp_path, monkeypa
     import importlib
     D = _load_digits(monkeypatch, digits_cache)
     BENCH = importlib.import_module("examples.digits_bench")
+    # the build without a cache argument is the one D.CACHE names at the call (a test's), never
+    # the default folder that a running benchmark reads
+    assert D.build(**D.FAST_BUILD, log=lambda s: None) == digits_cache / "pipeline"
     out = tmp_path / "bench"
     BENCH.benchmark(out, "smoke", workers=1, threads=1, log=lambda s: None,
                     build=D.FAST_BUILD)
@@ -3930,3 +3933,8 @@ def test_digits_benchmark_smoke_plan_end_to_end(digits_cache, tmp_path, monkeypa
         assert head in md, head
     assert "(s)" not in md
     assert json.loads((out / "summary.json").read_text())["plan"]["mode"] == "smoke"
+    # every run checks the model against base.json's fingerprint: another build stops the worker
+    base = json.loads((out / "base.json").read_text())
+    assert base["model_fingerprint"] == BENCH.model_fingerprint()
+    with pytest.raises(RuntimeError, match="not the one this benchmark"):
+        BENCH.check_model(dict(base, model_fingerprint="0" * 16))
