@@ -9,6 +9,7 @@ import ast
 import builtins
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -534,13 +535,13 @@ def test_off_policy_controls_run(tmp_path):
 
 
 def _count_surrogate_passes(monkeypatch):
-    """Wrap V.surrogates: every call's (grad enabled?, rows) in order."""
-    calls, real = [], V.surrogates
+    """Wrap V.surrogate_pass: every call's (grad enabled?, rows) in order."""
+    calls, real = [], V.surrogate_pass
 
     def spy(run, ro, pairs, rows):
         calls.append((torch.is_grad_enabled(), rows.clone()))
         return real(run, ro, pairs, rows)
-    monkeypatch.setattr(V, "surrogates", spy)
+    monkeypatch.setattr(V, "surrogate_pass", spy)
     return calls
 
 
@@ -565,12 +566,13 @@ def test_mu_two_first_step_equals_a_separate_no_grad_pass(tmp_path, monkeypatch)
     calls = _count_surrogate_passes(monkeypatch)
     seen, real_update = {}, V.update_steps
 
-    def update(run, ro, sc, pairs, mbs, s_old, x0h_old):
+    def update(run, ro, sc, pairs, mbs, s_old):
         seen["n_step4"] = len(calls)                # the passes of step 4, before this one
         with torch.no_grad():                       # θ = θ_old still: a separate pass, all rows
-            seen["s_sep"], seen["x_sep"], _ = V.old_surrogates(run, ro, pairs, mbs, True)
-        seen["mbs"], seen["s_old"], seen["x_old"] = mbs, s_old, x0h_old
-        return real_update(run, ro, sc, pairs, mbs, s_old, x0h_old)
+            sep = V.old_surrogates(run, ro, pairs, mbs, True)
+        seen["s_sep"], seen["x_sep"] = sep.s, sep.x0_hat
+        seen["mbs"], seen["s_old"], seen["x_old"] = mbs, s_old.s, s_old.x0_hat
+        return real_update(run, ro, sc, pairs, mbs, s_old)
     monkeypatch.setattr(V, "update_steps", update)
     assert V.main(TINY + ["--iterations", "1", "--mu", "2", "--micro_batch", "2", "--kl_coef", "0.1",
                           "--group_size", "4", "--run_dir", str(tmp_path)]) == 0
@@ -702,7 +704,7 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
     mnt = _tmpfs(tmp_path / "small", "2m")
     run = (mnt or tmp_path) / "run"
     argv = TINY + ["--iterations", "2", "--save_every", "1", "--eval_every", "1", "--run_dir", str(run)]
-    real_ckpt = V.checkpoint
+    real_ckpt = V.save_checkpoint
     filler = (mnt or tmp_path) / "filler"
 
     def fill_then_checkpoint(r, it):
@@ -715,10 +717,10 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
                     raise SafetensorError("Error while serializing: I/O error: No space left on device")
                 monkeypatch.setattr("safetensors.torch.save_file", boom)
                 monkeypatch.setattr(r.adapter, "save_lora", boom)
-            monkeypatch.setattr(V.Tracker, "close", lambda self: (_ for _ in ()).throw(
+            monkeypatch.setattr(V.RunLog, "close_curves", lambda self: (_ for _ in ()).throw(
                 OSError(28, "No space left on device")))
         return real_ckpt(r, it)
-    monkeypatch.setattr(V, "checkpoint", fill_then_checkpoint)
+    monkeypatch.setattr(V, "save_checkpoint", fill_then_checkpoint)
     try:
         capsys.readouterr()
         assert V.main(argv) == 2
@@ -825,7 +827,7 @@ def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_pa
     argv = TINY + ["--iterations", "3", "--save_every", "10"] + ["--mu", "2"] * (phase == "old")
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert V.main(argv + ["--run_dir", str(ref)]) == 0
-    target = {"rollout": "rollout", "reward": "decode_and_reward", "old": "surrogates",
+    target = {"rollout": "rollout", "reward": "decode_and_reward", "old": "surrogate_pass",
               "update": "vgrpo_loss"}[phase]
     real, calls = getattr(V, target), []
 
@@ -1032,7 +1034,7 @@ def test_pair_sharing_scope_reaches_the_update(tiny_run, monkeypatch, sharing):
     _replay(monkeypatch, tiny_run)
     run = tiny_run.reset("--pair_sharing", sharing, "--micro_batch", 4)
     rows_of, seen = [], []
-    real_sur, real_pair = V.surrogates, V.pair_surrogates
+    real_sur, real_pair = V.surrogate_pass, V.pair_surrogates
 
     def sur(run, ro, pairs, rows):
         rows_of.append(rows.clone())
@@ -1041,7 +1043,7 @@ def test_pair_sharing_scope_reaches_the_update(tiny_run, monkeypatch, sharing):
     def pair(velocity_fn, x0, cond, t, eps, **kw):
         seen.append((t.clone(), eps.clone()))
         return real_pair(velocity_fn, x0, cond, t, eps, **kw)
-    monkeypatch.setattr(V, "surrogates", sur)
+    monkeypatch.setattr(V, "surrogate_pass", sur)
     monkeypatch.setattr(V, "pair_surrogates", pair)
     V.iteration(run, 0)
     assert len(rows_of) == len(seen) == 2                            # 4 + 2, μ = 1
@@ -1170,12 +1172,12 @@ def test_advantages_reach_their_own_samples(tiny_run, monkeypatch):
     monkeypatch.setattr(V, "decode_and_reward", rewards)
     got, real_update = {}, V.update_steps
 
-    def update(run, ro, sc, pairs, mbs, s_old, x0h_old):
-        out = real_update(run, ro, sc, pairs, mbs, s_old, x0h_old)
+    def update(run, ro, sc, pairs, mbs, s_old):
+        out = real_update(run, ro, sc, pairs, mbs, s_old)
         got["done"] = True                                  # the iteration's own calls end here
         with torch.no_grad():                               # θ after the step, the same pairs
-            got["after"] = V.surrogates(run, ro, pairs, torch.arange(N))[0].mean(dim=1)
-        got["before"], got["prompts"] = s_old.mean(dim=1), ro.prompts   # S_old = S at θ_old
+            got["after"] = V.surrogate_pass(run, ro, pairs, torch.arange(N))[0].mean(dim=1)
+        got["before"], got["prompts"] = s_old.s.mean(dim=1), ro.prompts   # S_old = S at θ_old
         return out
     monkeypatch.setattr(V, "update_steps", update)
     rows, real_velocity = [], run.adapter.velocity
@@ -1262,7 +1264,7 @@ def test_skipped_iteration_takes_no_step_and_still_measures_the_surrogate(tiny_r
     assert all(torch.equal(p, p0) for p, p0 in zip(run.params, tiny_run.theta0))
     assert m["nfe_old"] == run.args.n_mc and math.isnan(m["abs_log_ratio"])
     with torch.no_grad():
-        S = V.surrogates(run, tiny_run.ro, V.draw_iteration_pairs(run, 0),
+        S = V.surrogate_pass(run, tiny_run.ro, V.draw_iteration_pairs(run, 0),
                          torch.arange(run.N))[0].mean(dim=1).double()
     Sg = S.view(run.args.prompts_per_iter, run.args.group_size)
     cv = (S.std(unbiased=False) / S.mean().abs()).item()
@@ -1303,7 +1305,7 @@ def test_evaluation_noise_is_the_same_at_every_evaluation(tiny_run, monkeypatch)
     assert first == {**later, "iter": 0}                             # same weights: same numbers
     x = calls[0].flatten(1)
     assert not torch.equal(x[0], x[1]) and not torch.equal(x[0], x[2])
-    train = torch.randn((run.N,) + run.D, generator=V._gen(run.args.seed, 0, 1))
+    train = torch.randn((run.N,) + run.D, generator=V._gen(run.args.seed, 0, V.Stream.ROLLOUT_NOISE))
     assert not any(torch.equal(x[0], r) for r in train.flatten(1))
 
 
@@ -1321,7 +1323,7 @@ def test_loop_schedule_of_evaluations_checkpoints_and_metrics_lines(tiny_run, mo
     monkeypatch.setattr(V, "evaluate", lambda run, it: {"iter": it, "eval_reward_mean": 0.0})
     run = tiny_run.reset("--iterations", 5, "--eval_every", 2, "--save_every", 2)
     try:
-        hist = V.loop(run, tmp_path)
+        hist = V.run_iterations(run, tmp_path)
     finally:
         V._LOCKS.pop(str(tmp_path.resolve())).close()
     assert [m["iter"] for m in hist] == list(range(5))
@@ -1771,6 +1773,27 @@ def test_a_second_trainer_on_a_live_run_folder_exits_in_one_line(tmp_path, capsy
 
 
 @pytest.mark.trainer
+def test_help_shows_what_each_family_gets_in_the_sections_of_args(capsys):
+    """--help: the flags in the sections of Args, in order; the value each model family gets where
+    SD3 and FLUX differ (or what both get, where a family preset changes the dataclass default);
+    every model alias and every reward name."""
+    with pytest.raises(SystemExit):
+        V.given_flags(["--help"])
+    out = capsys.readouterr().out
+    sections = re.split(r"\n    # --- (\w+) -+\n", inspect.getsource(V.Args).split("\n\n    @")[0])[1:]
+    want = {name: re.findall(r"^    (\w+): ", body, re.M) for name, body in zip(sections[::2], sections[1::2])}
+    got = {m.group(1): re.findall(r"^  --(\w+)", m.group(2), re.M)
+           for m in re.finditer(r"^(\w+):\n((?:  .*\n)+)", out, re.M) if m.group(1) != "options"}
+    assert got == want and len(sum(want.values(), [])) == len(dataclasses.fields(V.Args))
+    flat = " ".join(out.split())
+    assert "image side in pixels [SD3 512, FLUX 720;" in flat
+    assert "ODE steps per rollout (K) [SD3 40, FLUX 16;" in flat
+    assert "(less memory) [default True;" in flat                # both families' presets turn it on
+    for name in [*V.TINY_MODELS, *V.MODEL_ALIASES, *V.BUILTIN_REWARDS]:
+        assert re.search(rf"[( ]{re.escape(name)}[,) ]", flat), name
+
+
+@pytest.mark.trainer
 def test_resume_drops_options_removed_since_the_checkpoint(tmp_path, capsys):
     """A checkpoint whose config holds options this version no longer has (ImageReward's built-in
     location, W&B tracking) resumes: those are dropped, the run continues; W&B is not a choice."""
@@ -1828,6 +1851,50 @@ def _readme_block(after: str, nth: int = 0) -> str:
     """The nth ```python block of README.md after the heading/text `after`."""
     section = (ROOT / "README.md").read_text().split(after, 1)[1]
     return re.findall(r"```python\n(.*?)```", section, re.S)[nth]
+
+
+@pytest.mark.math
+def test_the_algorithm_box_is_quoted_word_for_word():
+    """The algorithm box opens vgrpo.py (§0); METHOD.md "Algorithm" and the README's "One
+    iteration" quote it word for word, in their first code block, so the three never drift."""
+    doc = V.__doc__.splitlines()
+    start = next(i for i, line in enumerate(doc) if line.startswith("ALGORITHM"))
+    box = [line[4:] for line in doc[start + 1:doc.index("", start)]]
+    assert len(box) >= 9 and box[0].startswith("0. θ_old ← θ") and box[-1].startswith("Rollouts")
+    for name, heading in (("METHOD.md", "\n## Algorithm (one iteration)\n"),
+                          ("README.md", "\n### One iteration\n")):
+        section = (ROOT / name).read_text().split(heading, 1)[1]
+        assert section.split("```", 2)[1].strip("\n").splitlines() == box, name
+
+
+@pytest.mark.math
+def test_vgrpo_reads_plainly():
+    """How vgrpo.py reads, counted with ast: every function at most 60 lines; at most 3
+    conditional expressions per 100 code lines (non-blank lines outside comments and
+    docstrings); no conditional iteration (`for x in (...) if c else ()`); at most 3 walrus
+    operators."""
+    import io
+    import tokenize
+    src = (ROOT / "vgrpo.py").read_text()
+    tree, lines = ast.parse(src), src.splitlines()
+    docs = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    comments = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(src).readline)
+                if t.type == tokenize.COMMENT and lines[t.start[0] - 1].lstrip().startswith("#")}
+    code = [i for i, line in enumerate(lines, 1) if line.strip() and i not in docs | comments]
+    nodes = list(ast.walk(tree))
+    long = [(n.name, n.end_lineno - n.lineno + 1) for n in nodes
+            if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 60]
+    assert long == []
+    if_exps = sum(isinstance(n, ast.IfExp) for n in nodes)
+    assert if_exps <= 0.03 * len(code), (if_exps, len(code))
+    assert not [n.lineno for n in nodes if isinstance(n, (ast.For, ast.comprehension))
+                and isinstance(n.iter, ast.IfExp)]
+    assert sum(isinstance(n, ast.NamedExpr) for n in nodes) <= 3
 
 
 @pytest.mark.math
@@ -2874,7 +2941,7 @@ import torch
 sys.path.insert(0, {root!r})
 import vgrpo
 torch.distributed.destroy_process_group = lambda: None      # one process group for every run
-save = vgrpo.checkpoint
+save = vgrpo.save_checkpoint
 
 
 def checkpoint(run, it):     # "skip" also gathers AdamW's state first, before the weights: either
@@ -2883,7 +2950,7 @@ def checkpoint(run, it):     # "skip" also gathers AdamW's state first, before t
     return save(run, it)
 
 
-vgrpo.checkpoint = checkpoint
+vgrpo.save_checkpoint = checkpoint
 for run_dir, argv in json.loads(sys.argv[1]).items():
     assert vgrpo.main(argv + ["--run_dir", run_dir]) == 0, run_dir
 """
