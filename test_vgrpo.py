@@ -56,6 +56,16 @@ def _restore_sdpa_switches():
         enable(on)
 
 
+@pytest.fixture(autouse=True)
+def _restore_sigterm_handler():
+    """A preempted run leaves SIGTERM ignored (vgrpo.catch_signals: the process is on its way out
+    with status 75). Tests share one process, so put the handler back after each test."""
+    import signal
+    saved = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, saved)
+
+
 # ------------------------------------------------------------------------------------------------
 # (1) advantages
 # ------------------------------------------------------------------------------------------------
@@ -681,6 +691,143 @@ def test_the_same_command_twice_never_mixes_two_runs(tmp_path, capsys):
     assert [m["iter"] for m in _metrics(fresh) if "reward_mean" in m] == [0, 1]
     assert V.main(TINY + ["--resume", "auto"]) == 2                # needs --run_dir
     assert "--resume auto needs --run_dir" in capsys.readouterr().err
+
+
+@pytest.mark.trainer
+def test_sigterm_twice_still_exits_75(tmp_path):
+    """Schedulers repeat SIGTERM. A second one 0.3 s after the first, and more every 50 ms until
+    the process is gone, still end the run with PREEMPTED (not 143, SIGTERM's own status) and one
+    "preempted" line, with `latest` on the checkpoint that line names."""
+    import signal
+    import subprocess
+    import time
+    run, log = tmp_path / "run", tmp_path / "stderr.txt"
+    argv = [sys.executable, str(ROOT / "vgrpo.py"), *TINY, "--iterations", "1000", "--save_every",
+            "1000", "--run_dir", str(run)]
+    with open(log, "w") as err:
+        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        deadline = time.time() + 600
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text():
+            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)                                   # iteration 0 is logged
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        while p.poll() is None:                                # Popen ignores a finished process
+            p.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+    text = log.read_text()
+    assert p.returncode == V.PREEMPTED, (p.returncode, text[-3000:])
+    said = re.findall(r"preempted (?:at|after) iteration \d+: saved (\S+);", text)
+    assert len(said) == 1 and "Traceback" not in text, text[-3000:]
+    assert (run / "checkpoints" / "latest").read_text() == Path(said[0]).name
+
+
+@pytest.mark.trainer
+def test_every_resume_hint_works_as_printed(tmp_path, monkeypatch, capsys):
+    """A run started without --run_dir (so in runs/<model>-<reward>-<time>) gets SIGTERM in
+    iteration 1. Its line names `--resume RUN` and, for a requeued job, the same command with
+    `--resume auto --run_dir RUN`: each, run exactly as printed (on its own copy of the folder),
+    ends where an uninterrupted run does."""
+    import shutil
+    import signal
+    argv = TINY + ["--iterations", "3", "--save_every", "10"]
+    assert V.main(argv + ["--run_dir", str(tmp_path / "ref")]) == 0
+    monkeypatch.chdir(tmp_path)
+    real = V.collect_rollouts
+
+    def rollout(r, it):
+        if it == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(r, it)
+    monkeypatch.setattr(V, "collect_rollouts", rollout)
+    capsys.readouterr()
+    assert V.main(argv) == V.PREEMPTED
+    err = capsys.readouterr().err
+    monkeypatch.setattr(V, "collect_rollouts", real)
+    resume = re.search(r"continue with (--resume \S+); a requeued job", err)
+    requeue = re.search(r"the same command and (--resume auto --run_dir \S+)", err)
+    assert resume and requeue, err
+    run = Path(resume.group(1).split()[1])
+    assert run.parent.name == "runs" and requeue.group(1).split()[-1] == str(run)
+    shutil.copytree(run, tmp_path / "copy")
+    assert V.main(resume.group(1).split()) == 0
+    _same_run(run, tmp_path / "ref", 3)
+    shutil.rmtree(run)
+    shutil.move(tmp_path / "copy", run)
+    assert V.main(argv + requeue.group(1).split()) == 0
+    _same_run(run, tmp_path / "ref", 3)
+
+
+FLAKY_REWARD = """\
+import os
+import vgrpo
+calls = []
+
+
+def score(images, prompts):              # the JPEG reward, served by a server that may go away
+    calls.append(len(images))
+    if len(calls) == int(os.environ.get("FLAKY_FAIL_AT", "0")):
+        raise ConnectionError("reward server at 10.0.0.7:8000 went away")
+    return vgrpo.jpeg_reward(images, prompts)
+"""
+
+
+@pytest.mark.trainer
+def test_a_reward_that_fails_mid_run_ends_in_one_line_and_loses_nothing(tmp_path, monkeypatch,
+                                                                        capsys):
+    """A plug-in reward that passes the start-up probe and raises in iteration 2 (a reward server
+    gone): one line naming the reward, its error, the iteration, what was saved and the command
+    that continues, and exit status REWARD_FAILED. Iteration 2 had taken no optimizer step, so the
+    state after 2 iterations is saved, and the printed command, once the reward is back, ends
+    where an uninterrupted run does."""
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = TINY + ["--reward", "flaky:score", "--iterations", "4", "--save_every", "10"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert V.main(argv + ["--run_dir", str(ref)]) == 0
+    monkeypatch.delitem(sys.modules, "flaky")                  # a fresh import, a fresh count
+    monkeypatch.setenv("FLAKY_FAIL_AT", "4")                   # the probe, iterations 0, 1, 2
+    capsys.readouterr()
+    assert V.main(argv + ["--run_dir", str(run)]) == V.REWARD_FAILED
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(r"reward 'flaky:score' failed: ConnectionError: reward server .* went away, "
+                     r"in iteration 2; saved \S*iter_000002; continue with --resume (\S+)$",
+                     lines[0]), lines[0]
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+    monkeypatch.delenv("FLAKY_FAIL_AT")                         # the server is back
+    assert V.main(lines[0].rsplit("continue with ", 1)[1].split()) == 0
+    _same_run(run, ref, 4)
+
+
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.trainer
+def test_a_resume_reads_each_checkpoint_file_once(tmp_path, monkeypatch, full):
+    """--resume reads the weights file once (load_trainable; read_checkpoint checks its header and
+    keys with safetensors.safe_open, which reads no tensor), the trainer state once (main reads
+    it for the config and setup takes it from there) and the optimizer state once: one read of
+    a full FLUX fine-tune's 48 GB of weights per process, not three."""
+    import safetensors.torch
+    run = tmp_path / "run"
+    extra = ["--full_finetune", "--lr", "1e-4"] * full
+    assert V.main(TINY + extra + ["--iterations", "1", "--run_dir", str(run)]) == 0
+    reads, real_load_file, real_load = [], safetensors.torch.load_file, torch.load
+
+    def load_file(path, *a, **k):
+        reads.append(Path(path).relative_to(run / "checkpoints" / "iter_000001").as_posix())
+        return real_load_file(path, *a, **k)
+
+    def load(f, *a, **k):
+        reads.append(Path(f).relative_to(run / "checkpoints" / "iter_000001").as_posix())
+        return real_load(f, *a, **k)
+    monkeypatch.setattr(safetensors.torch, "load_file", load_file)
+    monkeypatch.setattr(torch, "load", load)
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    weights = V.FULL_FILE if full else V.LORA_FILE
+    assert sorted(reads) == sorted([weights, V.CKPT_STATE, V.OPTIM_FILE]), reads
 
 
 def _tmpfs(path: Path, size: str):
@@ -1590,6 +1737,70 @@ def test_bad_prompt_files_name_the_flag(tmp_path, capsys):
 def test_bad_learning_rate_before_loading(tmp_path, capsys, monkeypatch, lr):
     monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
     _one_line(TINY + ["--lr", lr], tmp_path, capsys, r"--lr must be a finite number > 0")
+
+
+# Every numeric flag, at 0, at −1 and at nan, on a run short enough to try them all: a flag that
+# passes the checks must then run (evaluation on, so --n_eval is used), one that does not must be
+# refused in one line with status 2 before anything is written.
+NUMERIC_FLAGS = [f.name for f in dataclasses.fields(V.Args)
+                 if str(f.type).replace("Optional[", "").rstrip("]") in ("int", "float")]
+EDGE = ["--model", "tiny", "--reward", "jpeg", "--iterations", "1", "--prompts_per_iter", "2",
+        "--group_size", "2", "--num_steps", "2", "--n_mc", "2", "--eval_every", "1", "--n_eval",
+        "2", "--eval_steps", "2", "--save_every", "1", "--resolution", "32"]
+
+
+@pytest.mark.parametrize("flag", NUMERIC_FLAGS)
+@pytest.mark.trainer
+def test_every_numeric_flag_at_zero_negative_and_nan_is_one_line_or_a_run(tmp_path, capsys, flag):
+    """--FLAG 0, -1 and nan: either exit status 2 with exactly one line (`error: ...`, no
+    traceback) and no run folder, or a run that ends with status 0, its iteration logged with a
+    finite reward and its checkpoint saved."""
+    assert len(NUMERIC_FLAGS) >= 30                       # the list really is read from Args
+    for value in ("0", "-1", "nan"):
+        run = tmp_path / f"run{value}"
+        try:
+            status = V.main(EDGE + [f"--{flag}", value, "--run_dir", str(run)])
+        except SystemExit as e:                           # argparse: an int flag given nan
+            status = e.code
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, (flag, value, err)
+        if status == 2:
+            lines = [l for l in err.splitlines() if l.strip()]
+            assert len(lines) == 1 and lines[0].startswith("error: "), (flag, value, err)
+            assert f"--{flag}" in lines[0], (flag, value, lines)
+            assert not run.exists(), (flag, value)
+        else:
+            assert status == 0, (flag, value, status, err)
+            ms = [m for m in _metrics(run) if "reward_mean" in m]
+            assert len(ms) == 1 and math.isfinite(ms[0]["reward_mean"]), (flag, value)
+            assert (run / "checkpoints" / "latest").read_text() == "iter_000001", (flag, value)
+
+
+@pytest.mark.trainer
+def test_random_streams_are_independent(tiny_run, monkeypatch):
+    """Prompts, rollout noise, pairs, minibatches and the evaluation noise each come from a
+    generator of their own: over two iterations, the nine generators these draws use have nine
+    different seeds (drawing the pairs from the rollout noise's stream, or the minibatches from
+    the prompts', fails here). The rollout itself is replaced by the identity."""
+    seeds, real_gen, now = {}, V._gen, [None]
+
+    def gen(seed, it, stream):
+        g = real_gen(seed, it, stream)
+        seeds.setdefault(now[0], []).append(g.initial_seed())
+        return g
+    monkeypatch.setattr(V, "_gen", gen)
+    monkeypatch.setattr(V, "rollout", lambda adapter, x1, *a, **k: x1.float())
+    run = tiny_run.reset("--mu", 2, "--n_eval", 3)
+    for it in (0, 1):
+        for name, draw in (("prompts, then rollout noise", V.collect_rollouts),
+                           ("pairs", V.draw_iteration_pairs), ("minibatches", V.minibatches)):
+            now[0] = (name, it)
+            draw(run, it)
+    now[0] = ("evaluation noise", 0)
+    V.evaluate(run, 0)
+    assert [len(v) for v in seeds.values()] == [2, 1, 1, 2, 1, 1, 1], seeds
+    every = [s for v in seeds.values() for s in v]
+    assert len(set(every)) == len(every), seeds
 
 
 @pytest.mark.trainer

@@ -82,9 +82,10 @@ import torch
 import torch.nn.functional as F
 
 
-# main()'s exit statuses: 0 done; 1 a bug, with its traceback; 2 bad input, a failed write or out
-# of GPU memory; 75 preempted and saved, "run me again" (sysexits.h EX_TEMPFAIL); 130 Ctrl-C twice.
-PREEMPTED = 75
+# main()'s exit statuses (docs/training.md "Exit statuses"): 0 done; 1 a bug, with its traceback;
+# 2 bad input, a failed write or out of GPU memory; 69 a reward that failed mid-run (sysexits.h
+# EX_UNAVAILABLE); 75 preempted and saved, "run me again" (EX_TEMPFAIL); 130 Ctrl-C twice.
+REWARD_FAILED, PREEMPTED = 69, 75
 
 
 class ConfigError(ValueError):
@@ -570,6 +571,11 @@ def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.
     return score
 
 
+class RewardError(RunError, ValueError):
+    """A plug-in reward that raised or broke the contract mid-run, after the start-up probe."""
+    status = REWARD_FAILED
+
+
 def plugin_reward(spec: str) -> Callable:
     """A user's `module.path:function` under the contract above, its output checked every call."""
     module, _, fn_name = spec.partition(":")
@@ -587,10 +593,10 @@ def plugin_reward(spec: str) -> Callable:
         try:
             out = torch.as_tensor(out).detach().float().cpu()
         except (TypeError, ValueError, RuntimeError):
-            raise ConfigError(f"reward {spec!r} returned {type(out).__name__}; return a tensor, "
+            raise RewardError(f"reward {spec!r} returned {type(out).__name__}; return a tensor, "
                               f"array or list of {len(prompts)} numbers") from None
         if out.shape != (len(prompts),):
-            raise ConfigError(f"reward {spec!r} returned shape {tuple(out.shape)}, "
+            raise RewardError(f"reward {spec!r} returned shape {tuple(out.shape)}, "
                               f"expected ({len(prompts)},)")
         return out
     return score
@@ -602,7 +608,7 @@ def probe_reward(name: str, fn: Callable, size: int, device: torch.device, promp
     batch = f"a probe batch of 2 random {size}×{size} images"
     try:
         out = fn(images.to(device), (prompts * 2)[:2])
-    except ConfigError as e:
+    except RewardError as e:
         raise ConfigError(f"{e} (on {batch})") from None
     except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
         raise ConfigError(f"reward {name!r} failed on {batch}: {type(e).__name__}: {e}") from None
@@ -669,8 +675,17 @@ class Rewards:
                    args.train_terms, args.eval_terms)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
-        """raw {name: (N,)} of every named reward on these images."""
-        return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
+        """raw {name: (N,)} of every named reward on these images. A plug-in that raises (a reward
+        server gone, after the start-up probe) is a RewardError: the run ends in one line."""
+        raw = {}
+        for n in names:
+            try:
+                raw[n] = self.models[n](images, prompts).float().reshape(-1)
+            except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
+                if n in BUILTIN_REWARDS or isinstance(e, (RewardError, torch.cuda.OutOfMemoryError)):
+                    raise
+                raise RewardError(f"reward {n!r} failed: {type(e).__name__}: {e}") from e
+        return raw
 
     def unit(self, terms) -> str:
         """The unit of headline(raw, terms)."""
@@ -1344,12 +1359,13 @@ class Preempted(Exception):
     """SIGTERM before the iteration's first optimizer step, raised on every process alike."""
 
 
-def train(args: Args, fresh_ok: bool = False) -> list[dict]:
+def train(args: Args, fresh_ok: bool = False, resumed: Optional[tuple] = None) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl).
-    fresh_ok (--resume auto, no checkpoint yet): a folder that a killed run left starts over."""
+    fresh_ok (--resume auto, no checkpoint yet): a folder that a killed run left starts over.
+    resumed: read_checkpoint(args.resume), when the caller has read it already (main)."""
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; locked if it exists
     try:                                            # bad input fails in setup, writing nothing
-        return run_iterations(setup(args), run_dir)
+        return run_iterations(setup(args, resumed=resumed), run_dir)
     finally:                                        # release the run folder (lock_run_dir)
         lock = _LOCKS.pop(str(run_dir.resolve()), None)
         if lock is not None:
@@ -1406,20 +1422,22 @@ def iterate(run: Run, log: RunLog) -> list[dict]:
 
 @contextlib.contextmanager
 def interruptible(run: Run, it: int):
-    """SIGTERM (Preempted) or out of GPU memory inside iteration `it`, or the evaluation before it,
-    ends the run in one line: where, what `latest` holds, and the command
+    """SIGTERM (Preempted), out of GPU memory or a failing reward inside iteration `it`, or the
+    evaluation before it, ends the run in one line: where, what `latest` holds, and the command
     that continues. If no optimizer step of `it` has run, the parameters are those after `it`
     iterations and are saved first: by every process on SIGTERM, which all of them see; else in
     one process only (a save is a collective that processes which did not fail would not join)."""
     try:
         yield
-    except (Preempted, torch.cuda.OutOfMemoryError) as e:
+    except (Preempted, torch.cuda.OutOfMemoryError, RewardError) as e:
         saved = None
         if not run.stepped and (isinstance(e, Preempted) or run.world == 1):
             saved = save_checkpoint(run, it)
         if isinstance(e, Preempted):
             preempted(run, f"at iteration {it}", saved)
         go_on = how_to_go_on(run.run_dir, saved)
+        if isinstance(e, RewardError):
+            raise RewardError(f"{e}, in iteration {it}; {go_on}") from None
         phase = OOM_KNOBS.get(getattr(e, "vgrpo_phase", ""), "the run")
         if not run.args.offload_text_encoders:
             phase += " (or --offload_text_encoders)"
@@ -1445,11 +1463,12 @@ def save_or_stop(run: Run, done: int) -> bool:
 
 
 def preempted(run: Run, when: str, saved: Path):
-    """The line a preemption ends in; raises Preempted, which main() turns into exit status 75
-    on every process."""
+    """The line a preemption ends in, with the command a requeued job runs; raises Preempted,
+    which main() turns into exit status 75 on every process."""
     go_on = how_to_go_on(run.run_dir, saved)
     if run.rank == 0:
-        _warn(f"preempted {when}: {go_on} (or the same command with --resume auto)")
+        _warn(f"preempted {when}: {go_on}; a requeued job continues with the same command and "
+              f"--resume auto --run_dir {run.run_dir}")
     raise Preempted(go_on)
 
 
@@ -1470,7 +1489,8 @@ def how_to_go_on(run_dir: Path, saved: Optional[Path] = None) -> str:
 def catch_signals(run: Run):
     """SIGTERM (under torchrun also Ctrl-C, which its agent forwards) appends "term" to run.stop:
     the run saves at the next preemption point. Otherwise a first Ctrl-C appends "int" (finish,
-    save, stop), a second raises KeyboardInterrupt. Returns what restores the previous handlers."""
+    save, stop), a second raises KeyboardInterrupt. Returns what restores the previous handlers;
+    after a SIGTERM it leaves SIGTERM ignored: schedulers repeat it, and the exit must stay 75."""
     def on_term(*_):
         if "term" not in run.stop and run.rank == 0:
             _warn("SIGTERM: saving at once (an iteration not yet stepped is redone on resume)")
@@ -1485,6 +1505,8 @@ def catch_signals(run: Run):
     def restore():
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if "term" in run.stop:                           # on its way out with 75, never 143
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     on = {signal.SIGTERM: on_term,
           signal.SIGINT: on_term if "TORCHELASTIC_RUN_ID" in os.environ else on_int}
     try:
@@ -1494,13 +1516,15 @@ def catch_signals(run: Run):
     return restore
 
 
-def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
+def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
+          resumed: Optional[tuple] = None) -> Run:
     """Load the model and rewards, attach LoRA, shard under torchrun, build the optimizer, restore
-    a checkpoint; writes nothing. args: validated (resolve_args); pipe, rewards: built, or None."""
+    a checkpoint; writes nothing. args: validated (resolve_args); pipe, rewards: built, or None;
+    resumed: read_checkpoint(args.resume) if the caller has read it already, else read here."""
     train_prompts, eval_prompts = load_prompts(args)
-    ckpt, state = None, None
-    if args.resume:
-        ckpt, state = read_checkpoint(args.resume)
+    if resumed is None and args.resume:
+        resumed = read_checkpoint(args.resume)
+    ckpt, state = resumed or (None, None)
     for k in RESUME_FIXED:
         if state and state["config"].get(k, getattr(args, k)) != getattr(args, k):
             raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
@@ -1729,12 +1753,12 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
         lock_run_dir(run_dir)
     held = [f for f in ("config.json", "metrics.jsonl", "checkpoints/latest") if (run_dir / f).exists()]
     if held and not fresh_ok and (resumed is None or resumed.resolve() != run_dir.resolve()):
-        latest, last = run_dir / "checkpoints" / "latest", "none yet"
+        latest, last = run_dir / "checkpoints" / "latest", "none yet: it starts over"
         if latest.is_file():
             last = latest.parent / latest.read_text().strip()
         raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run (latest checkpoint: "
-                          f"{last}); continue it with --resume auto (or --resume {run_dir}), or "
-                          "start a new run with another --run_dir")
+                          f"{last}); continue it with --resume auto --run_dir {run_dir} in the "
+                          "same command, or start a new run with another --run_dir")
     return run_dir
 
 
@@ -1836,7 +1860,8 @@ def find_checkpoint(path: str) -> Path:
 
 
 def read_checkpoint(path: str) -> tuple[Path, dict]:
-    """(folder, trainer state) of a checkpoint, validated before anything else happens."""
+    """(folder, trainer state) of a checkpoint, validated before anything else happens. Of the
+    weights only the header is read (safetensors.safe_open): load_trainable reads them, once."""
     ckpt = find_checkpoint(path)
     try:
         state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
@@ -1849,8 +1874,10 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
                 if not (ckpt / f).is_file()]
         if need:
             raise ValueError(f"missing {', '.join(need)}")
-        from safetensors.torch import load_file
-        load_file(str(ckpt / weights))
+        from safetensors import safe_open
+        with safe_open(str(ckpt / weights), framework="pt") as f:   # checks the layout too
+            if not list(f.keys()):
+                raise ValueError(f"{weights} holds no tensors")
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
                           f"({type(e).__name__}: {e}); pick another with --resume") from e
@@ -2172,6 +2199,7 @@ def given_flags(argv: Optional[list[str]] = None) -> dict:
                "protocol, [ours C1–C3, C8, C17]); --model tiny and tiny-flux make it small "
                "(examples/tiny_models.py). Sources in brackets are items of METHOD.md: [paper Pk] "
                "stated by the paper, [peer Xk] another codebase's, [ours Ck] this project's choice.")
+    p.error = lambda message: p.exit(2, f"error: {message} (--help lists every flag)\n")  # one line
     types, group = {"int": int, "float": float, "str": str}, p
     for f in dataclasses.fields(Args):
         if f.name in HELP_GROUPS:
@@ -2226,18 +2254,21 @@ def check_args(args: Args) -> None:
     """Every bad value or combination, in one message, before anything is loaded or written."""
     v = vars(args)
     counts = ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
-              "iterations", "reward_batch", "resolution", "eval_steps")
+              "iterations", "reward_batch", "resolution", "eval_steps", "save_every", "n_eval",
+              "max_sequence_length", "lora_rank", "lora_alpha")
     rates = ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta")
     problems = [f"--{k} must be ≥ 1 (got {v[k]})" for k in counts
                 if v[k] is not None and v[k] < 1]
-    problems += [f"--{k} must be a finite number > 0 (got {v[k]})" for k in ("lr", "max_grad_norm")
-                 if not (math.isfinite(v[k]) and v[k] > 0)]
+    problems += [f"--{k} must be a finite number > 0 (got {v[k]})"
+                 for k in ("lr", "max_grad_norm", "flux_shift") if not (math.isfinite(v[k]) and v[k] > 0)]
     problems += [f"--{k} must be a finite number ≥ 0 (got {v[k]})" for k in rates
                  if not (math.isfinite(v[k]) and v[k] >= 0)]
     checks = [
         (args.group_size < 2, f"--group_size must be ≥ 2 (got {args.group_size}): a "
          "group-relative advantage needs at least two images per prompt"),
         (not args.adv_clamp >= 0, f"--adv_clamp must be ≥ 0 or inf (got {args.adv_clamp})"),
+        (args.eval_every < 0, f"--eval_every must be ≥ 0, 0 = never (got {args.eval_every})"),
+        (not math.isfinite(args.guidance), f"--guidance must be a finite number (got {args.guidance})"),
         (args.stratified and args.n_mc > args.num_steps, f"--n_mc {args.n_mc} > --num_steps "
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
@@ -2292,10 +2323,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if auto:
             latest = Path(given["run_dir"], "checkpoints", "latest").is_file()
             given["resume"] = given["run_dir"] if latest else None
-        resumed = None                   # a resumed run keeps its configuration; flags override
-        if given.get("resume"):
-            resumed = read_checkpoint(given["resume"])[1]["config"]
-        train(resolve_args(given, resumed=resumed), fresh_ok=auto)
+        resumed, config = None, None      # read once: the config here, the state in setup
+        if given.get("resume"):           # a resumed run keeps its configuration; flags override
+            resumed = read_checkpoint(given["resume"])
+            config = resumed[1]["config"]
+        train(resolve_args(given, resumed=config), fresh_ok=auto, resumed=resumed)
     except (ConfigError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return e.status
