@@ -889,18 +889,17 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-@pytest.mark.parametrize("writer", ["png", "metrics", "tensorboard", "torch.save"])
+@pytest.mark.parametrize("writer", ["png", "metrics", "torch.save"])
 @pytest.mark.trainer
 def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
         tmp_path, monkeypatch, capsys, writer):
     """The disk fills up right after the first checkpoint, seen by each writer of the run folder in
-    turn: the evaluation grid (PIL), the metrics line, TensorBoard, torch.save (whose error is a
-    RuntimeError, not an OSError). One line names what failed and --resume; `latest` still names
+    turn: the evaluation grid (PIL), the metrics line, torch.save (whose error is a RuntimeError,
+    not an OSError). One line names what failed and --resume; `latest` still names
     the complete first checkpoint, no temporary folder is left, and --resume then logs every
     iteration and evaluation once."""
     import errno
     named = {"png": r"eval/iter_000001\.png \(OSError", "metrics": r"metrics\.jsonl \(OSError",
-             "tensorboard": r"the live curves in .*\(OSError",
              "torch.save": r"a checkpoint in .*inline_container"}[writer]
     run = tmp_path / "run"
     latest = run / "checkpoints" / "latest"
@@ -928,11 +927,6 @@ def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
             def close(self):
                 self.f.close()
         monkeypatch.setattr(V, "open_run_dir", lambda r, d: Full(real_open(r, d)))
-    elif writer == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        real_scalar = SummaryWriter.add_scalar
-        monkeypatch.setattr(SummaryWriter, "add_scalar", lambda self, *a, **k: (
-            _ for _ in ()).throw(full()) if latest.exists() else real_scalar(self, *a, **k))
     else:
         real_save = torch.save
 
@@ -943,7 +937,6 @@ def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
             return real_save(obj, f, *a, **k)
         monkeypatch.setattr(torch, "save", save)
     argv = TINY + ["--save_every", "1", "--eval_every", "1", "--run_dir", str(run)]      # 2 iterations
-    argv += ["--report_to", "tensorboard"] * (writer == "tensorboard")
     capsys.readouterr()
     assert V.main(argv) == 2
     err = capsys.readouterr().err
@@ -1916,38 +1909,79 @@ def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, ca
 @pytest.mark.trainer
 def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, monkeypatch,
                                                                        capsys):
-    """--report_to tensorboard: TensorBoard's own reader finds reward_mean once per iteration,
-    also after a kill (iteration 2 was logged, then lost with the kill) and --resume, and the
-    evaluation grids as images. examples/plot_metrics.py draws the run's metrics.jsonl as a real
-    image, skipping a line cut short by a kill; a folder without metrics is one line, exit 2."""
+    """examples/tensorboard_curves.py --follow, started before the run: TensorBoard's own reader
+    finds reward_mean once per iteration, also after a kill (iteration 2 was logged, then lost
+    with the kill) and --resume, and the evaluation grids as images; run once after the run, the
+    same curves; a disk that fills up is one line, exit 2. examples/plot_metrics.py draws the run's
+    metrics.jsonl as a real image, skipping a line cut short by a kill; a folder without metrics
+    is one line, exit 2."""
+    import errno
+    import signal
+    import subprocess
+    import time
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run, real = tmp_path / "run", V.iteration
+
+    def steps():
+        acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+        acc.Reload()
+        tags = acc.Tags()
+        return {t: [e.step for e in (acc.Images(t) if t == "eval_grid" else acc.Scalars(t))]
+                for t in ("reward_mean", "eval_reward_mean", "eval_grid")
+                if t in tags["scalars"] + tags["images"]}
+
+    def follower_reaches(want):                     # the follower reads metrics.jsonl every 0.2 s
+        for _ in range(300):
+            if (run / "tensorboard").is_dir() and steps() == want:
+                return True
+            time.sleep(0.2)
+        return steps()
 
     def killed_at_3(r, it):
         if it == 3:
             raise SystemExit("killed")
         return real(r, it)
 
-    monkeypatch.setattr(V, "iteration", killed_at_3)
-    with pytest.raises(SystemExit):
-        V.main(TINY + ["--iterations", "5", "--save_every", "2", "--eval_every", "2",
-                       "--report_to", "tensorboard", "--run_dir", str(run)])
-    monkeypatch.setattr(V, "iteration", real)
-    assert V.main(["--resume", str(run)]) == 0
-    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("reward_mean")] == [0, 1, 2, 3, 4]
-    assert [e.step for e in acc.Scalars("eval_reward_mean")] == [0, 2, 4, 5]
-    assert [e.step for e in acc.Images("eval_grid")] == [0, 2, 4, 5]
+    follower = subprocess.Popen([sys.executable, str(ROOT / "examples" / "tensorboard_curves.py"),
+                                 str(run), "--follow", "--every", "0.2"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        monkeypatch.setattr(V, "iteration", killed_at_3)
+        with pytest.raises(SystemExit):
+            V.main(TINY + ["--iterations", "5", "--save_every", "2", "--eval_every", "2",
+                           "--run_dir", str(run)])
+        monkeypatch.setattr(V, "iteration", real)
+        assert follower_reaches({"reward_mean": [0, 1, 2], "eval_reward_mean": [0, 2],
+                                 "eval_grid": [0, 2]}) is True
+        assert V.main(["--resume", str(run)]) == 0
+        done = {"reward_mean": [0, 1, 2, 3, 4], "eval_reward_mean": [0, 2, 4, 5],
+                "eval_grid": [0, 2, 4, 5]}
+        assert follower_reaches(done) is True
+    finally:
+        follower.send_signal(signal.SIGINT)                           # Ctrl-C stops it
+        err = follower.communicate(timeout=60)[1]
+    assert follower.returncode == 0 and err == "", err
+    tb = _load_example("tensorboard_curves")
+    assert tb.main([str(run)]) == 0 and steps() == done               # once, after the run
+    from torch.utils.tensorboard import SummaryWriter
+    monkeypatch.setattr(SummaryWriter, "add_scalar", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    capsys.readouterr()
+    assert tb.main([str(run)]) == 2
+    assert re.fullmatch(r"error: .*No space left on device\n", capsys.readouterr().err)
+    monkeypatch.undo()
     pm = _load_example("plot_metrics")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"iter": 5, "rew')                                  # cut short by a kill
     assert pm.main([str(run)]) == 0
     with Image.open(run / "metrics.png") as im:
         assert im.format == "PNG" and im.size[0] > 500 and im.size[1] > 300
+    assert tb.main([str(run)]) == 0 and steps() == done
     capsys.readouterr()
     assert pm.main([str(tmp_path)]) == 2
+    assert re.fullmatch(r"error: .*has no metrics.jsonl.*\n", capsys.readouterr().err)
+    assert tb.main([str(tmp_path)]) == 2
     assert re.fullmatch(r"error: .*has no metrics.jsonl.*\n", capsys.readouterr().err)
 
 
@@ -2007,18 +2041,21 @@ def test_help_shows_what_each_family_gets_in_the_sections_of_args(capsys):
 @pytest.mark.trainer
 def test_resume_drops_options_removed_since_the_checkpoint(tmp_path, capsys):
     """A checkpoint whose config holds options this version no longer has (ImageReward's built-in
-    location, W&B tracking) resumes: those are dropped, the run continues; W&B is not a choice."""
+    location, the trainer's own TensorBoard or W&B tracking) resumes: those are dropped, the run
+    continues; neither is a flag any more."""
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
     ckpt, state = V.read_checkpoint(str(run))
-    state["config"].update(imagereward_model="ImageReward-v1.0", report_to="wandb")
+    removed = dict(imagereward_model="ImageReward-v1.0", report_to="tensorboard")
+    state["config"].update(removed)
     torch.save(state, ckpt / V.CKPT_STATE)
     assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
     assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
-    assert json.loads((run / "config.json").read_text())["report_to"] == "none"
-    with pytest.raises(SystemExit):
-        V.given_flags(["--report_to", "wandb"])
-    assert "invalid choice: 'wandb'" in capsys.readouterr().err
+    assert not set(removed) & set(json.loads((run / "config.json").read_text()))
+    for flag in removed:
+        with pytest.raises(SystemExit):
+            V.given_flags([f"--{flag}", "x"])
+        assert f"unrecognized arguments: --{flag}" in capsys.readouterr().err
 
 
 @pytest.mark.trainer

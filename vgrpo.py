@@ -1664,21 +1664,14 @@ def evaluate(run: Run, it: int) -> dict:
 
 
 class RunLog:
-    """What rank 0 records as a run goes: a metrics.jsonl line per iteration and per evaluation,
-    the live curves with --report_to tensorboard (every scalar, and the evaluation grids as
-    images; the step is the iteration, so a resumed run continues its curves: `purge_step`), and
-    a line per iteration above the progress bar. Every process holds one (open_run_dir tells each
-    the run folder); off rank 0 it writes nothing. W&B can sync the TensorBoard logs, and
-    examples/plot_metrics.py draws metrics.jsonl."""
+    """What rank 0 records as a run goes: a metrics.jsonl line per iteration and per evaluation
+    (examples/plot_metrics.py draws them; examples/tensorboard_curves.py makes them TensorBoard
+    curves, live with --follow), and a line per iteration above the progress bar. Every process
+    holds one (open_run_dir tells each the run folder); off rank 0 it writes nothing."""
 
     def __init__(self, run: Run, run_dir: Path):
         from tqdm.auto import tqdm
-        self.run, self.file, self.board, self.say = run, open_run_dir(run, run_dir), None, tqdm.write
-        self.curves = f"the live curves in {run.run_dir}"
-        if run.rank == 0 and run.args.report_to == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-            with writing(self.curves, run.run_dir):
-                self.board = SummaryWriter(str(run.run_dir / "tensorboard"), purge_step=run.start)
+        self.run, self.file, self.say = run, open_run_dir(run, run_dir), tqdm.write
         self.bar = tqdm(range(run.start, run.args.iterations), initial=run.start,
                         total=run.args.iterations, desc="V-GRPO", unit="it", disable=run.rank != 0)
 
@@ -1686,7 +1679,7 @@ class RunLog:
         """evaluate(run, it), recorded; out of GPU memory in there names the evaluation."""
         with timed({}, "eval"):
             m = evaluate(self.run, it)
-            self.record(m, f"eval at iteration {it}: reward {m['eval_reward_mean']:.4f}", True)
+            self.record(m, f"eval at iteration {it}: reward {m['eval_reward_mean']:.4f}")
 
     def iteration(self, m: dict) -> None:
         self.record(m, f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
@@ -1694,38 +1687,18 @@ class RunLog:
                        f"/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
         self.bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
 
-    def record(self, m: dict, line: str, evaluation: bool = False) -> None:
+    def record(self, m: dict, line: str) -> None:
         if self.run.rank > 0:
             return
         with writing(self.run.run_dir / "metrics.jsonl", self.run.run_dir):
             print(json.dumps(m), file=self.file, flush=True)
-        with writing(self.curves, self.run.run_dir):
-            self.draw(m, evaluation)
         self.say(line)
 
-    def draw(self, m: dict, evaluation: bool) -> None:
-        """The live curves of one metrics line (TensorBoard), with the grid of an evaluation."""
-        if self.board is None:
-            return
-        step, grid = m["iter"], self.run.run_dir / "eval" / f"iter_{m['iter']:06d}.png"
-        for k, v in m.items():
-            if k != "iter" and isinstance(v, (int, float)):
-                self.board.add_scalar(k, v, step)
-        if evaluation and grid.is_file():
-            from PIL import Image
-            from torchvision.transforms.functional import pil_to_tensor     # (3, H, W) uint8
-            self.board.add_image("eval_grid", pil_to_tensor(Image.open(grid).convert("RGB")), step)
-
     def close_steps(self) -> list:
-        """The clean-up steps: the bar; on rank 0 also metrics.jsonl and the curves."""
+        """The clean-up steps: the bar, and on rank 0 metrics.jsonl."""
         if self.run.rank > 0:
             return [self.bar.close]
-        return [self.bar.close, self.file.close, self.close_curves]
-
-    def close_curves(self) -> None:
-        if self.board is not None:
-            with writing(self.curves, self.run.run_dir):
-                self.board.close()                                # after a crash too
+        return [self.bar.close, self.file.close]
 
 
 # ---- the run folder: planned before anything loads, one trainer at a time ---------------------
@@ -2141,8 +2114,6 @@ class Args:
     # --- system ----------------------------------------------------------------------------------
     seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
     device: str = _f("auto", "cuda, cpu, or auto")
-    report_to: str = _f("none", "live curves in run_dir/tensorboard",
-                        choices=("none", "tensorboard"))
     preset: Optional[str] = _f(None, "bundle of overrides (docs/training.md \"Presets\")",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
 
