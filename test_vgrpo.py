@@ -2041,12 +2041,13 @@ def test_help_shows_what_each_family_gets_in_the_sections_of_args(capsys):
 @pytest.mark.trainer
 def test_resume_drops_options_removed_since_the_checkpoint(tmp_path, capsys):
     """A checkpoint whose config holds options this version no longer has (ImageReward's built-in
-    location, the trainer's own TensorBoard or W&B tracking) resumes: those are dropped, the run
-    continues; neither is a flag any more."""
+    location, the trainer's own TensorBoard or W&B tracking, the aesthetic MLP's location)
+    resumes: those are dropped, the run continues; none of them is a flag any more."""
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
     ckpt, state = V.read_checkpoint(str(run))
-    removed = dict(imagereward_model="ImageReward-v1.0", report_to="tensorboard")
+    removed = dict(imagereward_model="ImageReward-v1.0", report_to="tensorboard",
+                   aesthetic_weights="trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth")
     state["config"].update(removed)
     torch.save(state, ckpt / V.CKPT_STATE)
     assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
@@ -2343,7 +2344,10 @@ def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
 
 
 @pytest.mark.trainer
-def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
+def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path, capsys, monkeypatch):
+    """examples/aesthetic.py: the LAION MLP (the original's key names) on the L2-normalised CLIP
+    image features of vgrpo's CLIP preprocessing, from AESTHETIC_CLIP and AESTHETIC_WEIGHTS; it
+    trains through --reward as a plug-in; --reward aesthetic is one line naming the plug-in."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
     d = tmp_path / "clip"
     d.mkdir()
@@ -2359,12 +2363,15 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
     CLIPModel(cfg).save_pretrained(d)
     CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
                   tokenizer=tok).save_pretrained(d)
-    head = V.aesthetic_head()
+    monkeypatch.chdir(ROOT)
+    from examples import aesthetic as AE
+    head = AE.head()
     torch.save(head.state_dict(), tmp_path / "aesthetic.pth")
-    rw = V.build_reward("aesthetic", V.Args(clip_model=str(d), aesthetic_weights=str(tmp_path / "aesthetic.pth")),
-                        torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("AESTHETIC_CLIP", str(d))
+    monkeypatch.setenv("AESTHETIC_WEIGHTS", str(tmp_path / "aesthetic.pth"))
+    monkeypatch.setattr(AE, "_LOADED", {})
     imgs = torch.rand(4, 3, 32, 32)
-    got = rw(imgs, ["x"] * 4)
+    got = AE.score(imgs, ["x"] * 4)
     assert got.shape == (4,) and torch.isfinite(got).all()
     with torch.no_grad():
         px = V.clip_pixels(imgs, CLIPProcessor.from_pretrained(d).image_processor)
@@ -2373,6 +2380,12 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
         torch.testing.assert_close(got, head.eval()(torch.nn.functional.normalize(f, dim=-1)).squeeze(-1))
     assert sorted(k for k in head.state_dict()) == sorted(
         f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))   # the original's key names
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--reward", "examples.aesthetic:score",
+                          "--run_dir", str(run)]) == 0
+    assert torch.isfinite(torch.tensor(_metrics(run)[0]["reward_mean"]))
+    _fails(TINY + ["--reward", "aesthetic"], tmp_path, capsys,
+           r"unknown reward 'aesthetic'.*examples\.aesthetic:score")
 
 
 @pytest.mark.trainer

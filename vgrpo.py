@@ -8,8 +8,9 @@ You Think", Tang et al., 2026, arXiv 2604.23380. Tags resolve in METHOD.md, besi
 where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" is a section here.
 
 What this file IS: a readable reference of the algorithm plus a working trainer for SD3 / SD3.5
-and FLUX.1 (diffusers) with five rewards, or your own (ImageReward is one in examples/), on one
-GPU or under torchrun (FSDP2), and offline tiny models: it all runs on a laptop CPU.
+and FLUX.1 (diffusers) with four rewards, or your own (ImageReward and the LAION aesthetic
+predictor are two in examples/), on one GPU or under torchrun (FSDP2), and offline tiny models: it
+all runs on a laptop CPU.
 What it is NOT: a framework; the loss can be copied into any trainer (§2–§6).
 
 Quickstart
@@ -447,7 +448,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for a plug-in; advantages see
 # raw · train_scale (only sums of rewards and std_eps notice), e.g. PickScore's raw/26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
-                "aesthetic": ("1-10", 1.0), "jpeg": ("-kB", 1.0)}
+                "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
 
 
@@ -503,37 +504,19 @@ def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
 
 
 def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
-                logit_scale: bool = False, head: Optional[torch.nn.Module] = None) -> Callable:
-    """A CLIPModel + CLIPProcessor as three rewards [peer X10]: pickscore logit_scale.exp() · cos,
-    clipscore cos(image, text), aesthetic head(L2-normalised image features), prompts unused."""
+                logit_scale: bool = False) -> Callable:
+    """A CLIPModel + CLIPProcessor as two rewards [peer X10]: pickscore logit_scale.exp() · cos,
+    clipscore cos(image, text)."""
     model = model.eval().requires_grad_(False).to(device, dtype)
-    head = None if head is None else head.eval().requires_grad_(False).to(device, torch.float32)
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         px = clip_pixels(images.to(device), processor.image_processor).to(dtype)
-        if head is not None:
-            f = model.get_image_features(pixel_values=px)
-            f = f if torch.is_tensor(f) else f.pooler_output       # transformers ≥ 5 wraps it
-            return head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
         text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
                                    return_tensors="pt").to(device)
         out = model(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=px)
         cos = F.cosine_similarity(out.image_embeds.float(), out.text_embeds.float())   # (N,)
         return (model.logit_scale.exp().float() * cos if logit_scale else cos).cpu()
     return score
-
-
-def aesthetic_head(weights: Optional[str] = None) -> torch.nn.Module:
-    """The LAION improved aesthetic predictor's MLP [peer X10], named like the original so its
-    state dict loads as is. weights: a file or owner/repo/file; None leaves it random."""
-    nn = torch.nn
-    head = nn.Sequential()
-    head.layers = nn.Sequential(                                # 768 → 1024 → 128 → 64 → 16 → 1
-        nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
-    if weights is not None:
-        head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
-    return head
 
 
 def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
@@ -631,7 +614,8 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             name, weight = item, 1.0
         if name not in BUILTIN_REWARDS and ":" not in name:
             raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, "
-                              "or module.path:function (ImageReward: examples.imagereward:score)")
+                              "or module.path:function (ImageReward: examples.imagereward:score, "
+                              "the LAION aesthetic predictor: examples.aesthetic:score)")
         if not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
         out.append((name, weight))
@@ -644,7 +628,7 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype) -> Callable:
     """One reward by name, from the locations in args; offline failures name the flag to use."""
-    if name in ("pickscore", "clipscore", "aesthetic"):
+    if name in ("pickscore", "clipscore"):
         from transformers import AutoModel, AutoProcessor
         _quiet_hf()
         mf, pf = (("pickscore_model", "pickscore_processor") if name == "pickscore"
@@ -652,8 +636,7 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
         proc = _from_pretrained(AutoProcessor, getattr(args, pf), f"the {name} processor",
                                 f"--{pf}")
         model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
-        head = aesthetic_head(args.aesthetic_weights) if name == "aesthetic" else None
-        return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore", head=head)
+        return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore")
     if name == "hpsv2":
         return hpsv2_reward(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
     return jpeg_reward if name == "jpeg" else plugin_reward(name)
@@ -2071,8 +2054,8 @@ class Args:
     rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, same results)")
     # --- reward ----------------------------------------------------------------------------------
     reward: str = _f("pickscore", f"rewards with weights, e.g. pickscore:1,hpsv2:1; each one of "
-                     f"{', '.join(BUILTIN_REWARDS)} or module.path:function (ImageReward: "
-                     "examples.imagereward:score)")
+                     f"{', '.join(BUILTIN_REWARDS)} or module.path:function (examples/: "
+                     "examples.imagereward:score, examples.aesthetic:score)")
     reward_aggregation: str = _f("sum", "several rewards: sum then normalise, or the reverse",
                                  "[ours C3]", choices=("sum", "per_reward"))
     eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: training's)")
@@ -2082,9 +2065,7 @@ class Args:
     hpsv2_arch: str = _f("ViT-H-14", "HPSv2 open_clip architecture (or JSON config)", "[peer X10]")
     hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt",
                                "HPSv2.1 weights: file or owner/repo/file", "[peer X10]")
-    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore, aesthetic", "[peer X10]")
-    aesthetic_weights: str = _f("trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
-                                "LAION aesthetic MLP: file or owner/repo/file", "[peer X10]")
+    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore", "[peer X10]")
     reward_batch: int = _f(32, "images per decode and reward-model call (memory knob)")
     # --- objective -------------------------------------------------------------------------------
     prompts_per_iter: int = _f(6, "P: prompts per iteration (paper: 48; 6 = one GPU's share of 8)")
