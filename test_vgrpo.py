@@ -3956,6 +3956,25 @@ def test_evaluate_bad_input_is_one_line_and_writes_nothing(ev, jpeg_run, heldout
 
 
 @pytest.mark.examples
+def test_evaluate_reward_failing_mid_evaluation_is_one_line(ev, tmp_path, capsys, monkeypatch):
+    """A plug-in reward that passes the start-up probe and then raises (a reward server gone)
+    ends the evaluation in one line naming the reward and its error, with exit status 69."""
+    (tmp_path / "flaky.py").write_text(
+        "import torch\ncalls = []\n\n\ndef fn(images, prompts):\n    calls.append(len(prompts))\n"
+        "    if len(calls) > 1:\n        raise RuntimeError('server gone')\n"
+        "    return torch.zeros(len(prompts))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red cube\na blue sphere\n")
+    capsys.readouterr()
+    assert ev.main(EVAL_TINY + ["--num_steps", "4", "--rewards", "jpeg,flaky:fn", "--prompts",
+                                str(prompts), "--out", str(tmp_path / "out")]) == V.REWARD_FAILED
+    err = capsys.readouterr().err                         # beside the progress bar, one line
+    assert "Traceback" not in err and re.findall(r"error: [^\r\n]*", err) == [
+        "error: reward 'flaky:fn' failed: RuntimeError: server gone"], err
+
+
+@pytest.mark.examples
 def test_evaluate_digits_checkpoint_above_base(ev, digits_cache, tmp_path, monkeypatch):
     """On the pretrained digits model (the fast build above): a short V-GRPO run, then the
     evaluation on the unseen phrasings puts the checkpoint above the base on the digit reward."""

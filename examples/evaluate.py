@@ -569,12 +569,13 @@ def evaluate(argv: Optional[list[str]] = None) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The command line: bad input prints one line (error: ...) and returns 2."""
+    """The command line: bad input prints one line (error: ...) and returns 2; a run that cannot
+    go on, such as a plug-in reward failing mid-evaluation, one line and its status (69)."""
     try:
         evaluate(argv)
-    except ConfigError as e:
+    except (ConfigError, V.RunError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.status
     return 0
 
 
