@@ -1640,7 +1640,7 @@ def _one_line(argv, tmp_path, capsys, pattern):
 
 
 @pytest.mark.parametrize("body, pattern", [
-    ("raise KeyError('no such key')", r"'badplug:fn' failed on a probe batch.*KeyError"),
+    ("raise KeyError('no such key')", r"'badplug:fn' failed: KeyError.*on a probe batch"),
     ("return None", r"'badplug:fn' returned NoneType; return a tensor"),
     ("return torch.zeros(len(prompts), 2)",
      r"'badplug:fn' returned shape \(2, 2\), expected \(2,\)"),
@@ -2398,7 +2398,7 @@ def test_imagereward_plugin_scores_pairs_and_without_package_says_how_to_install
     monkeypatch.setitem(sys.modules, "ImageReward", None)               # import fails
     monkeypatch.delitem(sys.modules, "examples.imagereward", raising=False)
     _fails(TINY + ["--reward", "examples.imagereward:score"], tmp_path, capsys,
-           r"reward 'examples.imagereward:score' failed .*pip install image-reward")
+           r"reward 'examples.imagereward:score' failed: .*pip install image-reward")
     loads, seen = [], []
 
     class FakeModel:
@@ -3950,7 +3950,7 @@ def test_evaluate_bad_input_is_one_line_and_writes_nothing(ev, jpeg_run, heldout
     (tmp_path / "evalplug.py").write_text("def fn(images, prompts):\n    raise KeyError('no key')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     _eval_fails(ev, EVAL_TINY + p + ["--rewards", "jpeg,evalplug:fn"], tmp_path, capsys,
-                r"reward 'evalplug:fn' failed on a probe batch .*KeyError")
+                r"reward 'evalplug:fn' failed: KeyError.*on a probe batch")
     _eval_fails(ev, EVAL_TINY + p + ["--rewards", "jpeg:2"], tmp_path, capsys,
                 r"weights mean nothing here")
 
@@ -3959,19 +3959,20 @@ def test_evaluate_bad_input_is_one_line_and_writes_nothing(ev, jpeg_run, heldout
 def test_evaluate_reward_failing_mid_evaluation_is_one_line(ev, tmp_path, capsys, monkeypatch):
     """A plug-in reward that passes the start-up probe and then raises (a reward server gone)
     ends the evaluation in one line naming the reward and its error, with exit status 69."""
-    (tmp_path / "flaky.py").write_text(
+    (tmp_path / "evalflaky.py").write_text(
         "import torch\ncalls = []\n\n\ndef fn(images, prompts):\n    calls.append(len(prompts))\n"
         "    if len(calls) > 1:\n        raise RuntimeError('server gone')\n"
         "    return torch.zeros(len(prompts))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "evalflaky", raising=False)          # a fresh import
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red cube\na blue sphere\n")
     capsys.readouterr()
-    assert ev.main(EVAL_TINY + ["--num_steps", "4", "--rewards", "jpeg,flaky:fn", "--prompts",
+    assert ev.main(EVAL_TINY + ["--num_steps", "4", "--rewards", "jpeg,evalflaky:fn", "--prompts",
                                 str(prompts), "--out", str(tmp_path / "out")]) == V.REWARD_FAILED
     err = capsys.readouterr().err                         # beside the progress bar, one line
     assert "Traceback" not in err and re.findall(r"error: [^\r\n]*", err) == [
-        "error: reward 'flaky:fn' failed: RuntimeError: server gone"], err
+        "error: reward 'evalflaky:fn' failed: RuntimeError: server gone"], err
 
 
 @pytest.mark.examples

@@ -560,7 +560,8 @@ class RewardError(RunError, ValueError):
 
 
 def plugin_reward(spec: str) -> Callable:
-    """A user's `module.path:function` under the contract above, its output checked every call."""
+    """A user's `module.path:function` under the contract above, its output checked every call.
+    Whatever goes wrong in a call (a reward server gone mid-run) is a RewardError: one line."""
     module, _, fn_name = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())       # so `examples.custom_reward:fn` works from the repo
@@ -572,7 +573,12 @@ def plugin_reward(spec: str) -> Callable:
         raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn_name!r}")
 
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        out = fn(images, prompts)
+        try:
+            out = fn(images, prompts)
+        except torch.cuda.OutOfMemoryError:
+            raise                                 # the harness names the phase and its knob
+        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
+            raise RewardError(f"reward {spec!r} failed: {type(e).__name__}: {e}") from e
         try:
             out = torch.as_tensor(out).detach().float().cpu()
         except (TypeError, ValueError, RuntimeError):
@@ -593,8 +599,6 @@ def probe_reward(name: str, fn: Callable, size: int, device: torch.device, promp
         out = fn(images.to(device), (prompts * 2)[:2])
     except RewardError as e:
         raise ConfigError(f"{e} (on {batch})") from None
-    except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
-        raise ConfigError(f"reward {name!r} failed on {batch}: {type(e).__name__}: {e}") from None
     if not torch.isfinite(out).all():
         raise ConfigError(f"reward {name!r} returned non-finite values {out.tolist()} on {batch}; "
                           "return finite numbers")
@@ -631,8 +635,8 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
     if name in ("pickscore", "clipscore"):
         from transformers import AutoModel, AutoProcessor
         _quiet_hf()
-        mf, pf = (("pickscore_model", "pickscore_processor") if name == "pickscore"
-                  else ("clip_model", "clip_model"))
+        mf, pf = {"pickscore": ("pickscore_model", "pickscore_processor"),
+                  "clipscore": ("clip_model", "clip_model")}[name]
         proc = _from_pretrained(AutoProcessor, getattr(args, pf), f"the {name} processor",
                                 f"--{pf}")
         model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
@@ -658,17 +662,8 @@ class Rewards:
                    args.train_terms, args.eval_terms)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
-        """raw {name: (N,)} of every named reward on these images. A plug-in that raises (a reward
-        server gone, after the start-up probe) is a RewardError: the run ends in one line."""
-        raw = {}
-        for n in names:
-            try:
-                raw[n] = self.models[n](images, prompts).float().reshape(-1)
-            except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
-                if n in BUILTIN_REWARDS or isinstance(e, (RewardError, torch.cuda.OutOfMemoryError)):
-                    raise
-                raise RewardError(f"reward {n!r} failed: {type(e).__name__}: {e}") from e
-        return raw
+        """raw {name: (N,)} of every named reward on these images."""
+        return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
 
     def unit(self, terms) -> str:
         """The unit of headline(raw, terms)."""
@@ -701,10 +696,10 @@ SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
 def model_family(name: str) -> str:
     """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
+    named = MODEL_ALIASES.get(name, name)                   # a hub id: FLUX's name says "flux"
     if name in TINY_MODELS or Path(name).is_dir():
-        cls_name = TINY_MODELS.get(name) or check_local_pipeline(name)[0]   # one-line errors
-        return "flux" if cls_name == "FluxPipeline" else "sd3"
-    return "flux" if "flux" in MODEL_ALIASES.get(name, name).lower() else "sd3"
+        named = TINY_MODELS.get(name) or check_local_pipeline(name)[0]      # one-line errors
+    return "flux" if "flux" in named.lower() else "sd3"
 
 
 def _quiet_hf():
@@ -1158,7 +1153,7 @@ def draw_iteration_pairs(run: Run, it: int) -> Pairs:
 
 def minibatches(run: Run, it: int) -> list:
     """[(step k, rows), ...]: the μ optimizer steps' disjoint, equal minibatches of local rows
-    (check_world) in micro-batches, in the order the update visits them; drawn before Alg. step 4,
+    (check_args) in micro-batches, in the order the update visits them; drawn before Alg. step 4,
     so S_old is computed in the very micro-batches (rows, shapes) of θ's pass [ours C14]."""
     a = run.args
     perm = torch.arange(run.Nl, device=run.dev)
@@ -1942,18 +1937,6 @@ def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0,
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
-def check_world(args: Args, world: int) -> None:
-    """One rule for one process and for many: each process holds whole groups and splits its
-    samples into μ equal minibatches, so every optimizer step sees the same number of samples."""
-    P, G = args.prompts_per_iter, args.group_size
-    if P % world:
-        raise ConfigError(f"--prompts_per_iter {P} must be divisible by the {world} processes: "
-                          "a group is never split across processes")
-    if P // world * G % args.mu:
-        raise ConfigError(f"each process's {P // world * G} samples must split into --mu "
-                          f"{args.mu} equal minibatches")
-
-
 def shard_transformer(tr, dtype: torch.dtype) -> None:
     """FSDP2: each block its own unit, then the root (embedders, final layer). The fp32 master
     weights and their AdamW state stay sharded; under bf16 / fp16 the parameters are all-gathered
@@ -2204,7 +2187,7 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
 
 def check_args(args: Args) -> None:
     """Every bad value or combination, in one message, before anything is loaded or written."""
-    v = vars(args)
+    v, P, G, world = vars(args), args.prompts_per_iter, args.group_size, dist_info()[1]
     counts = ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
               "iterations", "reward_batch", "resolution", "eval_steps", "save_every", "n_eval",
               "max_sequence_length", "lora_rank", "lora_alpha")
@@ -2225,7 +2208,13 @@ def check_args(args: Args) -> None:
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
         (not 0 <= args.eval_holdout < 1,
-         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})")]
+         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})"),
+        # one rule for one process and for many: each process holds whole groups and splits its
+        # samples into μ equal minibatches, so every optimizer step sees as many samples
+        (P % world, f"--prompts_per_iter {P} must be divisible by the {world} processes: a group "
+         "is never split across processes"),
+        (args.mu >= 1 and P // world * G % args.mu, f"each process's {P // world * G} samples "
+         f"must split into --mu {args.mu} equal minibatches")]
     problems += [msg for failed, msg in checks if failed]
     for terms in ("train_terms", "eval_terms"):
         try:
@@ -2234,7 +2223,6 @@ def check_args(args: Args) -> None:
             problems.append(str(e))
     if problems:
         raise ConfigError("; ".join(dict.fromkeys(problems)))      # each once (eval = train terms)
-    check_world(args, dist_info()[1])
 
 
 def banner(run: Run) -> str:
