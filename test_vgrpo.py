@@ -676,8 +676,8 @@ def test_the_same_command_twice_never_mixes_two_runs(tmp_path, capsys):
     capsys.readouterr()
     assert V.main(argv[:-4] + ["--iterations", "2", "--run_dir", str(run)]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"already holds a run \(latest checkpoint: .*iter_000003\); continue it with "
-                     r"--resume auto .*another --run_dir", err), err
+    assert re.search(r"already holds a run: checkpoints/latest \(iter_000003\) is the last complete "
+                     r"one; continue with --resume .*another --run_dir", err), err
     assert len([l for l in err.splitlines() if l.strip()]) == 1
     assert {f: (run / f).read_bytes() for f in before} == before
     assert V.main(argv + ["--resume", "auto", "--iterations", "4"]) == 0

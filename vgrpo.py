@@ -83,9 +83,8 @@ import torch
 import torch.nn.functional as F
 
 
-# main()'s exit statuses (docs/training.md "Exit statuses"): 0 done; 1 a bug, with its traceback;
-# 2 bad input, a failed write or out of GPU memory; 69 a reward that failed mid-run (sysexits.h
-# EX_UNAVAILABLE); 75 preempted and saved, "run me again" (EX_TEMPFAIL); 130 Ctrl-C twice.
+# main()'s exit statuses (docs/training.md "Exit statuses"): 0 done, 1 a bug (its traceback), 2 bad
+# input or a run ended in one line, 69 a reward failed mid-run, 75 preempted and saved, 130 Ctrl-C.
 REWARD_FAILED, PREEMPTED = 69, 75
 
 
@@ -469,19 +468,14 @@ def _fetch(location: str, flag: str) -> str:
                           f"and pass `{flag} /path/to/file`.") from e
 
 
-def _to_pil(images: torch.Tensor) -> list:
-    """(N, 3, H, W) in [0, 1] → N PIL images, rounded to uint8, for the scorers that take PIL."""
-    from PIL import Image
-    u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-    return [Image.fromarray(im.numpy()) for im in u8.permute(0, 2, 3, 1)]      # (H, W, 3) each
-
-
 def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """−(kB of the image as a quality-95 JPEG) [peer X10]: needs no weights, the smoke reward."""
+    from PIL import Image
+    u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
     sizes = []
-    for im in _to_pil(images):
+    for im in u8.permute(0, 2, 3, 1):                                           # (H, W, 3) each
         buf = io.BytesIO()
-        im.save(buf, format="JPEG", quality=95)
+        Image.fromarray(im.numpy()).save(buf, format="JPEG", quality=95)
         sizes.append(-buf.tell() / 1000.0)
     return torch.tensor(sizes, dtype=torch.float32)
 
@@ -1005,10 +999,8 @@ class Run:
             raise Preempted
 
     def grad_sync(self, last: bool) -> None:
-        """Under FSDP, whether this micro-batch's backward reduces the gradients. LoRA: the
-        micro-batches accumulate locally and the last of a step reduce-scatters. A full fine-tune
-        reduces every micro-batch: accumulating would hold the whole, unsharded gradient of the
-        transformer on every process."""
+        """Under FSDP, whether this micro-batch's backward reduces the gradients: a LoRA's last of
+        a step; a full fine-tune's every one (accumulating would hold its whole gradient unsharded)."""
         if self.world > 1:
             self.adapter.transformer.set_requires_gradient_sync(last or self.args.full_finetune)
 
@@ -1567,8 +1559,7 @@ def setup_device(args: Args, local_rank: int = 0) -> tuple:
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = True   # fp32 matmuls (surrogate math): tensor cores
         torch.backends.cudnn.allow_tf32 = True
-        # cuDNN's fused attention failed in the backward pass of FLUX.1-dev (head dim 128) on an
-        # H200 with torch 2.11 ("mha_graph.execute(...).is_good()"): SDPA picks among the others
+        # cuDNN's fused attention failed in FLUX.1-dev's backward on an H200 (docs/gpu.md)
         torch.backends.cuda.enable_cudnn_sdp(False)
     return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
                         else contextlib.nullcontext())
@@ -1704,12 +1695,8 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
         lock_run_dir(run_dir)
     held = [f for f in ("config.json", "metrics.jsonl", "checkpoints/latest") if (run_dir / f).exists()]
     if held and not fresh_ok and (resumed is None or resumed.resolve() != run_dir.resolve()):
-        latest, last = run_dir / "checkpoints" / "latest", "none yet: it starts over"
-        if latest.is_file():
-            last = latest.parent / latest.read_text().strip()
-        raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run (latest checkpoint: "
-                          f"{last}); continue it with --resume auto --run_dir {run_dir} in the "
-                          "same command, or start a new run with another --run_dir")
+        raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run: {how_to_go_on(run_dir)}"
+                          "; or start a new run with another --run_dir")
     return run_dir
 
 
@@ -1923,27 +1910,20 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
     random.setstate(state["rng"]["python"])       # an older checkpoint's "cuda" entry is ignored
 
 
-# ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` --------------------------------------
-# nanoGPT's pattern: WORLD_SIZE > 1 ⇒ torch.distributed (NCCL on GPUs, gloo on CPU) and PyTorch
-# FSDP2 (`fully_shard`, as in Flow-Factory and torchtitan) shards the transformer's parameters,
-# gradients and AdamW state. Every process draws the same prompts, noise and pairs from the (seed,
-# iteration) generators and works on its own whole groups (Run.local); rewards are all-gathered.
-# Each network call gathers every block again (FSDP's default; the counts: docs/scaling.md), so no
-# process holds more than two blocks unsharded. Frozen models are replicated. Collectives wait up
-# to 1 h, not NCCL's 10 min, while rank 0 writes a checkpoint (a FLUX full fine-tune's 95 GB of
-# AdamW state: 16 min at 100 MB/s). N processes compute what one does, up to rounding.
+# ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` (docs/scaling.md) ---------------------
+# nanoGPT's pattern: WORLD_SIZE > 1 ⇒ torch.distributed (NCCL on GPUs, gloo on CPU), and FSDP2
+# (`fully_shard`) shards the transformer. Every process draws the same prompts, noise and pairs
+# and works on its own whole groups (Run.local); rewards are all-gathered. Collectives wait up to
+# 1 h, not NCCL's 10 min, while rank 0 writes a checkpoint (a FLUX full fine-tune's AdamW state).
 def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0, 1, 0) alone
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
 def shard_transformer(tr, dtype: torch.dtype) -> None:
-    """FSDP2: each block its own unit, then the root (embedders, final layer). The fp32 master
-    weights and their AdamW state stay sharded; under bf16 / fp16 the parameters are all-gathered
-    in that dtype (what autocast casts them to for the matmuls; the frozen base already is, but a
-    full fine-tune's norm scales stay fp32 in one process) and the gradients reduce-scattered in
-    fp32. No input is cast: autocast does it op by op, as in one process (a bf16 cast would turn
-    SD3's timestep 1000·t = 857.69 into 856.0, and round FLUX's rotary cos/sin). fp32: no cast."""
+    """FSDP2: each block its own unit, then the root. Under bf16 / fp16 the parameters are gathered
+    in that dtype and the gradients reduce-scattered in fp32; no input is cast: autocast does it op
+    by op, as in one process (a bf16 cast would round SD3's timestep 1000·t; docs/scaling.md)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                cast_forward_inputs=False)
@@ -2176,9 +2156,6 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     for where, layer in layers:
         values.update(layer)
         origin.update({k: where for k in layer})
-    unknown = set(values) - set(fields)
-    if unknown:
-        raise ConfigError(f"unknown option(s): {sorted(unknown)}")
     args = Args(**values)
     check_args(args)
     args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in fields.values()}
