@@ -844,18 +844,19 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
         tmp_path, monkeypatch, capsys):
     """The run folder on a 2 MB filesystem, filled up after the first checkpoint: the second
     checkpoint fails (safetensors' own error type, not OSError) with one line naming it, a
-    clean-up in `finally` (the curves' writer) fails too and masks nothing, no temporary file is left,
+    clean-up step in `finally` fails too and masks nothing, no temporary file is left,
     `latest` still names the first checkpoint, and --resume after freeing space logs every
     iteration once. Where no filesystem can be mounted, writers that raise stand in for it."""
     import subprocess
     mnt = _tmpfs(tmp_path / "small", "2m")
     run = (mnt or tmp_path) / "run"
     argv = TINY + ["--iterations", "2", "--save_every", "1", "--eval_every", "1", "--run_dir", str(run)]
-    real_ckpt = V.save_checkpoint
+    real_ckpt, real_steps, full = V.save_checkpoint, V.RunLog.close_steps, []
     filler = (mnt or tmp_path) / "filler"
 
     def fill_then_checkpoint(r, it):
         if it == 2:
+            full.append(True)
             if mnt is not None:                                 # take every free byte
                 subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
             else:
@@ -864,10 +865,13 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
                     raise SafetensorError("Error while serializing: I/O error: No space left on device")
                 monkeypatch.setattr("safetensors.torch.save_file", boom)
                 monkeypatch.setattr(r.adapter, "save_lora", boom)
-            monkeypatch.setattr(V.RunLog, "close_curves", lambda self: (_ for _ in ()).throw(
-                OSError(28, "No space left on device")))
         return real_ckpt(r, it)
+
+    def close_fails():                               # a clean-up step that meets the full disk
+        if full:
+            raise OSError(28, "No space left on device")
     monkeypatch.setattr(V, "save_checkpoint", fill_then_checkpoint)
+    monkeypatch.setattr(V.RunLog, "close_steps", lambda self: real_steps(self) + [close_fails])
     try:
         capsys.readouterr()
         assert V.main(argv) == 2
