@@ -9,6 +9,7 @@ import ast
 import builtins
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -53,6 +54,16 @@ def _restore_sdpa_switches():
     for enable, on in zip((b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_math_sdp,
                            b.enable_cudnn_sdp), saved):
         enable(on)
+
+
+@pytest.fixture(autouse=True)
+def _restore_sigterm_handler():
+    """A preempted run leaves SIGTERM ignored (vgrpo.catch_signals: the process is on its way out
+    with status 75). Tests share one process, so put the handler back after each test."""
+    import signal
+    saved = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, saved)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -534,13 +545,13 @@ def test_off_policy_controls_run(tmp_path):
 
 
 def _count_surrogate_passes(monkeypatch):
-    """Wrap V.surrogates: every call's (grad enabled?, rows) in order."""
-    calls, real = [], V.surrogates
+    """Wrap V.surrogate_pass: every call's (grad enabled?, rows) in order."""
+    calls, real = [], V.surrogate_pass
 
     def spy(run, ro, pairs, rows):
         calls.append((torch.is_grad_enabled(), rows.clone()))
         return real(run, ro, pairs, rows)
-    monkeypatch.setattr(V, "surrogates", spy)
+    monkeypatch.setattr(V, "surrogate_pass", spy)
     return calls
 
 
@@ -565,12 +576,13 @@ def test_mu_two_first_step_equals_a_separate_no_grad_pass(tmp_path, monkeypatch)
     calls = _count_surrogate_passes(monkeypatch)
     seen, real_update = {}, V.update_steps
 
-    def update(run, ro, sc, pairs, mbs, s_old, x0h_old):
+    def update(run, ro, sc, pairs, mbs, s_old):
         seen["n_step4"] = len(calls)                # the passes of step 4, before this one
         with torch.no_grad():                       # θ = θ_old still: a separate pass, all rows
-            seen["s_sep"], seen["x_sep"], _ = V.old_surrogates(run, ro, pairs, mbs, True)
-        seen["mbs"], seen["s_old"], seen["x_old"] = mbs, s_old, x0h_old
-        return real_update(run, ro, sc, pairs, mbs, s_old, x0h_old)
+            sep = V.old_surrogates(run, ro, pairs, mbs, True)
+        seen["s_sep"], seen["x_sep"] = sep.s, sep.x0_hat
+        seen["mbs"], seen["s_old"], seen["x_old"] = mbs, s_old.s, s_old.x0_hat
+        return real_update(run, ro, sc, pairs, mbs, s_old)
     monkeypatch.setattr(V, "update_steps", update)
     assert V.main(TINY + ["--iterations", "1", "--mu", "2", "--micro_batch", "2", "--kl_coef", "0.1",
                           "--group_size", "4", "--run_dir", str(tmp_path)]) == 0
@@ -664,8 +676,8 @@ def test_the_same_command_twice_never_mixes_two_runs(tmp_path, capsys):
     capsys.readouterr()
     assert V.main(argv[:-4] + ["--iterations", "2", "--run_dir", str(run)]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"already holds a run \(latest checkpoint: .*iter_000003\); continue it with "
-                     r"--resume auto .*another --run_dir", err), err
+    assert re.search(r"already holds a run: checkpoints/latest \(iter_000003\) is the last complete "
+                     r"one; continue with --resume .*another --run_dir", err), err
     assert len([l for l in err.splitlines() if l.strip()]) == 1
     assert {f: (run / f).read_bytes() for f in before} == before
     assert V.main(argv + ["--resume", "auto", "--iterations", "4"]) == 0
@@ -679,6 +691,143 @@ def test_the_same_command_twice_never_mixes_two_runs(tmp_path, capsys):
     assert [m["iter"] for m in _metrics(fresh) if "reward_mean" in m] == [0, 1]
     assert V.main(TINY + ["--resume", "auto"]) == 2                # needs --run_dir
     assert "--resume auto needs --run_dir" in capsys.readouterr().err
+
+
+@pytest.mark.trainer
+def test_sigterm_twice_still_exits_75(tmp_path):
+    """Schedulers repeat SIGTERM. A second one 0.3 s after the first, and more every 50 ms until
+    the process is gone, still end the run with PREEMPTED (not 143, SIGTERM's own status) and one
+    "preempted" line, with `latest` on the checkpoint that line names."""
+    import signal
+    import subprocess
+    import time
+    run, log = tmp_path / "run", tmp_path / "stderr.txt"
+    argv = [sys.executable, str(ROOT / "vgrpo.py"), *TINY, "--iterations", "1000", "--save_every",
+            "1000", "--run_dir", str(run)]
+    with open(log, "w") as err:
+        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        deadline = time.time() + 600
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text():
+            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)                                   # iteration 0 is logged
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        while p.poll() is None:                                # Popen ignores a finished process
+            p.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+    text = log.read_text()
+    assert p.returncode == V.PREEMPTED, (p.returncode, text[-3000:])
+    said = re.findall(r"preempted (?:at|after) iteration \d+: saved (\S+);", text)
+    assert len(said) == 1 and "Traceback" not in text, text[-3000:]
+    assert (run / "checkpoints" / "latest").read_text() == Path(said[0]).name
+
+
+@pytest.mark.trainer
+def test_every_resume_hint_works_as_printed(tmp_path, monkeypatch, capsys):
+    """A run started without --run_dir (so in runs/<model>-<reward>-<time>) gets SIGTERM in
+    iteration 1. Its line names `--resume RUN` and, for a requeued job, the same command with
+    `--resume auto --run_dir RUN`: each, run exactly as printed (on its own copy of the folder),
+    ends where an uninterrupted run does."""
+    import shutil
+    import signal
+    argv = TINY + ["--iterations", "3", "--save_every", "10"]
+    assert V.main(argv + ["--run_dir", str(tmp_path / "ref")]) == 0
+    monkeypatch.chdir(tmp_path)
+    real = V.collect_rollouts
+
+    def rollout(r, it):
+        if it == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(r, it)
+    monkeypatch.setattr(V, "collect_rollouts", rollout)
+    capsys.readouterr()
+    assert V.main(argv) == V.PREEMPTED
+    err = capsys.readouterr().err
+    monkeypatch.setattr(V, "collect_rollouts", real)
+    resume = re.search(r"continue with (--resume \S+); a requeued job", err)
+    requeue = re.search(r"the same command and (--resume auto --run_dir \S+)", err)
+    assert resume and requeue, err
+    run = Path(resume.group(1).split()[1])
+    assert run.parent.name == "runs" and requeue.group(1).split()[-1] == str(run)
+    shutil.copytree(run, tmp_path / "copy")
+    assert V.main(resume.group(1).split()) == 0
+    _same_run(run, tmp_path / "ref", 3)
+    shutil.rmtree(run)
+    shutil.move(tmp_path / "copy", run)
+    assert V.main(argv + requeue.group(1).split()) == 0
+    _same_run(run, tmp_path / "ref", 3)
+
+
+FLAKY_REWARD = """\
+import os
+import vgrpo
+calls = []
+
+
+def score(images, prompts):              # the JPEG reward, served by a server that may go away
+    calls.append(len(images))
+    if len(calls) == int(os.environ.get("FLAKY_FAIL_AT", "0")):
+        raise ConnectionError("reward server at 10.0.0.7:8000 went away")
+    return vgrpo.jpeg_reward(images, prompts)
+"""
+
+
+@pytest.mark.trainer
+def test_a_reward_that_fails_mid_run_ends_in_one_line_and_loses_nothing(tmp_path, monkeypatch,
+                                                                        capsys):
+    """A plug-in reward that passes the start-up probe and raises in iteration 2 (a reward server
+    gone): one line naming the reward, its error, the iteration, what was saved and the command
+    that continues, and exit status REWARD_FAILED. Iteration 2 had taken no optimizer step, so the
+    state after 2 iterations is saved, and the printed command, once the reward is back, ends
+    where an uninterrupted run does."""
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = TINY + ["--reward", "flaky:score", "--iterations", "4", "--save_every", "10"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert V.main(argv + ["--run_dir", str(ref)]) == 0
+    monkeypatch.delitem(sys.modules, "flaky")                  # a fresh import, a fresh count
+    monkeypatch.setenv("FLAKY_FAIL_AT", "4")                   # the probe, iterations 0, 1, 2
+    capsys.readouterr()
+    assert V.main(argv + ["--run_dir", str(run)]) == V.REWARD_FAILED
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(r"reward 'flaky:score' failed: ConnectionError: reward server .* went away, "
+                     r"in iteration 2; saved \S*iter_000002; continue with --resume (\S+)$",
+                     lines[0]), lines[0]
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+    monkeypatch.delenv("FLAKY_FAIL_AT")                         # the server is back
+    assert V.main(lines[0].rsplit("continue with ", 1)[1].split()) == 0
+    _same_run(run, ref, 4)
+
+
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.trainer
+def test_a_resume_reads_each_checkpoint_file_once(tmp_path, monkeypatch, full):
+    """--resume reads the weights file once (load_trainable; read_checkpoint checks its header and
+    keys with safetensors.safe_open, which reads no tensor), the trainer state once (main reads
+    it for the config and setup takes it from there) and the optimizer state once: one read of
+    a full FLUX fine-tune's 48 GB of weights per process, not three."""
+    import safetensors.torch
+    run = tmp_path / "run"
+    extra = ["--full_finetune", "--lr", "1e-4"] * full
+    assert V.main(TINY + extra + ["--iterations", "1", "--run_dir", str(run)]) == 0
+    reads, real_load_file, real_load = [], safetensors.torch.load_file, torch.load
+
+    def load_file(path, *a, **k):
+        reads.append(Path(path).relative_to(run / "checkpoints" / "iter_000001").as_posix())
+        return real_load_file(path, *a, **k)
+
+    def load(f, *a, **k):
+        reads.append(Path(f).relative_to(run / "checkpoints" / "iter_000001").as_posix())
+        return real_load(f, *a, **k)
+    monkeypatch.setattr(safetensors.torch, "load_file", load_file)
+    monkeypatch.setattr(torch, "load", load)
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    weights = V.FULL_FILE if full else V.LORA_FILE
+    assert sorted(reads) == sorted([weights, V.CKPT_STATE, V.OPTIM_FILE]), reads
 
 
 def _tmpfs(path: Path, size: str):
@@ -695,18 +844,19 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
         tmp_path, monkeypatch, capsys):
     """The run folder on a 2 MB filesystem, filled up after the first checkpoint: the second
     checkpoint fails (safetensors' own error type, not OSError) with one line naming it, a
-    clean-up in `finally` (the curves' writer) fails too and masks nothing, no temporary file is left,
+    clean-up step in `finally` fails too and masks nothing, no temporary file is left,
     `latest` still names the first checkpoint, and --resume after freeing space logs every
     iteration once. Where no filesystem can be mounted, writers that raise stand in for it."""
     import subprocess
     mnt = _tmpfs(tmp_path / "small", "2m")
     run = (mnt or tmp_path) / "run"
     argv = TINY + ["--iterations", "2", "--save_every", "1", "--eval_every", "1", "--run_dir", str(run)]
-    real_ckpt = V.checkpoint
+    real_ckpt, real_steps, full = V.save_checkpoint, V.RunLog.close_steps, []
     filler = (mnt or tmp_path) / "filler"
 
     def fill_then_checkpoint(r, it):
         if it == 2:
+            full.append(True)
             if mnt is not None:                                 # take every free byte
                 subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
             else:
@@ -715,10 +865,13 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
                     raise SafetensorError("Error while serializing: I/O error: No space left on device")
                 monkeypatch.setattr("safetensors.torch.save_file", boom)
                 monkeypatch.setattr(r.adapter, "save_lora", boom)
-            monkeypatch.setattr(V.Tracker, "close", lambda self: (_ for _ in ()).throw(
-                OSError(28, "No space left on device")))
         return real_ckpt(r, it)
-    monkeypatch.setattr(V, "checkpoint", fill_then_checkpoint)
+
+    def close_fails():                               # a clean-up step that meets the full disk
+        if full:
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(V, "save_checkpoint", fill_then_checkpoint)
+    monkeypatch.setattr(V.RunLog, "close_steps", lambda self: real_steps(self) + [close_fails])
     try:
         capsys.readouterr()
         assert V.main(argv) == 2
@@ -740,18 +893,17 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-@pytest.mark.parametrize("writer", ["png", "metrics", "tensorboard", "torch.save"])
+@pytest.mark.parametrize("writer", ["png", "metrics", "torch.save"])
 @pytest.mark.trainer
 def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
         tmp_path, monkeypatch, capsys, writer):
     """The disk fills up right after the first checkpoint, seen by each writer of the run folder in
-    turn: the evaluation grid (PIL), the metrics line, TensorBoard, torch.save (whose error is a
-    RuntimeError, not an OSError). One line names what failed and --resume; `latest` still names
+    turn: the evaluation grid (PIL), the metrics line, torch.save (whose error is a RuntimeError,
+    not an OSError). One line names what failed and --resume; `latest` still names
     the complete first checkpoint, no temporary folder is left, and --resume then logs every
     iteration and evaluation once."""
     import errno
     named = {"png": r"eval/iter_000001\.png \(OSError", "metrics": r"metrics\.jsonl \(OSError",
-             "tensorboard": r"the live curves in .*\(OSError",
              "torch.save": r"a checkpoint in .*inline_container"}[writer]
     run = tmp_path / "run"
     latest = run / "checkpoints" / "latest"
@@ -779,11 +931,6 @@ def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
             def close(self):
                 self.f.close()
         monkeypatch.setattr(V, "open_run_dir", lambda r, d: Full(real_open(r, d)))
-    elif writer == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        real_scalar = SummaryWriter.add_scalar
-        monkeypatch.setattr(SummaryWriter, "add_scalar", lambda self, *a, **k: (
-            _ for _ in ()).throw(full()) if latest.exists() else real_scalar(self, *a, **k))
     else:
         real_save = torch.save
 
@@ -794,7 +941,6 @@ def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
             return real_save(obj, f, *a, **k)
         monkeypatch.setattr(torch, "save", save)
     argv = TINY + ["--save_every", "1", "--eval_every", "1", "--run_dir", str(run)]      # 2 iterations
-    argv += ["--report_to", "tensorboard"] * (writer == "tensorboard")
     capsys.readouterr()
     assert V.main(argv) == 2
     err = capsys.readouterr().err
@@ -825,7 +971,7 @@ def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_pa
     argv = TINY + ["--iterations", "3", "--save_every", "10"] + ["--mu", "2"] * (phase == "old")
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert V.main(argv + ["--run_dir", str(ref)]) == 0
-    target = {"rollout": "rollout", "reward": "decode_and_reward", "old": "surrogates",
+    target = {"rollout": "rollout", "reward": "decode_and_reward", "old": "surrogate_pass",
               "update": "vgrpo_loss"}[phase]
     real, calls = getattr(V, target), []
 
@@ -1032,7 +1178,7 @@ def test_pair_sharing_scope_reaches_the_update(tiny_run, monkeypatch, sharing):
     _replay(monkeypatch, tiny_run)
     run = tiny_run.reset("--pair_sharing", sharing, "--micro_batch", 4)
     rows_of, seen = [], []
-    real_sur, real_pair = V.surrogates, V.pair_surrogates
+    real_sur, real_pair = V.surrogate_pass, V.pair_surrogates
 
     def sur(run, ro, pairs, rows):
         rows_of.append(rows.clone())
@@ -1041,7 +1187,7 @@ def test_pair_sharing_scope_reaches_the_update(tiny_run, monkeypatch, sharing):
     def pair(velocity_fn, x0, cond, t, eps, **kw):
         seen.append((t.clone(), eps.clone()))
         return real_pair(velocity_fn, x0, cond, t, eps, **kw)
-    monkeypatch.setattr(V, "surrogates", sur)
+    monkeypatch.setattr(V, "surrogate_pass", sur)
     monkeypatch.setattr(V, "pair_surrogates", pair)
     V.iteration(run, 0)
     assert len(rows_of) == len(seen) == 2                            # 4 + 2, μ = 1
@@ -1170,12 +1316,12 @@ def test_advantages_reach_their_own_samples(tiny_run, monkeypatch):
     monkeypatch.setattr(V, "decode_and_reward", rewards)
     got, real_update = {}, V.update_steps
 
-    def update(run, ro, sc, pairs, mbs, s_old, x0h_old):
-        out = real_update(run, ro, sc, pairs, mbs, s_old, x0h_old)
+    def update(run, ro, sc, pairs, mbs, s_old):
+        out = real_update(run, ro, sc, pairs, mbs, s_old)
         got["done"] = True                                  # the iteration's own calls end here
         with torch.no_grad():                               # θ after the step, the same pairs
-            got["after"] = V.surrogates(run, ro, pairs, torch.arange(N))[0].mean(dim=1)
-        got["before"], got["prompts"] = s_old.mean(dim=1), ro.prompts   # S_old = S at θ_old
+            got["after"] = V.surrogate_pass(run, ro, pairs, torch.arange(N))[0].mean(dim=1)
+        got["before"], got["prompts"] = s_old.s.mean(dim=1), ro.prompts   # S_old = S at θ_old
         return out
     monkeypatch.setattr(V, "update_steps", update)
     rows, real_velocity = [], run.adapter.velocity
@@ -1262,7 +1408,7 @@ def test_skipped_iteration_takes_no_step_and_still_measures_the_surrogate(tiny_r
     assert all(torch.equal(p, p0) for p, p0 in zip(run.params, tiny_run.theta0))
     assert m["nfe_old"] == run.args.n_mc and math.isnan(m["abs_log_ratio"])
     with torch.no_grad():
-        S = V.surrogates(run, tiny_run.ro, V.draw_iteration_pairs(run, 0),
+        S = V.surrogate_pass(run, tiny_run.ro, V.draw_iteration_pairs(run, 0),
                          torch.arange(run.N))[0].mean(dim=1).double()
     Sg = S.view(run.args.prompts_per_iter, run.args.group_size)
     cv = (S.std(unbiased=False) / S.mean().abs()).item()
@@ -1303,7 +1449,7 @@ def test_evaluation_noise_is_the_same_at_every_evaluation(tiny_run, monkeypatch)
     assert first == {**later, "iter": 0}                             # same weights: same numbers
     x = calls[0].flatten(1)
     assert not torch.equal(x[0], x[1]) and not torch.equal(x[0], x[2])
-    train = torch.randn((run.N,) + run.D, generator=V._gen(run.args.seed, 0, 1))
+    train = torch.randn((run.N,) + run.D, generator=V._gen(run.args.seed, 0, V.Stream.ROLLOUT_NOISE))
     assert not any(torch.equal(x[0], r) for r in train.flatten(1))
 
 
@@ -1321,7 +1467,7 @@ def test_loop_schedule_of_evaluations_checkpoints_and_metrics_lines(tiny_run, mo
     monkeypatch.setattr(V, "evaluate", lambda run, it: {"iter": it, "eval_reward_mean": 0.0})
     run = tiny_run.reset("--iterations", 5, "--eval_every", 2, "--save_every", 2)
     try:
-        hist = V.loop(run, tmp_path)
+        hist = V.run_iterations(run, tmp_path)
     finally:
         V._LOCKS.pop(str(tmp_path.resolve())).close()
     assert [m["iter"] for m in hist] == list(range(5))
@@ -1498,7 +1644,7 @@ def _one_line(argv, tmp_path, capsys, pattern):
 
 
 @pytest.mark.parametrize("body, pattern", [
-    ("raise KeyError('no such key')", r"'badplug:fn' failed on a probe batch.*KeyError"),
+    ("raise KeyError('no such key')", r"'badplug:fn' failed: KeyError.*on a probe batch"),
     ("return None", r"'badplug:fn' returned NoneType; return a tensor"),
     ("return torch.zeros(len(prompts), 2)",
      r"'badplug:fn' returned shape \(2, 2\), expected \(2,\)"),
@@ -1588,6 +1734,70 @@ def test_bad_prompt_files_name_the_flag(tmp_path, capsys):
 def test_bad_learning_rate_before_loading(tmp_path, capsys, monkeypatch, lr):
     monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
     _one_line(TINY + ["--lr", lr], tmp_path, capsys, r"--lr must be a finite number > 0")
+
+
+# Every numeric flag, at 0, at −1 and at nan, on a run short enough to try them all: a flag that
+# passes the checks must then run (evaluation on, so --n_eval is used), one that does not must be
+# refused in one line with status 2 before anything is written.
+NUMERIC_FLAGS = [f.name for f in dataclasses.fields(V.Args)
+                 if str(f.type).replace("Optional[", "").rstrip("]") in ("int", "float")]
+EDGE = ["--model", "tiny", "--reward", "jpeg", "--iterations", "1", "--prompts_per_iter", "2",
+        "--group_size", "2", "--num_steps", "2", "--n_mc", "2", "--eval_every", "1", "--n_eval",
+        "2", "--eval_steps", "2", "--save_every", "1", "--resolution", "32"]
+
+
+@pytest.mark.parametrize("flag", NUMERIC_FLAGS)
+@pytest.mark.trainer
+def test_every_numeric_flag_at_zero_negative_and_nan_is_one_line_or_a_run(tmp_path, capsys, flag):
+    """--FLAG 0, -1 and nan: either exit status 2 with exactly one line (`error: ...`, no
+    traceback) and no run folder, or a run that ends with status 0, its iteration logged with a
+    finite reward and its checkpoint saved."""
+    assert len(NUMERIC_FLAGS) >= 30                       # the list really is read from Args
+    for value in ("0", "-1", "nan"):
+        run = tmp_path / f"run{value}"
+        try:
+            status = V.main(EDGE + [f"--{flag}", value, "--run_dir", str(run)])
+        except SystemExit as e:                           # argparse: an int flag given nan
+            status = e.code
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, (flag, value, err)
+        if status == 2:
+            lines = [l for l in err.splitlines() if l.strip()]
+            assert len(lines) == 1 and lines[0].startswith("error: "), (flag, value, err)
+            assert f"--{flag}" in lines[0], (flag, value, lines)
+            assert not run.exists(), (flag, value)
+        else:
+            assert status == 0, (flag, value, status, err)
+            ms = [m for m in _metrics(run) if "reward_mean" in m]
+            assert len(ms) == 1 and math.isfinite(ms[0]["reward_mean"]), (flag, value)
+            assert (run / "checkpoints" / "latest").read_text() == "iter_000001", (flag, value)
+
+
+@pytest.mark.trainer
+def test_random_streams_are_independent(tiny_run, monkeypatch):
+    """Prompts, rollout noise, pairs, minibatches and the evaluation noise each come from a
+    generator of their own: over two iterations, the nine generators these draws use have nine
+    different seeds (drawing the pairs from the rollout noise's stream, or the minibatches from
+    the prompts', fails here). The rollout itself is replaced by the identity."""
+    seeds, real_gen, now = {}, V._gen, [None]
+
+    def gen(seed, it, stream):
+        g = real_gen(seed, it, stream)
+        seeds.setdefault(now[0], []).append(g.initial_seed())
+        return g
+    monkeypatch.setattr(V, "_gen", gen)
+    monkeypatch.setattr(V, "rollout", lambda adapter, x1, *a, **k: x1.float())
+    run = tiny_run.reset("--mu", 2, "--n_eval", 3)
+    for it in (0, 1):
+        for name, draw in (("prompts, then rollout noise", V.collect_rollouts),
+                           ("pairs", V.draw_iteration_pairs), ("minibatches", V.minibatches)):
+            now[0] = (name, it)
+            draw(run, it)
+    now[0] = ("evaluation noise", 0)
+    V.evaluate(run, 0)
+    assert [len(v) for v in seeds.values()] == [2, 1, 1, 2, 1, 1, 1], seeds
+    every = [s for v in seeds.values() for s in v]
+    assert len(set(every)) == len(every), seeds
 
 
 @pytest.mark.trainer
@@ -1703,38 +1913,79 @@ def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, ca
 @pytest.mark.trainer
 def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, monkeypatch,
                                                                        capsys):
-    """--report_to tensorboard: TensorBoard's own reader finds reward_mean once per iteration,
-    also after a kill (iteration 2 was logged, then lost with the kill) and --resume, and the
-    evaluation grids as images. examples/plot_metrics.py draws the run's metrics.jsonl as a real
-    image, skipping a line cut short by a kill; a folder without metrics is one line, exit 2."""
+    """examples/tensorboard_curves.py --follow, started before the run: TensorBoard's own reader
+    finds reward_mean once per iteration, also after a kill (iteration 2 was logged, then lost
+    with the kill) and --resume, and the evaluation grids as images; run once after the run, the
+    same curves; a disk that fills up is one line, exit 2. examples/plot_metrics.py draws the run's
+    metrics.jsonl as a real image, skipping a line cut short by a kill; a folder without metrics
+    is one line, exit 2."""
+    import errno
+    import signal
+    import subprocess
+    import time
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run, real = tmp_path / "run", V.iteration
+
+    def steps():
+        acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+        acc.Reload()
+        tags = acc.Tags()
+        return {t: [e.step for e in (acc.Images(t) if t == "eval_grid" else acc.Scalars(t))]
+                for t in ("reward_mean", "eval_reward_mean", "eval_grid")
+                if t in tags["scalars"] + tags["images"]}
+
+    def follower_reaches(want):                     # the follower reads metrics.jsonl every 0.2 s
+        for _ in range(300):
+            if (run / "tensorboard").is_dir() and steps() == want:
+                return True
+            time.sleep(0.2)
+        return steps()
 
     def killed_at_3(r, it):
         if it == 3:
             raise SystemExit("killed")
         return real(r, it)
 
-    monkeypatch.setattr(V, "iteration", killed_at_3)
-    with pytest.raises(SystemExit):
-        V.main(TINY + ["--iterations", "5", "--save_every", "2", "--eval_every", "2",
-                       "--report_to", "tensorboard", "--run_dir", str(run)])
-    monkeypatch.setattr(V, "iteration", real)
-    assert V.main(["--resume", str(run)]) == 0
-    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("reward_mean")] == [0, 1, 2, 3, 4]
-    assert [e.step for e in acc.Scalars("eval_reward_mean")] == [0, 2, 4, 5]
-    assert [e.step for e in acc.Images("eval_grid")] == [0, 2, 4, 5]
+    follower = subprocess.Popen([sys.executable, str(ROOT / "examples" / "tensorboard_curves.py"),
+                                 str(run), "--follow", "--every", "0.2"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        monkeypatch.setattr(V, "iteration", killed_at_3)
+        with pytest.raises(SystemExit):
+            V.main(TINY + ["--iterations", "5", "--save_every", "2", "--eval_every", "2",
+                           "--run_dir", str(run)])
+        monkeypatch.setattr(V, "iteration", real)
+        assert follower_reaches({"reward_mean": [0, 1, 2], "eval_reward_mean": [0, 2],
+                                 "eval_grid": [0, 2]}) is True
+        assert V.main(["--resume", str(run)]) == 0
+        done = {"reward_mean": [0, 1, 2, 3, 4], "eval_reward_mean": [0, 2, 4, 5],
+                "eval_grid": [0, 2, 4, 5]}
+        assert follower_reaches(done) is True
+    finally:
+        follower.send_signal(signal.SIGINT)                           # Ctrl-C stops it
+        err = follower.communicate(timeout=60)[1]
+    assert follower.returncode == 0 and err == "", err
+    tb = _load_example("tensorboard_curves")
+    assert tb.main([str(run)]) == 0 and steps() == done               # once, after the run
+    from torch.utils.tensorboard import SummaryWriter
+    monkeypatch.setattr(SummaryWriter, "add_scalar", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    capsys.readouterr()
+    assert tb.main([str(run)]) == 2
+    assert re.fullmatch(r"error: .*No space left on device\n", capsys.readouterr().err)
+    monkeypatch.undo()
     pm = _load_example("plot_metrics")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"iter": 5, "rew')                                  # cut short by a kill
     assert pm.main([str(run)]) == 0
     with Image.open(run / "metrics.png") as im:
         assert im.format == "PNG" and im.size[0] > 500 and im.size[1] > 300
+    assert tb.main([str(run)]) == 0 and steps() == done
     capsys.readouterr()
     assert pm.main([str(tmp_path)]) == 2
+    assert re.fullmatch(r"error: .*has no metrics.jsonl.*\n", capsys.readouterr().err)
+    assert tb.main([str(tmp_path)]) == 2
     assert re.fullmatch(r"error: .*has no metrics.jsonl.*\n", capsys.readouterr().err)
 
 
@@ -1771,20 +2022,45 @@ def test_a_second_trainer_on_a_live_run_folder_exits_in_one_line(tmp_path, capsy
 
 
 @pytest.mark.trainer
+def test_help_shows_what_each_family_gets_in_the_sections_of_args(capsys):
+    """--help: the flags in the sections of Args, in order; the value each model family gets where
+    SD3 and FLUX differ (or what both get, where a family preset changes the dataclass default);
+    every model alias and every reward name."""
+    with pytest.raises(SystemExit):
+        V.given_flags(["--help"])
+    out = capsys.readouterr().out
+    sections = re.split(r"\n    # --- (\w+) -+\n", inspect.getsource(V.Args).split("\n\n    @")[0])[1:]
+    want = {name: re.findall(r"^    (\w+): ", body, re.M) for name, body in zip(sections[::2], sections[1::2])}
+    got = {m.group(1): re.findall(r"^  --(\w+)", m.group(2), re.M)
+           for m in re.finditer(r"^(\w+):\n((?:  .*\n)+)", out, re.M) if m.group(1) != "options"}
+    assert got == want and len(sum(want.values(), [])) == len(dataclasses.fields(V.Args))
+    flat = " ".join(out.split())
+    assert "image side in pixels [SD3 512, FLUX 720;" in flat
+    assert "ODE steps per rollout (K) [SD3 40, FLUX 16;" in flat
+    assert "(less memory) [default True;" in flat                # both families' presets turn it on
+    for name in [*V.TINY_MODELS, *V.MODEL_ALIASES, *V.BUILTIN_REWARDS]:
+        assert re.search(rf"[( ]{re.escape(name)}[,) ]", flat), name
+
+
+@pytest.mark.trainer
 def test_resume_drops_options_removed_since_the_checkpoint(tmp_path, capsys):
     """A checkpoint whose config holds options this version no longer has (ImageReward's built-in
-    location, W&B tracking) resumes: those are dropped, the run continues; W&B is not a choice."""
+    location, the trainer's own TensorBoard or W&B tracking, the aesthetic MLP's location)
+    resumes: those are dropped, the run continues; none of them is a flag any more."""
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
     ckpt, state = V.read_checkpoint(str(run))
-    state["config"].update(imagereward_model="ImageReward-v1.0", report_to="wandb")
+    removed = dict(imagereward_model="ImageReward-v1.0", report_to="tensorboard",
+                   aesthetic_weights="trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth")
+    state["config"].update(removed)
     torch.save(state, ckpt / V.CKPT_STATE)
     assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
     assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
-    assert json.loads((run / "config.json").read_text())["report_to"] == "none"
-    with pytest.raises(SystemExit):
-        V.given_flags(["--report_to", "wandb"])
-    assert "invalid choice: 'wandb'" in capsys.readouterr().err
+    assert not set(removed) & set(json.loads((run / "config.json").read_text()))
+    for flag in removed:
+        with pytest.raises(SystemExit):
+            V.given_flags([f"--{flag}", "x"])
+        assert f"unrecognized arguments: --{flag}" in capsys.readouterr().err
 
 
 @pytest.mark.trainer
@@ -1828,6 +2104,50 @@ def _readme_block(after: str, nth: int = 0) -> str:
     """The nth ```python block of README.md after the heading/text `after`."""
     section = (ROOT / "README.md").read_text().split(after, 1)[1]
     return re.findall(r"```python\n(.*?)```", section, re.S)[nth]
+
+
+@pytest.mark.math
+def test_the_algorithm_box_is_quoted_word_for_word():
+    """The algorithm box opens vgrpo.py (§0); METHOD.md "Algorithm" and the README's "One
+    iteration" quote it word for word, in their first code block, so the three never drift."""
+    doc = V.__doc__.splitlines()
+    start = next(i for i, line in enumerate(doc) if line.startswith("ALGORITHM"))
+    box = [line[4:] for line in doc[start + 1:doc.index("", start)]]
+    assert len(box) >= 9 and box[0].startswith("0. θ_old ← θ") and box[-1].startswith("Rollouts")
+    for name, heading in (("METHOD.md", "\n## Algorithm (one iteration)\n"),
+                          ("README.md", "\n### One iteration\n")):
+        section = (ROOT / name).read_text().split(heading, 1)[1]
+        assert section.split("```", 2)[1].strip("\n").splitlines() == box, name
+
+
+@pytest.mark.math
+def test_vgrpo_reads_plainly():
+    """How vgrpo.py reads, counted with ast: every function at most 60 lines; at most 3
+    conditional expressions per 100 code lines (non-blank lines outside comments and
+    docstrings); no conditional iteration (`for x in (...) if c else ()`); at most 3 walrus
+    operators."""
+    import io
+    import tokenize
+    src = (ROOT / "vgrpo.py").read_text()
+    tree, lines = ast.parse(src), src.splitlines()
+    docs = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    comments = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(src).readline)
+                if t.type == tokenize.COMMENT and lines[t.start[0] - 1].lstrip().startswith("#")}
+    code = [i for i, line in enumerate(lines, 1) if line.strip() and i not in docs | comments]
+    nodes = list(ast.walk(tree))
+    long = [(n.name, n.end_lineno - n.lineno + 1) for n in nodes
+            if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 60]
+    assert long == []
+    if_exps = sum(isinstance(n, ast.IfExp) for n in nodes)
+    assert if_exps <= 0.03 * len(code), (if_exps, len(code))
+    assert not [n.lineno for n in nodes if isinstance(n, (ast.For, ast.comprehension))
+                and isinstance(n.iter, ast.IfExp)]
+    assert sum(isinstance(n, ast.NamedExpr) for n in nodes) <= 3
 
 
 @pytest.mark.math
@@ -2028,7 +2348,10 @@ def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
 
 
 @pytest.mark.trainer
-def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
+def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path, capsys, monkeypatch):
+    """examples/aesthetic.py: the LAION MLP (the original's key names) on the L2-normalised CLIP
+    image features of vgrpo's CLIP preprocessing, from AESTHETIC_CLIP and AESTHETIC_WEIGHTS; it
+    trains through --reward as a plug-in; --reward aesthetic is one line naming the plug-in."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
     d = tmp_path / "clip"
     d.mkdir()
@@ -2044,12 +2367,15 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
     CLIPModel(cfg).save_pretrained(d)
     CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
                   tokenizer=tok).save_pretrained(d)
-    head = V.aesthetic_head()
+    monkeypatch.chdir(ROOT)
+    from examples import aesthetic as AE
+    head = AE.head()
     torch.save(head.state_dict(), tmp_path / "aesthetic.pth")
-    rw = V.build_reward("aesthetic", V.Args(clip_model=str(d), aesthetic_weights=str(tmp_path / "aesthetic.pth")),
-                        torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("AESTHETIC_CLIP", str(d))
+    monkeypatch.setenv("AESTHETIC_WEIGHTS", str(tmp_path / "aesthetic.pth"))
+    monkeypatch.setattr(AE, "_LOADED", {})
     imgs = torch.rand(4, 3, 32, 32)
-    got = rw(imgs, ["x"] * 4)
+    got = AE.score(imgs, ["x"] * 4)
     assert got.shape == (4,) and torch.isfinite(got).all()
     with torch.no_grad():
         px = V.clip_pixels(imgs, CLIPProcessor.from_pretrained(d).image_processor)
@@ -2058,6 +2384,12 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path):
         torch.testing.assert_close(got, head.eval()(torch.nn.functional.normalize(f, dim=-1)).squeeze(-1))
     assert sorted(k for k in head.state_dict()) == sorted(
         f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))   # the original's key names
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--reward", "examples.aesthetic:score",
+                          "--run_dir", str(run)]) == 0
+    assert torch.isfinite(torch.tensor(_metrics(run)[0]["reward_mean"]))
+    _fails(TINY + ["--reward", "aesthetic"], tmp_path, capsys,
+           r"unknown reward 'aesthetic'.*examples\.aesthetic:score")
 
 
 @pytest.mark.trainer
@@ -2070,7 +2402,7 @@ def test_imagereward_plugin_scores_pairs_and_without_package_says_how_to_install
     monkeypatch.setitem(sys.modules, "ImageReward", None)               # import fails
     monkeypatch.delitem(sys.modules, "examples.imagereward", raising=False)
     _fails(TINY + ["--reward", "examples.imagereward:score"], tmp_path, capsys,
-           r"reward 'examples.imagereward:score' failed .*pip install image-reward")
+           r"reward 'examples.imagereward:score' failed: .*pip install image-reward")
     loads, seen = [], []
 
     class FakeModel:
@@ -2874,7 +3206,7 @@ import torch
 sys.path.insert(0, {root!r})
 import vgrpo
 torch.distributed.destroy_process_group = lambda: None      # one process group for every run
-save = vgrpo.checkpoint
+save = vgrpo.save_checkpoint
 
 
 def checkpoint(run, it):     # "skip" also gathers AdamW's state first, before the weights: either
@@ -2883,7 +3215,7 @@ def checkpoint(run, it):     # "skip" also gathers AdamW's state first, before t
     return save(run, it)
 
 
-vgrpo.checkpoint = checkpoint
+vgrpo.save_checkpoint = checkpoint
 for run_dir, argv in json.loads(sys.argv[1]).items():
     assert vgrpo.main(argv + ["--run_dir", run_dir]) == 0, run_dir
 """
@@ -3663,9 +3995,29 @@ def test_evaluate_bad_input_is_one_line_and_writes_nothing(ev, jpeg_run, heldout
     (tmp_path / "evalplug.py").write_text("def fn(images, prompts):\n    raise KeyError('no key')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     _eval_fails(ev, EVAL_TINY + p + ["--rewards", "jpeg,evalplug:fn"], tmp_path, capsys,
-                r"reward 'evalplug:fn' failed on a probe batch .*KeyError")
+                r"reward 'evalplug:fn' failed: KeyError.*on a probe batch")
     _eval_fails(ev, EVAL_TINY + p + ["--rewards", "jpeg:2"], tmp_path, capsys,
                 r"weights mean nothing here")
+
+
+@pytest.mark.examples
+def test_evaluate_reward_failing_mid_evaluation_is_one_line(ev, tmp_path, capsys, monkeypatch):
+    """A plug-in reward that passes the start-up probe and then raises (a reward server gone)
+    ends the evaluation in one line naming the reward and its error, with exit status 69."""
+    (tmp_path / "evalflaky.py").write_text(
+        "import torch\ncalls = []\n\n\ndef fn(images, prompts):\n    calls.append(len(prompts))\n"
+        "    if len(calls) > 1:\n        raise RuntimeError('server gone')\n"
+        "    return torch.zeros(len(prompts))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "evalflaky", raising=False)          # a fresh import
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red cube\na blue sphere\n")
+    capsys.readouterr()
+    assert ev.main(EVAL_TINY + ["--num_steps", "4", "--rewards", "jpeg,evalflaky:fn", "--prompts",
+                                str(prompts), "--out", str(tmp_path / "out")]) == V.REWARD_FAILED
+    err = capsys.readouterr().err                         # beside the progress bar, one line
+    assert "Traceback" not in err and re.findall(r"error: [^\r\n]*", err) == [
+        "error: reward 'evalflaky:fn' failed: RuntimeError: server gone"], err
 
 
 @pytest.mark.examples

@@ -8,8 +8,9 @@ You Think", Tang et al., 2026, arXiv 2604.23380. Tags resolve in METHOD.md, besi
 where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" is a section here.
 
 What this file IS: a readable reference of the algorithm plus a working trainer for SD3 / SD3.5
-and FLUX.1 (diffusers) with five rewards, or your own (ImageReward is one in examples/), on one
-GPU or under torchrun (FSDP2), and offline tiny models: it all runs on a laptop CPU.
+and FLUX.1 (diffusers) with four rewards, or your own (ImageReward and the LAION aesthetic
+predictor are two in examples/), on one GPU or under torchrun (FSDP2), and offline tiny models: it
+all runs on a laptop CPU.
 What it is NOT: a framework; the loss can be copied into any trainer (§2–§6).
 
 Quickstart
@@ -19,16 +20,16 @@ Quickstart
     python vgrpo.py --model flux.1-dev --reward hpsv2:1,pickscore:1
     torchrun --nproc_per_node=8 vgrpo.py --model sd3.5-medium --preset paper
 
-ALGORITHM (one iteration; "→ §k" points into this file)            [METHOD.md: Algorithm]
-    0. θ_old ← θ  (nothing to copy: everything θ_old is needed for is cached in steps 1, 4, 5)
-    1. rollout: for each of P prompts, G images by a deterministic ODE solve of v_θold  → §3, §9
+ALGORITHM (one iteration; "→ §k" points into this file; METHOD.md and the README quote it)
+    0. θ_old ← θ: nothing is copied; all θ_old is needed for is computed in steps 1, 4 and 5
+    1. rollout: P prompts, G images each, by a deterministic ODE solve of v_θold        → §3, §9
     2. rewards r (N = P·G), group-relative advantages A, clamp ±5, soft-clip η·tanh(A/η) → §7, §4
     3. draw N_MC stratified (t, ε) pairs, shared across the batch (or per group)        → §5
     4. S_old[n] = mean_j s_θold(o_n; t_j, ε_j), s = −MSE_x / sg(MAE_x)   (no grad)      → §5
     5. μ optimizer steps over disjoint minibatches:
           ρ_n = exp(S_θ[n] − S_old[n]);  loss = mean_n max(−A ρ, −A clip(ρ, 1±ε)) + β KL_x → §6
        The first step runs at θ = θ_old, so its own forward gives S_old = sg(S_θ) (ρ ≡ 1):
-       step 4 runs only for the other μ − 1 minibatches, and not at all when μ = 1.
+       step 4 runs only for the other μ − 1 minibatches, and not at all when μ = 1 [ours C18].
     Rollouts carry no per-step log-probs: the whole generation is one atomic action.
 
 NOTATION
@@ -72,8 +73,8 @@ CONTENTS (top-down): §1 imports · §2–§6 the pure math: flow matching, ODE 
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse, contextlib, dataclasses, datetime, functools, importlib.util, io, json, math, os
-import random, shutil, signal, sys, tempfile, time, warnings
+import argparse, contextlib, dataclasses, datetime, enum, functools, importlib.util, io, json, math
+import os, random, shutil, signal, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -82,9 +83,21 @@ import torch
 import torch.nn.functional as F
 
 
+# main()'s exit statuses (docs/training.md "Exit statuses"): 0 done, 1 a bug (its traceback), 2 bad
+# input or a run ended in one line, 69 a reward failed mid-run, 75 preempted and saved, 130 Ctrl-C.
+REWARD_FAILED, PREEMPTED = 69, 75
+
+
 class ConfigError(ValueError):
-    """A problem with the user's input or environment (a flag, a file, a model location, a plug-in):
-    main() prints it as one line and exits with status 2. Anything else is a bug and tracebacks."""
+    """Bad input (a flag, a file, a model location, a plug-in): main() prints it as one line and
+    exits with `status`, having written nothing. Anything else is a bug and tracebacks."""
+    status = 2
+
+
+class RunError(Exception):
+    """A run that cannot go on (a write into its folder failed, GPU memory ran out): main() prints
+    it as one line, which says what the run folder holds and the command that continues."""
+    status = 2
 
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
 # ------------------------------------------------------------------------------------------------
@@ -434,7 +447,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for a plug-in; advantages see
 # raw · train_scale (only sums of rewards and std_eps notice), e.g. PickScore's raw/26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
-                "aesthetic": ("1-10", 1.0), "jpeg": ("-kB", 1.0)}
+                "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
 
 
@@ -455,18 +468,14 @@ def _fetch(location: str, flag: str) -> str:
                           f"and pass `{flag} /path/to/file`.") from e
 
 
-def _to_pil(images: torch.Tensor) -> list:
-    """(N, 3, H, W) in [0, 1] → N PIL images, rounded to uint8, for the scorers that take PIL."""
-    from PIL import Image
-    u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-    return [Image.fromarray(im.numpy()) for im in u8.permute(0, 2, 3, 1)]      # (H, W, 3) each
-
-
 def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """−(kB of the image as a quality-95 JPEG) [peer X10]: needs no weights, the smoke reward."""
+    from PIL import Image
+    u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
     sizes = []
-    for im in _to_pil(images):
-        im.save(buf := io.BytesIO(), format="JPEG", quality=95)
+    for im in u8.permute(0, 2, 3, 1):                                           # (H, W, 3) each
+        buf = io.BytesIO()
+        Image.fromarray(im.numpy()).save(buf, format="JPEG", quality=95)
         sizes.append(-buf.tell() / 1000.0)
     return torch.tensor(sizes, dtype=torch.float32)
 
@@ -489,37 +498,19 @@ def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
 
 
 def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
-                logit_scale: bool = False, head: Optional[torch.nn.Module] = None) -> Callable:
-    """A CLIPModel + CLIPProcessor as three rewards [peer X10]: pickscore logit_scale.exp() · cos,
-    clipscore cos(image, text), aesthetic head(L2-normalised image features), prompts unused."""
+                logit_scale: bool = False) -> Callable:
+    """A CLIPModel + CLIPProcessor as two rewards [peer X10]: pickscore logit_scale.exp() · cos,
+    clipscore cos(image, text)."""
     model = model.eval().requires_grad_(False).to(device, dtype)
-    head = None if head is None else head.eval().requires_grad_(False).to(device, torch.float32)
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         px = clip_pixels(images.to(device), processor.image_processor).to(dtype)
-        if head is not None:
-            f = model.get_image_features(pixel_values=px)
-            f = f if torch.is_tensor(f) else f.pooler_output       # transformers ≥ 5 wraps it
-            return head(F.normalize(f.float(), dim=-1)).squeeze(-1).cpu()
         text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
                                    return_tensors="pt").to(device)
         out = model(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=px)
         cos = F.cosine_similarity(out.image_embeds.float(), out.text_embeds.float())   # (N,)
         return (model.logit_scale.exp().float() * cos if logit_scale else cos).cpu()
     return score
-
-
-def aesthetic_head(weights: Optional[str] = None) -> torch.nn.Module:
-    """The LAION improved aesthetic predictor's MLP [peer X10], named like the original so its
-    state dict loads as is. weights: a file or owner/repo/file; None leaves it random."""
-    nn = torch.nn
-    head = nn.Sequential()
-    head.layers = nn.Sequential(                                # 768 → 1024 → 128 → 64 → 16 → 1
-        nn.Linear(768, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
-    if weights is not None:
-        head.load_state_dict(torch.load(_fetch(weights, "--aesthetic_weights"), map_location="cpu"))
-    return head
 
 
 def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
@@ -557,8 +548,14 @@ def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.
     return score
 
 
+class RewardError(RunError, ValueError):
+    """A plug-in reward that raised or broke the contract mid-run, after the start-up probe."""
+    status = REWARD_FAILED
+
+
 def plugin_reward(spec: str) -> Callable:
-    """A user's `module.path:function` under the contract above, its output checked every call."""
+    """A user's `module.path:function` under the contract above, its output checked every call.
+    Whatever goes wrong in a call (a reward server gone mid-run) is a RewardError: one line."""
     module, _, fn_name = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())       # so `examples.custom_reward:fn` works from the repo
@@ -570,14 +567,19 @@ def plugin_reward(spec: str) -> Callable:
         raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn_name!r}")
 
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        out = fn(images, prompts)
+        try:
+            out = fn(images, prompts)
+        except torch.cuda.OutOfMemoryError:
+            raise                                 # the harness names the phase and its knob
+        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
+            raise RewardError(f"reward {spec!r} failed: {type(e).__name__}: {e}") from e
         try:
             out = torch.as_tensor(out).detach().float().cpu()
         except (TypeError, ValueError, RuntimeError):
-            raise ConfigError(f"reward {spec!r} returned {type(out).__name__}; return a tensor, "
+            raise RewardError(f"reward {spec!r} returned {type(out).__name__}; return a tensor, "
                               f"array or list of {len(prompts)} numbers") from None
         if out.shape != (len(prompts),):
-            raise ConfigError(f"reward {spec!r} returned shape {tuple(out.shape)}, "
+            raise RewardError(f"reward {spec!r} returned shape {tuple(out.shape)}, "
                               f"expected ({len(prompts)},)")
         return out
     return score
@@ -589,10 +591,8 @@ def probe_reward(name: str, fn: Callable, size: int, device: torch.device, promp
     batch = f"a probe batch of 2 random {size}×{size} images"
     try:
         out = fn(images.to(device), (prompts * 2)[:2])
-    except ConfigError as e:
+    except RewardError as e:
         raise ConfigError(f"{e} (on {batch})") from None
-    except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
-        raise ConfigError(f"reward {name!r} failed on {batch}: {type(e).__name__}: {e}") from None
     if not torch.isfinite(out).all():
         raise ConfigError(f"reward {name!r} returned non-finite values {out.tolist()} on {batch}; "
                           "return finite numbers")
@@ -612,7 +612,8 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             name, weight = item, 1.0
         if name not in BUILTIN_REWARDS and ":" not in name:
             raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, "
-                              "or module.path:function (ImageReward: examples.imagereward:score)")
+                              "or module.path:function (ImageReward: examples.imagereward:score, "
+                              "the LAION aesthetic predictor: examples.aesthetic:score)")
         if not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
         out.append((name, weight))
@@ -625,16 +626,15 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype) -> Callable:
     """One reward by name, from the locations in args; offline failures name the flag to use."""
-    if name in ("pickscore", "clipscore", "aesthetic"):
+    if name in ("pickscore", "clipscore"):
         from transformers import AutoModel, AutoProcessor
         _quiet_hf()
-        mf, pf = (("pickscore_model", "pickscore_processor") if name == "pickscore"
-                  else ("clip_model", "clip_model"))
+        mf, pf = {"pickscore": ("pickscore_model", "pickscore_processor"),
+                  "clipscore": ("clip_model", "clip_model")}[name]
         proc = _from_pretrained(AutoProcessor, getattr(args, pf), f"the {name} processor",
                                 f"--{pf}")
         model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
-        head = aesthetic_head(args.aesthetic_weights) if name == "aesthetic" else None
-        return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore", head=head)
+        return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore")
     if name == "hpsv2":
         return hpsv2_reward(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
     return jpeg_reward if name == "jpeg" else plugin_reward(name)
@@ -690,10 +690,10 @@ SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
 def model_family(name: str) -> str:
     """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
+    named = MODEL_ALIASES.get(name, name)                   # a hub id: FLUX's name says "flux"
     if name in TINY_MODELS or Path(name).is_dir():
-        cls_name = TINY_MODELS.get(name) or check_local_pipeline(name)[0]   # one-line errors
-        return "flux" if cls_name == "FluxPipeline" else "sd3"
-    return "flux" if "flux" in MODEL_ALIASES.get(name, name).lower() else "sd3"
+        named = TINY_MODELS.get(name) or check_local_pipeline(name)[0]      # one-line errors
+    return "flux" if "flux" in named.lower() else "sd3"
 
 
 def _quiet_hf():
@@ -948,7 +948,9 @@ def transformer_blocks(transformer) -> list:
 
 # ------------------------------------------------------------------------------------------------
 # §9  Training loop, top-down: the state, `iteration` (the algorithm box of §0) and its five steps,
-#     the run around it, then what a method reader can skip (run folder, checkpoints, torchrun).
+#     the harness around it, then what a method reader can skip (run folder, checkpoints, torchrun).
+#     Inside the steps the harness is two calls, each marked `# harness:` with its reason:
+#     run.preemption_point() (a SIGTERM still saves the last iteration) and run.grad_sync (FSDP).
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -974,7 +976,7 @@ class Run:
     run_dir: Optional[Path] = None
     scaler: object = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
     stop: list = field(default_factory=list)   # signals received: "term" (preempt), "int" (Ctrl-C)
-    stepped: bool = False                      # this iteration's first optimizer step has begun
+    stepped: bool = False         # an optimizer step of this iteration has run (run_iterations)
 
     @property
     def N(self) -> int:
@@ -988,6 +990,19 @@ class Run:
         """This process's share of a global batch-first tensor (N, ...) or prompt list (P)."""
         n = len(x) // self.world
         return x[self.rank * n:(self.rank + 1) * n]
+
+    def preemption_point(self) -> None:
+        """Raise Preempted on every process (an all-reduce) if one got SIGTERM while no optimizer
+        step of this iteration has run: the parameters are still the last completed iteration's,
+        and the harness saves them (stop_mid_iteration). After a step it does nothing."""
+        if not self.stepped and _any_rank("term" in self.stop, self):
+            raise Preempted
+
+    def grad_sync(self, last: bool) -> None:
+        """Under FSDP, whether this micro-batch's backward reduces the gradients: a LoRA's last of
+        a step; a full fine-tune's every one (accumulating would hold its whole gradient unsharded)."""
+        if self.world > 1:
+            self.adapter.transformer.set_requires_gradient_sync(last or self.args.full_finetune)
 
 
 @dataclass
@@ -1009,6 +1024,48 @@ class Scored:
     skipped: bool                  # every advantage is 0: nothing to learn, no optimizer step
 
 
+@dataclass
+class OldSurrogates:
+    """[Alg. step 4] S_old: θ_old's per-pair surrogates of this process's Nl samples on the
+    iteration's pairs, and θ_old's x̂0 there when the KL needs it. Its whole contract, here:
+      * step 4 (old_surrogates) fills the rows of minibatches k ≥ 1 by a no-grad pass before any
+        optimizer step (every row when the update is skipped: the CV still reads S_old);
+      * step 5's first step runs at θ = θ_old, so `for_step` fills the rows of minibatch k = 0
+        from that step's own forward, detached: S_old = sg(S_θ) and ρ ≡ 1 [ours C18];
+      * after step 5 every row is filled, and `iteration` reads S_old whole (the CV)."""
+    s: torch.Tensor                          # (Nl, J) per-pair s_θold
+    x0_hat: Optional[torch.Tensor]           # (Nl, J, *D) θ_old's x̂0; None when kl_coef = 0
+    n_old_pass: int = 0                      # rows of step 4's own pass (nfe_old)
+
+    def fill(self, rows: torch.Tensor, s: torch.Tensor, x0_hat: torch.Tensor) -> None:
+        self.s[rows] = s
+        if self.x0_hat is not None:
+            self.x0_hat[rows] = x0_hat
+
+    def for_step(self, k: int, rows: torch.Tensor, s_new: torch.Tensor, x0h_new: torch.Tensor):
+        """S_old (m, J) and x̂0_old (m, J, *D) or None of `rows` for step k's loss; at k = 0 the
+        forward that gave s_new and x0h_new is θ_old's own."""
+        if k == 0:
+            self.fill(rows, s_new.detach(), x0h_new.detach())
+        return self.s[rows], None if self.x0_hat is None else self.x0_hat[rows]
+
+
+class Stream(enum.IntEnum):
+    """The named random streams. Each (seed, iteration, stream) is its own CPU generator (_gen):
+    a resumed run redraws exactly what the uninterrupted run would have drawn, and no two kinds
+    of draw share numbers. Streams 4–8 are left to the baselines in examples/."""
+    PROMPTS = 0            # step 1: which P training prompts
+    ROLLOUT_NOISE = 1      # step 1: the initial noise x1 of the N rollouts
+    PAIRS = 2              # step 3: the (t, ε) pairs
+    MINIBATCHES = 3        # step 5: the partition of the samples into μ minibatches
+    EVAL_NOISE = 9         # evaluate: one fixed noise per held-out prompt (iteration 0's)
+
+
+def _gen(seed: int, it: int, stream: int) -> torch.Generator:
+    """The CPU generator of (seed, iteration, Stream)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
+
+
 # ---- one iteration: the algorithm box of §0, step by step --------------------------------------
 def iteration(run: Run, it: int) -> dict:
     """One V-GRPO iteration, Alg. steps 1–5 of §0 (step 4 only for the minibatches after the first
@@ -1022,26 +1079,32 @@ def iteration(run: Run, it: int) -> dict:
     pairs = draw_iteration_pairs(run, it)                                   # step 3
     mbs = minibatches(run, it)
     with timed(times, "time_old", run.dev):
-        s_old, x0h_old, n_old = old_surrogates(run, ro, pairs, mbs, sc.skipped)     # step 4
+        s_old = old_surrogates(run, ro, pairs, mbs, sc.skipped)             # step 4: k ≥ 1
+    stats, grad_norms = {}, []
     with timed(times, "time_update", run.dev):
-        stats, grad_norms = update_steps(run, ro, sc, pairs, mbs, s_old, x0h_old)   # step 5
-    S_all = _all_gather_cat(s_old.mean(dim=1), run.world)          # (N,), complete after step 5
+        if not sc.skipped:                                  # step 5, which completes S_old
+            stats, grad_norms = update_steps(run, ro, sc, pairs, mbs, s_old)
+    S_all = _all_gather_cat(s_old.s.mean(dim=1), run.world)                 # (N,)
     cv = surrogate_cv(S_all.view(run.args.prompts_per_iter, run.args.group_size))
-    m = iteration_metrics(run, it, sc, cv, stats, grad_norms, times, n_old)
+    m = iteration_metrics(run, it, sc, cv, stats, grad_norms, times, s_old.n_old_pass)
     return {**m, "time_iter": time.perf_counter() - t0}
 
 
 def collect_rollouts(run: Run, it: int) -> Rollouts:
     """[Alg. step 1] G images per prompt of this process's groups, ODE-solved by θ_old (= θ)."""
     args, ad = run.args, run.adapter
-    P, n_tr, g = args.prompts_per_iter, len(run.train_prompts), _gen(args.seed, it, 0)
-    pick = torch.randperm(n_tr, generator=g)[:P] if P <= n_tr else torch.randint(n_tr, (P,), generator=g)
+    P, n_tr, g = args.prompts_per_iter, len(run.train_prompts), _gen(args.seed, it, Stream.PROMPTS)
+    if P <= n_tr:                                       # P distinct prompts
+        pick = torch.randperm(n_tr, generator=g)[:P]
+    else:                                               # more than there are: with replacement
+        pick = torch.randint(n_tr, (P,), generator=g)
     prompts = run.local([run.train_prompts[i] for i in pick.tolist()])
     cond = ad.encode(prompts)                                               # Pl rows
     prompt_idx = (torch.arange(run.Nl) // args.group_size).to(run.dev)      # (Nl,)
-    x1 = run.local(torch.randn((run.N,) + run.D, generator=_gen(args.seed, it, 1))).to(run.dev)
+    noise = torch.randn((run.N,) + run.D, generator=_gen(args.seed, it, Stream.ROLLOUT_NOISE))
+    x1 = run.local(noise).to(run.dev)                                       # (Nl, *D)
     x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx,
-                 poll=lambda: preemption_point(run))
+                 poll=run.preemption_point)   # harness: before each chunk, so SIGTERM saves
     return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)   # x0: (Nl, *D)
 
 
@@ -1051,12 +1114,11 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
     names = [n for n, _ in rw.train_terms]
     mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
                                 [ro.prompts[i // G] for i in range(run.Nl)], args.reward_batch)
-    preemption_point(run)
     every = _all_gather_cat(torch.stack([mine[n] for n in names]).to(run.dev), run.world)
     raw = dict(zip(names, every.cpu()))                                     # {name: (N,)}
     values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)  # (R,P,G)
-    aggregate = (per_reward_advantages if args.reward_aggregation == "per_reward"
-                 else weighted_sum_advantages)
+    aggregate = {"sum": weighted_sum_advantages,
+                 "per_reward": per_reward_advantages}[args.reward_aggregation]
     adv, stats = aggregate(values, torch.tensor([w for _, w in rw.train_terms]),
                            global_std=args.global_std, std_eps=args.std_eps,
                            clamp=args.adv_clamp, eta=args.soft_clip_eta)
@@ -1074,42 +1136,72 @@ def draw_iteration_pairs(run: Run, it: int) -> Pairs:
     scope = {"batch": torch.zeros(N, dtype=torch.long), "group": torch.arange(N) // args.group_size,
              "none": torch.arange(N)}[args.pair_sharing]
     pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
-                       generator=_gen(args.seed, it, 2), device=run.dev)
-    for x in (pairs.t, pairs.eps) if run.world > 1 else ():
-        torch.distributed.broadcast(x, src=0)
+                       generator=_gen(args.seed, it, Stream.PAIRS), device=run.dev)
+    if run.world > 1:
+        for x in (pairs.t, pairs.eps):
+            torch.distributed.broadcast(x, src=0)
     return pairs
 
 
 def minibatches(run: Run, it: int) -> list:
     """[(step k, rows), ...]: the μ optimizer steps' disjoint, equal minibatches of local rows
-    (check_world) in micro-batches, in the order the update visits them; drawn before Alg. step 4,
+    (check_args) in micro-batches, in the order the update visits them; drawn before Alg. step 4,
     so S_old is computed in the very micro-batches (rows, shapes) of θ's pass [ours C14]."""
     a = run.args
-    perm = (torch.randperm(run.Nl, generator=_gen(a.seed, it, 3)).to(run.dev) if a.mu > 1
-            else torch.arange(run.Nl, device=run.dev))
+    perm = torch.arange(run.Nl, device=run.dev)
+    if a.mu > 1:
+        perm = torch.randperm(run.Nl, generator=_gen(a.seed, it, Stream.MINIBATCHES)).to(run.dev)
     return [(k, rows) for k, mb in enumerate(perm.tensor_split(a.mu))
             for rows in mb.split(a.micro_batch)]
 
 
 @torch.no_grad()
-def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list, skipped: bool):
-    """[Alg. step 4] S_old for the rows of minibatches k ≥ 1 (all rows when the update is skipped,
-    for the CV statistics); update_steps fills in the first's at θ = θ_old. Returns s_old (Nl, J),
-    x̂0_old (Nl, J, *D) or None (only the KL needs it), and how many rows were computed here."""
-    a = run.args
-    s_old = torch.empty(run.Nl, a.n_mc, device=run.dev)
-    x0h_old = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev) if a.kl_coef else None
-    todo = [rows for k, rows in mbs if k > 0 or skipped]
-    for rows in todo:
-        preemption_point(run)
-        s_old[rows], x0h = surrogates(run, ro, pairs, rows)
+def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list, skipped: bool) -> OldSurrogates:
+    """[Alg. step 4] S_old of the rows of minibatches k ≥ 1, or of every row when the update is
+    skipped; the first minibatch's rows come from step 5 (OldSurrogates says how)."""
+    a, x0_hat = run.args, None
+    if a.kl_coef:
+        x0_hat = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev)
+    s_old = OldSurrogates(torch.empty(run.Nl, a.n_mc, device=run.dev), x0_hat)
+    for k, rows in mbs:
+        if k > 0 or skipped:
+            run.preemption_point()      # harness: no step has run yet, so a SIGTERM still saves
+            s_old.fill(rows, *surrogate_pass(run, ro, pairs, rows))
+            s_old.n_old_pass += len(rows)
+    return s_old
+
+
+def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list,
+                 s_old: OldSurrogates):
+    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollouts; the first
+    step's forward completes S_old. Returns ({stat: [(micro-batch value × rows, rows)]}, [the
+    pre-clip gradient norm of each step])."""
+    args, stats, grad_norms = run.args, {}, []
+    size = {k: sum(len(r) for j, r in mbs if j == k) for k, _ in mbs}       # samples per step
+    for i, (k, rows) in enumerate(mbs):
+        last = i + 1 == len(mbs) or mbs[i + 1][0] != k              # last micro-batch of step k
+        run.preemption_point()          # harness: until the first step, a SIGTERM still saves
+        s_new, x0h = surrogate_pass(run, ro, pairs, rows)
+        s_old_rows, x0h_old = s_old.for_step(k, rows, s_new, x0h)    # k = 0: S_old = sg(S_θ)
+        kl = None
         if x0h_old is not None:
-            x0h_old[rows] = x0h
-    return s_old, x0h_old, sum(len(rows) for rows in todo)
+            kl = xspace_kl(x0h, x0h_old)
+        loss, st = vgrpo_loss(s_new, s_old_rows, sc.adv[rows], clip_eps=args.clip_eps, kl=kl,
+                              kl_coef=args.kl_coef)
+        run.grad_sync(last)             # harness: under FSDP, reduce once per step (LoRA)
+        run.scaler.scale(loss * len(rows) / size[k]).backward()   # minibatch mean [ours C16]
+        if k == 0:
+            st["abs_log_ratio_first"] = st["abs_log_ratio"]
+        for name, v in st.items():
+            stats.setdefault(name, []).append((v * len(rows), len(rows)))    # sample-weighted
+        if last:
+            grad_norms.append(optimizer_step(run))
+    return stats, grad_norms
 
 
-def surrogates(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
-    """(s (m, J), x̂0 (m, J, *D)) of local samples `rows` under the current parameters (§5)."""
+def surrogate_pass(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
+    """One network pass: (s (m, J), x̂0 (m, J, *D)) of local samples `rows` on their pairs, under
+    the current parameters (§5); with grad in step 5, without in step 4."""
     a, (t, eps) = run.args, pairs.take(rows + run.rank * run.Nl)    # pairs are indexed globally
     with run.ctx:
         return pair_surrogates(run.adapter.velocity, ro.x0[rows], select(ro.cond, ro.prompt_idx[rows]),
@@ -1117,40 +1209,13 @@ def surrogates(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
                                adaptive=a.adaptive_weighting, mae_floor=a.mae_floor)
 
 
-def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_old, x0h_old):
-    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollouts. Returns
-    ({stat: [(micro-batch value × rows, rows)]}, [grad norm per step])."""
-    args, stats, grad_norms = run.args, {}, []
-    mbs = [] if sc.skipped else mbs
-    size = {k: sum(len(r) for j, r in mbs if j == k) for k, _ in mbs}       # samples per step
-    for i, (k, rows) in enumerate(mbs):
-        last = i + 1 == len(mbs) or mbs[i + 1][0] != k              # last micro-batch of step k
-        preemption_point(run)                                       # a no-op once stepped
-        s_new, x0h = surrogates(run, ro, pairs, rows)
-        if k == 0:                       # θ = θ_old: this pass is θ_old's too, S_old = sg(S_θ)
-            s_old[rows] = s_new.detach()
-            if x0h_old is not None:
-                x0h_old[rows] = x0h.detach()
-        kl = xspace_kl(x0h, x0h_old[rows]) if x0h_old is not None else None
-        loss, st = vgrpo_loss(s_new, s_old[rows], sc.adv[rows], clip_eps=args.clip_eps, kl=kl,
-                              kl_coef=args.kl_coef)
-        grad_sync(run, last)
-        run.scaler.scale(loss * len(rows) / size[k]).backward()   # minibatch mean [ours C16]
-        for name, v in {**st, **({"abs_log_ratio_first": st["abs_log_ratio"]} if k == 0
-                                 else {})}.items():
-            stats.setdefault(name, []).append((v * len(rows), len(rows)))    # sample-weighted
-        if last:
-            grad_norms.append(optimizer_step(run))
-    return stats, grad_norms
-
-
 def optimizer_step(run: Run) -> torch.Tensor:
     """Unscale (fp16), clip, step unless the norm is non-finite, zero the gradients (which FSDP
     has already averaged over processes). Returns the pre-clip norm."""
-    run.stepped = True                                # from here a preemption finishes the step
     run.scaler.unscale_(run.opt)                      # fp16: the true gradients before the clip
     gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
-    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn     # a DTensor under FSDP
+    if hasattr(gn, "full_tensor"):                    # a DTensor under FSDP
+        gn = gn.full_tensor()
     if torch.isfinite(gn):                            # host sync: step, or skip a bad step
         run.scaler.step(run.opt)
     run.scaler.update()                               # fp16: halve the scale after an overflow
@@ -1176,13 +1241,16 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
          "grad_scale": run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
          # network evaluations per sample (θ_old's pass: n_mc·(μ − 1)/μ, docs/training.md "Logged metrics")
          "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * n_old / run.Nl, "nfe_theta": a.n_mc}
-    for n, r in sc.raw.items() if len(sc.raw) > 1 else ():
-        m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
+    if len(sc.raw) > 1:                                   # several rewards: each one's too
+        for n, r in sc.raw.items():
+            m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
     for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, math.nan if sc.skipped else 0.0)
+        m.setdefault(k, math.nan if sc.skipped else 0.0)        # no update: no ratio statistics
     if bad and run.rank == 0:
-        _warn(f"iteration {it}: {bad} non-finite reward(s) dropped (advantage 0)"
-              + ("; update skipped" if sc.skipped else ""))
+        note = f"iteration {it}: {bad} non-finite reward(s) dropped (advantage 0)"
+        if sc.skipped:
+            note += "; update skipped"
+        _warn(note)
     return m
 
 
@@ -1203,7 +1271,8 @@ def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: t
     poll() runs before every chunk (the trainer's preemption point: no sync inside a solve)."""
     out = []
     for rows in torch.arange(len(x1)).split(chunk):
-        poll and poll()
+        if poll is not None:
+            poll()
         with ctx:
             x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
         out.append(x0.float())
@@ -1229,12 +1298,6 @@ def select(cond, rows: torch.Tensor):           # rows of every tensor in a (dic
     return {k: v[rows] for k, v in cond.items()} if isinstance(cond, dict) else cond[rows]
 
 
-def _gen(seed: int, it: int, stream: int) -> torch.Generator:
-    """An independent CPU generator per (seed, iteration, stream): a resumed run redraws exactly
-    the prompts, noises and pairs the uninterrupted run would have drawn."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
-
-
 @contextlib.contextmanager
 def timed(times: dict, key: str, dev: Optional[torch.device] = None):
     """times[key] = seconds spent in the block; given a device, its GPU work is waited for first
@@ -1255,8 +1318,7 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-# ---- the run: setup, the outer loop, evaluation, live curves -----------------------------------
-PREEMPTED = 75          # exit status after a preemption save: sysexits.h EX_TEMPFAIL, "run me again"
+# ---- the harness: setup, the iterations, how a run stops, evaluation, its record ---------------
 OOM_KNOBS = {"time_rollout": "the rollout: lower --rollout_batch", "time_reward": "decoding and "
              "rewards: lower --reward_batch", "time_old": "the θ_old pass: lower --micro_batch",
              "time_update": "the update: lower --micro_batch or use --gradient_checkpointing",
@@ -1267,80 +1329,38 @@ class Preempted(Exception):
     """SIGTERM before the iteration's first optimizer step, raised on every process alike."""
 
 
-def train(args: Args, fresh_ok: bool = False) -> list[dict]:
+def train(args: Args, fresh_ok: bool = False, resumed: Optional[tuple] = None) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl).
-    fresh_ok (--resume auto, no checkpoint yet): a folder that a killed run left starts over."""
+    fresh_ok (--resume auto, no checkpoint yet): a folder that a killed run left starts over.
+    resumed: read_checkpoint(args.resume), when the caller has read it already (main)."""
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; locked if it exists
-    try:
-        return loop(setup(args), run_dir)           # bad input fails in setup, writing nothing
+    try:                                            # bad input fails in setup, writing nothing
+        return run_iterations(setup(args, resumed=resumed), run_dir)
     finally:                                        # release the run folder (lock_run_dir)
-        if (lock := _LOCKS.pop(str(run_dir.resolve()), None)) is not None:
+        lock = _LOCKS.pop(str(run_dir.resolve()), None)
+        if lock is not None:
             lock.close()
 
 
-def loop(run: Run, run_dir: Path) -> list[dict]:
-    """Evaluate, iterate, log, checkpoint; a signal or out of GPU memory ends it as catch_signals
-    and interrupted say (docs/training.md "Outputs": Ctrl-C, preemption, one-line failures)."""
-    from tqdm.auto import tqdm
-    args, history, failed = run.args, [], True
-    log_f = open_run_dir(run, run_dir)
-    curves = functools.partial(writing, f"the live curves in {run_dir}", run_dir)
-    with curves():
-        tracker = Tracker(run) if run.rank == 0 else None
-
-    def log(m: dict, evaluation: bool = False) -> None:
-        if run.rank == 0:
-            with writing(run_dir / "metrics.jsonl", run_dir):
-                print(json.dumps(m), file=log_f, flush=True)
-            with curves():
-                tracker.log(m, evaluation)
-            tqdm.write(f"eval at iteration {m['iter']}: reward {m['eval_reward_mean']:.4f}"
-                       if evaluation else
-                       f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
-                       f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}"
-                       f"/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
-
-    def close_curves() -> None:
-        with curves():
-            tracker.close()                                    # after a crash too
-
-    restore_signals = catch_signals(run)
-    bar = tqdm(range(run.start, args.iterations), initial=run.start, total=args.iterations,
-               desc="V-GRPO", unit="it", disable=run.rank != 0)
+def run_iterations(run: Run, run_dir: Path) -> list[dict]:
+    """The harness around `iteration` (docs/training.md "Outputs"): the run's record, its signal
+    handlers, and the clean-up that runs however the run ends; `iterate` in between."""
+    failed, log = True, RunLog(run, run_dir)
+    # whether the iteration's parameters have moved, learnt from the optimizer itself (a step
+    # skipped for a non-finite gradient moves nothing): the method's steps carry no flag
+    on_step = run.opt.register_step_pre_hook(lambda *_: setattr(run, "stepped", True))
+    cleanup = [catch_signals(run), on_step.remove, *log.close_steps()]
+    if run.world > 1:
+        cleanup.append(torch.distributed.destroy_process_group)
     try:
-        for it in bar:
-            try:
-                if args.eval_every and it % args.eval_every == 0:
-                    with timed({}, "eval"):
-                        log(evaluate(run, it), evaluation=True)
-                history.append(m := iteration(run, it))
-            except (Preempted, torch.cuda.OutOfMemoryError) as e:
-                interrupted(run, it, e)                       # saves if it can; raises
-            log(m)
-            bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
-            stopping = _any_rank(bool(run.stop), run)         # every process stops together
-            if stopping or (it + 1) % args.save_every == 0 or it + 1 == args.iterations:
-                saved = checkpoint(run, it + 1)
-            run.stepped = False                                # iteration it + 1 starts here
-            if stopping and _any_rank("term" in run.stop, run):
-                interrupted(run, it + 1, Preempted())
-            if stopping:
-                if run.rank == 0:
-                    tqdm.write(f"stopped after iteration {it}: saved {saved}; continue with "
-                               f"--resume {run_dir}", file=sys.stderr)
-                break
-        else:                                                  # not stopped: final evaluation
-            if args.eval_every and run.start < args.iterations:
-                log(evaluate(run, args.iterations), evaluation=True)
+        history = iterate(run, log)
         failed = False
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: checkpoints/latest still names the last complete checkpoint; "
-              f"continue with --resume {run_dir}", file=sys.stderr)
+    except KeyboardInterrupt:                            # a second Ctrl-C: stop at once
+        print(f"\ninterrupted: {how_to_go_on(run_dir)}", file=sys.stderr)
         raise
     finally:                    # every step runs; none masks the error that ended a failed run
         errors = []
-        for close in [restore_signals, bar.close, *([log_f.close, close_curves] if run.rank == 0
-                      else []), *([torch.distributed.destroy_process_group] if run.world > 1 else [])]:
+        for close in cleanup:
             try:
                 close()
             except Exception as e:  # noqa: BLE001
@@ -1350,29 +1370,97 @@ def loop(run: Run, run_dir: Path) -> list[dict]:
     return history
 
 
-def interrupted(run: Run, it: int, e: Exception):
-    """SIGTERM or out of GPU memory in iteration `it`: unless its first optimizer step has begun,
-    save the state after `it` iterations (out of memory: alone only, no peer in a collective)."""
-    latest = run.run_dir / "checkpoints" / "latest"
-    last = latest.read_text() if latest.is_file() else None
-    where = f"checkpoints/latest ({last}) is the last complete one" if last else "no checkpoint yet"
-    if saves := not run.stepped and (isinstance(e, Preempted) or run.world == 1):
-        where = f"saved {latest.parent / last if last == f'iter_{it:06d}' else checkpoint(run, it)}"
-    if isinstance(e, Preempted):
-        if run.rank == 0:
-            _warn(f"preempted at iteration {it}: {where}; the same command with --resume auto "
-                  f"(or --resume {run.run_dir}) continues it")
-        raise Preempted(where) from None
-    go_on = f"--resume {run.run_dir}" if saves or last else f"--resume auto --run_dir {run.run_dir}"
-    raise ConfigError(f"out of GPU memory in {OOM_KNOBS.get(getattr(e, 'vgrpo_phase', ''), 'the run')}"
-                      f"{'' if run.args.offload_text_encoders else ' (or --offload_text_encoders)'}"
-                      f", iteration {it}; {where}; continue with {go_on}") from None
+def iterate(run: Run, log: RunLog) -> list[dict]:
+    """The iterations from run.start: each with the evaluation before it when one is due, its
+    record and a checkpoint when due; a final evaluation unless a signal stopped the run."""
+    a, history = run.args, []
+    for it in log.bar:
+        run.stepped = False                              # iteration `it` has taken no step yet
+        with interruptible(run, it):
+            if a.eval_every and it % a.eval_every == 0:
+                log.evaluation(it)
+            m = iteration(run, it)
+        history.append(m)
+        log.iteration(m)
+        if save_or_stop(run, it + 1):
+            return history
+    if a.eval_every and run.start < a.iterations:
+        with interruptible(run, a.iterations):
+            log.evaluation(a.iterations)
+    return history
+
+
+@contextlib.contextmanager
+def interruptible(run: Run, it: int):
+    """SIGTERM (Preempted), out of GPU memory or a failing reward inside iteration `it`, or the
+    evaluation before it, ends the run in one line: where, what `latest` holds, and the command
+    that continues. If no optimizer step of `it` has run, the parameters are those after `it`
+    iterations and are saved first: by every process on SIGTERM, which all of them see; else in
+    one process only (a save is a collective that processes which did not fail would not join)."""
+    try:
+        yield
+    except (Preempted, torch.cuda.OutOfMemoryError, RewardError) as e:
+        saved = None
+        if not run.stepped and (isinstance(e, Preempted) or run.world == 1):
+            saved = save_checkpoint(run, it)
+        if isinstance(e, Preempted):
+            preempted(run, f"at iteration {it}", saved)
+        go_on = how_to_go_on(run.run_dir, saved)
+        if isinstance(e, RewardError):
+            raise RewardError(f"{e}, in iteration {it}; {go_on}") from None
+        phase = OOM_KNOBS.get(getattr(e, "vgrpo_phase", ""), "the run")
+        if not run.args.offload_text_encoders:
+            phase += " (or --offload_text_encoders)"
+        raise RunError(f"out of GPU memory in {phase}, iteration {it}; {go_on}") from None
+
+
+def save_or_stop(run: Run, done: int) -> bool:
+    """After `done` iterations: a checkpoint when one is due or a signal asks to stop (every
+    process agrees on that); then SIGTERM ends the run (Preempted), Ctrl-C stops it. True: stop."""
+    a = run.args
+    stopping = _any_rank(bool(run.stop), run)             # every process stops together
+    if stopping or done % a.save_every == 0 or done == a.iterations:
+        saved = save_checkpoint(run, done)
+    if not stopping:
+        return False
+    if _any_rank("term" in run.stop, run):
+        preempted(run, f"after iteration {done - 1}", saved)
+    if run.rank == 0:
+        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
+        tqdm.write(f"stopped after iteration {done - 1}: {how_to_go_on(run.run_dir, saved)}",
+                   file=sys.stderr)
+    return True
+
+
+def preempted(run: Run, when: str, saved: Path):
+    """The line a preemption ends in, with the command a requeued job runs; raises Preempted,
+    which main() turns into exit status 75 on every process."""
+    go_on = how_to_go_on(run.run_dir, saved)
+    if run.rank == 0:
+        _warn(f"preempted {when}: {go_on}; a requeued job continues with the same command and "
+              f"--resume auto --run_dir {run.run_dir}")
+    raise Preempted(go_on)
+
+
+def how_to_go_on(run_dir: Path, saved: Optional[Path] = None) -> str:
+    """What the run folder holds and the command that continues it, as every one-line end says
+    it: `--resume RUN` once it has a checkpoint (a resumed run keeps its own configuration), else
+    --resume auto --run_dir RUN in the same command, which starts over. Each works as printed."""
+    latest = run_dir / "checkpoints" / "latest"
+    if saved is not None:
+        return f"saved {saved}; continue with --resume {run_dir}"
+    if latest.is_file():
+        return (f"checkpoints/latest ({latest.read_text().strip()}) is the last complete one; "
+                f"continue with --resume {run_dir}")
+    return (f"no checkpoint yet; continue with --resume auto --run_dir {run_dir} in the same "
+            "command (it starts over)")
 
 
 def catch_signals(run: Run):
     """SIGTERM (under torchrun also Ctrl-C, which its agent forwards) appends "term" to run.stop:
-    the loop saves at the next preemption point. Otherwise a first Ctrl-C appends "int" (finish,
-    save, stop), a second raises KeyboardInterrupt. Returns what restores the previous handlers."""
+    the run saves at the next preemption point. Otherwise a first Ctrl-C appends "int" (finish,
+    save, stop), a second raises KeyboardInterrupt. Returns what restores the previous handlers;
+    after a SIGTERM it leaves SIGTERM ignored: schedulers repeat it, and the exit must stay 75."""
     def on_term(*_):
         if "term" not in run.stop and run.rank == 0:
             _warn("SIGTERM: saving at once (an iteration not yet stepped is redone on resume)")
@@ -1383,28 +1471,32 @@ def catch_signals(run: Run):
             raise KeyboardInterrupt
         run.stop.append("int")
         _warn("Ctrl-C: finishing this iteration, then saving (Ctrl-C again: stop now)")
+
+    def restore():
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if "term" in run.stop:                           # on its way out with 75, never 143
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     on = {signal.SIGTERM: on_term,
           signal.SIGINT: on_term if "TORCHELASTIC_RUN_ID" in os.environ else on_int}
     try:
         previous = {sig: signal.signal(sig, handler) for sig, handler in on.items()}
-    except ValueError:
+    except ValueError:                                   # not the main thread: no handlers
         return lambda: None
-    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+    return restore
 
 
-def preemption_point(run: Run) -> None:
-    """Raise Preempted on every process (an all-reduce) if one got SIGTERM and none has stepped."""
-    if not run.stepped and _any_rank("term" in run.stop, run):
-        raise Preempted
-
-
-def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
+def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
+          resumed: Optional[tuple] = None) -> Run:
     """Load the model and rewards, attach LoRA, shard under torchrun, build the optimizer, restore
-    a checkpoint; writes nothing. args: validated (resolve_args); pipe, rewards: built, or None."""
+    a checkpoint; writes nothing. args: validated (resolve_args); pipe, rewards: built, or None;
+    resumed: read_checkpoint(args.resume) if the caller has read it already, else read here."""
     train_prompts, eval_prompts = load_prompts(args)
-    ckpt, state = read_checkpoint(args.resume) if args.resume else (None, None)
-    for k in RESUME_FIXED if state else ():
-        if state["config"].get(k, getattr(args, k)) != getattr(args, k):
+    if resumed is None and args.resume:
+        resumed = read_checkpoint(args.resume)
+    ckpt, state = resumed or (None, None)
+    for k in RESUME_FIXED:
+        if state and state["config"].get(k, getattr(args, k)) != getattr(args, k):
             raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
                               f"{state['config'][k]!r} ({ckpt}); drop --{k} to resume, or start "
                               "a new run")
@@ -1413,21 +1505,22 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                              timeout=datetime.timedelta(hours=1))  # §9 "torchrun"
-    rewards = rewards if rewards is not None else Rewards.load(args, dev, dtype)
+    if rewards is None:
+        rewards = Rewards.load(args, dev, dtype)
     for name, fn in rewards.models.items():                # plug-ins fail here, in one line
         if name not in BUILTIN_REWARDS:
             probe_reward(name, fn, min(args.resolution, 256), dev, train_prompts)
-    pipe = load_pipeline(args.model, dtype) if pipe is None else freeze_and_cast(pipe, dtype)
+    pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
     adapter = make_adapter(pipe.to(dev), args, dev)
     if args.offload_text_encoders:                   # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
-    tr = adapter.transformer
+    tr, lora_cfg = adapter.transformer, None
     torch.manual_seed(args.seed)      # the LoRA init from the seed alone, on every rank: rewards
     random.seed(args.seed)            # and pipelines that initialise randomly drew before this
-    lora_cfg = None if args.full_finetune else add_lora(tr, args.lora_rank, args.lora_alpha,
-                                                        args.lora_targets.split(","))
     if args.full_finetune:
         tr.to(torch.float32).requires_grad_(True)   # fp32 master weights, bf16 autocast compute
+    else:
+        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
     if ckpt is not None:
         load_trainable(adapter, ckpt, args.full_finetune)
     if args.gradient_checkpointing:
@@ -1453,17 +1546,20 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None) -> Run:
 
 def setup_device(args: Args, local_rank: int = 0) -> tuple:
     """Device, compute dtype and the one autocast context used for every model call."""
-    dev = torch.device(args.device if args.device != "auto"
-                       else f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(f"cuda:{local_rank}") if dev.type == "cuda" and dev.index is None else dev
-    name = args.dtype if args.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    device, precision = args.device, args.dtype
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:          # this process's GPU (torchrun)
+        dev = torch.device(f"cuda:{local_rank}")
+    if precision == "auto":
+        precision = "bf16" if dev.type == "cuda" else "fp32"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = True   # fp32 matmuls (surrogate math): tensor cores
         torch.backends.cudnn.allow_tf32 = True
-        # cuDNN's fused attention failed in the backward pass of FLUX.1-dev (head dim 128) on an
-        # H200 with torch 2.11 ("mha_graph.execute(...).is_good()"): SDPA picks among the others
+        # cuDNN's fused attention failed in FLUX.1-dev's backward on an H200 (docs/gpu.md)
         torch.backends.cuda.enable_cudnn_sdp(False)
     return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
                         else contextlib.nullcontext())
@@ -1473,9 +1569,11 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
     """(train, eval) prompt lists: --prompts / --eval_prompts files, or examples/prompts.txt (40
     varied prompts written for this project, so a run works out of the box; every 5th held out)."""
     def read(path, flag):
+        if os.path.isdir(path):
+            raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt "
+                              "per line")
         if not os.path.isfile(path):
-            raise ConfigError(f"{flag} {path!r} " + ("is a folder; pass a text file with one "
-                              "prompt per line" if os.path.isdir(path) else "does not exist"))
+            raise ConfigError(f"{flag} {path!r} does not exist")
         try:
             lines = [l for l in (l.strip() for l in open(path, encoding="utf-8")) if l]
         except UnicodeDecodeError as e:
@@ -1497,7 +1595,8 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
         order = torch.randperm(len(allp), generator=torch.Generator().manual_seed(1234)).tolist()
         held, train = ([allp[i] for i in sorted(order[:n_eval])],
                        [allp[i] for i in sorted(order[n_eval:])])
-    held = read(args.eval_prompts, "--eval_prompts") if args.eval_prompts else held
+    if args.eval_prompts:
+        held = read(args.eval_prompts, "--eval_prompts")
     return train, held or train[:1]
 
 
@@ -1507,17 +1606,19 @@ def evaluate(run: Run, it: int) -> dict:
     saves the grid to eval/iter_XXXXXX.png. Every process runs it: an FSDP forward needs all."""
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
-    x1 = torch.randn((len(prompts),) + run.D, generator=_gen(args.seed, 0, 9)).to(run.dev)
+    noise = _gen(args.seed, 0, Stream.EVAL_NOISE)                 # the same at every evaluation
+    x1 = torch.randn((len(prompts),) + run.D, generator=noise).to(run.dev)
     lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
                   run.eval_sigmas, args.solver, args.rollout_batch, run.ctx,
-                  poll=lambda: preemption_point(run))
+                  poll=run.preemption_point)   # harness: before each chunk, so SIGTERM saves
     raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval_terms], lat, prompts,
                                   args.reward_batch, keep_images=True)
     if run.run_dir is not None and run.rank == 0:
         from PIL import Image
         from torchvision.utils import make_grid          # ⌈√n⌉ per row, black where none is
         grid = make_grid(imgs, nrow=math.ceil(math.sqrt(len(imgs))), padding=0).permute(1, 2, 0)
-        with writing(path := run.run_dir / "eval" / f"iter_{it:06d}.png", run.run_dir):
+        path = run.run_dir / "eval" / f"iter_{it:06d}.png"
+        with writing(path, run.run_dir):
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(grid.numpy()).save(path)
     head = rw.headline(raw, rw.eval_terms)
@@ -1531,32 +1632,42 @@ def evaluate(run: Run, it: int) -> dict:
     return ev
 
 
-class Tracker:
-    """Live curves with --report_to tensorboard (rank 0): every logged scalar, and the evaluation
-    grids as images. The step is the iteration, so a resumed run continues its curves
-    (`purge_step`). W&B can sync these logs; examples/plot_metrics.py draws metrics.jsonl."""
+class RunLog:
+    """What rank 0 records as a run goes: a metrics.jsonl line per iteration and per evaluation
+    (examples/plot_metrics.py draws them; examples/tensorboard_curves.py makes them TensorBoard
+    curves, live with --follow), and a line per iteration above the progress bar. Every process
+    holds one (open_run_dir tells each the run folder); off rank 0 it writes nothing."""
 
-    def __init__(self, run: Run):
-        self.run, self.out = run, None
-        if run.args.report_to == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-            self.out = SummaryWriter(str(run.run_dir / "tensorboard"), purge_step=run.start)
+    def __init__(self, run: Run, run_dir: Path):
+        from tqdm.auto import tqdm
+        self.run, self.file, self.say = run, open_run_dir(run, run_dir), tqdm.write
+        self.bar = tqdm(range(run.start, run.args.iterations), initial=run.start,
+                        total=run.args.iterations, desc="V-GRPO", unit="it", disable=run.rank != 0)
 
-    def log(self, m: dict, evaluation: bool) -> None:
-        if self.out is None:
+    def evaluation(self, it: int) -> None:
+        """evaluate(run, it), recorded; out of GPU memory in there names the evaluation."""
+        with timed({}, "eval"):
+            m = evaluate(self.run, it)
+            self.record(m, f"eval at iteration {it}: reward {m['eval_reward_mean']:.4f}")
+
+    def iteration(self, m: dict) -> None:
+        self.record(m, f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
+                       f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}"
+                       f"/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
+        self.bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
+
+    def record(self, m: dict, line: str) -> None:
+        if self.run.rank > 0:
             return
-        step, grid = m["iter"], self.run.run_dir / "eval" / f"iter_{m['iter']:06d}.png"
-        for k, v in m.items():
-            if k != "iter" and isinstance(v, (int, float)):
-                self.out.add_scalar(k, v, step)
-        if evaluation and grid.is_file():
-            from PIL import Image
-            from torchvision.transforms.functional import pil_to_tensor     # (3, H, W) uint8
-            self.out.add_image("eval_grid", pil_to_tensor(Image.open(grid).convert("RGB")), step)
+        with writing(self.run.run_dir / "metrics.jsonl", self.run.run_dir):
+            print(json.dumps(m), file=self.file, flush=True)
+        self.say(line)
 
-    def close(self) -> None:
-        if self.out is not None:
-            self.out.close()
+    def close_steps(self) -> list:
+        """The clean-up steps: the bar, and on rank 0 metrics.jsonl."""
+        if self.run.rank > 0:
+            return [self.bar.close]
+        return [self.bar.close, self.file.close]
 
 
 # ---- the run folder: planned before anything loads, one trainer at a time ---------------------
@@ -1584,11 +1695,8 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
         lock_run_dir(run_dir)
     held = [f for f in ("config.json", "metrics.jsonl", "checkpoints/latest") if (run_dir / f).exists()]
     if held and not fresh_ok and (resumed is None or resumed.resolve() != run_dir.resolve()):
-        latest = run_dir / "checkpoints" / "latest"
-        last = latest.parent / latest.read_text().strip() if latest.is_file() else "none yet"
-        raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run (latest checkpoint: "
-                          f"{last}); continue it with --resume auto (or --resume {run_dir}), or "
-                          "start a new run with another --run_dir")
+        raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run: {how_to_go_on(run_dir)}"
+                          "; or start a new run with another --run_dir")
     return run_dir
 
 
@@ -1602,7 +1710,8 @@ def lock_run_dir(run_dir: Path) -> None:
         import fcntl                            # POSIX; `import vgrpo` must work everywhere
     except ImportError:
         return
-    if (key := str(run_dir.resolve())) in _LOCKS:
+    key = str(run_dir.resolve())
+    if key in _LOCKS:
         return
     f = open(run_dir / ".lock", "a+")
     try:
@@ -1637,10 +1746,12 @@ def open_run_dir(run: Run, run_dir: Path):
         for stale in (run_dir / "checkpoints").glob(".tmp-*"):        # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
-        if run.args.resume and (ckpt := find_checkpoint(run.args.resume)).parent == run_dir / "checkpoints":
-            _point_latest(ckpt)
-        keep = []
-        for line in mpath.read_text().splitlines() if mpath.exists() else []:
+        if run.args.resume:                            # `latest` names the resumed checkpoint
+            ckpt = find_checkpoint(run.args.resume)
+            if ckpt.parent == run_dir / "checkpoints":
+                _point_latest(ckpt)
+        keep, lines = [], mpath.read_text().splitlines() if mpath.exists() else []
+        for line in lines:
             try:
                 m = json.loads(line)
             except ValueError:
@@ -1659,12 +1770,12 @@ def writing(what: Path, run_dir: Path):
     writer raises its own type) ends the run in one line naming what failed and how to go on."""
     try:
         yield
-    except ConfigError:
+    except (ConfigError, RunError):
         raise
     except Exception as e:  # noqa: BLE001 — every writer's error, one message
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"could not write {what} ({type(e).__name__}: {why}); free space or "
-                          f"fix permissions there, then continue with --resume {run_dir}") from None
+        raise RunError(f"could not write {what} ({type(e).__name__}: {why}); free space or fix "
+                       f"permissions there; {how_to_go_on(run_dir)}") from None
 
 
 # ---- checkpoints: one folder per save, `latest` switched atomically once it is complete --------
@@ -1687,33 +1798,41 @@ def find_checkpoint(path: str) -> Path:
 
 
 def read_checkpoint(path: str) -> tuple[Path, dict]:
-    """(folder, trainer state) of a checkpoint, validated before anything else happens."""
+    """(folder, trainer state) of a checkpoint, validated before anything else happens. Of the
+    weights only the header is read (safetensors.safe_open): load_trainable reads them, once."""
     ckpt = find_checkpoint(path)
     try:
         state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
         need = [CKPT_STATE + ": " + k for k in ("iteration", "config", "optimizer_saved", "rng")
                 if k not in state]
-        if not need:
-            need = [f for f in ([FULL_FILE if state["config"]["full_finetune"] else LORA_FILE]
-                                + [OPTIM_FILE] * state["optimizer_saved"]) if not (ckpt / f).is_file()]
         if need:
             raise ValueError(f"missing {', '.join(need)}")
-        from safetensors.torch import load_file
-        load_file(str(ckpt / (FULL_FILE if state["config"]["full_finetune"] else LORA_FILE)))
+        weights = FULL_FILE if state["config"]["full_finetune"] else LORA_FILE
+        need = [f for f in [weights] + [OPTIM_FILE] * state["optimizer_saved"]
+                if not (ckpt / f).is_file()]
+        if need:
+            raise ValueError(f"missing {', '.join(need)}")
+        from safetensors import safe_open
+        with safe_open(str(ckpt / weights), framework="pt") as f:   # checks the layout too
+            if not list(f.keys()):
+                raise ValueError(f"{weights} holds no tensors")
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
                           f"({type(e).__name__}: {e}); pick another with --resume") from e
     return ckpt, state
 
 
-def checkpoint(run: Run, it: int) -> Path:
+def save_checkpoint(run: Run, it: int) -> Path:
     """checkpoints/iter_XXXXXX after `it` iterations: the weights in diffusers' format (LoRA or a
     transformer folder), the optimizer and trainer state (iteration, loss scale, RNG), the config.
     Every process takes part (FSDP gathers), rank 0 writes into a temporary folder, renames it and
-    only then switches `latest`. A failed write removes its files and raises ConfigError."""
+    only then switches `latest`; if `latest` already names it, nothing is written. A failed write
+    removes its files and raises RunError."""
     tr = run.adapter.transformer
     ckdir, cfg = run.run_dir / "checkpoints", dataclasses.asdict(run.args)
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
+    if (ckdir / "latest").is_file() and (ckdir / "latest").read_text().strip() == final.name:
+        return final                          # saved already: a stop right after a save
     weights = full_state(tr)                  # the optimizer state follows, once these are written
     if run.rank > 0:
         full_state(tr, run.opt)
@@ -1741,7 +1860,8 @@ def checkpoint(run: Run, it: int) -> Path:
         torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim), "rng": rng,
                     "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        os.umask(mask := os.umask(0))                      # read the umask
+        mask = os.umask(0)                                 # read the umask,
+        os.umask(mask)                                     # and put it back
         for f in tmp.rglob("*"):                           # safetensors writes its files 0600
             f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
         shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves only move on from it
@@ -1751,8 +1871,8 @@ def checkpoint(run: Run, it: int) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         (ckdir / ".latest.tmp").unlink(missing_ok=True)
         why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"could not write a checkpoint in {str(ckdir)!r} ({why}); free space "
-                          f"there, then continue with --resume {run.run_dir}") from None
+        raise RunError(f"could not write a checkpoint in {str(ckdir)!r} ({why}); free space "
+                       f"there; {how_to_go_on(run.run_dir)}") from None
     if run.world > 1:
         torch.distributed.barrier()
     return final
@@ -1771,8 +1891,9 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
         return
     from peft.utils import set_peft_model_state_dict
     sd = {k.removeprefix("transformer."): v for k, v in load_file(str(ckpt / LORA_FILE)).items()}
-    if unexpected := getattr(set_peft_model_state_dict(adapter.transformer, sd),
-                             "unexpected_keys", None):
+    loaded = set_peft_model_state_dict(adapter.transformer, sd)
+    unexpected = getattr(loaded, "unexpected_keys", None)
+    if unexpected:
         raise ConfigError(f"checkpoint {str(ckpt)!r} does not match this model: {unexpected[:3]}")
 
 
@@ -1789,39 +1910,20 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
     random.setstate(state["rng"]["python"])       # an older checkpoint's "cuda" entry is ignored
 
 
-# ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` --------------------------------------
-# nanoGPT's pattern: WORLD_SIZE > 1 ⇒ torch.distributed (NCCL on GPUs, gloo on CPU) and PyTorch
-# FSDP2 (`fully_shard`, as in Flow-Factory and torchtitan) shards the transformer's parameters,
-# gradients and AdamW state. Every process draws the same prompts, noise and pairs from the (seed,
-# iteration) generators and works on its own whole groups (Run.local); rewards are all-gathered.
-# Each network call gathers every block again (FSDP's default; the counts: docs/scaling.md), so no
-# process holds more than two blocks unsharded. Frozen models are replicated. Collectives wait up
-# to 1 h, not NCCL's 10 min, while rank 0 writes a checkpoint (a FLUX full fine-tune's 95 GB of
-# AdamW state: 16 min at 100 MB/s). N processes compute what one does, up to rounding.
+# ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` (docs/scaling.md) ---------------------
+# nanoGPT's pattern: WORLD_SIZE > 1 ⇒ torch.distributed (NCCL on GPUs, gloo on CPU), and FSDP2
+# (`fully_shard`) shards the transformer. Every process draws the same prompts, noise and pairs
+# and works on its own whole groups (Run.local); rewards are all-gathered. Collectives wait up to
+# 1 h, not NCCL's 10 min, while rank 0 writes a checkpoint (a FLUX full fine-tune's AdamW state).
 def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0, 1, 0) alone
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
-def check_world(args: Args, world: int) -> None:
-    """One rule for one process and for many: each process holds whole groups and splits its
-    samples into μ equal minibatches, so every optimizer step sees the same number of samples."""
-    P, G = args.prompts_per_iter, args.group_size
-    if P % world:
-        raise ConfigError(f"--prompts_per_iter {P} must be divisible by the {world} processes: "
-                          "a group is never split across processes")
-    if P // world * G % args.mu:
-        raise ConfigError(f"each process's {P // world * G} samples must split into --mu "
-                          f"{args.mu} equal minibatches")
-
-
 def shard_transformer(tr, dtype: torch.dtype) -> None:
-    """FSDP2: each block its own unit, then the root (embedders, final layer). The fp32 master
-    weights and their AdamW state stay sharded; under bf16 / fp16 the parameters are all-gathered
-    in that dtype (what autocast casts them to for the matmuls; the frozen base already is, but a
-    full fine-tune's norm scales stay fp32 in one process) and the gradients reduce-scattered in
-    fp32. No input is cast: autocast does it op by op, as in one process (a bf16 cast would turn
-    SD3's timestep 1000·t = 857.69 into 856.0, and round FLUX's rotary cos/sin). fp32: no cast."""
+    """FSDP2: each block its own unit, then the root. Under bf16 / fp16 the parameters are gathered
+    in that dtype and the gradients reduce-scattered in fp32; no input is cast: autocast does it op
+    by op, as in one process (a bf16 cast would round SD3's timestep 1000·t; docs/scaling.md)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                cast_forward_inputs=False)
@@ -1829,14 +1931,6 @@ def shard_transformer(tr, dtype: torch.dtype) -> None:
     for blk in transformer_blocks(tr):
         fully_shard(blk, mp_policy=mp)
     fully_shard(tr, mp_policy=mp)
-
-
-def grad_sync(run: Run, last: bool) -> None:
-    """LoRA: micro-batches accumulate locally and FSDP reduce-scatters on the last of a step. A
-    full fine-tune reduces every micro-batch: accumulating would hold the whole, unsharded
-    gradient of the transformer on every process."""
-    if run.world > 1:
-        run.adapter.transformer.set_requires_gradient_sync(last or run.args.full_finetune)
 
 
 def full_state(tr, opt=None) -> dict:
@@ -1899,7 +1993,8 @@ class Args:
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
     # --- model -----------------------------------------------------------------------------------
-    model: str = _f("sd3.5-medium", "alias (see resolve_model), hub id or local diffusers folder")
+    model: str = _f("sd3.5-medium", f"an alias ({', '.join([*TINY_MODELS, *MODEL_ALIASES])}), a "
+                    "hub id or a local diffusers folder")
     resolution: int = _f(512, "image side in pixels", "[ours C7] DiffusionNFT's 512")
     max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
     guidance: float = _f(3.5, "FLUX: distilled guidance (no true CFG)", "[ours C1] [peer X9]")
@@ -1921,8 +2016,9 @@ class Args:
                                    "[paper P11] the peers evaluate SD3.5-M at 40")
     rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, same results)")
     # --- reward ----------------------------------------------------------------------------------
-    reward: str = _f("pickscore", "rewards with weights, e.g. pickscore:1,hpsv2:1 (BUILTIN_REWARDS "
-                     "or module.path:function)")
+    reward: str = _f("pickscore", f"rewards with weights, e.g. pickscore:1,hpsv2:1; each one of "
+                     f"{', '.join(BUILTIN_REWARDS)} or module.path:function (examples/: "
+                     "examples.imagereward:score, examples.aesthetic:score)")
     reward_aggregation: str = _f("sum", "several rewards: sum then normalise, or the reverse",
                                  "[ours C3]", choices=("sum", "per_reward"))
     eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: training's)")
@@ -1932,9 +2028,7 @@ class Args:
     hpsv2_arch: str = _f("ViT-H-14", "HPSv2 open_clip architecture (or JSON config)", "[peer X10]")
     hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt",
                                "HPSv2.1 weights: file or owner/repo/file", "[peer X10]")
-    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore, aesthetic", "[peer X10]")
-    aesthetic_weights: str = _f("trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth",
-                                "LAION aesthetic MLP: file or owner/repo/file", "[peer X10]")
+    clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore", "[peer X10]")
     reward_batch: int = _f(32, "images per decode and reward-model call (memory knob)")
     # --- objective -------------------------------------------------------------------------------
     prompts_per_iter: int = _f(6, "P: prompts per iteration (paper: 48; 6 = one GPU's share of 8)")
@@ -1964,8 +2058,6 @@ class Args:
     # --- system ----------------------------------------------------------------------------------
     seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
     device: str = _f("auto", "cuda, cpu, or auto")
-    report_to: str = _f("none", "live curves in run_dir/tensorboard",
-                        choices=("none", "tensorboard"))
     preset: Optional[str] = _f(None, "bundle of overrides (docs/training.md \"Presets\")",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
 
@@ -2008,22 +2100,36 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# --help's groups are the sections of Args, each named here by its first field
+HELP_GROUPS = {"run_dir": "io", "model": "model", "num_steps": "sampler", "reward": "reward",
+               "prompts_per_iter": "objective", "iterations": "optimisation", "seed": "system"}
+
+
 def given_flags(argv: Optional[list[str]] = None) -> dict:
-    """The flags given on the command line, and only those (flag name == field name)."""
+    """The flags given on the command line, and only those (flag name == field name). --help lists
+    them in the sections of Args, each with the value an SD3 and a FLUX run gets (FAMILY_PRESETS)."""
     p = argparse.ArgumentParser(
         description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
-        epilog="Sources in brackets are items of METHOD.md: [paper Pk] stated by the paper, "
-               "[peer Xk] a convention of another codebase, [ours Ck] this project's choice.")
-    types = {"int": int, "float": float, "str": str}
+        epilog="SD3 / FLUX: the value each model family gets where they differ (FLUX: MixGRPO's "
+               "protocol, [ours C1–C3, C8, C17]); --model tiny and tiny-flux make it small "
+               "(examples/tiny_models.py). Sources in brackets are items of METHOD.md: [paper Pk] "
+               "stated by the paper, [peer Xk] another codebase's, [ours Ck] this project's choice.")
+    p.error = lambda message: p.exit(2, f"error: {message} (--help lists every flag)\n")  # one line
+    types, group = {"int": int, "float": float, "str": str}, p
     for f in dataclasses.fields(Args):
-        kw = dict(default=argparse.SUPPRESS,
-                  help=f"{f.metadata['help']} [default {f.default!r}; {f.metadata['src']}]")
+        if f.name in HELP_GROUPS:
+            group = p.add_argument_group(HELP_GROUPS[f.name])
+        sd3, flux = (FAMILY_PRESETS[family].get(f.name, f.default) for family in ("sd3", "flux"))
+        value = f"default {sd3!r}"
+        if sd3 != flux:
+            value = f"SD3 {sd3!r}, FLUX {flux!r}"
+        kw = dict(default=argparse.SUPPRESS, help=f"{f.metadata['help']} [{value}; {f.metadata['src']}]")
         if f.type in ("bool", bool):
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = types[str(f.type).replace("Optional[", "").rstrip("]")]
             kw["choices"] = f.metadata["choices"]
-        p.add_argument(f"--{f.name}", **kw)
+        group.add_argument(f"--{f.name}", **kw)
     return vars(p.parse_args(argv))
 
 
@@ -2050,9 +2156,6 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     for where, layer in layers:
         values.update(layer)
         origin.update({k: where for k in layer})
-    unknown = set(values) - set(fields)
-    if unknown:
-        raise ConfigError(f"unknown option(s): {sorted(unknown)}")
     args = Args(**values)
     check_args(args)
     args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in fields.values()}
@@ -2061,25 +2164,34 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
 
 def check_args(args: Args) -> None:
     """Every bad value or combination, in one message, before anything is loaded or written."""
-    v = vars(args)
+    v, P, G, world = vars(args), args.prompts_per_iter, args.group_size, dist_info()[1]
     counts = ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
-              "iterations", "reward_batch", "resolution", "eval_steps")
+              "iterations", "reward_batch", "resolution", "eval_steps", "save_every", "n_eval",
+              "max_sequence_length", "lora_rank", "lora_alpha")
     rates = ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta")
     problems = [f"--{k} must be ≥ 1 (got {v[k]})" for k in counts
                 if v[k] is not None and v[k] < 1]
-    problems += [f"--{k} must be a finite number > 0 (got {v[k]})" for k in ("lr", "max_grad_norm")
-                 if not (math.isfinite(v[k]) and v[k] > 0)]
+    problems += [f"--{k} must be a finite number > 0 (got {v[k]})"
+                 for k in ("lr", "max_grad_norm", "flux_shift") if not (math.isfinite(v[k]) and v[k] > 0)]
     problems += [f"--{k} must be a finite number ≥ 0 (got {v[k]})" for k in rates
                  if not (math.isfinite(v[k]) and v[k] >= 0)]
     checks = [
         (args.group_size < 2, f"--group_size must be ≥ 2 (got {args.group_size}): a "
          "group-relative advantage needs at least two images per prompt"),
         (not args.adv_clamp >= 0, f"--adv_clamp must be ≥ 0 or inf (got {args.adv_clamp})"),
+        (args.eval_every < 0, f"--eval_every must be ≥ 0, 0 = never (got {args.eval_every})"),
+        (not math.isfinite(args.guidance), f"--guidance must be a finite number (got {args.guidance})"),
         (args.stratified and args.n_mc > args.num_steps, f"--n_mc {args.n_mc} > --num_steps "
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
         (not 0 <= args.eval_holdout < 1,
-         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})")]
+         f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})"),
+        # one rule for one process and for many: each process holds whole groups and splits its
+        # samples into μ equal minibatches, so every optimizer step sees as many samples
+        (P % world, f"--prompts_per_iter {P} must be divisible by the {world} processes: a group "
+         "is never split across processes"),
+        (args.mu >= 1 and P // world * G % args.mu, f"each process's {P // world * G} samples "
+         f"must split into --mu {args.mu} equal minibatches")]
     problems += [msg for failed, msg in checks if failed]
     for terms in ("train_terms", "eval_terms"):
         try:
@@ -2088,7 +2200,6 @@ def check_args(args: Args) -> None:
             problems.append(str(e))
     if problems:
         raise ConfigError("; ".join(dict.fromkeys(problems)))      # each once (eval = train terms)
-    check_world(args, dist_info()[1])
 
 
 def banner(run: Run) -> str:
@@ -2118,9 +2229,9 @@ def banner(run: Run) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The command line: bad input (or a failed write, or out of memory) prints one line and
-    returns 2; a preemption save returns PREEMPTED. `--resume auto` continues --run_dir's run if
-    it has a checkpoint, else starts one: a requeued job's command line never changes."""
+    """The command line; every end but a bug is one line and an exit status of §1. `--resume
+    auto` continues --run_dir's run if it has a checkpoint, else starts one: a requeued job's
+    command line never changes."""
     try:
         given = given_flags(argv)
         auto = given.get("resume") == "auto"
@@ -2129,13 +2240,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         if auto:
             latest = Path(given["run_dir"], "checkpoints", "latest").is_file()
             given["resume"] = given["run_dir"] if latest else None
-        # a resumed run keeps its own configuration; flags given now override it
-        resumed = read_checkpoint(given["resume"])[1]["config"] if given.get("resume") else None
-        train(resolve_args(given, resumed=resumed), fresh_ok=auto)
-    except ConfigError as e:
+        resumed, config = None, None      # read once: the config here, the state in setup
+        if given.get("resume"):           # a resumed run keeps its configuration; flags override
+            resumed = read_checkpoint(given["resume"])
+            config = resumed[1]["config"]
+        train(resolve_args(given, resumed=config), fresh_ok=auto, resumed=resumed)
+    except (ConfigError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Preempted:                                      # saved; loop said where
+        return e.status
+    except Preempted:                                      # saved; the harness said where
         return PREEMPTED
     except torch.cuda.OutOfMemoryError as e:               # outside the iterations: loading
         print(f"error: out of GPU memory while loading ({str(e).splitlines()[0]}); try "

@@ -1,7 +1,8 @@
 """Evaluate a base model and its trained checkpoints on prompts they never saw, with every reward.
 
     python examples/evaluate.py --model sd3.5-medium --checkpoints runs/<run> \\
-        --prompts test_prompts.txt --rewards pickscore,hpsv2,clipscore,aesthetic --out runs/eval
+        --prompts test_prompts.txt --rewards pickscore,hpsv2,clipscore,examples.aesthetic:score \\
+        --out runs/eval
 
 It answers what a run leaves open: did the checkpoint raise the reward on held-out prompts, by how
 much, how sure is that, and what happened to the other rewards (reward hacking shows as a gain on
@@ -51,14 +52,13 @@ ConfigError = V.ConfigError
 TRAINER_FLAGS = ("model", "prompts", "num_steps", "solver", "resolution", "max_sequence_length",
                  "guidance", "flux_shift", "seed", "rollout_batch", "reward_batch", "device",
                  "dtype", "offload_text_encoders", "pickscore_model", "pickscore_processor",
-                 "hpsv2_arch", "hpsv2_checkpoint", "clip_model", "aesthetic_weights")
+                 "hpsv2_arch", "hpsv2_checkpoint", "clip_model")
 # What a checkpoint's saved config supplies when the flag is not given: how its run sampled
 # (resolution, text length, steps, solver) and where its reward models were. Not the machine's
 # knobs (device, batches), nor the seed.
 FROM_CHECKPOINT = ("model", "num_steps", "eval_steps", "solver", "resolution",
                    "max_sequence_length", "guidance", "flux_shift", "dtype", "pickscore_model",
-                   "pickscore_processor", "hpsv2_arch", "hpsv2_checkpoint", "clip_model",
-                   "aesthetic_weights")
+                   "pickscore_processor", "hpsv2_arch", "hpsv2_checkpoint", "clip_model")
 HELP = {"model": "the base model: alias, hub id or local diffusers folder (default: the first "
                  "checkpoint's)",
         "prompts": "prompts to evaluate on, one per line, every line used",
@@ -150,7 +150,7 @@ def reward_names(spec: Optional[str], first: dict) -> list[str]:
     if spec is None:
         if not first:
             raise ConfigError("--rewards is required without --checkpoints, e.g. "
-                              "--rewards pickscore,hpsv2,clipscore,aesthetic")
+                              "--rewards pickscore,hpsv2,clipscore,examples.aesthetic:score")
         spec = ",".join([first["reward"]] + [first["eval_rewards"]] * bool(first["eval_rewards"]))
         terms = dict.fromkeys(n for n, _ in V.parse_reward_spec(spec))
         return list(terms)
@@ -569,12 +569,13 @@ def evaluate(argv: Optional[list[str]] = None) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The command line: bad input prints one line (error: ...) and returns 2."""
+    """The command line: bad input prints one line (error: ...) and returns 2; a run that cannot
+    go on, such as a plug-in reward failing mid-evaluation, one line and its status (69)."""
     try:
         evaluate(argv)
-    except ConfigError as e:
+    except (ConfigError, V.RunError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.status
     return 0
 
 

@@ -6,7 +6,7 @@
 It reads the file a run appends to after every iteration, so it works while the run goes on, after
 it ends, and after a crash. Four panels: the training reward and the held-out evaluations; |log ρ|
 and the clip fraction; the surrogate CV (batch and group); seconds per phase of an iteration.
-For live curves, train with --report_to tensorboard.
+For live curves in TensorBoard: examples/tensorboard_curves.py RUN_DIR --follow.
 """
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ import sys
 from pathlib import Path
 
 
-def plot_metrics(run_dir: Path, out: Path | None = None) -> Path:
-    """run_dir/metrics.jsonl → out (default run_dir/metrics.png), written atomically. A line cut
-    short by a kill is skipped; ValueError if the file holds no iteration yet."""
-    from matplotlib.figure import Figure                   # matplotlib's object API: no GUI
-    path, out = run_dir / "metrics.jsonl", out or run_dir / "metrics.png"
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The lines of run_dir/metrics.jsonl, in order, each a dict; a line cut short by a kill is
+    skipped. ValueError if there is no such file."""
+    path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{str(run_dir)!r} has no metrics.jsonl: pass a vgrpo run folder")
     rows = []
@@ -31,6 +30,15 @@ def plot_metrics(run_dir: Path, out: Path | None = None) -> Path:
             rows.append(json.loads(line))
         except ValueError:
             continue
+    return rows
+
+
+def plot_metrics(run_dir: Path, out: Path | None = None) -> Path:
+    """run_dir/metrics.jsonl → out (default run_dir/metrics.png), written atomically. ValueError if
+    the file holds no iteration yet."""
+    from matplotlib.figure import Figure                   # matplotlib's object API: no GUI
+    path, out = run_dir / "metrics.jsonl", out or run_dir / "metrics.png"
+    rows = read_metrics(run_dir)
     its, evs = [m for m in rows if "reward_mean" in m], [m for m in rows if "eval_reward_mean" in m]
     if not its:
         raise ValueError(f"{str(path)!r} holds no iteration yet")
