@@ -4290,3 +4290,10 @@ def test_digits_benchmark_smoke_plan_end_to_end(digits_cache, tmp_path, monkeypa
     assert base["model_fingerprint"] == BENCH.model_fingerprint()
     with pytest.raises(RuntimeError, match="not the one this benchmark"):
         BENCH.check_model(dict(base, model_fingerprint="0" * 16))
+    # a results folder that keeps its model (out/cache) is run and reported on that one
+    import shutil
+    shutil.copytree(digits_cache, out / "cache")
+    monkeypatch.delenv("VGRPO_DIGITS_CACHE", raising=False)
+    BENCH.use_kept_model(out)
+    assert D.CACHE == out / "cache"
+    BENCH.check_model(base)

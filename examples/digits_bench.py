@@ -668,15 +668,25 @@ def add_commands(sub) -> None:
     w.add_argument("--threads", type=int, default=1)
 
 
+def use_kept_model(out: Path) -> None:
+    """A results folder may keep the model its runs share (out/cache, a copy of examples/digits.py
+    build's folder, about 12 MB): then every run, on any machine and in any later invocation, uses
+    that one, and base.json's fingerprint still matches. VGRPO_DIGITS_CACHE, if set, wins."""
+    if (out / "cache" / "build.json").is_file() and "VGRPO_DIGITS_CACHE" not in os.environ:
+        D.CACHE = out / "cache"
+
+
 def run_command(a) -> None:
     if a.cmd == "worker":
         torch.set_num_threads(a.threads)
+        use_kept_model(Path(a.out))
         worker(Path(a.out))
         return
     if a.workers < 1 or a.threads < 1:
         raise ValueError("--workers and --threads must be ≥ 1")
     mode = a.plan or ("quick" if a.quick else "regime")
     out = Path(a.out or ("runs/digits-quick" if mode == "quick" else RESULTS))
+    use_kept_model(out)
     if a.plan_only:
         prepare(out, mode, a.workers, a.threads)
         print(f"wrote {out / 'plan.json'} and {out / 'base.json'}")

@@ -789,6 +789,7 @@ def add_command(sub) -> None:
 def run_command(a) -> None:
     if not (Path(a.out) / "plan.json").is_file():
         raise ValueError(f"{a.out} holds no benchmark (no plan.json)")
+    BENCH.use_kept_model(Path(a.out))
     report(Path(a.out), md=a.md, readme=a.readme)
 
 
