@@ -3730,7 +3730,8 @@ def _digit_eval(n: int, acc: float = 0.5, reward: float = 0.5, div: float = 1.0)
 def test_digits_benchmark_statistics_lr_choice_intervals_threshold(tmp_path, monkeypatch):
     """examples/digits_stats.py on synthetic runs (no model): the lr choice skips an lr whose
     validation diversity fell below 90 % of the base model's even though its reward is best; an
-    EMA method is judged by its EMA (and its trained weights' choice is kept beside); the
+    EMA method is judged by its EMA (and its trained weights' choice is kept beside); under the
+    regime plan's amendment an lr that ends below the base model's reward takes no part; the
     bootstrap interval holds the mean; iterations to a threshold are interpolated between
     evaluations (inf if never); the ladder's counts are iterations × each count per iteration;
     the frontier height interpolates V-GRPO's Pareto points."""
@@ -3764,6 +3765,16 @@ def test_digits_benchmark_statistics_lr_choice_intervals_threshold(tmp_path, mon
     assert ch["V-GRPO"]["lr"] == 1e-3 and not ch["V-GRPO"]["fallback"]
     assert ch["Flow-GRPO (no CFG)"]["variant"] == "ema"
     assert ch["Flow-GRPO (no CFG)"]["lr"] == 3e-3 and ch["Flow-GRPO (no CFG)"]["lr_raw"] == 1e-3
+    # a run broken below the base model's reward, whose noisy images look diverse (1.3 ≥ 0.9),
+    # is what the floor alone chooses; under the regime plan's amendment (lr_beats_base) it takes
+    # no part, and the best of the lrs above the base (none keeps the floor) is the fallback
+    rows = [{"lr": 1e-3, "val_reward": 0.8, "val_diversity": 0.85},
+            {"lr": 3e-3, "val_reward": 0.1, "val_diversity": 1.3}]
+    vbase = {"val": {"diversity": 1.0, "reward": 0.5}}
+    assert ST.pick_lr(rows, plan, vbase) == (rows[1], False)
+    assert ST.pick_lr(rows, dict(plan, lr_beats_base=True), vbase) == (rows[0], True)
+    rows[0]["val_reward"] = 0.4                          # nothing above the base: the rule as is
+    assert ST.pick_lr(rows, dict(plan, lr_beats_base=True), vbase) == (rows[1], False)
     # bootstrap: the point is the grand mean and lies inside its interval; constant → zero width
     X = np.random.default_rng(0).random((3, 200))
     p, reps = ST.boot_mean(X)

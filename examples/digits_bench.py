@@ -195,7 +195,7 @@ def new_plan(mode: str, workers: int, threads: int) -> dict:
     names |= set((plan.get("swap") or {}).get("configs", []))
     return dict(plan, mode=mode, version=2, common_flags=D.COMMON,
                 configs={m: CONFIGS[m] for m in sorted(names)}, eval_ema=EVAL_EMA,
-                recipes=recipes_of(plan), diversity_keep=DIVERSITY_KEEP,
+                recipes=recipes_of(plan), diversity_keep=DIVERSITY_KEEP, lr_beats_base=True,
                 heldout_templates=D.EVAL_TEMPLATES, val_templates=D.VAL_TEMPLATES,
                 heldout_seed=D.HELDOUT_SEED, val_seed=D.VAL_SEED, workers=workers,
                 threads=threads, estimate=estimate(plan, workers),

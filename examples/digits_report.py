@@ -92,6 +92,7 @@ def analyse(out: Path) -> dict:
     timing = next((r for r in results.values() if r.get("kind") == "timing"), None)
     chosen = ST.choose(results, plan, base)
     S = {"plan": plan, "base": base, "results": results, "timing": timing, "chosen": chosen,
+         "chosen_as_written": ST.choose(results, dict(plan, lr_beats_base=False), base),
          "vgrpo": plan.get("claims_vgrpo", "V-GRPO"), "out": out,
          "base_reward": ST.ci(*ST.boot_mean(ST.arrays([base["heldout"]], "reward")))}
     S["selection"] = selection_rows(S)
@@ -353,9 +354,15 @@ def setup_text(S: dict) -> str:
         f"phrasings × 10 digits × {plural(p['n_heldout'] // 4, 'noise')}, the same for every run. "
         f"**Validation set** (only to choose the lr): {b['val']['n']} images from 4 other "
         f"phrasings and other noises.",
-        f"* **lr choice.** Grid {', '.join(lr_s(x) for x in p['lrs'])}; {seeds}. The lr with the "
-        f"best final validation reward among those that keep ≥ {p['diversity_keep']:.0%} of the "
-        f"base model's validation diversity.",
+        f"* **lr choice.** Grid {', '.join(lr_s(x) for x in p['lrs'])}; {seeds}. " + (
+            f"The lr with the best final validation reward among those that end above the base "
+            f"model's validation reward and keep ≥ {p['diversity_keep']:.0%} of its validation "
+            f"diversity; if none keeps it, the most diverse of those above the base."
+            if p.get("lr_beats_base") else
+            f"The lr with the best final validation reward among those that keep ≥ "
+            f"{p['diversity_keep']:.0%} of the base model's validation diversity."),
+        *[f"* **Amendment to the plan** ({a['written']}, commit {a['commit']}). {a['text']}"
+          for a in p.get("amendments", [])],
         f"* **Intervals.** 95 % percentile bootstrap, {ST.N_BOOT} draws. Each draw resamples the "
         f"held-out images once for every seed and method, and resamples the seeds. Differences "
         f"between methods are paired.",
@@ -410,13 +417,25 @@ def selection_text(S: dict) -> str:
     edge = [m for m, c in S["chosen"].items() if c["lr"] == max(S["plan"]["lrs"])]
     fb = [m for m, c in S["chosen"].items() if c["fallback"]]
     notes = [f"{m}'s chosen lr is the top of the grid; its best lr may lie above it." for m in edge]
+    below = {m: [r["lr"] for r in c["rows"] if r["val_reward"] <= S["base"]["val"]["reward"]]
+             for m, c in S["chosen"].items()} if S["plan"].get("lr_beats_base") else {}
+    notes += [f"{m} ended below the base model's validation reward at lr "
+              f"{', '.join(lr_s(x) for x in lrs)}; {'that lr' if len(lrs) == 1 else 'those lrs'} "
+              "took no part in the choice." for m, lrs in below.items() if lrs]
     only = [m for m, c in S["chosen"].items() if not c["fallback"] and len(c["rows"]) > 1
-            and sum(r["val_diversity"] >= c["diversity_floor"] for r in c["rows"]) == 1]
+            and sum(r["val_diversity"] >= c["diversity_floor"] for r in c["rows"]
+                    if r["lr"] not in below.get(m, [])) == 1]
     if only:
         notes.append(f"For {', '.join(only)}, the chosen lr is the only one that kept "
                      f"{S['plan']['diversity_keep']:.0%} of the base model's validation diversity "
                      f"(at least {S['chosen'][only[0]]['diversity_floor']:.3f}).")
-    notes += [f"No lr kept {m}'s diversity floor; the most diverse one was taken." for m in fb]
+    above = " above the base" if below else ""
+    notes += [f"No lr kept {m}'s diversity floor; the most diverse one{above} was taken."
+              for m in fb]
+    moved = [f"{m} {lr_s(c['lr'])}" for m, c in S["chosen_as_written"].items()
+             if below and c["lr"] != S["chosen"][m]["lr"]]
+    if moved:
+        notes.append(f"The rule as first written would have chosen {', '.join(moved)}.")
     return (f"The base model's held-out reward is {ci_s(S['base_reward'])}. Final numbers after "
             f"{S['plan']['iterations']} iterations.\n\n"
             + table(["method", "lr", "seeds", "val reward", "val diversity", "held-out reward",

@@ -64,8 +64,10 @@ def final_eval(r: dict, split: str = "heldout", variant: str | None = None):
 def choose(results: dict, plan: dict, base: dict) -> dict:
     """Each method's lr: the best mean final validation reward over its selection runs among the
     lrs whose mean validation diversity is ≥ plan["diversity_keep"] × the base model's (if none
-    is, the most diverse lr, flagged "fallback"). An EMA method is judged by the weights it
-    evaluates. Returns {method: {"lr", "variant", "fallback", "rows": [per-lr means]}}."""
+    is, the most diverse lr, flagged "fallback"). With plan["lr_beats_base"] (the regime plan's
+    amendment) only lrs whose mean validation reward is above the base model's take part, when
+    any is. An EMA method is judged by the weights it evaluates. Returns {method: {"lr",
+    "variant", "fallback", "rows": [per-lr means]}}."""
     keep = plan["diversity_keep"] * base["val"]["diversity"]
     kind, chosen = select_kind(plan), {}
     for m in plan["methods"]:
@@ -80,28 +82,37 @@ def choose(results: dict, plan: dict, base: dict) -> dict:
                          "val_diversity": float(np.mean([v["diversity"] for v in vals]))})
         if not rows:
             continue
-        ok = [r for r in rows if r["val_diversity"] >= keep]
-        pick = (max(ok, key=lambda r: r["val_reward"]) if ok
-                else max(rows, key=lambda r: r["val_diversity"]))
+        pick, fallback = pick_lr(rows, plan, base)
         r0 = runs_of(results, kind, m, pick["lr"])[0]
-        chosen[m] = {"lr": pick["lr"], "variant": r0["eval_key"], "fallback": not ok,
+        chosen[m] = {"lr": pick["lr"], "variant": r0["eval_key"], "fallback": fallback,
                      "rows": rows, "diversity_floor": keep}
         if r0["eval_key"] == "ema":          # what its trained weights would have chosen
-            chosen[m]["lr_raw"] = _choose_raw(results, kind, m, plan["lrs"], keep)
+            chosen[m]["lr_raw"] = _choose_raw(results, kind, m, plan, base)
     return chosen
 
 
-def _choose_raw(results: dict, kind: str, m: str, lrs: list, keep: float):
+def pick_lr(rows: list, plan: dict, base: dict) -> tuple[dict, bool]:
+    """The rule of `choose` on per-lr means {lr, val_reward, val_diversity}: (the row, fallback).
+    A run that ends below the base model's reward has not learnt the task, and the diversity of
+    its broken images is no sign of kept diversity (plan.json "amendments")."""
+    if plan.get("lr_beats_base"):
+        rows = [r for r in rows if r["val_reward"] > base["val"]["reward"]] or rows
+    floor = plan["diversity_keep"] * base["val"]["diversity"]
+    ok = [r for r in rows if r["val_diversity"] >= floor]
+    if ok:
+        return max(ok, key=lambda r: r["val_reward"]), False
+    return max(rows, key=lambda r: r["val_diversity"]), True
+
+
+def _choose_raw(results: dict, kind: str, m: str, plan: dict, base: dict):
     """The lr an EMA method's trained weights would have chosen (the report shows it beside)."""
     rows = []
-    for lr in lrs:
+    for lr in plan["lrs"]:
         vals = [final_eval(r, "val", "raw") for r in runs_of(results, kind, m, lr)]
         if vals and all(v is not None for v in vals):
-            rows.append((lr, np.mean([v["reward"] for v in vals]),
-                         np.mean([v["diversity"] for v in vals])))
-    ok = [r for r in rows if r[2] >= keep]
-    return (max(ok, key=lambda r: r[1]) if ok else max(rows, key=lambda r: r[2]))[0] \
-        if rows else None
+            rows.append({"lr": lr, "val_reward": np.mean([v["reward"] for v in vals]),
+                         "val_diversity": np.mean([v["diversity"] for v in vals])})
+    return pick_lr(rows, plan, base)[0]["lr"] if rows else None
 
 
 # ------------------------------------------------------------------------------------------------
