@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 import time
 from pathlib import Path
@@ -81,14 +82,20 @@ class Curves:
 
 def follow(curves: Curves, every: float) -> None:
     """update() every `every` seconds until Ctrl-C, waiting for metrics.jsonl if there is none yet
-    (a run still loading its models)."""
+    (a run still loading its models). Ctrl-C is taken between two updates, never inside one: a
+    KeyboardInterrupt raised inside TensorBoard's writer can leave its lock held, and closing the
+    writer then waits forever."""
+    stop = []
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     try:
-        while True:
+        while not stop:
             if (curves.run_dir / "metrics.jsonl").is_file():
                 curves.update()
-            time.sleep(every)
-    except KeyboardInterrupt:
-        pass
+            wake = time.monotonic() + every
+            while not stop and time.monotonic() < wake:    # Ctrl-C answered within 0.1 s
+                time.sleep(min(0.1, every))
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
