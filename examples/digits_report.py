@@ -419,6 +419,8 @@ def selection_text(S: dict) -> str:
     notes = [f"{m}'s chosen lr is the top of the grid; its best lr may lie above it." for m in edge]
     below = {m: [r["lr"] for r in c["rows"] if r["val_reward"] <= S["base"]["val"]["reward"]]
              for m, c in S["chosen"].items()} if S["plan"].get("lr_beats_base") else {}
+    below = {m: lrs for m, lrs in below.items()             # all below: the rule used them all
+             if len(lrs) < len(S["chosen"][m]["rows"])}
     notes += [f"{m} ended below the base model's validation reward at lr "
               f"{', '.join(lr_s(x) for x in lrs)}; {'that lr' if len(lrs) == 1 else 'those lrs'} "
               "took no part in the choice." for m, lrs in below.items() if lrs]
