@@ -314,8 +314,7 @@ def claim(v_rs: list[dict], b_rs: list[dict], timing: dict | None, method: str,
     the target recomputed in each. Where V-GRPO does not reach the target within its own budget
     Bv, the ratio is below bound = B·u_b / (Bv·u_v): such a draw counts 0 for the interval's
     lower end and the bound for its upper end ("hi_is_bound"). Only seeds both finished."""
-    seeds = sorted({r["seed"] for r in v_rs} & {r["seed"] for r in b_rs})
-    v_rs, b_rs = [r for r in v_rs if r["seed"] in seeds], [r for r in b_rs if r["seed"] in seeds]
+    seeds, v_rs, b_rs = paired(v_rs, b_rs)
     its, Xv = curves(v_rs)
     _, Xb = curves(b_rs)
     pv, rv = boot_curve(Xv)
@@ -425,13 +424,19 @@ def speedup(a: dict, b: dict, unit: str, ra: dict, rb: dict) -> tuple:
 # ------------------------------------------------------------------------------------------------
 # At the same learning rate: two methods' rewards at the same spend.
 # ------------------------------------------------------------------------------------------------
+def paired(v_rs: list[dict], b_rs: list[dict]) -> tuple[list, list[dict], list[dict]]:
+    """(seeds both methods finished, V-GRPO's runs of those seeds, the baseline's): the runs a
+    paired comparison uses."""
+    seeds = sorted({r["seed"] for r in v_rs} & {r["seed"] for r in b_rs})
+    return seeds, [r for r in v_rs if r["seed"] in seeds], [r for r in b_rs if r["seed"] in seeds]
+
+
 def same_spend(v_rs: list[dict], b_rs: list[dict], timing: dict | None, v_name: str,
                b_name: str) -> dict:
     """V-GRPO minus a baseline at the same lr and seeds: the final held-out rewards and, per unit,
     the difference at the largest spend both reached (min of the two budgets in that unit; each
     curve interpolated at that spend). {unit: (difference, lo, hi), "spend": {unit: value}}."""
-    seeds = sorted({r["seed"] for r in v_rs} & {r["seed"] for r in b_rs})
-    v_rs, b_rs = [r for r in v_rs if r["seed"] in seeds], [r for r in b_rs if r["seed"] in seeds]
+    seeds, v_rs, b_rs = paired(v_rs, b_rs)
     its_v, Xv = curves(v_rs)
     its_b, Xb = curves(b_rs)
     pv, rv = boot_curve(Xv)
