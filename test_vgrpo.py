@@ -2308,12 +2308,24 @@ def _tiny_open_clip(folder):
 
 
 @pytest.mark.trainer
-def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
+def test_hpsv2_without_its_weights_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """Offline, `hpsv2` (the plug-in examples/hpsv2.py) fails at its probe and names HPSV2_CHECKPOINT."""
+    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setenv("HPSV2_CHECKPOINT", "nobody/nothing/missing.pt")
+    _fails(TINY + ["--reward", "hpsv2"], tmp_path, capsys,
+           r"reward 'examples.hpsv2:score' failed: .*HPSV2_CHECKPOINT=/path/to/file")
+
+
+@pytest.mark.trainer
+def test_hpsv2_reward_matches_open_clip_reference(tmp_path, monkeypatch):
+    """`hpsv2` is the plug-in examples/hpsv2.py, its weights named by HPSV2_ARCH / HPSV2_CHECKPOINT."""
     import open_clip
     from PIL import Image
+    import examples.hpsv2 as HP
     cfg, ckpt, ref_model = _tiny_open_clip(tmp_path)
-    rw = V.build_reward("hpsv2", V.Args(hpsv2_arch=str(cfg), hpsv2_checkpoint=str(ckpt)), torch.device("cpu"),
-                        torch.float32)
+    monkeypatch.setenv("HPSV2_ARCH", str(cfg))
+    monkeypatch.setenv("HPSV2_CHECKPOINT", str(ckpt))
+    rw = V.build_reward("hpsv2", V.Args(), torch.device("cpu"), torch.float32)
     torch.manual_seed(1)
     imgs = torch.rand(3, 3, 40, 64)                                  # non-square: exercises the padding
     prompts = ["a red fox", "a blue car", "a cat"]
@@ -2324,7 +2336,7 @@ def test_hpsv2_reward_matches_open_clip_reference(tmp_path):
                                              std=open_clip.OPENAI_DATASET_STD, resize_mode="longest", fill_color=0)
     pil = [Image.fromarray((im.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()) for im in imgs]
     px = torch.stack([tf(p) for p in pil])
-    mine = V.hps_pixels((imgs * 255).round() / 255, 32)
+    mine = HP.hps_pixels((imgs * 255).round() / 255, 32)
     assert (mine - px).abs().mean() < 0.02 and (mine - px).abs().max() < 0.5     # resampler kernels differ a bit
     with torch.no_grad():
         ref = (ref_model.encode_image(px, normalize=True) *

@@ -8,9 +8,9 @@ You Think", Tang et al., 2026, arXiv 2604.23380. Tags resolve in METHOD.md, besi
 where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" is a section here.
 
 What this file IS: a readable reference of the algorithm plus a working trainer for SD3 / SD3.5
-and FLUX.1 (diffusers) with four rewards, or your own (ImageReward and the LAION aesthetic
-predictor are two in examples/), on one GPU or under torchrun (FSDP2), and offline tiny models: it
-all runs on a laptop CPU.
+and FLUX.1 (diffusers) with PickScore, CLIPScore, JPEG size, HPSv2 (examples/hpsv2.py) or your own
+(ImageReward and the LAION aesthetic predictor are two more in examples/), on one GPU or under
+torchrun (FSDP2), and offline tiny models: it all runs on a laptop CPU.
 What it is NOT: a framework; the loss can be copied into any trainer (§2–§6).
 
 Quickstart
@@ -351,15 +351,13 @@ def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.T
     return -mse / mae
 
 
-def _repeat_rows(tree, J: int):
-    """Repeat every tensor in a (nested dict/tuple of) batch-first tensors J times per row."""
-    if torch.is_tensor(tree):
-        return tree.repeat_interleave(J, dim=0)
-    if isinstance(tree, dict):
-        return {k: _repeat_rows(v, J) for k, v in tree.items()}
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_repeat_rows(v, J) for v in tree)
-    return tree
+def _repeat_rows(cond, J: int):
+    """Each row of cond (a batch-first tensor, a dict of them, or None) repeated J times."""
+    if isinstance(cond, dict):
+        return {k: v.repeat_interleave(J, dim=0) for k, v in cond.items()}
+    if cond is None:
+        return None
+    return cond.repeat_interleave(J, dim=0)
 
 
 def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tensor,
@@ -369,7 +367,7 @@ def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tens
     x-prediction x̂0 that the KL term needs (discard it when β = 0).          [Alg. steps 4, 5]
 
     Args: velocity_fn (z (m·J, *D), t (m·J,), cond repeated) -> v (m·J, *D); x0 (m, *D) latents;
-        cond batch-first tensors (or a dict/tuple of them) with m rows; t (m, J) times, t = 1
+        cond a batch-first tensor, a dict of them or None, m rows; t (m, J) times, t = 1
         noise → 0 data; eps (m, J, *D) noises (Pairs.take), on x0's device.
     Returns: s (m, J) and x̂0 (m, J, *D), fp32, both differentiable through velocity_fn.
     Reference form: for m, j: z = (1 − t)·x0[m] + t·eps[m, j]; v = velocity_fn(z, t, cond[m]);
@@ -449,23 +447,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
                 "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
-
-
-def _fetch(location: str, flag: str) -> str:
-    """A local file, or 'owner/repo/path/in/repo' fetched with huggingface_hub (cached)."""
-    if os.path.isfile(location):
-        return location
-    parts = location.split("/", 2)
-    if len(parts) < 3:
-        raise ConfigError(f"{flag} {location!r}: not a file, nor owner/repo/filename on the hub")
-    from huggingface_hub import hf_hub_download
-    repo, file = "/".join(parts[:2]), parts[2]
-    try:
-        return hf_hub_download(repo, file)
-    except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
-        raise ConfigError(f"could not fetch {location!r} ({type(e).__name__}). Download it on a "
-                          f"machine with access (`huggingface-cli download {repo} {file}`) "
-                          f"and pass `{flag} /path/to/file`.") from e
+REWARD_PLUGINS = {"hpsv2": "examples.hpsv2:score"}      # named rewards whose code is in examples/
 
 
 def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -513,41 +495,6 @@ def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
     return score
 
 
-def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
-    """HPSv2's preprocessing in torch: longest side → size (bicubic, antialiased), zero-pad to a
-    square, OpenAI CLIP mean/std. (N, 3, H, W) in [0, 1] → (N, 3, size, size) fp32."""
-    import open_clip
-    x, (h, w) = images.float(), images.shape[-2:]
-    scale = size / max(h, w)
-    nh, nw = round(h * scale), round(w * scale)
-    x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-    top, left = (size - nh) // 2, (size - nw) // 2
-    x = F.pad(x, (left, size - nw - left, top, size - nh - top), value=0.0)  # black bars
-    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
-    return (x - x.new_tensor(mean).view(1, 3, 1, 1)) / x.new_tensor(std).view(1, 3, 1, 1)
-
-
-def hpsv2_reward(arch: str, checkpoint: str, device: torch.device, dtype: torch.dtype) -> Callable:
-    """HPSv2.1 [peer X10]: cos(image, text) of open_clip; arch: a model name or a JSON config."""
-    import open_clip
-    if arch.endswith(".json"):
-        open_clip.add_model_config(arch)
-        arch = Path(arch).stem
-    ckpt = torch.load(_fetch(checkpoint, "--hpsv2_checkpoint"), map_location="cpu",
-                      weights_only=False)
-    model = open_clip.create_model(arch, pretrained=None)
-    model.load_state_dict(ckpt.get("state_dict", ckpt))
-    model = model.eval().requires_grad_(False).to(device, dtype)
-    size, tokenizer = model.visual.image_size, open_clip.get_tokenizer(arch)
-    size = size if isinstance(size, int) else size[0]
-    @torch.no_grad()
-    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        img = model.encode_image(hps_pixels(images.to(device), size).to(dtype), normalize=True)
-        txt = model.encode_text(tokenizer(prompts).to(device), normalize=True)
-        return (img.float() * txt.float()).sum(-1).cpu()                    # (N,)
-    return score
-
-
 class RewardError(RunError, ValueError):
     """A plug-in reward that raised or broke the contract mid-run, after the start-up probe."""
     status = REWARD_FAILED
@@ -557,8 +504,9 @@ def plugin_reward(spec: str) -> Callable:
     """A user's `module.path:function` under the contract above, its output checked every call.
     Whatever goes wrong in a call (a reward server gone mid-run) is a RewardError: one line."""
     module, _, fn_name = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())       # so `examples.custom_reward:fn` works from the repo
+    for where in (str(Path(__file__).resolve().parent), os.getcwd()):   # examples/ beside this
+        if where not in sys.path:                     # file, and the user's modules beside the run
+            sys.path.insert(0, where)
     try:
         fn = getattr(importlib.import_module(module), fn_name, None)
     except ImportError as e:
@@ -635,9 +583,7 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
                                 f"--{pf}")
         model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
         return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore")
-    if name == "hpsv2":
-        return hpsv2_reward(args.hpsv2_arch, args.hpsv2_checkpoint, device, dtype)
-    return jpeg_reward if name == "jpeg" else plugin_reward(name)
+    return jpeg_reward if name == "jpeg" else plugin_reward(REWARD_PLUGINS.get(name, name))
 
 
 class Rewards:
@@ -1247,7 +1193,8 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
     for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
         m.setdefault(k, math.nan if sc.skipped else 0.0)        # no update: no ratio statistics
     if bad and run.rank == 0:
-        note = f"iteration {it}: {bad} non-finite reward(s) dropped (advantage 0)"
+        plural = "s" if bad > 1 else ""
+        note = f"iteration {it}: {bad} non-finite reward{plural} dropped (advantage 0)"
         if sc.skipped:
             note += "; update skipped"
         _warn(note)
@@ -1508,7 +1455,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     if rewards is None:
         rewards = Rewards.load(args, dev, dtype)
     for name, fn in rewards.models.items():                # plug-ins fail here, in one line
-        if name not in BUILTIN_REWARDS:
+        if name not in BUILTIN_REWARDS or name in REWARD_PLUGINS:
             probe_reward(name, fn, min(args.resolution, 256), dev, train_prompts)
     pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
     adapter = make_adapter(pipe.to(dev), args, dev)
@@ -1557,8 +1504,6 @@ def setup_device(args: Args, local_rank: int = 0) -> tuple:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-        torch.backends.cuda.matmul.allow_tf32 = True   # fp32 matmuls (surrogate math): tensor cores
-        torch.backends.cudnn.allow_tf32 = True
         # cuDNN's fused attention failed in FLUX.1-dev's backward on an H200 (docs/gpu.md)
         torch.backends.cuda.enable_cudnn_sdp(False)
     return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
@@ -1626,9 +1571,10 @@ def evaluate(run: Run, it: int) -> dict:
           "eval_nfe": len(run.eval_sigmas) - 1, "eval_n_nonfinite": int((~head.isfinite()).sum())}
     for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
-    if ev["eval_n_nonfinite"] and run.rank == 0:
-        _warn(f"evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite reward(s) "
-              "dropped")
+    bad = ev["eval_n_nonfinite"]
+    if bad and run.rank == 0:
+        plural = "s" if bad > 1 else ""
+        _warn(f"evaluation at iteration {it}: {bad} non-finite reward{plural} dropped")
     return ev
 
 
@@ -2025,9 +1971,6 @@ class Args:
     pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore: hub id or dir", "[peer X10]")
     pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
                                   "PickScore processor: hub id or dir", "[peer X10]")
-    hpsv2_arch: str = _f("ViT-H-14", "HPSv2 open_clip architecture (or JSON config)", "[peer X10]")
-    hpsv2_checkpoint: str = _f("xswu/HPSv2/HPS_v2.1_compressed.pt",
-                               "HPSv2.1 weights: file or owner/repo/file", "[peer X10]")
     clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore", "[peer X10]")
     reward_batch: int = _f(32, "images per decode and reward-model call (memory knob)")
     # --- objective -------------------------------------------------------------------------------
@@ -2209,7 +2152,7 @@ def banner(run: Run) -> str:
     lines = [f"V-GRPO  model={a.model}  reward={a.reward}  device={run.dev}  dtype={run.dtype}  "
              f"processes={run.world}  run_dir={run.run_dir}",
              f"  batch: {a.prompts_per_iter} prompts × {a.group_size} images = {N} rollouts/"
-             f"iteration ({N // run.world} per process); {a.mu} optimizer step(s) of "
+             f"iteration ({N // run.world} per process); optimizer steps: {a.mu} of "
              f"{N // a.mu} samples; micro-batch {a.micro_batch} × {a.n_mc} pairs",
              f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {grid}…; NFE/sample: rollout "
              f"{a.num_steps}, θ_old {a.n_mc * (a.mu - 1) / a.mu:g} (minibatches after the first), "

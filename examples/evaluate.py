@@ -52,13 +52,13 @@ ConfigError = V.ConfigError
 TRAINER_FLAGS = ("model", "prompts", "num_steps", "solver", "resolution", "max_sequence_length",
                  "guidance", "flux_shift", "seed", "rollout_batch", "reward_batch", "device",
                  "dtype", "offload_text_encoders", "pickscore_model", "pickscore_processor",
-                 "hpsv2_arch", "hpsv2_checkpoint", "clip_model")
+                 "clip_model")
 # What a checkpoint's saved config supplies when the flag is not given: how its run sampled
 # (resolution, text length, steps, solver) and where its reward models were. Not the machine's
 # knobs (device, batches), nor the seed.
 FROM_CHECKPOINT = ("model", "num_steps", "eval_steps", "solver", "resolution",
                    "max_sequence_length", "guidance", "flux_shift", "dtype", "pickscore_model",
-                   "pickscore_processor", "hpsv2_arch", "hpsv2_checkpoint", "clip_model")
+                   "pickscore_processor", "clip_model")
 HELP = {"model": "the base model: alias, hub id or local diffusers folder (default: the first "
                  "checkpoint's)",
         "prompts": "prompts to evaluate on, one per line, every line used",
