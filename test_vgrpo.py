@@ -4228,6 +4228,21 @@ def test_nft_gradient_identity_at_theta_old():
 
 
 @pytest.mark.examples
+def test_digits_cost_counts_invocations_cut_off_without_an_end(tmp_path, monkeypatch):
+    """An invocation of `benchmark` stopped with its sitting records no end: the report counts it
+    up to the last run it finished before the next invocation began, and says how many were cut."""
+    _, R = _digits_stats(monkeypatch, tmp_path / "cache")
+    sessions = [{"started": "2026-01-01 10:00:00"},                                   # cut off
+                {"started": "2026-01-01 13:00:00", "ended": "2026-01-01 13:30:00"},
+                {"started": "2026-01-01 14:00:00"},                                   # cut off
+                {"started": "2026-01-01 18:00:00"}]                       # cut off, no run yet
+    finished = ["2026-01-01 11:00:00", "2026-01-01 12:15:00", "2026-01-01 13:10:00",
+                "2026-01-01 15:00:00"]
+    spans, cut = R.session_spans(sessions, finished)
+    assert cut == 3 and spans == [8100.0, 1800.0, 3600.0, 0.0]
+
+
+@pytest.mark.examples
 def test_digits_plan_fixed_before_runs_selection_and_confirmation_apart():
     """The regime plan is fixed in code before any run: B ≥ 128 for V-GRPO, DiffusionNFT and
     MixGRPO, the lr grid {3e-4, 1e-3, 3e-3, 1e-2}, ≥ 2 selection seeds and ≥ 5 confirmation seeds

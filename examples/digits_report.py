@@ -579,22 +579,56 @@ def nmc_text(S: dict) -> str:
                      "NFE per iteration", "surrogate CV"], rows))
 
 
+def session_spans(sessions: list, finished: list) -> tuple[list, int]:
+    """Seconds each invocation of `benchmark` ran, and how many recorded no end: those are
+    counted from their start to the last run that finished before the next invocation began."""
+    stamp = lambda s: time.mktime(time.strptime(s, "%Y-%m-%d %H:%M:%S"))
+    spans, cut = [], 0
+    for i, s in enumerate(sessions):
+        if s.get("ended"):
+            spans.append(stamp(s["ended"]) - stamp(s["started"]))
+            continue
+        cut += 1
+        until = sessions[i + 1]["started"] if i + 1 < len(sessions) else "9999-12-31 23:59:59"
+        mine = [stamp(f) for f in finished if s["started"] <= f < until]
+        spans.append(max(mine) - stamp(s["started"]) if mine else 0.0)
+    return spans, cut
+
+
+def estimate_by_kind(rs: list, plan: dict, hours) -> str:
+    """For each kind of run: how long its finished runs took, and the plan's estimate for every
+    run of that kind ('32 of 32 selection runs took 10.0 h; the estimate for the 32: 4.3 h')."""
+    names = {"select": "selection", "confirm": "confirmation", "variant": "variant",
+             "timing": "timing", "swap": "knob-swap", "nmc": "N_MC"}
+    by_kind = (plan.get("estimate") or {}).get("by_kind", {})
+    parts = []
+    for kind, name in names.items():
+        mine = [r["seconds"] for r in rs if r["kind"] == kind]
+        n = sum(j["kind"] == kind for j in BENCH.jobs_of(plan))
+        if mine:
+            parts.append(f"{len(mine)} of {n} {name} runs took {hours(sum(mine))}, against "
+                         f"{hours(by_kind.get(kind, 0))} estimated for the {n}")
+    return "; ".join(parts)
+
+
 def cost_text(S: dict) -> str:
     rs = [r for r in S["results"].values() if r.get("kind") and "seconds" in r]
     if not rs:
         return ""
     p = S["plan"]
-    stamp = lambda s: time.mktime(time.strptime(s, "%Y-%m-%d %H:%M:%S"))
-    spans = [stamp(s["ended"]) - stamp(s["started"]) for s in p.get("sessions", [])
-             if s.get("ended")]
     hours = lambda x: f"{x / 3600:.1f} h" if x >= 3600 else f"{x / 60:.0f} min"
+    finished = [r["finished"] for r in rs if "finished" in r]
+    spans, cut = session_spans(p.get("sessions", []), finished)
     wall = (f"{hours(sum(spans))} of wall-clock time over "
-            f"{plural(len(spans), 'invocation')} of `benchmark`" if spans else
-            "wall-clock time not recorded (the benchmark has not ended)")
+            f"{plural(len(spans), 'invocation')} of `benchmark`")
+    if cut:
+        wall += (f" ({cut} of them stopped when their sitting ended, without recording an end: "
+                 "each is counted up to the last run it finished)")
     est = p.get("estimate") or {}
     return (f"{plural(len(rs), 'training run')}, {hours(sum(r['seconds'] for r in rs))} of "
             f"run time in {p['workers']} worker processes of {plural(p['threads'], 'thread')}; "
-            f"{wall}. The plan estimated {hours(est.get('worker_seconds', 0))} of run time. "
+            f"{wall}. The plan estimated {hours(est.get('worker_seconds', 0))} of run time for "
+            f"all {plural(len(BENCH.jobs_of(p)), 'run')}; {estimate_by_kind(rs, p, hours)}. "
             f"Seconds per iteration come from the timing run: one process runs one iteration of "
             f"each method in turn, so every method sees the same machine load.\n")
 
