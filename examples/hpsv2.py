@@ -12,7 +12,7 @@ Where its parts come from, set in the environment (offline: point HPSV2_CHECKPOI
     HPSV2_ARCH        the open_clip architecture: a model name or a JSON config (default ViT-H-14)
 
 The model is loaded on the first call, on the device of the images it is given, and kept: in bf16
-on a GPU and fp32 on the CPU. Scores are about 0.25–0.37, logged raw (unit "cos").
+on a GPU and fp32 on the CPU. Scores are about 0.25–0.37 (unit "cos" under the name `hpsv2`).
 """
 import os
 from pathlib import Path
