@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -4323,13 +4324,26 @@ def test_digits_benchmark_smoke_plan_end_to_end(digits_cache, tmp_path, monkeypa
         assert head in md, head
     assert "(s)" not in md
     assert json.loads((out / "summary.json").read_text())["plan"]["mode"] == "smoke"
+    # with one confirmation run missing, no claim, verdict or ladder is read off the other seeds
+    part = tmp_path / "part"
+    shutil.copytree(out, part, ignore=shutil.ignore_patterns("confirm__mixgrpo__chosen__s1.json"))
+    REP = importlib.import_module("examples.digits_report")
+    REP.report(part, log=lambda s: None)
+    n_confirm = sum(j["kind"] == "confirm" for j in BENCH.jobs_of(plan))
+    wait = f"Not measured yet: {n_confirm - 1} of the {n_confirm} confirmation runs are finished"
+    part_md = (part / "report.md").read_text()
+    verdicts = part_md.split("## Verdicts", 1)[1].split("\n## ", 1)[0]
+    assert "**2× fewer iterations than MixGRPO: not measured yet.** 1 of the 2 confirmation runs" \
+        in verdicts and "| 2× fewer iterations than MixGRPO" not in verdicts, verdicts
+    assert "| 3× fewer gradient steps than DiffusionNFT" in verdicts     # both of its methods are in
+    ladder_md = part_md.split("## Speed-up at every target", 1)[1].split("\n## ", 1)[0]
+    assert wait in ladder_md, ladder_md
     # every run checks the model against base.json's fingerprint: another build stops the worker
     base = json.loads((out / "base.json").read_text())
     assert base["model_fingerprint"] == BENCH.model_fingerprint()
     with pytest.raises(RuntimeError, match="not the one this benchmark"):
         BENCH.check_model(dict(base, model_fingerprint="0" * 16))
     # a results folder that keeps its model (out/cache) is run and reported on that one
-    import shutil
     shutil.copytree(digits_cache, out / "cache")
     monkeypatch.delenv("VGRPO_DIGITS_CACHE", raising=False)
     BENCH.use_kept_model(out)

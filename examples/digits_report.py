@@ -70,6 +70,12 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def and_join(items: list) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    items = [str(x) for x in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
 def label(m: str, variant: str = "main") -> str:
     """A method's name in the report; an EMA method's trained weights are named as such."""
     return f"{m}, trained weights" if variant == "raw" and m in EMA_METHODS else m
@@ -142,14 +148,41 @@ def baselines(S: dict) -> list[str]:
     return [m for m in S["plan"]["methods"] if not m.startswith("V-GRPO")]
 
 
+RUN_KINDS = {"confirm": "confirmation", "variant": "variant", "swap": "knob-swap",
+             "nmc": "N_MC"}
+
+
+def planned_ids(S: dict, kind: str, method: str | None = None) -> list[str]:
+    return [j["id"] for j in BENCH.jobs_of(S["plan"])
+            if j["kind"] == kind and method in (None, j["method"])]
+
+
+def finished_all(S: dict, kind: str, *methods: str) -> bool:
+    """Whether every planned run of `kind` (of each of `methods`, or of all) has finished; always
+    true for a plan of version 1. A section measured on such runs waits for all of them: no
+    number, and no verdict, is read off a part of the seeds the plan fixed."""
+    if S["plan"].get("version") != 2:
+        return True
+    return all(i in S["results"] for m in (methods or [None]) for i in planned_ids(S, kind, m))
+
+
+def waiting(S: dict, kind: str) -> str:
+    """'Not measured yet: 2 of the 20 confirmation runs are finished; ...' for a section."""
+    ids = planned_ids(S, kind)
+    done = sum(i in S["results"] for i in ids)
+    return (f"Not measured yet: {done} of the {len(ids)} {RUN_KINDS[kind]} runs are finished, "
+            "and this section waits for all of them.\n")
+
+
 def claims_of(S: dict) -> dict:
-    """The claim measurement against every baseline (the paper's two marked with their verdict)."""
+    """The claim measurement against every baseline (the paper's two marked with their verdict),
+    once every confirmation run of both methods has finished."""
     v = S["vgrpo"]
     v_rs = ST.confirm_runs(S["results"], S["plan"], S["chosen"], v)
     out = {}
     for m in baselines(S):
         b_rs = ST.confirm_runs(S["results"], S["plan"], S["chosen"], m)
-        if not v_rs or not b_rs:
+        if not v_rs or not b_rs or not finished_all(S, "confirm", v, m):
             continue
         c = ST.claim(v_rs, b_rs, S["timing"], m, v)
         c.update(lr=S["chosen"][m]["lr"], vgrpo_lr=S["chosen"][v]["lr"])
@@ -179,7 +212,7 @@ def ladder_of(S: dict) -> dict:
     groups = {m: ST.confirm_runs(S["results"], S["plan"], S["chosen"], m)
               for m in S["plan"]["methods"]}
     groups = {m: rs for m, rs in groups.items() if rs}
-    if S["vgrpo"] not in groups or len(groups) < 2:
+    if S["vgrpo"] not in groups or len(groups) < 2 or not finished_all(S, "confirm"):
         return {}
     seeds = set.intersection(*[{r["seed"] for r in rs} for rs in groups.values()])
     groups = {m: [r for r in rs if r["seed"] in seeds] for m, rs in groups.items()}
@@ -195,7 +228,7 @@ def variant_rows(S: dict) -> list[dict]:
         v_rs = ST.runs_of(S["results"], "variant", v)
         p_rs = [r for r in ST.confirm_runs(S["results"], S["plan"], S["chosen"], parent)
                 if r["seed"] in {x["seed"] for x in v_rs}]
-        if not v_rs or len(p_rs) != len(v_rs):
+        if not v_rs or len(p_rs) != len(v_rs) or not finished_all(S, "variant", v):
             continue
         a, b = ST.final_stats(v_rs), ST.final_stats(p_rs)
         rows.append(dict(variant=v, parent=parent, seeds=len(v_rs), lr=v_rs[0]["lr"],
@@ -209,7 +242,7 @@ def variant_rows(S: dict) -> list[dict]:
 def swap_rows(S: dict) -> list[dict]:
     """The one-knob swaps at B = 32: each against its reference on the same seeds (paired)."""
     sw = S["plan"].get("swap")
-    if not sw:
+    if not sw or not finished_all(S, "swap"):
         return []
     get = lambda m: ST.runs_of(S["results"], "swap", m)
     ref_v, ref_n = get("V-GRPO"), get("DiffusionNFT")
@@ -232,7 +265,7 @@ def swap_rows(S: dict) -> list[dict]:
 def nmc_rows(S: dict) -> list[dict]:
     """V-GRPO's held-out reward at B = 32 for each N_MC and lr (N_MC 4 is the shipped value)."""
     nm, rows = S["plan"].get("nmc"), []
-    if not nm:
+    if not nm or not finished_all(S, "nmc"):
         return rows
     for lr in nm["lrs"]:
         for j in nm["values"]:
@@ -325,8 +358,14 @@ def verdicts_text(S: dict) -> str:
         rows.append([cl["label"], cl["paper"], regime(S, m),
                      ratio_s(c, cl["unit"]), f"{cl['factor']:.2g}×", f"**{c['verdict']}**"])
         paras.append(claim_statement(S, m))
+    for m in baselines(S):
+        if m in CLAIMS and m not in S["claims"] and S["plan"].get("version") == 2:
+            ids = planned_ids(S, "confirm", S["vgrpo"]) + planned_ids(S, "confirm", m)
+            paras.append(f"**{CLAIMS[m]['label']}: not measured yet.** "
+                         f"{sum(i in S['results'] for i in ids)} of the {len(ids)} confirmation "
+                         f"runs of {S['vgrpo']} and {m} are finished; the claim waits for all.")
     if not rows:
-        return "Not measured yet: the runs the claims need are not finished.\n"
+        return "\n\n".join(paras) + "\n" if paras else "Not measured yet.\n"
     note = ("\n† The interval's upper end counts the draws in which V-GRPO did not reach the "
             "target at the largest speed-up they allow.\n"
             if any("†" in r[3] for r in rows) else "")
@@ -421,14 +460,15 @@ def selection_text(S: dict) -> str:
              for m, c in S["chosen"].items()} if S["plan"].get("lr_beats_base") else {}
     below = {m: lrs for m, lrs in below.items()             # all below: the rule used them all
              if len(lrs) < len(S["chosen"][m]["rows"])}
-    notes += [f"{m} ended below the base model's validation reward at lr "
-              f"{', '.join(lr_s(x) for x in lrs)}; {'that lr' if len(lrs) == 1 else 'those lrs'} "
-              "took no part in the choice." for m, lrs in below.items() if lrs]
+    notes += [f"{m} ended below the base model's validation reward at "
+              f"{'lr' if len(lrs) == 1 else 'lrs'} {and_join([lr_s(x) for x in lrs])}; "
+              f"{'that lr' if len(lrs) == 1 else 'those lrs'} took no part in the choice."
+              for m, lrs in below.items() if lrs]
     only = [m for m, c in S["chosen"].items() if not c["fallback"] and len(c["rows"]) > 1
             and sum(r["val_diversity"] >= c["diversity_floor"] for r in c["rows"]
                     if r["lr"] not in below.get(m, [])) == 1]
     if only:
-        notes.append(f"For {', '.join(only)}, the chosen lr is the only one that kept "
+        notes.append(f"For {and_join(only)}, the chosen lr is the only one that kept "
                      f"{S['plan']['diversity_keep']:.0%} of the base model's validation diversity "
                      f"(at least {S['chosen'][only[0]]['diversity_floor']:.3f}).")
     above = " above the base" if below else ""
@@ -437,7 +477,7 @@ def selection_text(S: dict) -> str:
     moved = [f"{m} {lr_s(c['lr'])}" for m, c in S["chosen_as_written"].items()
              if below and c["lr"] != S["chosen"][m]["lr"]]
     if moved:
-        notes.append(f"The rule as first written would have chosen {', '.join(moved)}.")
+        notes.append(f"The rule as first written would have chosen {and_join(moved)}.")
     return (f"The base model's held-out reward is {ci_s(S['base_reward'])}. Final numbers after "
             f"{S['plan']['iterations']} iterations.\n\n"
             + table(["method", "lr", "seeds", "val reward", "val diversity", "held-out reward",
@@ -448,7 +488,7 @@ def selection_text(S: dict) -> str:
 def claims_table_text(S: dict) -> str:
     C = S["claims"]
     if not C:
-        return "Not measured yet.\n"
+        return waiting(S, "confirm") if S["plan"].get("version") == 2 else "Not measured yet.\n"
     rows = []
     for m, c in C.items():
         lq = c["last_quarter"]
@@ -479,10 +519,13 @@ def same_lr_text(S: dict) -> str:
     if not rows:
         return "Not measured yet.\n"
     n = S["same_lr"][0]["seeds"]
+    wait = ""
+    if any("seconds" not in r["diff"] for r in S["same_lr"]):
+        wait = " A dash in the seconds column: the timing run it needs is not finished yet."
     return (f"Both methods at the same lr, on the {plural(n, 'selection seed')}. The last four "
             f"columns give V-GRPO's held-out reward minus the baseline's at the same spend: the "
             f"largest number of iterations, gradient steps, NFE or seconds both runs reached "
-            f"(each curve interpolated there). Positive: V-GRPO is ahead.\n\n"
+            f"(each curve interpolated there). Positive: V-GRPO is ahead.{wait}\n\n"
             + table(["lr", "V-GRPO recipe", "baseline", "V-GRPO final", "baseline final",
                      "at the same iterations", "gradient steps", "NFE", "seconds"], rows))
 
@@ -490,7 +533,7 @@ def same_lr_text(S: dict) -> str:
 def ladder_text(S: dict) -> str:
     L = S["ladder"]
     if not L:
-        return "Not measured yet.\n"
+        return waiting(S, "confirm") if S["plan"].get("version") == 2 else "Not measured yet.\n"
     v, parts = S["vgrpo"], []
     parts.append(f"Targets: the base model's held-out reward plus 25, 50, 75 and 90 % of the "
                  f"largest final gain of any method ({L['best_gain']:+.3f}). Each method at its "
@@ -528,7 +571,7 @@ def _speedup_s(a: dict, b: dict, u: str, ra: dict, rb: dict) -> str:
 
 def variants_text(S: dict) -> str:
     if not S["variants"]:
-        return "Not measured yet.\n"
+        return waiting(S, "variant") if S["plan"].get("version") == 2 else "Not measured yet.\n"
     rows, notes = [], []
     for r in S["variants"]:
         rows.append([r["variant"], r["parent"], lr_s(r["lr"]), str(r["seeds"]),
@@ -551,7 +594,7 @@ def variants_text(S: dict) -> str:
 
 def swaps_text(S: dict) -> str:
     if not S["swaps"]:
-        return "Not measured yet.\n"
+        return waiting(S, "swap") if S["plan"].get("swap") else "Not measured yet.\n"
     sw = S["plan"]["swap"]
     rows = [[r["name"], r["ref"], str(r["seeds"]), ci_s(r["final"]), ci_s(r["ref_final"]),
              ci_s(r["diff"], "{:+.3f}")] for r in S["swaps"]]
@@ -566,7 +609,7 @@ def swaps_text(S: dict) -> str:
 
 def nmc_text(S: dict) -> str:
     if not S["nmc"]:
-        return "Not measured yet.\n"
+        return waiting(S, "nmc") if S["plan"].get("nmc") else "Not measured yet.\n"
     rows = [[str(r["n_mc"]) + (" (shipped)" if r["n_mc"] == 4 else ""),
              lr_s(r["lr"]) + (" (V-GRPO's chosen)" if r["lr_rule"] == "chosen" else ""),
              str(r["seeds"]), ci_s(r["final"]["reward"]), ci_s(r["final"]["acc"]),
@@ -683,8 +726,9 @@ def ablations_text(S: dict) -> str:
              num(a["cv"]), num(a["cv_group"])] for a in S["ablations"]]
     worse = [a["method"] for a in S["ablations"] if a["diff"] and a["diff"][2] < 0]
     better = [a["method"] for a in S["ablations"] if a["diff"] and a["diff"][1] > 0]
-    said = (f"The difference's interval lies below 0 for {', '.join(worse) or 'none'} and above 0 "
-            f"for {', '.join(better) or 'none'}; for the others it includes 0.")
+    said = (f"The difference's interval lies below 0 for {and_join(worse) if worse else 'none'} "
+            f"and above 0 for {and_join(better) if better else 'none'}; for the others it "
+            "includes 0.")
     return (f"V-GRPO one switch away from the shipped recipe, at its chosen lr "
             f"{lr_s(S['chosen']['V-GRPO']['lr'])}; the difference is paired with the shipped "
             f"runs.\n\n" + table(["run", "seeds", "held-out reward", "difference",
@@ -867,7 +911,7 @@ def figures(S: dict, fig_dir: Path, prefix: str) -> dict:
     groups = {m: ST.confirm_runs(S["results"], S["plan"], S["chosen"], m)
               for m in S["plan"]["methods"]}
     groups = {m: rs for m, rs in groups.items() if rs}
-    if groups:
+    if groups and finished_all(S, "confirm"):
         figs["curves"] = curves_figure(S, groups, fig_dir / f"{prefix}_curves.png")
         figs["samples"] = samples_figure(S, groups, fig_dir / f"{prefix}_samples.png")
     if S.get("frontier", {}).get("points"):
