@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from examples.hub_file import hub_file  # noqa: E402
 from vgrpo import clip_pixels  # noqa: E402
 
 CLIP = "openai/clip-vit-large-patch14"
@@ -45,20 +46,6 @@ def head(weights=None) -> torch.nn.Module:
     return mlp
 
 
-def _weights_file(location: str) -> str:
-    """AESTHETIC_WEIGHTS as a local file: itself, or fetched from the hub (cached)."""
-    if os.path.isfile(location):
-        return location
-    owner, repo, file = (location.split("/", 2) + ["", ""])[:3]
-    try:
-        from huggingface_hub import hf_hub_download
-        return hf_hub_download(f"{owner}/{repo}", file)
-    except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
-        raise RuntimeError(f"could not fetch AESTHETIC_WEIGHTS {location!r} ({type(e).__name__}); "
-                           "download it (`huggingface-cli download OWNER/REPO PATH`) and set "
-                           "AESTHETIC_WEIGHTS=/path/to/file") from None
-
-
 def _load(device: torch.device):
     if device not in _LOADED:
         from transformers import AutoModel, AutoProcessor
@@ -70,7 +57,7 @@ def _load(device: torch.device):
                                f"local cache); download it (`huggingface-cli download {clip} "
                                "--local-dir DIR`) and set AESTHETIC_CLIP=DIR") from None
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        mlp = head(_weights_file(os.environ.get("AESTHETIC_WEIGHTS", WEIGHTS)))
+        mlp = head(hub_file(os.environ.get("AESTHETIC_WEIGHTS", WEIGHTS), "AESTHETIC_WEIGHTS"))
         _LOADED[device] = (model.eval().requires_grad_(False).to(device, dtype), processor,
                            mlp.eval().requires_grad_(False).to(device, torch.float32))
     return _LOADED[device]

@@ -15,10 +15,14 @@ The model is loaded on the first call, on the device of the images it is given, 
 on a GPU and fp32 on the CPU. Scores are about 0.25–0.37 (unit "cos" under the name `hpsv2`).
 """
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from examples.hub_file import hub_file  # noqa: E402
 
 ARCH, CHECKPOINT = "ViT-H-14", "xswu/HPSv2/HPS_v2.1_compressed.pt"
 _LOADED = {}                     # (device, arch, checkpoint) → (model, tokenizer, image side)
@@ -38,22 +42,9 @@ def hps_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
     return (x - x.new_tensor(mean).view(1, 3, 1, 1)) / x.new_tensor(std).view(1, 3, 1, 1)
 
 
-def _weights_file(location: str) -> str:
-    """HPSV2_CHECKPOINT as a local file: itself, or fetched from the hub (cached)."""
-    if os.path.isfile(location):
-        return location
-    owner, repo, file = (location.split("/", 2) + ["", ""])[:3]
-    try:
-        from huggingface_hub import hf_hub_download
-        return hf_hub_download(f"{owner}/{repo}", file)
-    except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
-        raise RuntimeError(f"could not fetch HPSV2_CHECKPOINT {location!r} ({type(e).__name__}); "
-                           "download it (`huggingface-cli download xswu/HPSv2 "
-                           "HPS_v2.1_compressed.pt`) and set HPSV2_CHECKPOINT=/path/to/file") from None
-
-
 def _load(device: torch.device):
-    arch, checkpoint = os.environ.get("HPSV2_ARCH", ARCH), os.environ.get("HPSV2_CHECKPOINT", CHECKPOINT)
+    arch = os.environ.get("HPSV2_ARCH", ARCH)
+    checkpoint = os.environ.get("HPSV2_CHECKPOINT", CHECKPOINT)
     key = (device, arch, checkpoint)
     if key not in _LOADED:
         import open_clip
@@ -61,7 +52,8 @@ def _load(device: torch.device):
         if arch.endswith(".json"):                    # a config file: registered under its stem
             open_clip.add_model_config(arch)
             name = Path(arch).stem
-        ckpt = torch.load(_weights_file(checkpoint), map_location="cpu", weights_only=False)
+        ckpt = torch.load(hub_file(checkpoint, "HPSV2_CHECKPOINT"), map_location="cpu",
+                          weights_only=False)
         model = open_clip.create_model(name, pretrained=None)
         model.load_state_dict(ckpt.get("state_dict", ckpt))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
