@@ -3701,6 +3701,7 @@ def test_digits_pretrained_base_loads_and_vgrpo_raises_heldout_accuracy(tmp_path
                guidance_scale=1.0, max_sequence_length=D.SEQ_LEN, output_type="pt",
                generator=torch.Generator().manual_seed(0)).images
     assert out.shape == (1, 3, 32, 32) and torch.isfinite(out).all()
+    before = D.heldout_metrics(pipe, n_per=30)            # 300 images, the same ones as after
     # V-GRPO through vgrpo.py's command line on the saved folder, then the LoRA through diffusers
     run_dir = tmp_path / "run"
     n = D.FAST_RL["iterations"]
@@ -3708,19 +3709,20 @@ def test_digits_pretrained_base_loads_and_vgrpo_raises_heldout_accuracy(tmp_path
                                       "--save_every", str(n), *D.FAST_RL["flags"]])
     assert V.main(flags) == 0
     pipe.load_lora_weights(str(V.find_checkpoint(run_dir)))
-    after = D.heldout_metrics(pipe, n_per=10)
-    assert after["acc"] >= base + FAST_DIGITS["gain"], (base, after)
+    after = D.heldout_metrics(pipe, n_per=30)
+    assert after["acc"] >= before["acc"] + FAST_DIGITS["gain"], (before, after)
 
 
 # Thresholds of the test above, from measured runs of its recipe (examples/digits.py FAST_BUILD /
-# FAST_RL; 100 held-out images, so one image = 0.01): classifier 0.905 held-out accuracy, VAE
-# reconstructions classified 0.903–0.905; base prompt accuracy 0.25 (1 thread), 0.27 (2 threads)
-# and 0.28 (another CPU: float rounding differs, so do the pretrained weights), chance 0.10. The
-# 20 V-GRPO iterations at lr 2e-3, seeds 0–5 at 1 and at 2 threads (12 runs): gains +0.15 to
-# +0.23. At lr 5e-3 (the recipe before) some runs climbed and then fell back: +0.01 to +0.30 over
-# 8 runs, and +0.09 once on another machine, so the lower, steadier lr. Margins: 7 points below
-# the lowest base, two thirds of the smallest gain.
-FAST_DIGITS = dict(classifier=0.85, vae_recon=0.85, base=0.18, gain=0.10)
+# FAST_RL): classifier 0.905 held-out accuracy, VAE reconstructions classified 0.903–0.905; base
+# prompt accuracy on the build's 100 images 0.25–0.29 over four float set-ups (this machine's
+# AVX-512 at 1 and 2 threads, ATEN_CPU_CAPABILITY=avx2 and =default at 1 thread, and the CI
+# machine), chance 0.10. The gain is paired: the same 300 prompts and noises before and after, so
+# its standard error is about 0.03. The 30 V-GRPO iterations at lr 2e-3, seeds 0–2 in three of
+# those set-ups (9 runs): gains +0.27 to +0.31. At 20 iterations, as the recipe was, the gains
+# were +0.11 to +0.21 on 300 images, and the CI machine measured +0.08 on 100 (0.29 → 0.37), which
+# failed the 0.10 asked then. Margins: 7 points below the lowest base, under half the smallest gain.
+FAST_DIGITS = dict(classifier=0.85, vae_recon=0.85, base=0.18, gain=0.12)
 
 
 def _digits_stats(monkeypatch, cache: Path):
