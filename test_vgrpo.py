@@ -4183,6 +4183,10 @@ def test_digits_verdict_rules_on_synthetic_runs(tmp_path, monkeypatch):
     assert rule(v, base_line(0.8), 2.0) == "disagrees"                   # h = 6: 1.33×
     assert rule(v, base_line(0.95), 2.0) == "disagrees"                  # never reached
     assert rule(v, base_line(0.6, mid=0.55), 2.0) == "not tested"        # still rising at B
+    # ... and the reason says where the interval stands at this budget: 4× reaches 2, not 8
+    rising = ST.claim(v, base_line(0.6, mid=0.55), None, "B")
+    assert ST.verdict(rising, 2.0, "iters")[1].endswith("lies above 1 and reaches the claimed 2×")
+    assert ST.verdict(rising, 8.0, "iters")[1].endswith("lies wholly below the claimed 8×")
     assert rule(v, base_line(0.5), 2.0) == "not tested"                  # never improved
     # one V-GRPO seed reaches 0.7 at iteration 2, the other never within 8: the draws span
     # speed-ups from 0 (never) to 4, across both 1 and the factor
@@ -4340,6 +4344,15 @@ def test_digits_benchmark_smoke_plan_end_to_end(digits_cache, tmp_path, monkeypa
     assert "| 3× fewer gradient steps than DiffusionNFT" in verdicts     # both of its methods are in
     ladder_md = part_md.split("## Speed-up at every target", 1)[1].split("\n## ", 1)[0]
     assert wait in ladder_md, ladder_md
+    # the README's section gives each measured claim's verdict with its reason in words
+    full = REP.analyse(out)
+    body = REP.readme_text(full, "report.md", None)
+    assert {"DiffusionNFT", "MixGRPO"} <= set(full["claims"])
+    for c in full["claims"].values():
+        if "claim" in c:
+            assert f"* **{c['claim']['label']}, B = {plan['iterations']}: {c['verdict']}.** " \
+                f"{c['reason'][0].upper()}" in body, body
+    assert "than MixGRPO, B =" not in REP.readme_text(REP.analyse(part), "report.md", None)
     # every run checks the model against base.json's fingerprint: another build stops the worker
     base = json.loads((out / "base.json").read_text())
     assert base["model_fingerprint"] == BENCH.model_fingerprint()

@@ -811,9 +811,16 @@ def readme_text(S: dict, link: str, fig: str | None, earlier: dict | None = None
             f"and chose and reported on the same seeds.\n\n")
     body += table(["claim of the paper", "measured at", "speed-up", "verdict"], rows) \
         if rows else "No claim is measured yet.\n"
+    reasons = [f"* **{c['claim']['label']}, B = {p['iterations']}: {c['verdict']}.** "
+               f"{c['reason'][0].upper()}{c['reason'][1:]}." for c in S.get("claims", {}).values()
+               if "claim" in c]
+    if reasons:
+        body += "\n" + "\n".join(reasons) + "\n"
     if S["not_finished"]:
+        wait = ("the report's sections that need them say so" if reasons else
+                "its claims are stated when their runs are")
         body += (f"\n{plural(len(S['not_finished']), 'run')} of the B = {p['iterations']} plan "
-                 f"are not finished yet; its claims are stated when their runs are.\n")
+                 f"are not finished yet; {wait}.\n")
     if fig:
         body += f"\n![held-out reward at each method's chosen lr]({fig})\n"
     b32 = os.path.join(os.path.dirname(link), "digits_b32.md")
