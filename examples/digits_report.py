@@ -331,7 +331,12 @@ def claim_statement(S: dict, m: str) -> str:
     elif c["verdict"] != "disagrees":          # a disagreement's reason says it already
         s += (f"V-GRPO does not reach it in its {c['Bv']} iterations "
               f"({c['seeds_reached']} of {c['seeds']} seeds do). ")
-    return s + c["reason"][0].upper() + c["reason"][1:] + "."
+    return s + reason_s(c)
+
+
+def reason_s(c: dict) -> str:
+    """A claim's verdict reason as a sentence."""
+    return c["reason"][0].upper() + c["reason"][1:] + "."
 
 
 def ratio_s(c: dict, u: str) -> str:
@@ -812,8 +817,7 @@ def readme_text(S: dict, link: str, fig: str | None, earlier: dict | None = None
     body += table(["claim of the paper", "measured at", "speed-up", "verdict"], rows) \
         if rows else "No claim is measured yet.\n"
     reasons = [f"* **{c['claim']['label']}, B = {p['iterations']}: {c['verdict']}.** "
-               f"{c['reason'][0].upper()}{c['reason'][1:]}." for c in S.get("claims", {}).values()
-               if "claim" in c]
+               + reason_s(c) for c in S.get("claims", {}).values() if "claim" in c]
     if reasons:
         body += "\n" + "\n".join(reasons) + "\n"
     if S["not_finished"]:

@@ -364,8 +364,12 @@ def verdict(c: dict, factor: float, unit: str) -> tuple[str, str]:
     if q[1] > 0 or q[2] < 0:
         word = "rising" if q[1] > 0 else "falling"
         lo, hi = c["ratio"][unit][1:]
-        where = ("lies wholly below" if hi < factor else "lies above 1 and reaches"
-                 if lo > 1 else "includes both 1 and")
+        if hi < factor:
+            where = "lies wholly below"
+        elif lo > 1:
+            where = "lies above 1 and reaches"
+        else:
+            where = "includes both 1 and"
         return "not tested", (f"{c['method']} had not settled at B = {c['B']}: its reward was "
                               f"still {word} over its last {c['B'] - q[3]} iterations, so its "
                               f"final reward is a target that more iterations would move. At "
