@@ -8,9 +8,9 @@ You Think", Tang et al., 2026, arXiv 2604.23380. Tags resolve in METHOD.md, besi
 where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" is a section here.
 
 What this file IS: a readable reference of the algorithm plus a working trainer for SD3 / SD3.5
-and FLUX.1 (diffusers) with PickScore, CLIPScore, JPEG size, HPSv2 (examples/hpsv2.py) or your own
-(ImageReward and the LAION aesthetic predictor are two more in examples/), on one GPU or under
-torchrun (FSDP2), and offline tiny models: it all runs on a laptop CPU.
+and FLUX.1 (diffusers) with PickScore, CLIPScore, HPSv2 and JPEG size (examples/hpsv2.py, jpeg.py)
+or your own (ImageReward and the LAION aesthetic predictor are two more in examples/), on one GPU
+or under torchrun (FSDP2), and offline tiny models: it all runs on a laptop CPU.
 What it is NOT: a framework; the loss can be copied into any trainer (§2–§6).
 
 Quickstart
@@ -73,7 +73,7 @@ CONTENTS (top-down): §1 imports · §2–§6 the pure math: flow matching, ODE 
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse, contextlib, dataclasses, datetime, enum, functools, importlib.util, io, json, math
+import argparse, contextlib, dataclasses, datetime, enum, functools, importlib.util, json, math
 import os, random, shutil, signal, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -447,19 +447,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
                 "jpeg": ("-kB", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
-REWARD_PLUGINS = {"hpsv2": "examples.hpsv2:score"}      # named rewards whose code is in examples/
-
-
-def jpeg_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """−(kB of the image as a quality-95 JPEG) [peer X10]: needs no weights, the smoke reward."""
-    from PIL import Image
-    u8 = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
-    sizes = []
-    for im in u8.permute(0, 2, 3, 1):                                           # (H, W, 3) each
-        buf = io.BytesIO()
-        Image.fromarray(im.numpy()).save(buf, format="JPEG", quality=95)
-        sizes.append(-buf.tell() / 1000.0)
-    return torch.tensor(sizes, dtype=torch.float32)
+REWARD_PLUGINS = {"hpsv2": "examples.hpsv2:score", "jpeg": "examples.jpeg:score"}  # examples/
 
 
 def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
@@ -583,7 +571,7 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
                                 f"--{pf}")
         model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
         return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore")
-    return jpeg_reward if name == "jpeg" else plugin_reward(REWARD_PLUGINS.get(name, name))
+    return plugin_reward(REWARD_PLUGINS.get(name, name))
 
 
 class Rewards:
@@ -917,6 +905,7 @@ class Run:
     eval_sigmas: torch.Tensor     # (K_eval + 1,)
     D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
     start: int = 0                # first iteration (> 0 when resumed)
+    resumed_from: Optional[Path] = None             # the checkpoint folder resumed from
     rank: int = 0
     world: int = 1
     run_dir: Optional[Path] = None
@@ -1184,7 +1173,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
     m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
          "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
+         "grad_scale": run.scaler.get_scale(),     # 1.0 when disabled
          # network evaluations per sample (θ_old's pass: n_mc·(μ − 1)/μ, docs/training.md "Logged metrics")
          "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * n_old / run.Nl, "nfe_theta": a.n_mc}
     if len(sc.raw) > 1:                                   # several rewards: each one's too
@@ -1206,9 +1195,9 @@ def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
     return (f.mean().item(), f.std(unbiased=False).item()) if len(f) else (math.nan, math.nan)
 
 
-def _warn(msg: str) -> None:
+def _warn(msg: str, prefix: str = "warning: ") -> None:
     from tqdm.auto import tqdm                            # tqdm.write: not overwritten by the bar
-    tqdm.write(f"warning: {msg}", file=sys.stderr)
+    tqdm.write(prefix + msg, file=sys.stderr)
 
 
 @torch.no_grad()
@@ -1255,14 +1244,9 @@ def timed(times: dict, key: str, dev: Optional[torch.device] = None):
     except torch.cuda.OutOfMemoryError as e:
         e.vgrpo_phase = getattr(e, "vgrpo_phase", key)        # the innermost phase names it
         raise
-    if dev is not None:
-        _sync(dev)
-    times[key] = time.perf_counter() - t
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":                                 # wait for the GPU before a clock read
+    if dev is not None and dev.type == "cuda":              # wait for the GPU before the clock
         torch.cuda.synchronize(dev)
+    times[key] = time.perf_counter() - t
 
 
 # ---- the harness: setup, the iterations, how a run stops, evaluation, its record ---------------
@@ -1280,13 +1264,8 @@ def train(args: Args, fresh_ok: bool = False, resumed: Optional[tuple] = None) -
     """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl).
     fresh_ok (--resume auto, no checkpoint yet): a folder that a killed run left starts over.
     resumed: read_checkpoint(args.resume), when the caller has read it already (main)."""
-    run_dir = plan_run_dir(args, fresh_ok)          # checked writable; locked if it exists
-    try:                                            # bad input fails in setup, writing nothing
-        return run_iterations(setup(args, resumed=resumed), run_dir)
-    finally:                                        # release the run folder (lock_run_dir)
-        lock = _LOCKS.pop(str(run_dir.resolve()), None)
-        if lock is not None:
-            lock.close()
+    run_dir = plan_run_dir(args, fresh_ok)          # checked writable; nothing created yet
+    return run_iterations(setup(args, resumed=resumed), run_dir)   # bad input fails in setup
 
 
 def run_iterations(run: Run, run_dir: Path) -> list[dict]:
@@ -1373,9 +1352,7 @@ def save_or_stop(run: Run, done: int) -> bool:
     if _any_rank("term" in run.stop, run):
         preempted(run, f"after iteration {done - 1}", saved)
     if run.rank == 0:
-        from tqdm.auto import tqdm                        # tqdm.write: not overwritten by the bar
-        tqdm.write(f"stopped after iteration {done - 1}: {how_to_go_on(run.run_dir, saved)}",
-                   file=sys.stderr)
+        _warn(f"stopped after iteration {done - 1}: {how_to_go_on(run.run_dir, saved)}", "")
     return True
 
 
@@ -1488,7 +1465,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
                dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
                eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
                D=adapter.latent_shape(args.resolution), scaler=scaler,
-               start=state["iteration"] if state else 0, rank=rank, world=world)
+               start=state["iteration"] if state else 0, resumed_from=ckpt, rank=rank, world=world)
 
 
 def setup_device(args: Args, local_rank: int = 0) -> tuple:
@@ -1616,11 +1593,11 @@ class RunLog:
         return [self.bar.close, self.file.close]
 
 
-# ---- the run folder: planned before anything loads, one trainer at a time ---------------------
+# ---- the run folder: planned before anything loads, then opened by rank 0 ---------------------
 def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     """The run folder (--run_dir, the resumed run's, or runs/<model>-<rewards>-<time>), checked
-    writable and, if it exists, locked; nothing is created. One holding another run is refused
-    unless this is that run resumed, or fresh_ok (--resume auto, no checkpoint: start over)."""
+    writable; nothing is created. One holding another run is refused unless this is that run
+    resumed, or fresh_ok (--resume auto, no checkpoint: start over)."""
     resumed = find_checkpoint(args.resume).parent.parent if args.resume else None
     if resumed is not None and args.run_dir is None:
         run_dir = resumed
@@ -1637,8 +1614,6 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     except OSError as e:
         raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
                           f"({e.strerror}); pass a writable --run_dir") from None
-    if run_dir.is_dir() and dist_info()[0] == 0:
-        lock_run_dir(run_dir)
     held = [f for f in ("config.json", "metrics.jsonl", "checkpoints/latest") if (run_dir / f).exists()]
     if held and not fresh_ok and (resumed is None or resumed.resolve() != run_dir.resolve()):
         raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run: {how_to_go_on(run_dir)}"
@@ -1646,36 +1621,8 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     return run_dir
 
 
-_LOCKS: dict = {}                               # run folder → its open lock file, until train ends
-
-
-def lock_run_dir(run_dir: Path) -> None:
-    """One trainer per run folder: an exclusive flock on run_dir/.lock (the system releases it when
-    its holder dies); a second trainer gets a ConfigError naming the holder, changing nothing."""
-    try:
-        import fcntl                            # POSIX; `import vgrpo` must work everywhere
-    except ImportError:
-        return
-    key = str(run_dir.resolve())
-    if key in _LOCKS:
-        return
-    f = open(run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
-        raise ConfigError(f"{str(run_dir)!r} is in use by a running trainer (pid {holder}); "
-                          "wait for it or stop it, or pass another --run_dir") from None
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    _LOCKS[key] = f
-
-
 def open_run_dir(run: Run, run_dir: Path):
-    """Every rank learns rank 0's run folder. Rank 0 creates and locks it, clears half-written
+    """Every rank learns rank 0's run folder. Rank 0 creates it, clears half-written
     checkpoints, writes config.json, prints the banner, on resume points `latest` at the resumed
     checkpoint (later saves never overwrite it) and drops the metrics.jsonl lines from the start
     iteration on, logged again. Returns metrics.jsonl open to append (None off rank 0)."""
@@ -1688,14 +1635,11 @@ def open_run_dir(run: Run, run_dir: Path):
         return None
     with writing(run_dir, run_dir):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        lock_run_dir(run_dir)
         for stale in (run_dir / "checkpoints").glob(".tmp-*"):        # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
-        if run.args.resume:                            # `latest` names the resumed checkpoint
-            ckpt = find_checkpoint(run.args.resume)
-            if ckpt.parent == run_dir / "checkpoints":
-                _point_latest(ckpt)
+        if run.resumed_from and run.resumed_from.parent == run_dir / "checkpoints":
+            _point_latest(run.resumed_from)            # `latest` names the resumed checkpoint
         keep, lines = [], mpath.read_text().splitlines() if mpath.exists() else []
         for line in lines:
             try:

@@ -370,7 +370,8 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     x1 = torch.randn((N,) + D, generator=g_noise).to(dev)
     traj, logp_old = sde_rollout(guided, x1, cond, prompt_idx, sigmas, rec, sde, mine.batch, ctx,
                                  g_sde)                          # (N, K+1, *D), (N, K)
-    V._sync(dev)
+    if dev.type == "cuda":                    # the GPU's work, before the clock
+        torch.cuda.synchronize(dev)
     times["time_rollout"] = time.perf_counter() - t0
 
     # 2. rewards (weighted sum, as their multi_score), stat-tracker advantages, zero-adv. filter
@@ -452,7 +453,8 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
                 if state["ema"] is not None:                 # after every batch, as train_sd3.py
                     state["ema"].step(state["step"])
     opt.zero_grad(set_to_none=True)
-    V._sync(dev)
+    if dev.type == "cuda":                    # the GPU's work, before the clock
+        torch.cuda.synchronize(dev)
     times["time_update"] = time.perf_counter() - t3
     f = guided.forwards
     mean_or = lambda xs: float(torch.stack(xs).mean()) if xs else float("nan")

@@ -693,7 +693,8 @@ def main(argv=None):
                      "--group_size", "4"]
         flux_only = stages == ["flux"] or (stages == ["configs"] and a.family == "flux")
         env.pipe = TM.build_tiny_flux_pipeline() if flux_only else TM.build_tiny_sd3_pipeline()
-        env.reward = V.Rewards({"jpeg": V.jpeg_reward}, [("jpeg", 1.0)])
+        from examples.jpeg import score as jpeg
+        env.reward = V.Rewards({"jpeg": jpeg}, [("jpeg", 1.0)])
         global LEVER_BASE, MEMORY_TRIAL
         LEVER_BASE = ["--prompts_per_iter", "1", "--group_size", "4"]
         MEMORY_TRIAL = ["--prompts_per_iter", "1", "--group_size", "4"]

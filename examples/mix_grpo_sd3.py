@@ -426,7 +426,8 @@ def mix_iteration(run: V.Run, it: int, state: dict) -> dict:
     noise = torch.randn((N, T) + run.D, generator=V._gen(args.seed, it, 5)).to(run.dev)
     mbs = micro_batches(run, rec)
     x0, traj, logp_old = window_rollout(run, x1, cond, prompt_idx, sig, window, rec, mbs, noise)
-    V._sync(run.dev)
+    if run.dev.type == "cuda":                    # the GPU's work, before the clock
+        torch.cuda.synchronize(run.dev)
     times["time_rollout"] = time.perf_counter() - t0
 
     # 2. rewards, advantages per group and per reward, weighted sum (advantage_aggr)
@@ -466,7 +467,8 @@ def mix_iteration(run: V.Run, it: int, state: dict) -> dict:
         if i + 1 == len(mbs) or mbs[i + 1][0] != k:       # the step's last micro-batch
             grad_norms.append(V.optimizer_step(run))
             state["step"] += 1
-    V._sync(run.dev)
+    if run.dev.type == "cuda":                    # the GPU's work, before the clock
+        torch.cuda.synchronize(run.dev)
     times["time_update"] = time.perf_counter() - t3
 
     mean_of = lambda xs: float(torch.stack(xs).float().mean()) if xs else math.nan
