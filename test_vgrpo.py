@@ -4267,6 +4267,30 @@ def test_digits_plan_fixed_before_runs_selection_and_confirmation_apart():
 
 
 @pytest.mark.examples
+def test_digits_findings_are_said_in_words_from_the_intervals(tmp_path, monkeypatch):
+    """The knob-swap and N_MC findings name exactly the rows whose paired interval excludes 0,
+    with their direction, and say so in words when none does."""
+    _, REP = _digits_stats(monkeypatch, tmp_path)
+    plan = {"swap": {"lr": 3e-3, "seeds": [0, 1, 2]}, "nmc": {"lrs": ["chosen", 3e-3]}}
+    row = lambda name, d: {"name": name, "diff": d}
+    gap = row("DiffusionNFT against V-GRPO", (0.04, 0.01, 0.07))
+    S = {"plan": plan, "swaps": [row("knob a", (0.02, -0.01, 0.05)),
+                                 row("knob b", (-0.03, -0.05, -0.01)), gap]}
+    text = REP.swaps_finding(S)
+    assert "minus V-GRPO's is +0.040 [+0.010, +0.070]" in text
+    assert "excludes 0: knob b (-0.030 [-0.050, -0.010])." in text and "knob a" not in text
+    S["swaps"][1]["diff"] = (-0.03, -0.05, 0.01)
+    text = REP.swaps_finding(S)
+    assert "No single swap moves" in text and "the largest is “knob b”: -0.030" in text
+    nm = lambda j, rule, lr, d: {"n_mc": j, "lr_rule": rule, "lr": lr, "diff": d}
+    S["nmc"] = [nm(2, "chosen", 3e-4, (-0.01, -0.02, -0.001)), nm(8, "chosen", 3e-4, (0.0, -0.01, 0.01)),
+                nm(2, 3e-3, 3e-3, (-0.05, -0.15, 0.01))]
+    text = REP.nmc_finding(S)
+    assert text.startswith("At lr 3e-4 (V-GRPO's chosen), N_MC 2 ends below N_MC 4 (-0.010")
+    assert "At lr 3e-3, no N_MC ends apart from N_MC 4" in text and "N_MC 8 ends" not in text
+
+
+@pytest.mark.examples
 def test_digits_benchmark_smoke_plan_end_to_end(digits_cache, tmp_path, monkeypatch):
     """The benchmark's machinery on the fast digits build: the smoke plan (every kind of run:
     selection, confirmation, a variant, timing, a knob swap with V-GRPO's tracked EMA, an N_MC

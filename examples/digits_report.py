@@ -268,6 +268,7 @@ def nmc_rows(S: dict) -> list[dict]:
     if not nm or not finished_all(S, "nmc"):
         return rows
     for lr in nm["lrs"]:
+        at_lr = []
         for j in nm["values"]:
             rs = [r for r in S["results"].values() if r.get("kind") == "nmc"
                   and r["method"] == f"V-GRPO, N_MC {j}"
@@ -276,9 +277,15 @@ def nmc_rows(S: dict) -> list[dict]:
             rs = sorted(rs, key=lambda r: r["seed"])
             fs = ST.final_stats(rs)
             if fs:
-                rows.append(dict(n_mc=j, lr=rs[0]["lr"], lr_rule=lr, seeds=len(rs), final=fs,
-                                 nfe=np.mean([ST.nfe_per_iter(r) for r in rs]),
-                                 cv=_mean_metric(rs, "surrogate_cv")))
+                at_lr.append(dict(n_mc=j, lr=rs[0]["lr"], lr_rule=lr, seeds=len(rs), final=fs,
+                                  nfe=np.mean([ST.nfe_per_iter(r) for r in rs]),
+                                  cv=_mean_metric(rs, "surrogate_cv"),
+                                  _seeds=[r["seed"] for r in rs]))
+        shipped = [r for r in at_lr if r["n_mc"] == 4]
+        for r in at_lr:                  # paired against N_MC 4 at the same lr, on the same seeds
+            if shipped and r["n_mc"] != 4 and r["_seeds"] == shipped[0]["_seeds"]:
+                r["diff"] = ST.paired_difference(r["final"], shipped[0]["final"])
+        rows += at_lr
     return rows
 
 
@@ -609,7 +616,34 @@ def swaps_text(S: dict) -> str:
             f"is swapped alone, at B = {sw['iterations']} and lr {lr_s(sw['lr'])}, on "
             f"{plural(len(sw['seeds']), 'seed')}; the difference is paired.\n\n"
             + table(["run", "against", "seeds", "its final reward", "the reference's",
-                     "difference"], rows))
+                     "difference"], rows) + "\n" + swaps_finding(S) + "\n")
+
+
+def excludes_zero(t) -> bool:
+    return t[1] > 0 or t[2] < 0
+
+
+def swaps_finding(S: dict) -> str:
+    """What the knob swaps found, in words: which swaps moved the final reward (an interval that
+    excludes 0), against the gap between DiffusionNFT and V-GRPO at the swap's lr."""
+    sw = S["plan"]["swap"]
+    gap = [r for r in S["swaps"] if r["name"] == "DiffusionNFT against V-GRPO"]
+    knobs = [r for r in S["swaps"] if r["name"] != "DiffusionNFT against V-GRPO"]
+    moved = [r for r in knobs if excludes_zero(r["diff"])]
+    if not knobs:
+        return ""
+    text = (f"At lr {lr_s(sw['lr'])}, DiffusionNFT's final reward minus V-GRPO's is "
+            f"{ci_s(gap[0]['diff'], '{:+.3f}')}. " if gap else "")
+    if not moved:
+        big = max(knobs, key=lambda r: abs(r["diff"][0]))
+        text += (f"No single swap moves the final reward by an interval that excludes 0; the "
+                 f"largest is “{big['name']}”: {ci_s(big['diff'], '{:+.3f}')}. On "
+                 f"{plural(len(sw['seeds']), 'seed')} these swaps do not show which knob, if any, "
+                 f"carries the gap. DiffusionNFT's dpm2 rollout solver was not swapped.")
+    else:
+        text += ("Swaps whose interval excludes 0: " + and_join(
+            [f"{r['name']} ({ci_s(r['diff'], '{:+.3f}')})" for r in moved]) + ".")
+    return text
 
 
 def nmc_text(S: dict) -> str:
@@ -617,14 +651,36 @@ def nmc_text(S: dict) -> str:
         return waiting(S, "nmc") if S["plan"].get("nmc") else "Not measured yet.\n"
     rows = [[str(r["n_mc"]) + (" (shipped)" if r["n_mc"] == 4 else ""),
              lr_s(r["lr"]) + (" (V-GRPO's chosen)" if r["lr_rule"] == "chosen" else ""),
-             str(r["seeds"]), ci_s(r["final"]["reward"]), ci_s(r["final"]["acc"]),
-             f"{r['nfe']:,.0f}", num(r["cv"])] for r in S["nmc"]]
+             str(r["seeds"]), ci_s(r["final"]["reward"]), ci_s(r.get("diff"), "{:+.3f}"),
+             ci_s(r["final"]["acc"]), f"{r['nfe']:,.0f}", num(r["cv"])] for r in S["nmc"]]
     nm = S["plan"]["nmc"]
     return (f"V-GRPO's shipped recipe with another number of (t, ε) pairs, B = "
             f"{nm['iterations']}. The paper (its Fig. 4f): 2 fails, 4 is the trade-off, 8 is "
             f"marginal; 10 is its GenEval and OCR value.\n\n"
-            + table(["N_MC", "lr", "seeds", "held-out reward", "held-out accuracy",
-                     "NFE per iteration", "surrogate CV"], rows))
+            + table(["N_MC", "lr", "seeds", "held-out reward", "difference from N_MC 4",
+                     "held-out accuracy", "NFE per iteration", "surrogate CV"], rows)
+            + "\n" + nmc_finding(S) + "\n")
+
+
+def nmc_finding(S: dict) -> str:
+    """What the N_MC runs found, in words: per lr, which N_MC ends apart from the shipped 4."""
+    out = []
+    for lr in S["plan"]["nmc"]["lrs"]:
+        rs = [r for r in S["nmc"] if r["lr_rule"] == lr and "diff" in r]
+        if not rs:
+            continue
+        at = f"lr {lr_s(rs[0]['lr'])}" + (" (V-GRPO's chosen)" if lr == "chosen" else "")
+        apart = [r for r in rs if excludes_zero(r["diff"])]
+        if not apart:
+            out.append(f"At {at}, no N_MC ends apart from N_MC 4: every paired interval includes "
+                       f"0 (" + and_join([f"N_MC {r['n_mc']} {ci_s(r['diff'], '{:+.3f}')}"
+                                          for r in rs]) + ").")
+        else:
+            out.append(f"At {at}, " + and_join(
+                [f"N_MC {r['n_mc']} ends {'above' if r['diff'][0] > 0 else 'below'} N_MC 4 "
+                 f"({ci_s(r['diff'], '{:+.3f}')})" for r in apart]) + "; the others' intervals "
+                "include 0.")
+    return " ".join(out)
 
 
 def session_spans(sessions: list, finished: list) -> tuple[list, int]:
@@ -676,7 +732,8 @@ def cost_text(S: dict) -> str:
     return (f"{plural(len(rs), 'training run')}, {hours(sum(r['seconds'] for r in rs))} of "
             f"run time in {p['workers']} worker processes of {plural(p['threads'], 'thread')}; "
             f"{wall}. The plan estimated {hours(est.get('worker_seconds', 0))} of run time for "
-            f"all {plural(len(BENCH.jobs_of(p)), 'run')}; {estimate_by_kind(rs, p, hours)}. "
+            f"all {plural(len(BENCH.jobs_of(p)), 'run')} (the timing run among them); "
+            f"{estimate_by_kind(rs, p, hours)}. "
             f"Seconds per iteration come from the timing run: one process runs one iteration of "
             f"each method in turn, so every method sees the same machine load.\n")
 
@@ -818,6 +875,13 @@ def readme_text(S: dict, link: str, fig: str | None, earlier: dict | None = None
         if rows else "No claim is measured yet.\n"
     reasons = [f"* **{c['claim']['label']}, B = {p['iterations']}: {c['verdict']}.** "
                + reason_s(c) for c in S.get("claims", {}).values() if "claim" in c]
+    if reasons and S["swaps"]:
+        reasons.append(f"* **Why DiffusionNFT leads at lr {lr_s(p['swap']['lr'])} (B = "
+                       f"{p['swap']['iterations']}, one knob swapped at a time).** "
+                       + swaps_finding(S))
+    if reasons and S["nmc"]:
+        reasons.append(f"* **The number of (t, ε) pairs (B = {p['nmc']['iterations']}).** "
+                       + nmc_finding(S))
     if reasons:
         body += "\n" + "\n".join(reasons) + "\n"
     if S["not_finished"]:
