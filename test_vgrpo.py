@@ -2333,7 +2333,7 @@ def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
 def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path, capsys, monkeypatch):
     """examples/aesthetic.py: the LAION MLP (the original's key names) on the L2-normalised CLIP
     image features of vgrpo's CLIP preprocessing, from AESTHETIC_CLIP and AESTHETIC_WEIGHTS; it
-    trains through --reward as a plug-in; --reward aesthetic is one line naming the plug-in."""
+    trains through --reward as a plug-in, by its module path and by its short name `aesthetic`."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
     d = tmp_path / "clip"
     d.mkdir()
@@ -2370,8 +2370,9 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path, capsys, m
     assert V.main(TINY + ["--iterations", "1", "--reward", "examples.aesthetic:score",
                           "--run_dir", str(run)]) == 0
     assert torch.isfinite(torch.tensor(_metrics(run)[0]["reward_mean"]))
-    _fails(TINY + ["--reward", "aesthetic"], tmp_path, capsys,
-           r"unknown reward 'aesthetic'.*examples\.aesthetic:score")
+    assert V.main(TINY + ["--iterations", "1", "--reward", "aesthetic",      # the short name
+                          "--run_dir", str(tmp_path / "short")]) == 0
+    assert _metrics(tmp_path / "short")[0]["reward_unit"] == "raw"
 
 
 @pytest.mark.trainer
@@ -2465,6 +2466,98 @@ def test_plugin_reward_loading_and_errors(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"returned shape \(3, 2\), expected \(3,\)"):
         V.plugin_reward("badreward:two")(imgs, ["a", "b", "c"])
+
+
+TINY_JPEG = ["--model", "tiny", "--reward", "jpeg", "--eval_every", "0"]
+
+
+@pytest.mark.trainer
+def test_jsonl_prompts_carry_their_metadata_and_a_bad_line_is_named(tmp_path):
+    """A .jsonl prompt file gives Prompt strings whose .metadata is the line's JSON object; a line
+    that is not JSON, or has no "prompt" string, is one error naming the file and the line."""
+    f = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a photo of a cat", "tag": "single_object",
+             "include": [{"class": "cat", "count": 1}]}, {"prompt": 'a sign that says "hi"'}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    got = V.read_prompt_file(str(f), "--prompts")
+    assert got == [r["prompt"] for r in rows] and [p.metadata for p in got] == rows
+    assert isinstance(got[0], str) and V.read_prompt_file(str(ROOT / "examples" / "prompts.txt"),
+                                                          "--prompts")[0].__class__ is str
+    for bad, line, what in (('{"prompt": "ok"}\n{oops\n', 2, "not JSON"),
+                            ('{"prompt": "ok"}\n\n["a list"]\n', 3, "JSON object"),
+                            ('{"text": "no prompt"}\n', 1, "JSON object")):
+        f.write_text(bad)
+        with pytest.raises(V.ConfigError, match=f"line {line}: .*{what}"):
+            V.read_prompt_file(str(f), "--prompts")
+
+
+@pytest.mark.trainer
+def test_bad_jsonl_and_unscorable_prompts_fail_in_one_line_before_anything_is_written(
+        tmp_path, monkeypatch, capsys):
+    """main() refuses a .jsonl line that is not JSON (naming its line), and a plug-in's
+    check_prompts refusal (e.g. GenEval prompts without metadata), with one line, exit 2, and no
+    run folder."""
+    (tmp_path / "needsmeta.py").write_text(
+        "import torch\n"
+        "def check_prompts(prompts):\n"
+        "    for i, p in enumerate(prompts):\n"
+        "        if getattr(p, 'metadata', None) is None:\n"
+        "            raise ValueError(f'prompt {i} has no metadata: {p!r}')\n"
+        "def score(images, prompts):\n"
+        "    return torch.tensor([float(p.metadata['w']) for p in prompts])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "w": 1}\nnot json\n')
+    for prompts, reward, want in ((bad, "jpeg", "line 2: not JSON"),
+                                  (ROOT / "examples" / "prompts.txt", "needsmeta:score",
+                                   "reward 'needsmeta:score': prompt 0 has no metadata")):
+        run = tmp_path / f"run-{reward}"
+        code = V.main(["--model", "tiny", "--reward", reward, "--prompts", str(prompts),
+                       "--iterations", "1", "--run_dir", str(run)])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and want in err and len(err.splitlines()) == 1, err
+        assert not run.exists()
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"p{i}", "w": i}) + "\n" for i in range(8)))
+    assert V.main(["--model", "tiny", "--reward", "needsmeta:score", "--prompts", str(good),
+                   "--iterations", "1", "--eval_every", "0", "--run_dir", str(tmp_path / "ok")]) == 0
+    m = json.loads((tmp_path / "ok" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 0 < m["reward_mean"] < 7 and m["reward_std"] > 0    # scored from each .metadata["w"]
+
+
+@pytest.mark.trainer
+def test_reward_urls_parse_with_and_without_a_weight():
+    """http(s)://HOST:PORT/NAME is one reward (the port's ':' is not a weight); ':w' after the path
+    is its weight; a URL without a path is refused."""
+    P = V.parse_reward_spec
+    assert P("http://127.0.0.1:18085/geneval") == [("http://127.0.0.1:18085/geneval", 1.0)]
+    assert P("pickscore:1,https://h:1/ocr:0.5") == [("pickscore", 1.0), ("https://h:1/ocr", 0.5)]
+    with pytest.raises(V.ConfigError, match="needs a path"):
+        P("http://127.0.0.1:18085")
+
+
+@pytest.mark.trainer
+def test_init_starts_a_new_run_from_a_checkpoints_weights(tmp_path, capsys):
+    """--init RUN: a new run (iteration 0, its own folder, fresh optimizer) whose transformer starts
+    from RUN's final trained weights: with a negligible lr its final weights equal RUN's, and
+    differ from a run without --init. A missing checkpoint is one line naming --init."""
+    from safetensors.torch import load_file
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert V.main([*TINY_JPEG, "--iterations", "3", "--save_every", "3", "--run_dir", str(a)]) == 0
+    for run, extra in ((b, ["--init", str(a)]), (c, [])):
+        assert V.main([*TINY_JPEG, "--iterations", "1", "--save_every", "1", "--lr", "1e-12",
+                       "--weight_decay", "0", "--run_dir", str(run), *extra]) == 0
+    w = {r: load_file(str(next((r / "checkpoints").glob("iter_*")) / V.LORA_FILE))
+         for r in (a, b, c)}
+    assert (b / "checkpoints" / "iter_000001").is_dir()          # counted from 0 again
+    for k in w[a]:
+        torch.testing.assert_close(w[b][k], w[a][k], atol=1e-8, rtol=0)
+    assert any((w[c][k] - w[a][k]).abs().max() > 1e-4 for k in w[a])
+    capsys.readouterr()
+    assert V.main([*TINY_JPEG, "--iterations", "1", "--run_dir", str(tmp_path / "d"),
+                   "--init", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --init") and len(err.splitlines()) == 1
 
 
 @pytest.mark.trainer

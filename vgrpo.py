@@ -445,9 +445,19 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for a plug-in; advantages see
 # raw · train_scale (only sums of rewards and std_eps notice), e.g. PickScore's raw/26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
-                "jpeg": ("-kB", 1.0)}
+                "jpeg": ("-kB", 1.0), "geneval": ("score", 1.0), "ocr": ("score", 1.0),
+                "aesthetic": ("raw", 1.0), "imagereward": ("raw", 1.0), "unifiedreward": ("of 5", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
-REWARD_PLUGINS = {"hpsv2": "examples.hpsv2:score", "jpeg": "examples.jpeg:score"}  # examples/
+REWARD_PLUGINS = {n: f"examples.{n}:score" for n in BUILTIN_REWARDS[1:]            # examples/<name>.py
+                  if n != "clipscore"}
+REMOTE = ("http://", "https://")           # a reward served elsewhere: examples/remote_reward.py
+
+
+class Prompt(str):
+    """A prompt from a .jsonl file: the text, with `.metadata` = its line's JSON object (GenEval's
+    tag and objects, OCR's text...). Rewards read getattr(p, "metadata", None); it is a str
+    everywhere else, so rewards that never look at metadata need no change."""
+    metadata: dict
 
 
 def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
@@ -489,18 +499,24 @@ class RewardError(RunError, ValueError):
 
 
 def plugin_reward(spec: str) -> Callable:
-    """A user's `module.path:function` under the contract above, its output checked every call.
-    Whatever goes wrong in a call (a reward server gone mid-run) is a RewardError: one line."""
-    module, _, fn_name = spec.partition(":")
+    """A user's `module.path:function` (or a reward server's URL) under the contract above, its
+    output checked every call. Whatever goes wrong in a call (a reward server gone mid-run) is a
+    RewardError: one line. The module's optional check_prompts(prompts) raises ValueError on
+    prompts it cannot score (no GenEval metadata, no text to render): probe_reward calls it."""
+    module, _, fn_name = ("examples.remote_reward:client" if spec.startswith(REMOTE)
+                          else spec).partition(":")
     for where in (str(Path(__file__).resolve().parent), os.getcwd()):   # examples/ beside this
         if where not in sys.path:                     # file, and the user's modules beside the run
             sys.path.insert(0, where)
     try:
-        fn = getattr(importlib.import_module(module), fn_name, None)
+        mod = importlib.import_module(module)
     except ImportError as e:
         raise ConfigError(f"reward {spec!r}: could not import module {module!r} ({e})") from e
+    fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn_name!r}")
+    if spec.startswith(REMOTE):
+        fn = fn(spec)                                 # the client of that URL
 
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         try:
@@ -518,11 +534,17 @@ def plugin_reward(spec: str) -> Callable:
             raise RewardError(f"reward {spec!r} returned shape {tuple(out.shape)}, "
                               f"expected ({len(prompts)},)")
         return out
+    score.check_prompts = getattr(mod, "check_prompts", None)
     return score
 
 
 def probe_reward(name: str, fn: Callable, size: int, device: torch.device, prompts: list[str]):
-    """One trial call of a plug-in (2 random images, 2 training prompts) before the model loads."""
+    """Before the model loads: the plug-in's check_prompts on every prompt it will score, then one
+    trial call (2 random images, the first 2 of those prompts)."""
+    try:
+        (getattr(fn, "check_prompts", None) or (lambda p: None))(prompts)
+    except ValueError as e:
+        raise ConfigError(f"reward {name!r}: {e}") from None
     images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
     batch = f"a probe batch of 2 random {size}×{size} images"
     try:
@@ -539,6 +561,10 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         head, sep, tail = item.rpartition(":")
+        if item.startswith(REMOTE) and "/" not in item.split("//", 1)[1]:
+            raise ConfigError(f"reward URL {item!r} needs a path: http://HOST:PORT/NAME")
+        if item.startswith(REMOTE) and item.rfind(":") < item.rfind("/"):
+            head, sep, tail = item, "", ""              # a URL without a weight (its port's ':')
         try:
             name, weight = (head, float(tail)) if sep else (item, 1.0)
         except ValueError:                      # 'module:function' without a weight, unless the
@@ -548,8 +574,7 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             name, weight = item, 1.0
         if name not in BUILTIN_REWARDS and ":" not in name:
             raise ConfigError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN_REWARDS)}, "
-                              "or module.path:function (ImageReward: examples.imagereward:score, "
-                              "the LAION aesthetic predictor: examples.aesthetic:score)")
+                              "module.path:function, or a reward server's http://HOST:PORT/NAME")
         if not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"reward {name!r}: weight must be a finite number ≥ 0 (got {weight})")
         out.append((name, weight))
@@ -1419,11 +1444,13 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     if resumed is None and args.resume:
         resumed = read_checkpoint(args.resume)
     ckpt, state = resumed or (None, None)
-    for k in RESUME_FIXED:
-        if state and state["config"].get(k, getattr(args, k)) != getattr(args, k):
-            raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
-                              f"{state['config'][k]!r} ({ckpt}); drop --{k} to resume, or start "
-                              "a new run")
+    init = read_checkpoint(args.init, "--init") if args.init and not ckpt else (None, None)
+    for where, st in (resumed or (None, None), init):
+        bad = [k for k in RESUME_FIXED if st and st["config"].get(k, getattr(args, k)) != getattr(args, k)]
+        if bad:
+            raise ConfigError(f"--{bad[0]} {getattr(args, bad[0])!r} differs from the checkpoint's "
+                              f"{st['config'][bad[0]]!r} ({where}); drop --{bad[0]} to use it, "
+                              "or pick another checkpoint")
     rank, world, local_rank = dist_info()
     dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
     if world > 1 and not torch.distributed.is_initialized():
@@ -1432,8 +1459,11 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     if rewards is None:
         rewards = Rewards.load(args, dev, dtype)
     for name, fn in rewards.models.items():                # plug-ins fail here, in one line
+        scored = train_prompts if name in dict(args.train_terms) else []
+        if name in dict(args.eval_terms):
+            scored = scored + eval_prompts[:args.n_eval]
         if name not in BUILTIN_REWARDS or name in REWARD_PLUGINS:
-            probe_reward(name, fn, min(args.resolution, 256), dev, train_prompts)
+            probe_reward(name, fn, min(args.resolution, 256), dev, scored)
     pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
     adapter = make_adapter(pipe.to(dev), args, dev)
     if args.offload_text_encoders:                   # embed every prompt once, free the encoders
@@ -1445,8 +1475,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
         tr.to(torch.float32).requires_grad_(True)   # fp32 master weights, bf16 autocast compute
     else:
         lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
-    if ckpt is not None:
-        load_trainable(adapter, ckpt, args.full_finetune)
+    if ckpt or init[0]:                                    # resumed, or a new run's start
+        load_trainable(adapter, ckpt or init[0], args.full_finetune)
     if args.gradient_checkpointing:
         tr.enable_gradient_checkpointing()
     if world > 1:
@@ -1487,38 +1517,56 @@ def setup_device(args: Args, local_rank: int = 0) -> tuple:
                         else contextlib.nullcontext())
 
 
+def read_prompt_file(path: str, flag: str) -> list[str]:
+    """The prompts of a text file (one per line) or of a .jsonl file (one JSON object per line
+    with a "prompt"; each becomes a Prompt whose .metadata is the whole object). Raises ConfigError
+    naming the file, and the line for a .jsonl line that is not a JSON object with a prompt."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt per line "
+                          "or a .jsonl file")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path!r} does not exist")
+    try:
+        lines = [(i, l) for i, l in enumerate(open(path, encoding="utf-8").read().splitlines(), 1)
+                 if l.strip()]
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}); save it as "
+                          "UTF-8, one prompt per line") from None
+    except OSError as e:
+        raise ConfigError(f"{flag} {path!r} cannot be read ({e.strerror})") from None
+    if not lines:
+        raise ConfigError(f"{flag} {path!r}: the file holds no prompts (one per line)")
+    if not path.endswith(".jsonl"):
+        return [l.strip() for _, l in lines]
+    prompts = []
+    for i, line in lines:
+        try:
+            meta = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} {path!r}, line {i}: not JSON ({e.msg})") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
+            raise ConfigError(f"{flag} {path!r}, line {i}: expected a JSON object with a "
+                              '"prompt" string, e.g. {"prompt": "a photo of a cat", "tag": ...}')
+        prompts.append(Prompt(meta["prompt"]))
+        prompts[-1].metadata = meta
+    return prompts
+
+
 def load_prompts(args: Args) -> tuple[list[str], list[str]]:
     """(train, eval) prompt lists: --prompts / --eval_prompts files, or examples/prompts.txt (40
     varied prompts written for this project, so a run works out of the box; every 5th held out)."""
-    def read(path, flag):
-        if os.path.isdir(path):
-            raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt "
-                              "per line")
-        if not os.path.isfile(path):
-            raise ConfigError(f"{flag} {path!r} does not exist")
-        try:
-            lines = [l for l in (l.strip() for l in open(path, encoding="utf-8")) if l]
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}); save it as "
-                              "UTF-8, one prompt per line") from None
-        except OSError as e:
-            raise ConfigError(f"{flag} {path!r} cannot be read ({e.strerror})") from None
-        if not lines:
-            raise ConfigError(f"{flag} {path!r}: the file holds no prompts (one per line)")
-        return lines
-
     if args.prompts is None:
         path = Path(__file__).resolve().parent / "examples" / "prompts.txt"
-        allp = read(str(path), "--prompts not given, and the default")
+        allp = read_prompt_file(str(path), "--prompts not given, and the default")
         train, held = [p for i, p in enumerate(allp) if i % 5], allp[::5]
     else:
-        allp = read(args.prompts, "--prompts")
+        allp = read_prompt_file(args.prompts, "--prompts")
         n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
         order = torch.randperm(len(allp), generator=torch.Generator().manual_seed(1234)).tolist()
         held, train = ([allp[i] for i in sorted(order[:n_eval])],
                        [allp[i] for i in sorted(order[n_eval:])])
     if args.eval_prompts:
-        held = read(args.eval_prompts, "--eval_prompts")
+        held = read_prompt_file(args.eval_prompts, "--eval_prompts")
     return train, held or train[:1]
 
 
@@ -1676,21 +1724,21 @@ FULL_FILE = "transformer/diffusion_pytorch_model.safetensors"
 RESUME_FIXED = ("full_finetune", "lora_rank", "lora_alpha", "lora_targets")
 
 
-def find_checkpoint(path: str) -> Path:
+def find_checkpoint(path: str, flag: str = "--resume") -> Path:
     """A checkpoint folder, or a run folder (→ its latest checkpoint). Raises ConfigError."""
     p, latest = Path(path), Path(path, "checkpoints", "latest")
     if not (p / CKPT_STATE).is_file() and latest.is_file():
         p = latest.parent / latest.read_text().strip()
     if (p / CKPT_STATE).is_file():
         return p
-    raise ConfigError(f"--resume {path!r}: no checkpoint there (expected {CKPT_STATE} in it, or "
+    raise ConfigError(f"{flag} {path!r}: no checkpoint there (expected {CKPT_STATE} in it, or "
                       "checkpoints/latest in a run folder)")
 
 
-def read_checkpoint(path: str) -> tuple[Path, dict]:
+def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
     """(folder, trainer state) of a checkpoint, validated before anything else happens. Of the
     weights only the header is read (safetensors.safe_open): load_trainable reads them, once."""
-    ckpt = find_checkpoint(path)
+    ckpt = find_checkpoint(path, flag)
     try:
         state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
         need = [CKPT_STATE + ": " + k for k in ("iteration", "config", "optimizer_saved", "rng")
@@ -1708,7 +1756,7 @@ def read_checkpoint(path: str) -> tuple[Path, dict]:
                 raise ValueError(f"{weights} holds no tensors")
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
-                          f"({type(e).__name__}: {e}); pick another with --resume") from e
+                          f"({type(e).__name__}: {e}); pick another with {flag}") from e
     return ckpt, state
 
 
@@ -1879,6 +1927,8 @@ class Args:
     eval_holdout: float = _f(0.1, "fraction of --prompts held out if no --eval_prompts")
     resume: Optional[str] = _f(None, "checkpoint folder, a run folder (its latest checkpoint), or "
                                "auto: --run_dir's run if it has a checkpoint, else a new one")
+    init: Optional[str] = _f(None, "a new run starting from a checkpoint's trained weights (a "
+                             "checkpoint or run folder): fresh optimizer, iteration 0")
     save_every: int = _f(10, "checkpoint every k iterations (and at the end / on Ctrl-C)")
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
