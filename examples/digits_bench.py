@@ -21,6 +21,16 @@ The plan ("regime", the default), in the order the workers take it:
   timing    seconds per iteration: one iteration of each method in turn, in one process
   swap      B = 32, lr 3e-3: V-GRPO given one of DiffusionNFT's knobs at a time, and DiffusionNFT
   nmc       B = 32: V-GRPO's N_MC at 2, 4, 8 and 10, at V-GRPO's chosen lr and at 3e-3
+
+The follow-up ("followup", issue 47; results in examples/digits_results_followup, its plan.md):
+
+    python examples/digits.py benchmark --plan followup --workers 1 --threads 1
+
+  timing    seconds per iteration of V-GRPO (GenEval-stage) and DiffusionNFT, in one process
+  fixed     runs at an lr and budget fixed in the plan, on fresh seeds 7–11: V-GRPO (GenEval-stage)
+            at 1e-3 for 160 iterations (shared by Run A and Run B), DiffusionNFT at 1e-3 for 160
+            (Run A: the same lr), DiffusionNFT at 3e-4 for 384, evaluated every 16 (Run B: each
+            method at the lr the B = 128 plan chose)
 """
 from __future__ import annotations
 
@@ -103,11 +113,87 @@ PLANS = {
         swap=dict(iterations=2, lr=3e-3, seeds=[0], eval_every=2, configs=["V-GRPO"]),
         nmc=dict(iterations=2, lrs=["chosen"], seeds=[0], eval_every=2, values=[2])),
 }
+# The follow-up (issue 47): does the DiffusionNFT claim hold when the lr and the budget no longer
+# decide it? Every run's lr and budget are fixed here, before any run; nothing is chosen from them.
+VGEN = "V-GRPO (GenEval-stage)"
+FOLLOWUP_UNIT = (
+    "The paper's 580 and ~1.7K count iterations (rollout rounds), for both methods. Sources: "
+    "METHOD.md P11 (lines 161-162: stage lengths 150 / 200 / 150 / 50 / 30 = 580 iterations) "
+    "and C9 (lines 336-338: iterations are what is counted against the paper's 580); PAPER.md "
+    "§1.7 (lines 127-132: the same stage lengths, DiffusionNFT ≈ 800/300/200/200/100 ≈ 1.7K, "
+    "and NFE_θ 6.9 as the stage-length-weighted mean of N_MC), Table 5 (lines 187-195: 48 NFE "
+    "per step in the preference stages = 40 rollout + 4 + 4, 60 in the GenEval stages = 40 + "
+    "10 + 10, so each step pays one 40-step rollout: a step is a rollout round) and §3 item 9 "
+    "(line 258: count steps as iterations against the 580). PAPER.md line 211 paraphrases the "
+    "headline as gradient steps; in Stage 1 (μ = 1) the two are the same, and only V-GRPO "
+    "(GenEval-stage)'s μ = 2 separates them here. The verdict is given in iterations; every "
+    "table also gives gradient steps.")
+FOLLOWUP_RULES = dict(
+    settled=("Budget sensitivity. For each comparison the speed-up is measured with the "
+             "baseline cut off at the last evaluation at or before ½, ¾ and all of its budget "
+             "B: the target is the baseline's seed-mean held-out reward there, the speed-up "
+             "cut-off·u_b / (h·u_v) with h V-GRPO's iterations to that target (u: the unit's "
+             "count per iteration). Where V-GRPO's seed-mean curve does not reach a target in "
+             "its own budget, that cut-off's speed-up is taken at its bound, cut-off·u_b / "
+             "(Bv·u_v). The baseline has settled when the speed-ups at ½ and ¾ of B lie inside "
+             "the 95 % interval of the speed-up at B."),
+    verdict=("A baseline that did not improve on the base model (its gain's interval reaches "
+             "0): not tested, no target. A baseline that has settled: agrees (the interval at "
+             "B lies above 1 and reaches the claimed 1700/580 = 2.9×), disagrees (it lies "
+             "wholly below 2.9×), not resolved (it includes both 1 and 2.9×). A baseline that "
+             "has not settled: not tested, and the report says which way the interval leans: "
+             "where the interval at B lies against 2.9× and 1, and how the speed-up moved "
+             "from ½ to all of the budget."),
+    ladder=("Targets: the base model's held-out reward plus 25, 50, 75, 90 and 100 % of the "
+            "final gain of the claim's baseline (DiffusionNFT at 3e-4, the lr the B = 128 plan "
+            "chose, after its 384 iterations) over the base model. The same target rewards in "
+            "every table, for both runs and every unit."),
+    seeds=("Every reported number is on seeds 7-11, which no earlier run used; nothing in "
+           "this plan is chosen from its runs."),
+)
+FOLLOWUP = dict(
+    iterations=160, lrs=[], selection_seeds=[], confirmation_seeds=[7, 8, 9, 10, 11],
+    eval_every=8, n_heldout=40, n_val=20, methods=[VGEN, "DiffusionNFT"], claims_vgrpo=VGEN,
+    claims_vgrpo_reason="as in the B = 128 plan, whose claims it used", variants={},
+    timing_rounds=8, swap=None, nmc=None,
+    # the runs, in the order the worker takes them (seed by seed: a finished pair is paired)
+    runs=[dict(method=VGEN, lr=1e-3, iterations=160, eval_every=8),
+          dict(method="DiffusionNFT", lr=1e-3, iterations=160, eval_every=8),
+          dict(method="DiffusionNFT", lr=3e-4, iterations=384, eval_every=16)],
+    comparisons=[
+        dict(name="Run A", what="both methods at the same lr, 1e-3", vgrpo=[VGEN, 1e-3, 160],
+             baseline=["DiffusionNFT", 1e-3, 160]),
+        dict(name="Run B", what="each method at the lr the B = 128 plan chose for it",
+             vgrpo=[VGEN, 1e-3, 160], baseline=["DiffusionNFT", 3e-4, 384])],
+    ladder_baseline=["DiffusionNFT", 3e-4, 384],
+    chosen_lrs={VGEN: 1e-3, "DiffusionNFT": 3e-4},           # the B = 128 plan's choice
+    cutoffs=[0.5, 0.75, 1.0], ladder=[0.25, 0.5, 0.75, 0.9, 1.0],
+    claim=dict(factor=1700 / 580, unit="iters", label="3× fewer iterations than DiffusionNFT",
+               paper="SD3.5-M: about 1.7K steps down to 580"),
+    unit=FOLLOWUP_UNIT, rules=FOLLOWUP_RULES,
+    model_from="examples/digits_results/cache")             # the model of the B = 128 runs
+PLANS["followup"] = FOLLOWUP
+# the same in miniature, for the tests: one seed, 1 × 4 rollouts per iteration
+PLANS["followup-smoke"] = dict(
+    FOLLOWUP, iterations=2, confirmation_seeds=[0], eval_every=1, n_heldout=4, n_val=2,
+    timing_rounds=1, extra_flags=["--prompts_per_iter", "1", "--group_size", "4"],
+    runs=[dict(method=VGEN, lr=1e-3, iterations=2, eval_every=1),
+          dict(method="DiffusionNFT", lr=1e-3, iterations=2, eval_every=1),
+          dict(method="DiffusionNFT", lr=3e-4, iterations=4, eval_every=2)],
+    comparisons=[dict(c, vgrpo=[VGEN, 1e-3, 2], baseline=[*c["baseline"][:2], b])
+                 for c, b in zip(FOLLOWUP["comparisons"], (2, 4))],
+    ladder_baseline=["DiffusionNFT", 3e-4, 4], model_from=None)
+DEFAULT_OUT = {"quick": Path("runs/digits-quick"),
+               "followup": Path(__file__).with_name("digits_results_followup")}
 DIVERSITY_KEEP = 0.9      # an lr is eligible if its validation diversity ≥ 0.9 × the base model's
 # Seconds per training iteration measured on the 2-core machine (1 thread per process, another
 # process on the other core) and per 400-image held-out evaluation; the plan's estimate uses them.
 MEASURED = dict(sec_per_iter={"vgrpo": 1.65, "nft": 3.78, "mix": 1.29, "flow": 2.0},
                 sec_per_eval_400=8.0, sec_setup=5.0)
+# Seconds per iteration of the B = 128 plan's finished runs (examples/digits_results: each run's
+# seconds / iterations, its held-out evaluation every 8 iterations included; 2 workers of 1 thread
+# on the 2-core machine), per (method, lr): the follow-up's estimate uses them.
+MEASURED_B128 = {(VGEN, 1e-3): 11.13, ("DiffusionNFT", 1e-3): 13.76, ("DiffusionNFT", 3e-4): 11.96}
 
 
 def sec_per_iter(name: str) -> float:
@@ -135,6 +221,8 @@ def jobs_of(plan: dict) -> list[dict]:
     """Every run of the plan, in the order workers take them. lr None: the method's chosen lr,
     known once its selection runs are finished. "parent": the method whose chosen lr a run takes."""
     B, jobs = plan["iterations"], []
+    if plan.get("runs"):
+        return fixed_jobs(plan)
     sel = [dict(kind="select", method=m, lr=lr, seed=s, iterations=B, parent=None)
            for s in plan["selection_seeds"] for lr in plan["lrs"] for m in plan["methods"]]
     jobs += sel
@@ -158,6 +246,29 @@ def jobs_of(plan: dict) -> list[dict]:
     return jobs
 
 
+def fixed_jobs(plan: dict) -> list[dict]:
+    """A plan whose runs are all fixed (the follow-up), in the order the worker takes them: the
+    timing job; the runs of budget plan["iterations"] (Run A: both methods at 1e-3) seed by seed,
+    so that each finished pair of seeds is a paired comparison; then the longer runs, seed by
+    seed. Ids name method, lr, budget and seed."""
+    spec = lambda r, s: dict(kind="fixed", method=r["method"], lr=r["lr"], seed=s,
+                             iterations=r["iterations"], eval_every=r["eval_every"], parent=None)
+    short = [r for r in plan["runs"] if r["iterations"] == plan["iterations"]]
+    long_ = [r for r in plan["runs"] if r["iterations"] != plan["iterations"]]
+    jobs = [dict(kind="timing", method="all", lr=None, seed=0, iterations=0, parent=None,
+                 id="timing__all__fixed__s0")]
+    for group in (short, long_):
+        jobs += [spec(r, s) for s in plan["confirmation_seeds"] for r in group]
+    for j in jobs[1:]:
+        j["id"] = f"fixed__{slug(j['method'])}__{_lr_id(j['lr'])}__B{j['iterations']}__s{j['seed']}"
+    return jobs
+
+
+def fixed_chosen(plan: dict) -> dict:
+    """{method: {"lr"}} of a plan that fixes its lrs (the timing job times them)."""
+    return {m: {"lr": lr} for m, lr in (plan.get("chosen_lrs") or {}).items()}
+
+
 def needs(job: dict, jobs: list[dict]) -> list[str]:
     """Ids of the runs a job's lr is chosen from (the timing job: every method's)."""
     if job["parent"] is None:
@@ -167,6 +278,8 @@ def needs(job: dict, jobs: list[dict]) -> list[str]:
 
 
 def eval_every_of(plan: dict, job: dict) -> int:
+    if "eval_every" in job:
+        return job["eval_every"]
     return plan[job["kind"]]["eval_every"] if job["kind"] in ("swap", "nmc") else plan["eval_every"]
 
 
@@ -175,17 +288,26 @@ def estimate(plan: dict, workers: int = 2) -> dict:
     (an EMA method also evaluates its other weights at the end), the validation set and the
     setup; wall-clock = worker-seconds / workers."""
     M, e400 = MEASURED, MEASURED["sec_per_eval_400"] * plan["n_heldout"] / 40
-    per = {}
+    per, by_run = {}, {}
     for j in jobs_of(plan):
         if j["kind"] == "timing":
             c = plan["timing_rounds"] * sum(sec_per_iter(m) for m in plan["methods"])
+        elif (j["method"], j["lr"]) in MEASURED_B128 and plan.get("runs"):
+            c = M["sec_setup"] + j["iterations"] * MEASURED_B128[(j["method"], j["lr"])]
         else:
             n_ev = j["iterations"] // eval_every_of(plan, j) + 2
             c = M["sec_setup"] + j["iterations"] * sec_per_iter(j["method"]) + n_ev * e400
         per[j["kind"]] = per.get(j["kind"], 0.0) + c
+        key = f"{j['method']} lr {j['lr']:g} B {j['iterations']}" if j["kind"] == "fixed" \
+            else j["kind"]
+        by_run[key] = by_run.get(key, 0.0) + c
     total = sum(per.values())
-    return {"worker_seconds": round(total), "wall_seconds": round(total / max(workers, 1)),
-            "by_kind": {k: round(v) for k, v in per.items()}, "from": M}
+    out = {"worker_seconds": round(total), "wall_seconds": round(total / max(workers, 1)),
+           "by_kind": {k: round(v) for k, v in per.items()}, "from": M}
+    if plan.get("runs"):
+        out.update(by_run={k: round(v) for k, v in by_run.items()}, from_b128={
+            f"{m} lr {lr:g}": s for (m, lr), s in MEASURED_B128.items()})
+    return out
 
 
 def new_plan(mode: str, workers: int, threads: int) -> dict:
@@ -268,12 +390,12 @@ def commit() -> str:
 # ------------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, folder: Path, name: str, seed: int, lr: float, budget: int,
-                 track_ema: bool = False):
+                 track_ema: bool = False, plan_flags: list | tuple = ()):
         self.name, self.spec = name, CONFIGS[name]
         self.kind = self.spec["kind"]
         self.ema = self.recipe = None
         self.track_ema = track_ema                       # V-GRPO: an evaluation EMA beside it
-        extra = ["--lr", repr(float(lr))]
+        extra = ["--lr", repr(float(lr)), *plan_flags]   # plan_flags: a miniature plan's P × G
         if self.kind == "flow":
             self.FG = example("flow_grpo_sd3")
             self.mine, self.args = self.FG.parse(D.vgrpo_flags(
@@ -438,7 +560,8 @@ def run_job(job: dict, folder: Path, plan: dict, base: dict, lr: float, grids: P
     t0 = time.perf_counter()
     track = job["kind"] == "swap" and CONFIGS[job["method"]]["kind"] == "vgrpo" \
         and job["method"] == "V-GRPO"
-    tr = Trainer(folder, job["method"], job["seed"], lr, iters, track_ema=track)
+    tr = Trainer(folder, job["method"], job["seed"], lr, iters, track_ema=track,
+                 plan_flags=plan.get("extra_flags", ()))
     key, evals, log_iters = tr.main_key, [], []
     for it in range(iters + 1):
         if it == iters:                      # the last evaluation is the final one's held-out part
@@ -491,7 +614,8 @@ def timing_job(folder: Path, plan: dict, chosen: dict, log=print) -> dict:
     """Wall-clock as a ratio within one process: every method at its chosen lr, one iteration of
     each in turn, `timing_rounds` times (all see the same machine load)."""
     methods = [m for m in plan["methods"] if m in chosen]
-    trainers = {m: Trainer(folder, m, 0, chosen[m]["lr"], plan["iterations"]) for m in methods}
+    trainers = {m: Trainer(folder, m, 0, chosen[m]["lr"], plan["iterations"],
+                           plan_flags=plan.get("extra_flags", ())) for m in methods}
     secs = {m: [] for m in methods}
     for r in range(plan["timing_rounds"]):
         for m, tr in trainers.items():
@@ -559,7 +683,8 @@ def worker(out: Path, log=print) -> None:
             path.with_suffix(".claim").unlink(missing_ok=True)
             raise
         try:
-            chosen = ST.choose(load_results(out), plan, base) if needs(job, jobs) else {}
+            chosen = ST.choose(load_results(out), plan, base) if needs(job, jobs) \
+                else fixed_chosen(plan)
             if job["kind"] == "timing":
                 res = timing_job(folder, plan, chosen, log)
             else:
@@ -643,6 +768,9 @@ def benchmark(out: Path, mode: str = "regime", workers: int = 2, threads: int = 
     plan = json.loads(path.read_text())
     plan["sessions"][-1]["ended"] = time.strftime("%Y-%m-%d %H:%M:%S")
     path.write_text(json.dumps(plan, indent=1))
+    if plan.get("runs"):               # the follow-up runs from a frozen copy of the code: its
+        log(f"done; the report: python examples/digits.py report --out {out}")   # report is
+        return                         # made from the working tree
     from examples import digits_report
     digits_report.report(out, log=log)
 
@@ -662,7 +790,9 @@ def add_commands(sub) -> None:
     k.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     k.add_argument("--plan_only", action="store_true",
                    help="write plan.json and base.json, then stop (no training run)")
-    k.add_argument("--plan", default=None, choices=tuple(PLANS), help=argparse.SUPPRESS)
+    k.add_argument("--plan", default=None, choices=tuple(PLANS),
+                   help="a named plan: regime (the default), quick, followup (issue 47's "
+                   "follow-up; default out examples/digits_results_followup), or a miniature")
     w = sub.add_parser("worker", help="one worker process of a running benchmark (internal)")
     w.add_argument("--out", required=True)
     w.add_argument("--threads", type=int, default=1)
@@ -676,6 +806,19 @@ def use_kept_model(out: Path) -> None:
         D.CACHE = out / "cache"
 
 
+def keep_model(out: Path, model_from: str | None) -> None:
+    """A plan that names the model of earlier runs (the follow-up: the B = 128 runs' kept model)
+    gets a copy of it in out/cache, once, so its runs use that very model (same fingerprint)."""
+    src = D.ROOT / model_from if model_from else None
+    if src is None or (out / "cache" / "build.json").is_file() or "VGRPO_DIGITS_CACHE" in os.environ:
+        return
+    if not (src / "build.json").is_file():
+        raise ValueError(f"the plan runs on the model kept in {src}, which is not there")
+    import shutil
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, out / "cache", ignore=shutil.ignore_patterns("*.tmp"))
+
+
 def run_command(a) -> None:
     if a.cmd == "worker":
         torch.set_num_threads(a.threads)
@@ -685,7 +828,8 @@ def run_command(a) -> None:
     if a.workers < 1 or a.threads < 1:
         raise ValueError("--workers and --threads must be ≥ 1")
     mode = a.plan or ("quick" if a.quick else "regime")
-    out = Path(a.out or ("runs/digits-quick" if mode == "quick" else RESULTS))
+    out = Path(a.out or DEFAULT_OUT.get(mode, RESULTS))
+    keep_model(out, PLANS[mode].get("model_from"))
     use_kept_model(out)
     if a.plan_only:
         prepare(out, mode, a.workers, a.threads)

@@ -389,20 +389,110 @@ def verdict(c: dict, factor: float, unit: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------
+# Budget sensitivity (the follow-up plan's settled rule): the claim measured with the baseline cut
+# off at fractions of its budget. A baseline has settled when the speed-up does not depend on
+# where it is cut off: the speed-ups at the earlier cut-offs lie inside the interval at B.
+# ------------------------------------------------------------------------------------------------
+def cut_off(rs: list[dict], at: float) -> list[dict]:
+    """The runs as if they had stopped at the last evaluation at or before iteration `at`."""
+    out = []
+    for r in rs:
+        evs = [e for e in r["evals"] if e["iter"] <= at + 1e-9]
+        out.append(dict(r, evals=evs, iterations=evs[-1]["iter"]))
+    return out
+
+
+def budget_sensitivity(v_rs: list[dict], b_rs: list[dict], timing: dict | None, method: str,
+                       vgrpo_name: str = "V-GRPO", fractions=(0.5, 0.75, 1.0)) -> dict:
+    """`claim` with the baseline cut off at each fraction of its budget B (the last at B).
+    {"cutoffs": [claim dicts with "fraction"], "final": the one at B}."""
+    B = b_rs[0]["iterations"]
+    cuts = []
+    for f in fractions:
+        c = claim(v_rs, cut_off(b_rs, f * B), timing, method, vgrpo_name)
+        c["fraction"] = f
+        cuts.append(c)
+    return {"cutoffs": cuts, "final": cuts[-1]}
+
+
+def cut_point(c: dict, unit: str) -> float:
+    """A cut-off's speed-up in `unit`: its point, or its bound where V-GRPO's seed-mean curve
+    does not reach that cut-off's target (the speed-up is below it)."""
+    return c["ratio"][unit][0] if c["reached"] else c["bound"][unit]
+
+
+def settled(bs: dict, unit: str) -> bool:
+    """Whether every earlier cut-off's speed-up lies inside the interval of the one at B."""
+    lo, hi = bs["final"]["ratio"][unit][1:]
+    pts = [cut_point(c, unit) for c in bs["cutoffs"][:-1]]
+    tol = 1e-9 * max(abs(hi), 1.0)                     # an interval of no width holds its point
+    return all(math.isfinite(x) and lo - tol <= x <= hi + tol for x in pts)
+
+
+def interval_position(lo: float, hi: float, factor: float) -> str:
+    """Where an interval lies against 1 and a claimed factor, in words."""
+    if hi < factor:
+        return f"lies wholly below the claimed {factor:.2g}×"
+    if lo > 1:
+        return f"lies above 1 and reaches the claimed {factor:.2g}×"
+    return f"includes both 1 and the claimed {factor:.2g}×"
+
+
+def budget_verdict(bs: dict, factor: float, unit: str) -> tuple[str, str]:
+    """(verdict, reason in words) under the follow-up's rule. Symmetric:
+    not tested  the baseline did not improve on the base model (no target), or it has not
+                settled (see `settled`); the reason says how the speed-up moved with the
+                budget and where the interval at B lies against the factor;
+    agrees      settled, and the interval at B lies above 1 and reaches the factor;
+    disagrees   settled, and it lies wholly below the factor;
+    not resolved  settled, and it includes both 1 and the factor."""
+    c = bs["final"]
+    if not c["gain_over_base"][1] > 0:
+        return "not tested", (f"{c['method']} did not improve on the base model in {c['B']} "
+                              f"iterations, so its final reward is no target")
+    p, lo, hi = c["ratio"][unit]
+    at = ", ".join(f"{_speed_s(cc, unit)} at {cc['B']}" for cc in bs["cutoffs"])
+    if not settled(bs, unit):
+        first, last = cut_point(bs["cutoffs"][0], unit), cut_point(c, unit)
+        way = "fell" if last < first else "rose"
+        return "not tested", (f"{c['method']} had not settled: the speed-up in {UNITS[unit]} "
+                              f"{way} as its budget grew ({at} iterations), outside the "
+                              f"interval at B = {c['B']}, [{lo:.2f}, {hi:.2f}], which "
+                              f"{interval_position(lo, hi, factor)}")
+    where = (f"the speed-up in {UNITS[unit]} stays inside its interval at B = {c['B']} at every "
+             f"cut-off ({at} iterations)")
+    if lo > 1 and hi >= factor:
+        return "agrees", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], lies above 1 and " \
+                         f"reaches {factor:.2g}×"
+    if hi < factor:
+        return "disagrees", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], lies wholly below " \
+                            f"{factor:.2g}×"
+    return "not resolved", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], includes both 1 " \
+                           f"and {factor:.2g}×"
+
+
+def _speed_s(c: dict, unit: str) -> str:
+    """A cut-off's speed-up in words: '1.26×', or 'below 2.40×' where V-GRPO did not reach it."""
+    return f"{c['ratio'][unit][0]:.2f}×" if c["reached"] else f"below {c['bound'][unit]:.2f}×"
+
+
+# ------------------------------------------------------------------------------------------------
 # The ladder: the spend each method needs to reach a series of held-out rewards.
 # ------------------------------------------------------------------------------------------------
 LADDER = (0.25, 0.5, 0.75, 0.9)
 
 
-def ladder(groups: dict, base_reward: float, timing: dict | None) -> dict:
-    """groups {method: runs at its chosen lr, same seeds}. Targets: base + f·(the best final gain
-    of any method), f in LADDER. Per target and method: iterations to reach it (seed-mean curve,
-    with interval), seeds whose own curve reaches it, and the counts in each unit (iterations ×
-    the method's count per iteration)."""
+def ladder(groups: dict, base_reward: float, timing: dict | None, gain_of: str | None = None,
+           fractions=LADDER, rate_of: dict | None = None) -> dict:
+    """groups {name: runs, same seeds}. Targets: base + f·gain, f in `fractions`, gain the final
+    gain over the base of the group `gain_of` (default: the best of any group). Per target and
+    group: iterations to reach it (seed-mean curve, with interval), seeds whose own curve reaches
+    it, and the counts in each unit (iterations × the count per iteration; `rate_of` maps a group
+    to the method name its timing is under)."""
     finals = {m: boot_curve(curves(rs)[1])[0][-1] for m, rs in groups.items()}
-    best = max(finals.values()) - base_reward
-    out = {"best_gain": best, "targets": []}
-    for f in LADDER:
+    best = (finals[gain_of] if gain_of else max(finals.values())) - base_reward
+    out = {"best_gain": best, "gain_of": gain_of, "targets": []}
+    for f in fractions:
         thr = base_reward + f * best
         row = {"fraction": f, "reward": thr, "methods": {}}
         for m, rs in groups.items():
@@ -411,7 +501,7 @@ def ladder(groups: dict, base_reward: float, timing: dict | None) -> dict:
             h, h_b = float(crossing(p, its, thr)), crossing(reps, its, thr)
             seeds = crossing(X.mean(-1), its, thr)
             counts = {u: ci(h * v[0], h_b * (v[0] if v[1] is None else v[1]))
-                      for u, v in rates(rs, timing, m).items()}
+                      for u, v in rates(rs, timing, (rate_of or {}).get(m, m)).items()}
             row["methods"][m] = {"reached": int(np.isfinite(seeds).sum()), "seeds": len(rs),
                                  "counts": counts, "_h_b": h_b}
         out["targets"].append(row)
