@@ -102,6 +102,8 @@ def analyse(out: Path) -> dict:
          "vgrpo": plan.get("claims_vgrpo", "V-GRPO"), "out": out,
          "base_reward": ST.ci(*ST.boot_mean(ST.arrays([base["heldout"]], "reward")))}
     S["selection"] = selection_rows(S)
+    S["choice_stability"] = {m: ST.choice_stability(results, plan, base, m) for m in chosen} \
+        if ST.select_kind(plan) == "select" else {}
     S["claims"] = claims_of(S)
     S["same_lr"] = same_lr_rows(S)
     S["ladder"] = ladder_of(S)
@@ -258,7 +260,8 @@ def swap_rows(S: dict) -> list[dict]:
         a, b = ST.final_stats(rs, variant=var), ST.final_stats(ref, variant=ref_var)
         if a and b:
             rows.append(dict(name=name, ref=ref_name, seeds=len(rs), final=a["reward"],
-                             ref_final=b["reward"], diff=ST.paired_difference(a, b)))
+                             ref_final=b["reward"], diff=ST.paired_difference(a, b),
+                             seed=ST.seed_difference(rs, ref, var, ref_var)))
     return rows
 
 
@@ -280,11 +283,12 @@ def nmc_rows(S: dict) -> list[dict]:
                 at_lr.append(dict(n_mc=j, lr=rs[0]["lr"], lr_rule=lr, seeds=len(rs), final=fs,
                                   nfe=np.mean([ST.nfe_per_iter(r) for r in rs]),
                                   cv=_mean_metric(rs, "surrogate_cv"),
-                                  _seeds=[r["seed"] for r in rs]))
+                                  _seeds=[r["seed"] for r in rs], _runs=rs))
         shipped = [r for r in at_lr if r["n_mc"] == 4]
         for r in at_lr:                  # paired against N_MC 4 at the same lr, on the same seeds
             if shipped and r["n_mc"] != 4 and r["_seeds"] == shipped[0]["_seeds"]:
                 r["diff"] = ST.paired_difference(r["final"], shipped[0]["final"])
+                r["seed"] = ST.seed_difference(r["_runs"], shipped[0]["_runs"])
         rows += at_lr
     return rows
 
@@ -338,7 +342,18 @@ def claim_statement(S: dict, m: str) -> str:
     elif c["verdict"] != "disagrees":          # a disagreement's reason says it already
         s += (f"V-GRPO does not reach it in its {c['Bv']} iterations "
               f"({c['seeds_reached']} of {c['seeds']} seeds do). ")
-    return s + reason_s(c)
+    return s + reason_s(c) + unit_note(c)
+
+
+def unit_note(c: dict) -> str:
+    """For a claim this plan measured in gradient steps: the speed-up in iterations, the unit that
+    METHOD.md counts against the paper's 580, and where the follow-up measures it."""
+    if c.get("claim", {}).get("unit") != "steps" or "iters" not in c["ratio"] or not c["reached"]:
+        return ""                        # not reached: the same in every unit, said already
+    return (f" This plan measured the claim in gradient steps. In iterations, the unit METHOD.md "
+            f"counts against the paper's 580 (P11, C9), the speed-up is {ratio_s(c, 'iters')}. "
+            f"The follow-up plan (examples/digits_results_followup/plan.md) fixes the unit as "
+            f"iterations before its runs.")
 
 
 def reason_s(c: dict) -> str:
@@ -437,11 +452,8 @@ def methods_lines(S: dict) -> list[str]:
             fl = " ".join(spec.get("flags", [])) or "the shipped recipe (N_MC 4, μ 1, soft clip 3)"
             s = f"vgrpo's `iteration`, {fl}"
         elif m.startswith("DiffusionNFT"):
-            r.setdefault("decay_at_B", BENCH.example("diffusion_nft_sd3").return_decay(
-                p["iterations"], r["decay_flat"], r["decay_uprate"], r["decay_uphold"]))
-            s = (f"examples/diffusion_nft_sd3.py, recipe sd3_pickscore; old-policy decay "
-                 f"min({r.get('decay_uprate', 0.001):.4g}·step, 0.5), {r.get('decay_at_B', 0):.3f} "
-                 f"at B; evaluated through its EMA")
+            s = (f"examples/diffusion_nft_sd3.py, recipe sd3_pickscore; "
+                 f"{decay_words(r, p['iterations'])}; evaluated through its EMA")
         elif m.startswith("MixGRPO"):
             sig = r.get("sigma_trained") or BENCH.example("mix_grpo_sd3").sigmas_trained(
                 r, BENCH.grid_sigmas(r["num_steps"]), p["iterations"])
@@ -457,6 +469,19 @@ def methods_lines(S: dict) -> list[str]:
     return out
 
 
+def decay_words(r: dict, B: int) -> str:
+    """DiffusionNFT's old-policy decay min(uprate·step, uphold) in words: where it stands at B,
+    or the step at which it reaches its plateau (one optimizer step per iteration)."""
+    up, hold, flat = r.get("decay_uprate", 0.001), r.get("decay_uphold", 0.5), r.get("decay_flat", 0)
+    plateau = flat + math.ceil(hold / up - 1e-9)
+    at_b = BENCH.example("diffusion_nft_sd3").return_decay(B, flat, up, hold)
+    if plateau <= B:
+        return (f"old-policy decay min({up:.4g}·step, {hold:g}), which reaches {hold:g} at step "
+                f"{plateau} and stays there to B = {B}")
+    return (f"old-policy decay min({up:.4g}·step, {hold:g}), {at_b:.3f} at B = {B} (its plateau "
+            f"{hold:g} would come at step {plateau})")
+
+
 def selection_text(S: dict) -> str:
     rows = []
     for r in S["selection"]:
@@ -465,36 +490,96 @@ def selection_text(S: dict) -> str:
                      str(r["seeds"]), num(v.get("reward", (math.nan,))[0]),
                      num(v.get("diversity", (math.nan,))[0]), ci_s(h.get("reward")),
                      ci_s(h.get("acc")), ci_s(h.get("diversity"))])
-    edge = [m for m, c in S["chosen"].items() if c["lr"] == max(S["plan"]["lrs"])]
-    fb = [m for m, c in S["chosen"].items() if c["fallback"]]
-    notes = [f"{m}'s chosen lr is the top of the grid; its best lr may lie above it." for m in edge]
-    below = {m: [r["lr"] for r in c["rows"] if r["val_reward"] <= S["base"]["val"]["reward"]]
-             for m, c in S["chosen"].items()} if S["plan"].get("lr_beats_base") else {}
-    below = {m: lrs for m, lrs in below.items()             # all below: the rule used them all
-             if len(lrs) < len(S["chosen"][m]["rows"])}
-    notes += [f"{m} ended below the base model's validation reward at "
-              f"{'lr' if len(lrs) == 1 else 'lrs'} {and_join([lr_s(x) for x in lrs])}; "
-              f"{'that lr' if len(lrs) == 1 else 'those lrs'} took no part in the choice."
-              for m, lrs in below.items() if lrs]
-    only = [m for m, c in S["chosen"].items() if not c["fallback"] and len(c["rows"]) > 1
-            and sum(r["val_diversity"] >= c["diversity_floor"] for r in c["rows"]
-                    if r["lr"] not in below.get(m, [])) == 1]
-    if only:
-        notes.append(f"For {and_join(only)}, the chosen lr is the only one that kept "
-                     f"{S['plan']['diversity_keep']:.0%} of the base model's validation diversity "
-                     f"(at least {S['chosen'][only[0]]['diversity_floor']:.3f}).")
-    above = " above the base" if below else ""
-    notes += [f"No lr kept {m}'s diversity floor; the most diverse one{above} was taken."
-              for m in fb]
-    moved = [f"{m} {lr_s(c['lr'])}" for m, c in S["chosen_as_written"].items()
-             if below and c["lr"] != S["chosen"][m]["lr"]]
-    if moved:
-        notes.append(f"The rule as first written would have chosen {and_join(moved)}.")
+    notes = selection_notes(S)
     return (f"The base model's held-out reward is {ci_s(S['base_reward'])}. Final numbers after "
             f"{S['plan']['iterations']} iterations.\n\n"
             + table(["method", "lr", "seeds", "val reward", "val diversity", "held-out reward",
                      "held-out accuracy", "held-out diversity"], rows)
-            + ("\n" + "\n".join(notes) + "\n" if notes else ""))
+            + ("\n" + "\n\n".join(notes) + "\n" if notes else ""))
+
+
+def selection_notes(S: dict) -> list[str]:
+    """What the lr choice did, in sentences: the lrs that took no part, the lrs chosen by the
+    diversity floor (and what the floor turned away), the fallback branch with its margin, how
+    often the choice stands in bootstrap draws, and choices at an edge of the grid."""
+    C, lrs, vbase = S["chosen"], S["plan"]["lrs"], S["base"]["val"]["reward"]
+    beats = bool(S["plan"].get("lr_beats_base"))
+    below = {m: [r["lr"] for r in c["rows"] if beats and r["val_reward"] <= vbase]
+             for m, c in C.items()}
+    below = {m: x for m, x in below.items() if len(x) < len(C[m]["rows"])}  # all below: all used
+    notes = []
+    if any(below.values()):
+        notes.append(f"These lrs ended below the base model's validation reward ({vbase:.3f}) and "
+                     f"took no part in the choice: " + and_join(
+                         [f"{m} at {and_join([lr_s(y) for y in x])}" for m, x in below.items()
+                          if x]) + ".")
+    for m, c in C.items():
+        floor, rows = c["diversity_floor"], c["rows"]
+        if c["fallback"]:
+            used = sorted([r for r in rows if r["lr"] not in below.get(m, [])],
+                          key=lambda r: -r["val_diversity"])
+            s = (f"No lr kept {m}'s diversity floor ({floor:.3f}), so the rule's fallback branch "
+                 f"took the most diverse lr above the base: {lr_s(used[0]['lr'])} at "
+                 f"{used[0]['val_diversity']:.3f}")
+            if len(used) > 1:
+                gap = used[0]["val_diversity"] - used[1]["val_diversity"]
+                s += (f", against {used[1]['val_diversity']:.3f} at {lr_s(used[1]['lr'])}"
+                      + (f", a near tie (a difference of {gap:.3f})" if gap < 0.02 else ""))
+            if m == S["vgrpo"]:
+                s += ". Every claim uses this recipe at this lr"
+            notes.append(s + ".")
+        else:
+            kept_below = [r for r in rows if r["lr"] in below.get(m, [])
+                          and r["val_diversity"] >= floor]
+            ok = [r for r in rows if r["lr"] not in below.get(m, [])
+                  and r["val_diversity"] >= floor]
+            if len(ok) == 1 and len(rows) > 1:
+                s = (f"For {m}, {lr_s(c['lr'])} is the only lr that both ended above the base "
+                     f"model's validation reward and kept its diversity floor ({floor:.3f})")
+                higher = [r for r in rows if r["val_reward"] > ok[0]["val_reward"]]
+                if higher:
+                    s += (f"; {and_join([lr_s(r['lr']) for r in higher])} ended with a higher "
+                          f"validation reward but below the floor")
+                if kept_below:
+                    s += (f"; {and_join([lr_s(r['lr']) for r in kept_below])} kept the floor but "
+                          f"ended below the base model's reward")
+                notes.append(s + ".")
+    stab = S.get("choice_stability") or {}
+    moves = {m: 1 - st["picks"].get(C[m]["lr"], 0.0) for m, st in stab.items() if st}
+    if moves:
+        other = lambda m: and_join([lr_s(lr) for lr, v in stab[m]["picks"].items()
+                                    if lr != C[m]["lr"] and v > 0])
+        flips = [f"{v:.0%} of draws for {m} (it then picks {other(m)})"
+                 for m, v in sorted(moves.items(), key=lambda x: -x[1]) if v > 0]
+        never = [m for m, v in moves.items() if v == 0]
+        notes.append(
+            f"How firm each choice is: in {ST.N_BOOT} bootstrap draws of the validation images "
+            f"and the selection seeds, the rule picks another lr in "
+            + (and_join(flips) if flips else "no draw")
+            + (f", and never for {and_join(never)}" if flips and never else "") + ".")
+    top = [m for m, c in C.items() if c["lr"] == max(lrs)]
+    bottom = [m for m, c in C.items() if c["lr"] == min(lrs)]
+    notes += [f"{m}'s chosen lr is the top of the grid; its best lr may lie above it."
+              for m in top]
+    if bottom:
+        words = {2: "Two", 3: "Three", 4: "Four", 5: "Five"}
+        who = (f"{words.get(len(bottom), len(bottom))} methods chose the bottom of the grid, "
+               f"{lr_s(min(lrs))}: {and_join(bottom)}" if len(bottom) > 1 else
+               f"{bottom[0]} chose the bottom of the grid, {lr_s(min(lrs))}")
+        held = [m for m in bottom if m in baselines(S)]
+        notes.append(
+            f"{who}. The grid has no smaller lr, so it does not bracket "
+            f"{'these choices' if len(bottom) > 1 else 'this choice'}: a smaller lr might keep "
+            f"more diversity and would likely learn more slowly, and the grid cannot say "
+            f"whether it would have been chosen."
+            + (f" The claims compare {S['vgrpo']} at {lr_s(C[S['vgrpo']]['lr'])} with "
+               f"{and_join(held)} at the smallest lr tried." if held and S["vgrpo"] in C
+               and S["vgrpo"] not in bottom else ""))
+    moved = [f"{m} {lr_s(c['lr'])}" for m, c in S["chosen_as_written"].items()
+             if any(below.values()) and c["lr"] != C[m]["lr"]]
+    if moved:
+        notes.append(f"The rule as first written would have chosen {and_join(moved)}.")
+    return notes
 
 
 def claims_table_text(S: dict) -> str:
@@ -539,7 +624,59 @@ def same_lr_text(S: dict) -> str:
             f"largest number of iterations, gradient steps, NFE or seconds both runs reached "
             f"(each curve interpolated there). Positive: V-GRPO is ahead.{wait}\n\n"
             + table(["lr", "V-GRPO recipe", "baseline", "V-GRPO final", "baseline final",
-                     "at the same iterations", "gradient steps", "NFE", "seconds"], rows))
+                     "at the same iterations", "gradient steps", "NFE", "seconds"], rows)
+            + "\n" + same_lr_finding(S) + "\n")
+
+
+def _side(t, what: str) -> str:
+    """'ahead at the same iterations (+0.037 [+0.014, +0.060])' from a difference's interval."""
+    word = "ahead" if t[1] > 0 else "behind" if t[2] < 0 else "level"
+    return f"{word} at the same {what} ({ci_s(t, '{:+.3f}')})"
+
+
+def same_lr_finding(S: dict) -> str:
+    """What the same-lr table shows, in sentences: for each V-GRPO recipe and baseline, lr by lr,
+    whether V-GRPO is ahead at the same iterations and at the same gradient steps (or which run
+    ended below the base model), then what the seed-level intervals say."""
+    base = S["base_reward"][0]
+    pairs = {}
+    for r in S["same_lr"]:
+        pairs.setdefault((r["vgrpo"], r["method"]), []).append(r)
+    out = []
+    for (v, m), rows in pairs.items():
+        parts = []
+        for r in rows:
+            fv, fb = r["vgrpo_final"][0], r["baseline_final"][0]
+            if fv < base and fb < base:
+                parts.append(f"at {lr_s(r['lr'])}, both ended below the base model")
+            elif fv < base or fb < base:
+                low, high = (v, m) if fv < base else (m, v)
+                parts.append(f"at {lr_s(r['lr'])}, {low} ended below the base model "
+                             f"({min(fv, fb):.3f}) and {high} at {max(fv, fb):.3f}")
+            else:
+                parts.append(f"at {lr_s(r['lr'])}, V-GRPO is {_side(r['diff']['iters'], 'iterations')}"
+                             f" and {_side(r['diff']['steps'], 'gradient steps')}")
+        text = "; ".join(parts)
+        out.append(f"**{v} against {m}.** " + text[0].upper() + text[1:] + ".")
+    n = S["same_lr"][0]["seeds"]
+    both = [r for r in S["same_lr"] if min(r["vgrpo_final"][0], r["baseline_final"][0]) >= base]
+    sep = [(r, u) for r in both for u in ("iters", "steps")
+           if u in r.get("seed_diff", {}) and excludes_zero(r["seed_diff"][u])]
+    if n <= 3 and both:
+        seed = (f"These are {plural(n, 'seed')}, and the intervals above resample them together "
+                f"with the images. A seed-level interval (Student t over the "
+                f"{plural(n, 'per-seed difference')}, {plural(n - 1, 'degree')} of freedom) ")
+        if sep:
+            seed += ("excludes 0 only for " + and_join(
+                [f"{r['vgrpo']} against {r['method']} at {lr_s(r['lr'])}, at the same "
+                 f"{ST.UNITS[u]} ({ci_s(r['seed_diff'][u], '{:+.3f}')})" for r, u in sep])
+                + f". For every other comparison in which both runs ended above the base model, "
+                  f"{n} seeds cannot separate the two methods.")
+        else:
+            seed += (f"includes 0 for every comparison in which both runs ended above the base "
+                     f"model: {n} seeds cannot separate the two methods.")
+        out.append(seed)
+    return "\n\n".join(out)
 
 
 def ladder_text(S: dict) -> str:
@@ -575,9 +712,9 @@ def _speedup_s(a: dict, b: dict, u: str, ra: dict, rb: dict) -> str:
     if u not in a["counts"] or u not in b["counts"]:
         return "—"
     if math.isinf(a["counts"][u][0]):
-        return "— (V-GRPO did not reach it)"
+        return "— (V-GRPO did not reach it)"   # a: the claims' V-GRPO
     if math.isinf(b["counts"][u][0]):
-        return "— (the baseline did not reach it)"
+        return "— (not reached)"
     return ci_s(ST.speedup(a, b, u, ra, rb), "{:.2f}")
 
 
@@ -596,10 +733,10 @@ def variants_text(S: dict) -> str:
                          f"run's 0.70–1.")
         if "decay_uprate" in r["recipe"]:
             d = [x for x in r["decay"] if x is not None]
-            notes.append(f"* {r['variant']}: old-policy decay min({r['recipe']['decay_uprate']:.4g}"
-                         f"·step, 0.5), {max(d, default=math.nan):.3f} at B. The published "
-                         f"schedule reaches {min(d, default=math.nan):.3f} at B. A decay d lets "
-                         f"the old policy lag θ by d/(1 − d) optimizer steps on average.")
+            notes.append(f"* {r['variant']}: {decay_words(r['recipe'], S['plan']['iterations'])}. "
+                         f"The published schedule reaches {min(d, default=math.nan):.3f} at B. A "
+                         f"decay d lets the old policy lag θ by d/(1 − d) optimizer steps on "
+                         f"average.")
     return (table(["variant", "of", "lr", "seeds", "its final reward", "the method's",
                    "difference"], rows) + "\n" + "\n".join(notes) + "\n")
 
@@ -609,41 +746,75 @@ def swaps_text(S: dict) -> str:
         return waiting(S, "swap") if S["plan"].get("swap") else "Not measured yet.\n"
     sw = S["plan"]["swap"]
     rows = [[r["name"], r["ref"], str(r["seeds"]), ci_s(r["final"]), ci_s(r["ref_final"]),
-             ci_s(r["diff"], "{:+.3f}")] for r in S["swaps"]]
+             ci_s(r["diff"], "{:+.3f}"), ci_s(r["seed"], "{:+.3f}")] for r in S["swaps"]]
+    n = len(sw["seeds"])
     return (f"At θ = old, DiffusionNFT's gradient equals V-GRPO's μ = 1 gradient on the same "
             f"(t, ε) pairs with advantages clamped at ±5 (`test_vgrpo.py::"
             f"test_nft_gradient_identity_at_theta_old`). What is left are knobs. Here each knob "
             f"is swapped alone, at B = {sw['iterations']} and lr {lr_s(sw['lr'])}, on "
-            f"{plural(len(sw['seeds']), 'seed')}; the difference is paired.\n\n"
+            f"{plural(n, 'seed')}; the difference is paired. Its first interval resamples the "
+            f"images and the {n} seeds; the seed-level interval is Student t over the "
+            f"{plural(n, 'per-seed difference')} ({plural(n - 1, 'degree')} of freedom).\n\n"
             + table(["run", "against", "seeds", "its final reward", "the reference's",
-                     "difference"], rows) + "\n" + swaps_finding(S) + "\n")
+                     "difference", "seed-level interval"], rows) + "\n" + swaps_finding(S)
+            + "\n")
 
 
 def excludes_zero(t) -> bool:
     return t[1] > 0 or t[2] < 0
 
 
+# What the knob swaps leave as they are: DiffusionNFT's side of each (examples/diffusion_nft_sd3.py
+# RECIPE) against V-GRPO's, and the two knobs both methods share.
+NOT_SWAPPED = ("Not swapped: the rollout solver (DiffusionNFT's dpm2, V-GRPO's Euler), the KL "
+               "term (DiffusionNFT's β_KL = 1e-4; V-GRPO has none), the timestep fraction "
+               "(DiffusionNFT trains each sample at int(0.99·K) = 9 of its K = 10 grid times, "
+               "with fresh noise at each) and the old policy's lag (DiffusionNFT's old adapter "
+               "trails θ with the decay min(0.001·step, 0.5); V-GRPO's θ_old is θ at the start "
+               "of each iteration). The global-std advantages and the ±5 clamp were not swapped "
+               "either: both methods use them (vgrpo's SD3 defaults --global_std and "
+               "--adv_clamp 5), so neither can carry the difference.")
+
+
 def swaps_finding(S: dict) -> str:
-    """What the knob swaps found, in words: which swaps moved the final reward (an interval that
-    excludes 0), against the gap between DiffusionNFT and V-GRPO at the swap's lr."""
+    """What the knob swaps found, in words: the gap between DiffusionNFT and V-GRPO at the swap's
+    lr with both intervals, which swaps moved the final reward (an interval that excludes 0) at
+    each level, and what was not swapped."""
     sw = S["plan"]["swap"]
+    n = len(sw["seeds"])
     gap = [r for r in S["swaps"] if r["name"] == "DiffusionNFT against V-GRPO"]
     knobs = [r for r in S["swaps"] if r["name"] != "DiffusionNFT against V-GRPO"]
-    moved = [r for r in knobs if excludes_zero(r["diff"])]
     if not knobs:
         return ""
-    text = (f"At lr {lr_s(sw['lr'])}, DiffusionNFT's final reward minus V-GRPO's is "
-            f"{ci_s(gap[0]['diff'], '{:+.3f}')}. " if gap else "")
+    text = ""
+    if gap:
+        g = gap[0]
+        text = (f"At lr {lr_s(sw['lr'])}"
+                + (f" and B = {sw['iterations']}" if "iterations" in sw else "")
+                + f", DiffusionNFT's final reward minus V-GRPO's is {ci_s(g['diff'], '{:+.3f}')} with the images and seeds "
+                f"resampled")
+        if "seed" in g and not math.isnan(g["seed"][1]):
+            text += (f"; its seed-level interval is {_bounds(g['seed'])}"
+                     + ("" if excludes_zero(g["seed"]) else
+                        f", so {n} seeds cannot separate the two methods at this lr"))
+        text += ". "
+    moved = [r for r in knobs if excludes_zero(r["diff"])]
     if not moved:
         big = max(knobs, key=lambda r: abs(r["diff"][0]))
         text += (f"No single swap moves the final reward by an interval that excludes 0; the "
                  f"largest is “{big['name']}”: {ci_s(big['diff'], '{:+.3f}')}. On "
-                 f"{plural(len(sw['seeds']), 'seed')} these swaps do not show which knob, if any, "
-                 f"carries the gap. DiffusionNFT's dpm2 rollout solver was not swapped.")
+                 f"{plural(n, 'seed')} these swaps do not show which knob, if any, carries the "
+                 f"difference.")
     else:
         text += ("Swaps whose interval excludes 0: " + and_join(
-            [f"{r['name']} ({ci_s(r['diff'], '{:+.3f}')})" for r in moved]) + ".")
-    return text
+            [f"{r['name']} ({ci_s(r['diff'], '{:+.3f}')}"
+             + (f", seed-level {_bounds(r['seed'])}" if "seed" in r else "") + ")"
+             for r in moved]) + ".")
+    return text + " " + NOT_SWAPPED
+
+
+def _bounds(t) -> str:
+    return f"[{t[1]:+.3f}, {t[2]:+.3f}]"
 
 
 def nmc_text(S: dict) -> str:
@@ -652,14 +823,29 @@ def nmc_text(S: dict) -> str:
     rows = [[str(r["n_mc"]) + (" (shipped)" if r["n_mc"] == 4 else ""),
              lr_s(r["lr"]) + (" (V-GRPO's chosen)" if r["lr_rule"] == "chosen" else ""),
              str(r["seeds"]), ci_s(r["final"]["reward"]), ci_s(r.get("diff"), "{:+.3f}"),
-             ci_s(r["final"]["acc"]), f"{r['nfe']:,.0f}", num(r["cv"])] for r in S["nmc"]]
+             ci_s(r.get("seed"), "{:+.3f}"), ci_s(r["final"]["acc"]), f"{r['nfe']:,.0f}",
+             num(r["cv"])] for r in S["nmc"]]
     nm = S["plan"]["nmc"]
+    n = len(nm["seeds"])
     return (f"V-GRPO's shipped recipe with another number of (t, ε) pairs, B = "
-            f"{nm['iterations']}. The paper (its Fig. 4f): 2 fails, 4 is the trade-off, 8 is "
-            f"marginal; 10 is its GenEval and OCR value.\n\n"
+            f"{nm['iterations']}, on {plural(n, 'seed')}. The paper (its Fig. 4f): 2 fails, 4 is "
+            f"the trade-off, 8 is marginal; 10 is its GenEval and OCR value. The difference "
+            f"from N_MC 4 is paired; its first interval resamples the images and the seeds, the "
+            f"seed-level one is Student t over the {plural(n, 'per-seed difference')}. The "
+            f"surrogate's coefficient of variation is the standard deviation of the per-sample "
+            f"surrogate S_old over an iteration's {S['results'] and _batch(S)} samples divided by "
+            f"the absolute value of its mean (vgrpo's `surrogate_cv`), averaged over the run's "
+            f"iterations.\n\n"
             + table(["N_MC", "lr", "seeds", "held-out reward", "difference from N_MC 4",
-                     "held-out accuracy", "NFE per iteration", "surrogate CV"], rows)
+                     "seed-level interval", "held-out accuracy", "NFE per iteration",
+                     "surrogate's coefficient of variation"], rows)
             + "\n" + nmc_finding(S) + "\n")
+
+
+def _batch(S: dict) -> int:
+    """P × G of the plan's runs (the digits benchmark's COMMON flags)."""
+    f = D.COMMON
+    return int(f[f.index("--prompts_per_iter") + 1]) * int(f[f.index("--group_size") + 1])
 
 
 def nmc_finding(S: dict) -> str:
@@ -680,6 +866,21 @@ def nmc_finding(S: dict) -> str:
                 [f"N_MC {r['n_mc']} ends {'above' if r['diff'][0] > 0 else 'below'} N_MC 4 "
                  f"({ci_s(r['diff'], '{:+.3f}')})" for r in apart]) + "; the others' intervals "
                 "include 0.")
+        seeded = [r for r in apart if "seed" in r and not math.isnan(r["seed"][1])]
+        if seeded:                       # apart by the bootstrap: does the seed level agree?
+            n, keep = seeded[0]["seeds"], [r for r in seeded if excludes_zero(r["seed"])]
+            lost = [r for r in seeded if not excludes_zero(r["seed"])]
+            s = []
+            if keep:
+                s.append(and_join([f"N_MC {r['n_mc']}'s" for r in keep]) + " seed-level "
+                         + ("interval also excludes 0 (" if len(keep) == 1 else
+                            "intervals also exclude 0 (") + ", ".join(_bounds(r["seed"])
+                                                                for r in keep) + ")")
+            if lost:
+                s.append(and_join([f"N_MC {r['n_mc']}'s ({_bounds(r['seed'])})" for r in lost])
+                         + f" {'does' if len(lost) == 1 else 'do'} not: {n} seeds cannot "
+                           f"separate {'it' if len(lost) == 1 else 'them'} from N_MC 4")
+            out.append("; ".join(s)[0].upper() + "; ".join(s)[1:] + ".")
     return " ".join(out)
 
 
@@ -827,9 +1028,10 @@ def write_report(S: dict, cmd: str, figs: dict) -> str:
     title = ("V-GRPO against DiffusionNFT and MixGRPO on handwritten digits" if v2 else
              f"V-GRPO and its baselines on handwritten digits at B = {p['iterations']}")
     parts = [f"# {title}\n",
-             f"Produced by `{cmd}` (plan `{p['mode']}`, written at commit {p.get('commit', '?')}; "
-             f"this report by `python examples/digits.py report` at commit {BENCH.commit()}). "
-             f"All numbers are held-out rewards unless a column says otherwise.\n"
+             f"Produced by `{cmd}` (plan `{p['mode']}`, written at commit {p.get('commit', '?')}). "
+             f"This report was written by `python examples/digits.py report` from the code of "
+             f"commit {report_commit()}. All numbers are held-out rewards unless a column says "
+             f"otherwise.\n"
              + status_text(S),
              "## Verdicts\n", verdicts_text(S) + img("curves", "held-out reward curves"),
              "## Setup\n", setup_text(S),
@@ -838,15 +1040,56 @@ def write_report(S: dict, cmd: str, figs: dict) -> str:
              "## At the same learning rate\n", same_lr_text(S),
              "## Speed-up at every target\n", ladder_text(S)]
     if v2:
+        sw, nm = p.get("swap") or {}, p.get("nmc") or {}
         parts += ["## Variants of the baselines\n", variants_text(S),
-                  "## Why DiffusionNFT leads at 3e-3\n", swaps_text(S),
-                  "## The number of (t, ε) pairs\n", nmc_text(S),
+                  f"## Why DiffusionNFT leads at 3e-3, if it does: {runs_label(sw)}\n",
+                  swaps_text(S),
+                  f"## The number of (t, ε) pairs: {runs_label(nm)}\n", nmc_text(S),
                   "## Flow-GRPO\n", flow_b32_text()]
     else:
         parts += ["## The reward–diversity frontier\n", frontier_text(S) + img("frontier", "frontier"),
                   "## Ablations\n", ablations_text(S), "## Long runs\n", long_text(S)]
     parts += ["## Cost\n", cost_text(S), img("samples", "samples")]
     return "\n".join(parts)
+
+
+def runs_label(part: dict) -> str:
+    """'B = 32 runs on 3 seeds' for a part of the plan with its own budget and seeds."""
+    return f"B = {part.get('iterations', '?')} runs on {plural(len(part.get('seeds', [])), 'seed')}"
+
+
+def report_commit() -> str:
+    """The commit whose code writes the report, and whether the report's code differs from it."""
+    import subprocess
+    files = [f"examples/{f}.py" for f in ("digits", "digits_bench", "digits_stats", "digits_report")]
+    try:
+        dirty = subprocess.run(["git", "-C", str(D.ROOT), "status", "--porcelain", "--", *files],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        dirty = ""
+    return BENCH.commit() + (" with uncommitted changes to the report's code" if dirty else "")
+
+
+# The B = 32 plan's verdicts as first reported (commit 5f090f2), under the rule of that plan; the
+# rule that asks first whether the baseline had settled came with commit 0cb6551.
+B32_FIRST = {"commit": "5f090f2", "rule_commit": "0cb6551",
+             "MixGRPO": "agrees (2.96× [2.08, 7.77] in iterations)",
+             "DiffusionNFT": "disagrees (V-GRPO did not reach DiffusionNFT's final reward in its "
+                             "32 iterations)"}
+
+
+def b32_history(m: str, c: dict) -> str:
+    """Why a B = 32 verdict changed: its first verdict, the rule that changed it, and what that
+    plan's rule says of the present interval (the settled test left out)."""
+    if m not in B32_FIRST or c.get("verdict") != "not tested" or "claim" not in c:
+        return ""
+    old = ST.verdict(dict(c, last_quarter=(0.0, -1.0, 1.0, c["last_quarter"][3])),
+                     c["claim"]["factor"], c["claim"]["unit"])[0]
+    return (f" First reported (commit {B32_FIRST['commit']}) as “{B32_FIRST[m].split(' (')[0]}” "
+            f"({B32_FIRST[m].split(' (', 1)[1]}, under that plan's rule, which did not ask "
+            f"whether the baseline had settled. That rule gives “{old}” on the present numbers "
+            f"too; the verdict changed because the rule now asks it (since commit "
+            f"{B32_FIRST['rule_commit']}).")
 
 
 def flow_b32_text() -> str:
@@ -874,13 +1117,20 @@ def readme_text(S: dict, link: str, fig: str | None, earlier: dict | None = None
     body += table(["claim of the paper", "measured at", "speed-up", "verdict"], rows) \
         if rows else "No claim is measured yet.\n"
     reasons = [f"* **{c['claim']['label']}, B = {p['iterations']}: {c['verdict']}.** "
-               + reason_s(c) for c in S.get("claims", {}).values() if "claim" in c]
+               + reason_s(c) + unit_note(c) for c in S.get("claims", {}).values() if "claim" in c]
+    if reasons and S["chosen"].get(S["vgrpo"], {}).get("fallback"):
+        lrs = [n for n in selection_notes(S) if n.startswith(f"No lr kept {S['vgrpo']}'s")
+               or n.startswith("How firm") or "bottom of the grid" in n]
+        reasons.append(f"* **The lrs (B = {p['iterations']}).** " + " ".join(lrs))
+    for m, c in ((earlier or {}).get("claims") or {}).items():
+        if "claim" in c:
+            reasons.append(f"* **{c['claim']['label']}, B = {earlier['plan']['iterations']}: "
+                           f"{c['verdict']}.** " + reason_s(c) + b32_history(m, c))
     if reasons and S["swaps"]:
-        reasons.append(f"* **Why DiffusionNFT leads at lr {lr_s(p['swap']['lr'])} (B = "
-                       f"{p['swap']['iterations']}, one knob swapped at a time).** "
-                       + swaps_finding(S))
+        reasons.append(f"* **DiffusionNFT against V-GRPO at lr {lr_s(p['swap']['lr'])}, one knob "
+                       f"swapped at a time ({runs_label(p['swap'])}).** " + swaps_finding(S))
     if reasons and S["nmc"]:
-        reasons.append(f"* **The number of (t, ε) pairs (B = {p['nmc']['iterations']}).** "
+        reasons.append(f"* **The number of (t, ε) pairs ({runs_label(p['nmc'])}).** "
                        + nmc_finding(S))
     if reasons:
         body += "\n" + "\n".join(reasons) + "\n"
@@ -893,7 +1143,9 @@ def readme_text(S: dict, link: str, fig: str | None, earlier: dict | None = None
         body += f"\n![held-out reward at each method's chosen lr]({fig})\n"
     b32 = os.path.join(os.path.dirname(link), "digits_b32.md")
     return body + (f"\nThe statements, every table and the set-up: [{link}]({link}) (B = "
-                   f"{p['iterations']}) and [{b32}]({b32}) (B = 32, with Flow-GRPO).\n")
+                   f"{p['iterations']}) and [{b32}]({b32}) (B = 32, with Flow-GRPO). This section "
+                   f"was written by `python examples/digits.py report` from the code of commit "
+                   f"{report_commit()}.\n")
 
 
 def replace_readme_section(readme: Path, body: str) -> None:

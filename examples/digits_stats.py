@@ -202,6 +202,64 @@ def paired_difference(a: dict, b: dict, key: str = "reward") -> tuple:
     return ci(a[key][0] - b[key][0], a["_reps"][key] - b["_reps"][key])
 
 
+# Student t's 97.5 % quantile by degrees of freedom (1-10), for seed-level intervals.
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228}
+
+
+def seed_interval(d) -> tuple[float, float, float]:
+    """(mean, lo, hi) of per-seed differences d (S,): the 95 % Student t interval over seeds,
+    mean ± t(S − 1)·sd/√S. It treats the seeds as the only source of variation, which is what a
+    comparison on 2 or 3 seeds cannot pin down; the bootstrap's seed resample (with only 2-3
+    seeds to draw from) understates it."""
+    d = np.asarray(d, dtype=np.float64)
+    if len(d) < 2:
+        return (float(d.mean()), math.nan, math.nan)
+    half = T975[min(len(d) - 1, 10)] * d.std(ddof=1) / math.sqrt(len(d))
+    return (float(d.mean()), float(d.mean() - half), float(d.mean() + half))
+
+
+def seed_difference(rs_a: list[dict], rs_b: list[dict], var_a: str | None = None,
+                    var_b: str | None = None) -> tuple[float, float, float]:
+    """seed_interval of the per-seed differences of two run sets' final held-out rewards (the
+    same seeds, in the same order; var_*: the weights evaluated, as in final_eval)."""
+    a = [np.mean(final_eval(r, "heldout", var_a)["img_reward"]) for r in rs_a]
+    b = [np.mean(final_eval(r, "heldout", var_b)["img_reward"]) for r in rs_b]
+    return seed_interval(np.array(a) - np.array(b))
+
+
+def choice_stability(results: dict, plan: dict, base: dict, method: str) -> dict:
+    """How often `choose`'s rule picks each lr for `method` when its selection runs' validation
+    images and seeds are resampled (the draws of every other interval; the base model's
+    validation reward and diversity floor resampled with the same images). {"picks": {lr: share
+    of draws}, "fallback": share of draws that took the fallback branch}."""
+    kind = select_kind(plan)
+    per_lr = {}
+    for lr in plan["lrs"]:
+        rs = runs_of(results, kind, method, lr)
+        vals = [final_eval(r, "val") for r in rs]
+        if rs and all(v is not None and "img_div" in v for v in vals):
+            per_lr[lr] = (np.array([v["img_reward"] for v in vals]),
+                          np.array([v["img_div"] for v in vals]))
+    if not per_lr:
+        return {}
+    S, n = next(iter(per_lr.values()))[0].shape
+    si, w = draws(S, n)
+    bv = base["val"]
+    b_rew, b_div = w @ np.asarray(bv["img_reward"]), w @ np.asarray(bv["img_div"])
+    means = {lr: ((w @ R.T)[np.arange(N_BOOT)[:, None], si].mean(1),
+                  (w @ Dv.T)[np.arange(N_BOOT)[:, None], si].mean(1))
+             for lr, (R, Dv) in per_lr.items()}                     # (N_BOOT,) each
+    picks, fb = {}, 0
+    for b in range(N_BOOT):
+        rows = [{"lr": lr, "val_reward": m[0][b], "val_diversity": m[1][b]}
+                for lr, m in means.items()]
+        row, fallback = pick_lr(rows, plan, {"val": {"reward": b_rew[b], "diversity": b_div[b]}})
+        picks[row["lr"]] = picks.get(row["lr"], 0) + 1
+        fb += fallback
+    return {"picks": {lr: k / N_BOOT for lr, k in sorted(picks.items())}, "fallback": fb / N_BOOT}
+
+
 # ------------------------------------------------------------------------------------------------
 # Crossings: when a curve first reaches a threshold.
 # ------------------------------------------------------------------------------------------------
@@ -364,19 +422,13 @@ def verdict(c: dict, factor: float, unit: str) -> tuple[str, str]:
     if q[1] > 0 or q[2] < 0:
         word = "rising" if q[1] > 0 else "falling"
         lo, hi = c["ratio"][unit][1:]
-        if hi < factor:
-            where = "lies wholly below"
-        elif lo > 1:
-            where = "lies above 1 and reaches"
-        else:
-            where = "includes both 1 and"
         return "not tested", (f"{c['method']} had not settled at B = {c['B']}: its reward was "
                               f"still {word} over its last {c['B'] - q[3]} iterations, so its "
                               f"final reward is a target that more iterations would move. At "
-                              f"this budget the interval {where} the claimed {factor:.2g}×")
+                              f"this budget the interval {interval_position(lo, hi, factor)}")
     p, lo, hi = c["ratio"][unit]
     if lo > 1 and hi >= factor:
-        return "agrees", f"the interval lies above 1 and reaches {factor:.2g}×"
+        return "agrees", f"the interval {interval_position(lo, hi, factor)}"
     if hi < factor:
         if not c["reached"]:
             return "disagrees", (f"V-GRPO did not reach it in its {c['Bv']} iterations "
@@ -433,8 +485,10 @@ def interval_position(lo: float, hi: float, factor: float) -> str:
     """Where an interval lies against 1 and a claimed factor, in words."""
     if hi < factor:
         return f"lies wholly below the claimed {factor:.2g}×"
+    if lo > factor:
+        return f"lies wholly above the claimed {factor:.2g}×"
     if lo > 1:
-        return f"lies above 1 and reaches the claimed {factor:.2g}×"
+        return f"lies above 1 and includes the claimed {factor:.2g}×"
     return f"includes both 1 and the claimed {factor:.2g}×"
 
 
@@ -462,8 +516,8 @@ def budget_verdict(bs: dict, factor: float, unit: str) -> tuple[str, str]:
     where = (f"the speed-up in {UNITS[unit]} stays inside its interval at B = {c['B']} at every "
              f"cut-off ({at} iterations)")
     if lo > 1 and hi >= factor:
-        return "agrees", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], lies above 1 and " \
-                         f"reaches {factor:.2g}×"
+        return "agrees", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], " \
+                         f"{interval_position(lo, hi, factor)}"
     if hi < factor:
         return "disagrees", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], lies wholly below " \
                             f"{factor:.2g}×"
@@ -541,7 +595,7 @@ def same_spend(v_rs: list[dict], b_rs: list[dict], timing: dict | None, v_name: 
     pv, rv = boot_curve(Xv)
     pb, rb = boot_curve(Xb)
     out = {"seeds": len(seeds), "vgrpo_final": ci(pv[-1], rv[:, -1]),
-           "baseline_final": ci(pb[-1], rb[:, -1]), "spend": {}, "diff": {}}
+           "baseline_final": ci(pb[-1], rb[:, -1]), "spend": {}, "diff": {}, "seed_diff": {}}
     ra, rbb = rates(v_rs, timing, v_name), rates(b_rs, timing, b_name)
     for u in UNITS:
         if u not in ra or u not in rbb:
@@ -552,6 +606,8 @@ def same_spend(v_rs: list[dict], b_rs: list[dict], timing: dict | None, v_name: 
         b = at_spend(np.concatenate([pb[None], rb]), xb, spend)
         out["spend"][u] = spend
         out["diff"][u] = ci(a[0] - b[0], a[1:] - b[1:])
+        out["seed_diff"][u] = seed_interval(at_spend(Xv.mean(-1), xv, spend)
+                                            - at_spend(Xb.mean(-1), xb, spend))
     return out
 
 
