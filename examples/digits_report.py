@@ -33,7 +33,7 @@ CLAIMS = {
                     paper="FLUX.1-dev: MixGRPO's reward after 300 iterations in 150"),
     "DiffusionNFT": dict(factor=1700 / 580, unit="steps",
                          label="3× fewer gradient steps than DiffusionNFT",
-                         paper="SD3.5-M: about 1.7K gradient steps down to 580"),
+                         paper="SD3.5-M: about 1.7K steps down to 580 (its Tables 1, 3, 5)"),
 }
 EMA_METHODS = ("DiffusionNFT", "DiffusionNFT (decay scaled)", "Flow-GRPO (no CFG)")
 
