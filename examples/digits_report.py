@@ -83,8 +83,8 @@ def label(m: str, variant: str = "main") -> str:
 
 def _ci_or_reached(t, reached: int, seeds: int, fmt="{:.1f}") -> str:
     if math.isinf(t[0]):
-        return f"not reached ({reached} of {seeds} seeds)"
-    return f"{ci_s(t, fmt)} ({reached} of {seeds} seeds)"
+        return f"not reached ({reached} of {plural(seeds, 'seed')})"
+    return f"{ci_s(t, fmt)} ({reached} of {plural(seeds, 'seed')})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1132,6 +1132,10 @@ def readme_text(S: dict, link: str, fig: str | None, earlier: dict | None = None
     if reasons and S["nmc"]:
         reasons.append(f"* **The number of (t, ε) pairs ({runs_label(p['nmc'])}).** "
                        + nmc_finding(S))
+    fu = BENCH.DEFAULT_OUT["followup"]
+    if (fu / "plan.json").is_file():
+        reasons.append(followup_summary(analyse_followup(fu), os.path.join(
+            os.path.dirname(link), os.path.relpath(fu, Path(__file__).parent))))
     if reasons:
         body += "\n" + "\n".join(reasons) + "\n"
     if S["not_finished"]:
@@ -1186,6 +1190,8 @@ def report(out: Path = RESULTS, md: Path | None = None, readme: Path | None = No
     md = Path(md) if md else (here / f"{shipped}.md" if shipped else out / "report.md")
     if readme is None and shipped == "digits":
         readme = D.ROOT / "README.md"
+    if json.loads((out / "plan.json").read_text()).get("runs"):
+        return followup_report(out, md, log)
     S = analyse(out)
     cmd = "python examples/digits.py benchmark" + (
         " --quick" if S["plan"]["mode"] == "quick" else "") + (
@@ -1201,6 +1207,251 @@ def report(out: Path = RESULTS, md: Path | None = None, readme: Path | None = No
         replace_readme_section(Path(readme), readme_text(
             S, rel(md), rel(fig) if fig and Path(fig).is_file() else None, earlier))
     log(f"wrote {md}, {out / 'summary.json'}" + "".join(f", {v}" for v in figs.values()))
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
+# The follow-up plan (issue 47; digits_bench.PLANS["followup"]): runs at fixed lrs and budgets,
+# the claim in the plan's unit under the budget-sensitivity rule, the ladder from the baseline's
+# gain. A comparison, and the ladder, wait for every one of their runs.
+# ------------------------------------------------------------------------------------------------
+def group_name(method: str, lr: float, iterations: int) -> str:
+    return f"{method}, lr {lr_s(lr)}, B = {iterations}"
+
+
+def analyse_followup(out: Path) -> dict:
+    """The follow-up folder's runs → numbers: each planned group's runs, each comparison's
+    budget sensitivity and verdict (when all its runs are in), Run A's same-spend differences,
+    the ladder (when every group is complete)."""
+    plan = json.loads((out / "plan.json").read_text())
+    base = json.loads((out / "base.json").read_text())
+    results = BENCH.load_results(out)
+    timing = next((r for r in results.values() if r.get("kind") == "timing"), None)
+    jobs = BENCH.jobs_of(plan)
+    S = {"plan": plan, "base": base, "results": results, "timing": timing, "out": out,
+         "base_reward": ST.ci(*ST.boot_mean(ST.arrays([base["heldout"]], "reward"))),
+         "failed": sorted(p.stem for p in out.glob("*.failed")),
+         "not_finished": sorted({j["id"] for j in jobs} - set(results)
+                                - {p.stem for p in out.glob("*.failed")}),
+         "groups": {}, "comparisons": [], "ladder": {}}
+    for spec in plan["runs"]:
+        ids = [j["id"] for j in jobs if j["kind"] == "fixed" and j["method"] == spec["method"]
+               and j["lr"] == spec["lr"] and j["iterations"] == spec["iterations"]]
+        rs = sorted([results[i] for i in ids if i in results], key=lambda r: r["seed"])
+        S["groups"][group_name(spec["method"], spec["lr"], spec["iterations"])] = dict(
+            spec, runs=rs, planned=len(ids), complete=len(rs) == len(ids))
+    cl = plan["claim"]
+    for comp in plan["comparisons"]:
+        v, b = group_name(*comp["vgrpo"]), group_name(*comp["baseline"])
+        gv, gb = S["groups"][v], S["groups"][b]
+        row = dict(comp, v=v, b=b, done=sum(len(g["runs"]) for g in (gv, gb)),
+                   planned=gv["planned"] + gb["planned"])
+        if gv["complete"] and gb["complete"]:
+            label_b = f"DiffusionNFT at lr {lr_s(comp['baseline'][1])}"
+            bs = ST.budget_sensitivity(gv["runs"], gb["runs"], timing, comp["baseline"][0],
+                                       comp["vgrpo"][0], plan["cutoffs"])
+            for c in bs["cutoffs"]:
+                c["method"] = label_b
+            row.update(bs=bs, verdict=ST.budget_verdict(bs, cl["factor"], cl["unit"]),
+                       in_steps=ST.budget_verdict(bs, cl["factor"], "steps"))
+            if comp["vgrpo"][1] == comp["baseline"][1]:
+                row["same_spend"] = ST.same_spend(gv["runs"], gb["runs"], timing,
+                                                  comp["vgrpo"][0], comp["baseline"][0])
+        S["comparisons"].append(row)
+    if all(g["complete"] for g in S["groups"].values()):
+        groups = {n: g["runs"] for n, g in S["groups"].items()}
+        seeds = set.intersection(*[{r["seed"] for r in rs} for rs in groups.values()])
+        groups = {n: [r for r in rs if r["seed"] in seeds] for n, rs in groups.items()}
+        L = ST.ladder(groups, S["base_reward"][0], timing,
+                      gain_of=group_name(*plan["ladder_baseline"]), fractions=plan["ladder"],
+                      rate_of={n: g["method"] for n, g in S["groups"].items()})
+        L["rates"] = {n: ST.rates(rs, timing, S["groups"][n]["method"])
+                      for n, rs in groups.items()}
+        S["ladder"] = L
+    return S
+
+
+def followup_verdicts_text(S: dict) -> str:
+    cl, rows, paras = S["plan"]["claim"], [], []
+    for c in S["comparisons"]:
+        if "bs" not in c:
+            paras.append(f"**{c['name']} ({c['what']}): not measured yet.** {c['done']} of its "
+                         f"{c['planned']} runs are finished; the comparison waits for all.")
+            continue
+        f, u = c["bs"]["final"], cl["unit"]
+        rows.append([c["name"], f"{c['b']}; {c['v']}", ratio_s(f, u), ratio_s(f, "steps"),
+                     f"{cl['factor']:.2g}×", f"**{c['verdict'][0]}**"])
+        paras.append(f"**{c['name']} ({c['what']}): {c['verdict'][0]}.** "
+                     f"{c['verdict'][1][0].upper()}{c['verdict'][1][1:]}. In gradient steps, the "
+                     f"same rule gives “{c['in_steps'][0]}”: {c['in_steps'][1]}.")
+    head = ""
+    if rows:
+        head = table(["run", "measured at", f"speed-up in {ST.UNITS[cl['unit']]} (the verdict's "
+                      f"unit)", "in gradient steps", "claimed", "verdict"], rows) + "\n"
+    return head + "\n\n".join(paras) + "\n"
+
+
+def followup_cutoffs_text(S: dict) -> str:
+    parts = []
+    for c in S["comparisons"]:
+        if "bs" not in c:
+            continue
+        rows = []
+        for k in c["bs"]["cutoffs"]:
+            rows.append([f"{k['fraction']:.0%}: iteration {k['B']}", ci_s(k["baseline_final"]),
+                         _ci_or_reached(k["vgrpo_iters"], k["seeds_reached"], k["seeds"]),
+                         *[ratio_s(k, u) if k["reached"] else
+                           f"below {k['bound'][u]:.2f}× (not reached)" for u in
+                           ("iters", "steps", "nfe", "seconds") if u in k["ratio"]]])
+        units = [u for u in ("iters", "steps", "nfe", "seconds") if u in c["bs"]["final"]["ratio"]]
+        lq = c["bs"]["final"]["last_quarter"]
+        parts.append(f"**{c['name']}: {c['b']} against {c['v']}.** The baseline's last-quarter "
+                     f"gain (no part of the verdict): {ci_s(lq[:3], '{:+.3f}')}.\n\n" + table(
+                         ["cut-off of the baseline's budget", "its reward there (the target)",
+                          "V-GRPO's iterations to it"] + [f"speed-up in {ST.UNITS[u]}"
+                                                         for u in units], rows))
+    return "\n".join(parts) if parts else "Not measured yet.\n"
+
+
+def followup_ladder_text(S: dict) -> str:
+    L = S["ladder"]
+    if not L:
+        done = sum(len(g["runs"]) for g in S["groups"].values())
+        n = sum(g["planned"] for g in S["groups"].values())
+        return (f"Not measured yet: {done} of the {n} runs are finished, and the ladder waits "
+                f"for all of them.\n")
+    names, v = list(L["targets"][0]["methods"]), group_name(*S["plan"]["comparisons"][0]["vgrpo"])
+    others = [n for n in names if n != v]
+    out = [f"Targets: the base model's held-out reward plus "
+           f"{and_join([f'{f:.0%}' for f in S['plan']['ladder']])} of the final gain of "
+           f"{L['gain_of']} over the base model ({L['best_gain']:+.3f}). The same targets in "
+           f"every table. Speed-up: the DiffusionNFT run's count to the target divided by "
+           f"V-GRPO's (> 1: V-GRPO needs less).\n"]
+    for unit in ("iters", "steps"):
+        rows = []
+        for t in L["targets"]:
+            e = t["methods"]
+            fmt = "{:.1f}"
+            rows.append([f"{t['fraction']:.0%}: {t['reward']:.3f}"]
+                        + [_ci_or_reached(e[n]["counts"][unit], e[n]["reached"], e[n]["seeds"],
+                                          fmt) for n in names]
+                        + [_speedup_s(e[v], e[n], unit, L["rates"][v], L["rates"][n])
+                           for n in others])
+        out.append(f"**{ST.UNITS[unit].capitalize()} to each target.**\n\n" + table(
+            ["target"] + names + [f"speed-up against {n}" for n in others], rows))
+    return "\n".join(out)
+
+
+def followup_finals_text(S: dict) -> str:
+    rows = []
+    for n, g in S["groups"].items():
+        if not g["complete"]:
+            rows.append([n, f"{len(g['runs'])} of {g['planned']}", "—", "—"])
+            continue
+        fs = ST.final_stats(g["runs"])
+        lq = ST.last_quarter_gain(g["runs"])
+        rows.append([n, f"{len(g['runs'])} of {g['planned']}", ci_s(fs["reward"]),
+                     ci_s(lq[:3], "{:+.3f}")])
+    return (f"The base model's held-out reward is {ci_s(S['base_reward'])}.\n\n"
+            + table(["runs", "seeds finished", "final held-out reward", "last-quarter gain"],
+                    rows))
+
+
+def followup_same_spend_text(S: dict) -> str:
+    rows = []
+    for c in S["comparisons"]:
+        d = c.get("same_spend")
+        if not d:
+            continue
+        rows.append([c["name"], c["v"], c["b"], ci_s(d["vgrpo_final"]), ci_s(d["baseline_final"])]
+                    + [ci_s(d["diff"][u], "{:+.3f}") if u in d["diff"] else "—"
+                       for u in ("iters", "steps", "nfe", "seconds")])
+    if not rows:
+        return "Not measured yet.\n"
+    return ("V-GRPO's held-out reward minus DiffusionNFT's at the largest spend both reached "
+            "(each curve interpolated there). Positive: V-GRPO is ahead.\n\n"
+            + table(["run", "V-GRPO", "DiffusionNFT", "V-GRPO final", "DiffusionNFT final",
+                     "at the same iterations", "gradient steps", "NFE", "seconds"], rows))
+
+
+def followup_cost_text(S: dict) -> str:
+    rs = [r for r in S["results"].values() if r.get("kind") == "fixed"]
+    est = (S["plan"].get("estimate") or {}).get("by_run", {})
+    if not rs:
+        return "No run has finished yet.\n"
+    hours = lambda x: f"{x / 3600:.1f} h" if x >= 3600 else f"{x / 60:.0f} min"
+    rows = []
+    for n, g in S["groups"].items():
+        key = f"{g['method']} lr {g['lr']:g} B {g['iterations']}"
+        took = [r["seconds"] for r in g["runs"]]
+        rows.append([n, f"{len(took)} of {g['planned']}", hours(sum(took)) if took else "—",
+                     f"{sum(took) / max(sum(r['iterations'] for r in g['runs']), 1):.1f} s"
+                     if took else "—", hours(est.get(key, 0))])
+    return (f"One worker process of one thread, under nice, on a shared 2-core machine.\n\n"
+            + table(["runs", "finished", "run time", "per iteration", "estimated for all"],
+                    rows))
+
+
+def write_followup(S: dict, cmd: str) -> str:
+    p = S["plan"]
+    status = ""
+    if S["failed"]:
+        status += f"\nFailed runs: {', '.join(S['failed'])}.\n"
+    if S["not_finished"]:
+        status += (f"\n**Not finished when this report was written** "
+                   f"({plural(len(S['not_finished']), 'run')} of {len(BENCH.jobs_of(p))}): "
+                   f"sections that need them say \"Not measured yet\". `{cmd}` continues.\n")
+    return "\n".join([
+        f"# Follow-up: V-GRPO (GenEval-stage) against DiffusionNFT on fresh seeds\n",
+        f"Produced by `{cmd}` (plan `{p['mode']}`, written at commit {p.get('commit', '?')} before "
+        f"any of its runs; the plan: [plan.md](plan.md)). This report was written by `python "
+        f"examples/digits.py report --out {os.path.relpath(S['out'], D.ROOT)}` from the code of "
+        f"commit {report_commit()}. Seeds {_seeds(p['confirmation_seeds'])}. All numbers are "
+        f"held-out rewards unless a column says otherwise.\n" + status,
+        "## Verdicts\n",
+        f"The claim: {p['claim']['label']} (the paper: {p['claim']['paper']}). The rules are "
+        f"the plan's, quoted below the tables.\n",
+        followup_verdicts_text(S),
+        "## The speed-up at each cut-off of the baseline's budget\n", followup_cutoffs_text(S),
+        "## Final rewards\n", followup_finals_text(S),
+        "## Run A at the same spend\n", followup_same_spend_text(S),
+        "## Speed-up at every target\n", followup_ladder_text(S),
+        "## Cost\n", followup_cost_text(S),
+        "## The unit and the rules, as the plan fixed them before any run\n",
+        f"**The unit.** {p['unit']}\n\n**Settled.** {p['rules']['settled']}\n\n**The verdict.** "
+        f"{p['rules']['verdict']}\n\n**The ladder.** {p['rules']['ladder']}\n"])
+
+
+def followup_summary(F: dict, folder: str) -> str:
+    """The follow-up in one bullet for the README: each comparison's verdict with its reason once
+    all its runs are in, else how many runs are finished."""
+    p, cl = F["plan"], F["plan"]["claim"]
+    s = (f"* **Follow-up (issue 47): the DiffusionNFT claim in {ST.UNITS[cl['unit']]}, on seeds "
+         f"{_seeds(p['confirmation_seeds'])}** ([plan]({folder}/plan.md), [report]({folder}/"
+         f"report.md)). ")
+    for c in F["comparisons"]:
+        if "verdict" in c:
+            s += (f"{c['name']} ({c['what']}): **{c['verdict'][0]}**; "
+                  f"{c['verdict'][1]}. ")
+        else:
+            s += f"{c['name']} ({c['what']}): {c['done']} of its {c['planned']} runs finished. "
+    if F["not_finished"]:
+        s += "Nothing is concluded from a comparison before all its runs are in."
+    return s.rstrip()
+
+
+def followup_report(out: Path, md: Path | None = None, log=print) -> str:
+    """The follow-up folder's report.md (or `md`) and summary.json."""
+    S = analyse_followup(out)
+    md = Path(md) if md else out / "report.md"
+    cmd = (f"python examples/digits.py benchmark --plan {S['plan']['mode']} --workers 1 "
+           f"--threads 1" + ("" if out.resolve() == BENCH.DEFAULT_OUT["followup"].resolve()
+                             else f" --out {os.path.relpath(out, D.ROOT)}"))
+    text = write_followup(S, cmd)
+    md.write_text(text)
+    groups = {n: {k: v for k, v in g.items() if k != "runs"} for n, g in S["groups"].items()}
+    (out / "summary.json").write_text(json.dumps(strip(dict(S, groups=groups)), indent=1))
+    log(f"wrote {md}, {out / 'summary.json'}")
     return text
 
 
