@@ -105,6 +105,7 @@ def analyse(out: Path) -> dict:
     S["choice_stability"] = {m: ST.choice_stability(results, plan, base, m) for m in chosen} \
         if ST.select_kind(plan) == "select" else {}
     S["claims"] = claims_of(S)
+    S["cutoffs"] = cutoffs_of(S)
     S["same_lr"] = same_lr_rows(S)
     S["ladder"] = ladder_of(S)
     S["variants"] = variant_rows(S)
@@ -193,6 +194,57 @@ def claims_of(S: dict) -> dict:
             c["verdict"], c["reason"] = ST.verdict(c, CLAIMS[m]["factor"], CLAIMS[m]["unit"])
         out[m] = c
     return out
+
+
+def cutoffs_of(S: dict) -> dict:
+    """Each measured claim with its baseline cut off at ½, ¾ and all of B (the follow-up plan's
+    budget-sensitivity rule, applied after the fact: it shows which way the data lean and changes
+    no verdict of this plan). {baseline: {"bs", "words": {unit: reason}}}."""
+    v = S["vgrpo"]
+    v_rs = ST.confirm_runs(S["results"], S["plan"], S["chosen"], v)
+    out = {}
+    for m, c in S["claims"].items():
+        if "claim" not in c or S["plan"].get("version") != 2:
+            continue
+        b_rs = ST.confirm_runs(S["results"], S["plan"], S["chosen"], m)
+        bs = ST.budget_sensitivity(v_rs, b_rs, S["timing"], m, v)
+        out[m] = {"bs": bs, "words": {u: ST.budget_verdict(bs, c["claim"]["factor"], u)[1]
+                                      for u in ("iters", "steps")}}
+    return out
+
+
+def cutoffs_text(S: dict) -> str:
+    if not S.get("cutoffs"):
+        return ""
+    parts = [f"The B = {S['plan']['iterations']} plan asked whether the baseline's reward was "
+             f"still rising over its last quarter. The follow-up plan "
+             f"(examples/digits_results_followup/plan.md) replaces that rule with budget "
+             f"sensitivity: the speed-up with the baseline cut off at ½, ¾ and all of its "
+             f"budget, settled when the earlier ones lie inside the interval at B. Here it is "
+             f"applied after the fact, to show which way these runs lean; it changes none of "
+             f"this plan's verdicts.\n"]
+    for m, x in S["cutoffs"].items():
+        rows = [[f"{k['fraction']:.0%}: iteration {k['B']}", ci_s(k["baseline_final"]),
+                 _ci_or_reached(k["vgrpo_iters"], k["seeds_reached"], k["seeds"]),
+                 ratio_s(k, "iters"), ratio_s(k, "steps")] for k in x["bs"]["cutoffs"]]
+        parts.append(f"**{m}, lr {lr_s(S['claims'][m]['lr'])}.**\n\n" + table(
+            ["cut-off of its budget", "its reward there (the target)",
+             f"{S['vgrpo']}'s iterations to it", "speed-up in iterations",
+             "in gradient steps"], rows) + "\n" + cutoffs_finding(S, m) + "\n")
+    return "\n".join(parts)
+
+
+def cutoffs_finding(S: dict, m: str) -> str:
+    """The budget-sensitivity reading of one claim, in both units, as sentences."""
+    return " ".join(_cutoff_sentence(S, m, u) for u in ("iters", "steps"))
+
+
+def _cutoff_sentence(S: dict, m: str, u: str) -> str:
+    """'In gradient steps, DiffusionNFT had not settled: ...' (the subject named once)."""
+    w = S["cutoffs"][m]["words"][u]
+    if not w.startswith(m):
+        w = f"against {m}, {w}"
+    return f"In {ST.UNITS[u]}, {w}."
 
 
 def same_lr_rows(S: dict) -> list[dict]:
@@ -1036,9 +1088,12 @@ def write_report(S: dict, cmd: str, figs: dict) -> str:
              "## Verdicts\n", verdicts_text(S) + img("curves", "held-out reward curves"),
              "## Setup\n", setup_text(S),
              "## Learning-rate selection\n", selection_text(S),
-             "## The paper's claims\n", claims_table_text(S),
-             "## At the same learning rate\n", same_lr_text(S),
-             "## Speed-up at every target\n", ladder_text(S)]
+             "## The paper's claims\n", claims_table_text(S)]
+    if S.get("cutoffs"):
+        parts += ["## The claims at other cut-offs of the baseline's budget (after the fact)\n",
+                  cutoffs_text(S)]
+    parts += ["## At the same learning rate\n", same_lr_text(S),
+              "## Speed-up at every target\n", ladder_text(S)]
     if v2:
         sw, nm = p.get("swap") or {}, p.get("nmc") or {}
         parts += ["## Variants of the baselines\n", variants_text(S),
@@ -1118,6 +1173,13 @@ def readme_text(S: dict, link: str, fig: str | None, earlier: dict | None = None
         if rows else "No claim is measured yet.\n"
     reasons = [f"* **{c['claim']['label']}, B = {p['iterations']}: {c['verdict']}.** "
                + reason_s(c) + unit_note(c) for c in S.get("claims", {}).values() if "claim" in c]
+    if reasons and S.get("cutoffs"):
+        reasons.append(f"* **The B = {p['iterations']} claims at ½, ¾ and all of the baseline's "
+                       f"budget (the follow-up's budget-sensitivity rule, after the fact; no "
+                       f"verdict changes).** " + " ".join(
+                           _cutoff_sentence(S, m, u) for m in S["cutoffs"]
+                           for u in (("iters", "steps") if CLAIMS[m]["unit"] == "steps"
+                                     else ("iters",))))
     if reasons and S["chosen"].get(S["vgrpo"], {}).get("fallback"):
         lrs = [n for n in selection_notes(S) if n.startswith(f"No lr kept {S['vgrpo']}'s")
                or n.startswith("How firm") or "bottom of the grid" in n]

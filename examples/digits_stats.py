@@ -505,16 +505,21 @@ def budget_verdict(bs: dict, factor: float, unit: str) -> tuple[str, str]:
         return "not tested", (f"{c['method']} did not improve on the base model in {c['B']} "
                               f"iterations, so its final reward is no target")
     p, lo, hi = c["ratio"][unit]
-    at = ", ".join(f"{_speed_s(cc, unit)} at {cc['B']}" for cc in bs["cutoffs"])
+    cuts = bs["cutoffs"]
+    at = (f"with the baseline cut off at {', '.join(str(cc['B']) for cc in cuts[:-1])} and "
+          f"{c['B']} iterations: {', '.join(_speed_s(cc, unit) for cc in cuts[:-1])} and "
+          f"{_speed_s(c, unit)}")
     if not settled(bs, unit):
-        first, last = cut_point(bs["cutoffs"][0], unit), cut_point(c, unit)
+        first, last = cut_point(cuts[0], unit), cut_point(c, unit)
         way = "fell" if last < first else "rose"
+        out = [cc for cc in cuts[:-1] if not (lo <= cut_point(cc, unit) <= hi)]
         return "not tested", (f"{c['method']} had not settled: the speed-up in {UNITS[unit]} "
-                              f"{way} as its budget grew ({at} iterations), outside the "
-                              f"interval at B = {c['B']}, [{lo:.2f}, {hi:.2f}], which "
-                              f"{interval_position(lo, hi, factor)}")
+                              f"{way} as its budget grew ({at}); at "
+                              f"{and_words([str(cc['B']) for cc in out])} iterations it lies "
+                              f"outside the interval at B = {c['B']}, [{lo:.2f}, {hi:.2f}], "
+                              f"which {interval_position(lo, hi, factor)}")
     where = (f"the speed-up in {UNITS[unit]} stays inside its interval at B = {c['B']} at every "
-             f"cut-off ({at} iterations)")
+             f"cut-off ({at})")
     if lo > 1 and hi >= factor:
         return "agrees", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], " \
                          f"{interval_position(lo, hi, factor)}"
@@ -523,6 +528,11 @@ def budget_verdict(bs: dict, factor: float, unit: str) -> tuple[str, str]:
                             f"{factor:.2g}×"
     return "not resolved", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], includes both 1 " \
                            f"and {factor:.2g}×"
+
+
+def and_words(items: list) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def _speed_s(c: dict, unit: str) -> str:
