@@ -1496,9 +1496,10 @@ def followup_summary(F: dict, folder: str) -> str:
             s += (f"{c['name']} ({c['what']}): **{c['verdict'][0]}**; "
                   f"{c['verdict'][1]}. ")
         else:
-            s += f"{c['name']} ({c['what']}): {c['done']} of its {c['planned']} runs finished. "
+            s += f"{c['name']} ({c['what']}): not measured yet. "
     if F["not_finished"]:
-        s += "Nothing is concluded from a comparison before all its runs are in."
+        s += ("The runs are in progress; the report lists those finished, and nothing is "
+              "concluded from a comparison before all its runs are in.")
     return s.rstrip()
 
 
