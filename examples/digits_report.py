@@ -739,8 +739,9 @@ def ladder_text(S: dict) -> str:
     parts.append(f"Targets: the base model's held-out reward plus 25, 50, 75 and 90 % of the "
                  f"largest final gain of any method ({L['best_gain']:+.3f}). Each method at its "
                  f"chosen lr. A count is the iterations to the target times the method's count "
-                 f"per iteration. The speed-up columns divide the baseline's count by "
-                 f"{v}'s (> 1: V-GRPO needs less).\n")
+                 f"per iteration. The speed-up columns divide the row's count by {v}'s (> 1: "
+                 f"{v} needs less). A cell that says “not reached”: that row's seed-mean curve "
+                 f"did not reach the target.\n")
     for t in L["targets"]:
         rows = []
         a = t["methods"][v]
