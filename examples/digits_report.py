@@ -1481,7 +1481,8 @@ def write_followup(S: dict, cmd: str) -> str:
         "## Speed-up at every target\n", followup_ladder_text(S),
         "## Cost\n", followup_cost_text(S),
         "## The unit and the rules, as the plan fixed them before any run\n",
-        f"**The unit.** {p['unit']}\n\n**Settled.** {p['rules']['settled']}\n\n**The verdict.** "
+        f"**The unit** (the line numbers are those of commit {p.get('commit', '?')}, where the "
+        f"plan was written). {p['unit']}\n\n**Settled.** {p['rules']['settled']}\n\n**The verdict.** "
         f"{p['rules']['verdict']}\n\n**The ladder.** {p['rules']['ladder']}\n"])
 
 
