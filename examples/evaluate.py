@@ -4,22 +4,35 @@
         --prompts test_prompts.txt --rewards pickscore,hpsv2,clipscore,examples.aesthetic:score \\
         --out runs/eval
 
+The eight metrics of the V-GRPO paper's SD3.5-Medium table (Table 3), each on its own prompts:
+
+    python examples/evaluate.py --model sd3.5-medium --checkpoints runs/<run> --metrics paper \\
+        --prompts test_prompts.txt --geneval_prompts geneval.jsonl --ocr_prompts ocr.txt \\
+        --out runs/eval
+
 It answers what a run leaves open: did the checkpoint raise the reward on held-out prompts, by how
 much, how sure is that, and what happened to the other rewards (reward hacking shows as a gain on
 the trained reward next to a loss on the others). Every model draws image i of prompt p from the
 same initial noise, seeded by (seed, p, i), so the comparison is paired: the base and each
 checkpoint are scored on the same prompts AND the same noises.
 
+Prompt sets: --prompts is scored with every --rewards; --geneval_prompts (a .jsonl file whose
+lines carry GenEval's metadata) with GenEval alone, and --ocr_prompts (the text to render in
+double quotes) with OCR alone. Each set is sampled once per model and scored once.
+
 Statistics: each prompt's score is the mean over its images; a model's score is the mean over
 prompts, with a 95 % percentile bootstrap interval over prompts (prompts resampled with
-replacement, 10,000 resamples from a fixed seed, the same resamples for every model and reward).
-The difference to the baseline (default: the base model) is computed prompt by prompt and
-bootstrapped over the same resamples, so its interval is that of a paired difference.
+replacement, 10,000 resamples from a fixed seed, the same resamples for every model and reward of
+a prompt set). The difference to the baseline (default: the base model) is computed prompt by
+prompt and bootstrapped over the same resamples, so its interval is that of a paired difference.
+GenEval's score is the mean over its tags of each tag's mean (GenEval's own overall score), its
+prompts resampled within each tag.
 
 Outputs (--out): settings.json, scores.jsonl (one line per image: model, prompt, every reward),
 images/<model>/p<prompt>_i<image>.png, results.json, results.md and grid.png (rows: the first
-prompts, columns: the models, the same noise in every column). A killed evaluation continues where
-it stopped when run again with the same flags; models may be added to a finished one.
+prompts, columns: the models, the same noise in every column); the GenEval and OCR sets the same
+in geneval/ and ocr/. A killed evaluation continues where it stopped when run again with the same
+flags; models and prompt sets may be added to a finished one.
 
 Everything model-related is vgrpo.py's own: load_pipeline, make_adapter, add_lora, load_trainable,
 read_checkpoint, rollout, decode_and_reward, build_reward, probe_reward, and the trainer's flag
@@ -31,6 +44,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -61,7 +75,9 @@ FROM_CHECKPOINT = ("model", "num_steps", "eval_steps", "solver", "resolution",
                    "pickscore_processor", "clip_model")
 HELP = {"model": "the base model: alias, hub id or local diffusers folder (default: the first "
                  "checkpoint's)",
-        "prompts": "prompts to evaluate on, one per line, every line used",
+        "prompts": "prompts scored with every --rewards: a text file, one per line, every line "
+                   "used, or a .jsonl file (one JSON object with a \"prompt\" per line); optional "
+                   "with --geneval_prompts or --ocr_prompts",
         "num_steps": "ODE steps per image (default: the checkpoint's evaluation steps, else the "
                      "model's preset)",
         "seed": "seed of the initial noises: image i of prompt p uses the seed (seed, p, i)",
@@ -69,6 +85,16 @@ HELP = {"model": "the base model: alias, hub id or local diffusers folder (defau
                          "evaluation redoes)"}
 BOOT_DRAWS, BOOT_SEED, LEVEL = 10_000, 0, 0.95
 KINDS = ("base", "lora", "full")          # sampled in this order: a full fine-tune overwrites
+# The metrics of the V-GRPO paper's SD3.5-Medium table (Table 3), in its column order, which
+# results.md keeps. GenEval and OCR are scored on prompt sets of their own (SETS: what each set's
+# prompts must carry, and the reward that scores its column by default: for GenEval its own
+# verdict per image, 1 or 0, which the benchmark reports, not the partial-credit training reward
+# `geneval`); --metrics paper scores the other six on --prompts.
+TABLE3 = ("geneval", "ocr", "pickscore", "clipscore", "hpsv2", "aesthetic", "imagereward",
+          "unifiedreward")
+PAPER_REWARDS = TABLE3[2:]
+SETS = {"geneval": ("GenEval's metadata on every line: a .jsonl file", "examples.geneval:accuracy"),
+        "ocr": ("the text to render between double quotes", "ocr")}
 
 
 @dataclass
@@ -86,6 +112,27 @@ class Model:
                 "iteration": self.iteration}
 
 
+@dataclass
+class PromptSet:
+    """A prompt file and the metrics scored on it: --prompts with every --rewards, or one of SETS
+    with its own metric. Each model samples every set; its images and records are in folder()."""
+    key: str                              # "prompts", or a key of SETS
+    path: str
+    prompts: list                         # str; a .jsonl file's carry .metadata
+    rewards: dict                         # {metric: the reward that scores it, as build_reward's}
+
+    def folder(self, out: Path) -> Path:
+        return out if self.key == "prompts" else out / self.key
+
+    def flag(self) -> str:
+        return "--prompts" if self.key == "prompts" else f"--{self.key}_prompts"
+
+    def tags(self) -> Optional[list]:
+        """GenEval's tag of every prompt (its metadata's "tag"), if each has one; else None."""
+        tags = [(getattr(p, "metadata", None) or {}).get("tag") for p in self.prompts]
+        return tags if self.key == "geneval" and None not in tags else None
+
+
 # ------------------------------------------------------------------------------------------------
 # Command line and configuration: everything checked before anything loads or is written.
 # ------------------------------------------------------------------------------------------------
@@ -95,9 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--checkpoints", nargs="*", default=[], metavar="RUN_OR_CKPT",
       help="checkpoint folders, or run folders (their latest checkpoint); LoRA or full fine-tune, "
            "read from each checkpoint's trainer_state.pt. 'base' names the base model again")
-    a("--rewards", help="comma-separated rewards to score, each reported on its own: built-in "
-                        f"({', '.join(V.BUILTIN_REWARDS)}) or module.path:function (default: "
-                        "the first checkpoint's --reward and --eval_rewards)")
+    a("--rewards", help="comma-separated rewards to score on --prompts, each reported on its "
+                        f"own: built-in ({', '.join(V.BUILTIN_REWARDS)}) or module.path:function "
+                        "(default: the first checkpoint's --reward and --eval_rewards)")
+    a("--metrics", choices=["paper"], help="'paper': the V-GRPO paper's eight SD3.5-Medium "
+      f"metrics: {', '.join(PAPER_REWARDS)} on --prompts (in place of --rewards), GenEval on "
+      "--geneval_prompts and OCR on --ocr_prompts (both then required)")
+    for key, (what, default) in SETS.items():
+        a(f"--{key}_prompts", metavar="FILE", help=f"prompts with {what}; every model samples "
+          f"them, and {key} alone scores them (in its own folder, {key}/)")
+        a(f"--{key}_reward", metavar="REWARD", help=f"what scores the {key} column: a reward "
+          f"name, module.path:function or URL [default {default}]")
     a("--images_per_prompt", type=int, default=4, help="images per prompt and model [default 4]")
     a("--out", required=True, help="output folder; run again with the same flags to continue")
     a("--baseline", default="base", help="the model the differences are taken to: 'base', a "
@@ -164,17 +219,45 @@ def reward_names(spec: Optional[str], first: dict) -> list[str]:
     return [n for n, _ in terms]
 
 
+def set_reward(key: str, spec: Optional[str]) -> str:
+    """--<key>_reward → the one reward that scores a set's metric (default: SETS')."""
+    spec = spec or SETS[key][1]
+    try:
+        (name, weight), *more = V.parse_reward_spec(spec)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("--reward ", f"--{key}_reward ")) from None
+    if more or weight != 1.0:
+        raise ConfigError(f"--{key}_reward {spec!r}: name one reward, without a weight")
+    return name
+
+
 def configure(ns: argparse.Namespace):
-    """Flags → (Args, models, prompts, reward names). vgrpo's own resolution of presets applies,
-    with the first checkpoint's config between the presets and the flags given."""
+    """Flags → (Args, models, prompt sets). vgrpo's own resolution of presets applies, with the
+    first checkpoint's config between the presets and the flags given."""
     given = {k: v for k, v in vars(ns).items() if k in TRAINER_FLAGS}
     models = read_models(ns.checkpoints)
     first = next((m.config for m in models if m.config), {})
     if "model" not in given and not first:
         raise ConfigError("--model is required without --checkpoints (an alias, a hub id or a "
                           "local diffusers folder)")
-    if "prompts" not in given:
-        raise ConfigError("--prompts is required: a text file, one prompt per line")
+    files = {k: getattr(ns, f"{k}_prompts") for k in SETS}
+    if ns.metrics == "paper":
+        lacking = ["--prompts"] * ("prompts" not in given) + [f"--{k}_prompts" for k, f in
+                                                               files.items() if f is None]
+        if lacking or ns.rewards:
+            raise ConfigError("--metrics paper scores six rewards on --prompts (in place of "
+                              "--rewards), GenEval on --geneval_prompts and OCR on --ocr_prompts; "
+                              + ("drop --rewards" if ns.rewards else
+                                 "pass " + " and ".join(lacking)))
+    if "prompts" not in given and not any(files.values()):
+        raise ConfigError("--prompts is required: a text file, one prompt per line (or "
+                          f"--{'_prompts, --'.join(SETS)}_prompts alone)")
+    if "prompts" not in given and ns.rewards:
+        raise ConfigError("--rewards scores the prompts of --prompts; pass --prompts")
+    for k, f in files.items():
+        if getattr(ns, f"{k}_reward") and not f:
+            raise ConfigError(f"--{k}_reward scores the prompts of --{k}_prompts; pass "
+                              f"--{k}_prompts")
     inherited = {k: first[k] for k in FROM_CHECKPOINT if k in first}
     # n_mc is training-only, but check_args relates it to num_steps: one pair fits any grid
     args = V.resolve_args({**given, "n_mc": 1}, resumed=inherited)
@@ -185,9 +268,21 @@ def configure(ns: argparse.Namespace):
     problems = [f"--{k} must be ≥ {lo} (got {v})" for k, (v, lo) in counts.items() if v < lo]
     if problems:
         raise ConfigError("; ".join(problems))
-    prompts = V.load_prompts(args)[0]         # eval_holdout 0: every line, in file order
-    names = reward_names(ns.rewards, first)
-    return args, models, prompts, names
+    sets = []
+    if "prompts" in given:                   # every line, in file order
+        spec = ",".join(PAPER_REWARDS) if ns.metrics == "paper" else ns.rewards
+        names = reward_names(spec, first)
+        sets.append(PromptSet("prompts", args.prompts,
+                              V.read_prompt_file(args.prompts, "--prompts"), {n: n for n in names}))
+    for k, f in files.items():
+        if f is None:
+            continue
+        if any(k in s.rewards for s in sets):
+            raise ConfigError(f"--rewards names {k!r}, which --{k}_prompts scores on its own "
+                              "prompts; drop it from --rewards")
+        sets.append(PromptSet(k, f, V.read_prompt_file(f, f"--{k}_prompts"),
+                              {k: set_reward(k, getattr(ns, f"{k}_reward"))}))
+    return args, models, sets
 
 
 def baseline_tag(value: str, models: list[Model]) -> str:
@@ -201,13 +296,27 @@ def baseline_tag(value: str, models: list[Model]) -> str:
                       f"{', '.join(m.tag for m in models)}")
 
 
-def settings_of(args, ns, models, prompts, names, dtype) -> dict:
-    """What decides every image and score; a folder continues only with the same settings."""
+def set_settings(s: PromptSet) -> dict:
+    """What decides a prompt set's images and scores: its prompts (their text and metadata, by
+    SHA-256) and rewards."""
+    lines = [p if getattr(p, "metadata", None) is None else json.dumps(p.metadata, sort_keys=True)
+             for p in s.prompts]
+    return {"prompts": str(s.path), "n_prompts": len(s.prompts),
+            "prompts_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),
+            "rewards": list(s.rewards) if s.key == "prompts" else s.rewards}
+
+
+def settings_of(args, ns, models, sets, dtype) -> dict:
+    """What decides every image and score; a folder continues only with the same settings. The
+    --prompts set's keys are at the top, each other set's under its key."""
     model = str(Path(args.model).resolve()) if os.path.isdir(args.model) else args.model
-    text = "\n".join(prompts).encode()
-    return {"model": model, "prompts": str(ns.prompts), "n_prompts": len(prompts),
-            "prompts_sha256": hashlib.sha256(text).hexdigest(), "rewards": names,
-            "images_per_prompt": ns.images_per_prompt, "num_steps": args.num_steps,
+    out = {"model": model}
+    for s in sets:
+        if s.key == "prompts":
+            out.update(set_settings(s))
+        else:
+            out[s.key] = set_settings(s)
+    return {**out, "images_per_prompt": ns.images_per_prompt, "num_steps": args.num_steps,
             "solver": args.solver, "seed": args.seed, "resolution": args.resolution,
             "max_sequence_length": args.max_sequence_length,
             **({"guidance": args.guidance, "flux_shift": args.flux_shift}
@@ -217,8 +326,9 @@ def settings_of(args, ns, models, prompts, names, dtype) -> dict:
 
 
 def check_out(out: Path, settings: dict) -> dict:
-    """--out must be writable; if it holds an evaluation, the settings must agree (models may be
-    added). Returns the settings to save. Creates nothing."""
+    """--out must be writable; if it holds an evaluation, the settings must agree (models and
+    prompt sets may be added, and a set's file may move). Returns the settings to save: the old
+    ones with the new models and sets. Creates nothing."""
     top = next(q for q in (out.absolute(), *out.absolute().parents) if q.exists())
     if not top.is_dir():
         raise ConfigError(f"--out {str(out)!r}: {str(top)!r} is a file, not a folder")
@@ -233,14 +343,22 @@ def check_out(out: Path, settings: dict) -> dict:
                               "(settings.json); pass a new or an empty folder")
         return settings
     old = json.loads((out / "settings.json").read_text())
-    differ = [k for k in settings if k not in ("models", "prompts") and old.get(k) != settings[k]]
+    differ = []
+    for k, v in settings.items():
+        added = k in (*SETS, "n_prompts", "prompts_sha256", "rewards") and k not in old
+        if added or k in ("models", "prompts"):     # a prompt set added; a file moved
+            continue
+        if k in SETS:
+            differ += [f"{k} {x}" for x in v if x != "prompts" and old[k].get(x) != v[x]]
+        elif old.get(k) != v:
+            differ.append(k)
     differ += [f"model {t}" for t, m in settings["models"].items()
                if old["models"].get(t, m) != m]
     if differ:
         raise ConfigError(f"--out {str(out)!r} holds an evaluation with other settings "
                           f"({', '.join(differ)}); pass another --out, or the same flags to "
                           "continue it")
-    return {**settings, "models": {**old["models"], **settings["models"]}}
+    return {**old, **settings, "models": {**old["models"], **settings["models"]}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,7 +454,9 @@ def read_records(out: Path) -> dict:
     exists. The file is rewritten without the line a kill cut short (an append would continue
     it)."""
     path, recs, keep = out / "scores.jsonl", {}, []
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    if not path.is_file():
+        return recs
+    for line in path.read_text().splitlines():
         try:
             r = json.loads(line)
         except ValueError:
@@ -344,9 +464,8 @@ def read_records(out: Path) -> dict:
         if (out / r["file"]).is_file():
             recs[(r["model"], r["prompt_index"], r["image_index"])] = r
             keep.append(line)
-    if path.is_file():
-        path.with_suffix(".tmp").write_text("".join(l + "\n" for l in keep))
-        os.replace(path.with_suffix(".tmp"), path)
+    path.with_suffix(".tmp").write_text("".join(l + "\n" for l in keep))
+    os.replace(path.with_suffix(".tmp"), path)
     return recs
 
 
@@ -363,39 +482,48 @@ def sample_chunk(adapter, rewards, names, chunk, prompts, args, sigmas, D, dev, 
                                args.reward_batch, keep_images=True)
 
 
-def sample_all(adapter, rewards, names, models, prompts, args, ns, out, dev, ctx) -> None:
-    """Every (model, prompt, image) not yet recorded. The pairs are cut into the same chunks of
-    --rollout_batch every time, and a chunk with anything missing is sampled whole again, so each
-    image comes from the same batch as in an uninterrupted run: the same numbers, exactly."""
+def sample_all(adapter, rewards, models, sets, args, ns, out, dev, ctx) -> None:
+    """Every (model, prompt set, prompt, image) not yet recorded. A set's pairs are cut into the
+    same chunks of --rollout_batch every time, and a chunk with anything missing is sampled whole
+    again, so each image comes from the same batch as in an uninterrupted run: the same numbers,
+    exactly. Each model is attached once and samples every set."""
     from tqdm.auto import tqdm
-    done = read_records(out)
-    pairs = [(p, i) for p in range(len(prompts)) for i in range(ns.images_per_prompt)]
-    chunks = [pairs[k:k + args.rollout_batch] for k in range(0, len(pairs), args.rollout_batch)]
-    todo = {m.tag: [c for c in chunks if any((m.tag, p, i) not in done for p, i in c)]
-            for m in models}
-    left = sum((m.tag, p, i) not in done for m in models for p, i in pairs)
+    todo, left = {}, 0
+    for s in sets:
+        s.folder(out).mkdir(parents=True, exist_ok=True)
+        done = read_records(s.folder(out))
+        pairs = [(p, i) for p in range(len(s.prompts)) for i in range(ns.images_per_prompt)]
+        chunks = [pairs[k:k + args.rollout_batch] for k in range(0, len(pairs), args.rollout_batch)]
+        for m in models:
+            todo[m.tag, s.key] = [[(p, i, (m.tag, p, i) in done) for p, i in c] for c in chunks
+                                  if any((m.tag, p, i) not in done for p, i in c)]
+            left += sum((m.tag, p, i) not in done for p, i in pairs)
     sigmas, D = adapter.sigmas(args.num_steps), adapter.latent_shape(args.resolution)
     bar = tqdm(total=left, unit="img", desc="evaluate", dynamic_ncols=True)
-    with open(out / "scores.jsonl", "a") as f:
-        for m in sorted(models, key=lambda m: KINDS.index(m.kind)):
-            if not todo[m.tag]:
+    for m in sorted(models, key=lambda m: KINDS.index(m.kind)):
+        if not any(todo[m.tag, s.key] for s in sets):
+            continue
+        attach(adapter, m)
+        for s in sets:
+            if not todo[m.tag, s.key]:
                 continue
-            bar.set_postfix_str(m.tag)
-            attach(adapter, m)
-            for chunk in todo[m.tag]:
-                raw, imgs = sample_chunk(adapter, rewards, names, chunk, prompts, args, sigmas,
-                                         D, dev, ctx)
-                for row, (p, i) in enumerate(chunk):
-                    if (m.tag, p, i) in done:
-                        continue
-                    rec = {"model": m.tag, "prompt_index": p, "prompt": prompts[p],
-                           "image_index": i, "file": image_file(m.tag, p, i),
-                           **{n: float(raw[n][row]) for n in names}}
-                    save_image(imgs[row], out / rec["file"])        # the image, then its line
-                    f.write(json.dumps(rec) + "\n")
-                    f.flush()
-                    bar.update(1)
-            detach(adapter, m)
+            bar.set_postfix_str(m.tag + ("" if s.key == "prompts" else f" {s.key}"))
+            names, folder = list(s.rewards), s.folder(out)
+            with open(folder / "scores.jsonl", "a") as f:
+                for chunk in todo[m.tag, s.key]:
+                    raw, imgs = sample_chunk(adapter, rewards, names, [(p, i) for p, i, _ in chunk],
+                                             s.prompts, args, sigmas, D, dev, ctx)
+                    for row, (p, i, recorded) in enumerate(chunk):
+                        if recorded:
+                            continue
+                        rec = {"model": m.tag, "prompt_index": p, "prompt": s.prompts[p],
+                               "image_index": i, "file": image_file(m.tag, p, i),
+                               **{n: float(raw[n][row]) for n in names}}
+                        save_image(imgs[row], folder / rec["file"])   # the image, then its line
+                        f.write(json.dumps(rec) + "\n")
+                        f.flush()
+                        bar.update(1)
+        detach(adapter, m)
     bar.close()
 
 
@@ -403,24 +531,37 @@ def sample_all(adapter, rewards, names, models, prompts, args, ns, out, dev, ctx
 # Statistics and reports.
 # ------------------------------------------------------------------------------------------------
 def summarize(scores: dict, baseline: str, draws: int = BOOT_DRAWS, seed: int = BOOT_SEED,
-              level: float = LEVEL) -> dict:
+              level: float = LEVEL, groups: Optional[list] = None) -> dict:
     """Means over prompts with percentile bootstrap intervals, and paired differences.
 
     Args: scores {model: {reward: (P, I) array}}, image i of prompt p at [p, i] (the same noise
-        in every model); baseline: the model the differences are taken to.
+        in every model); baseline: the model the differences are taken to; groups: None, or a
+        label per prompt (GenEval's tags).
     Returns {model: {reward: {mean, ci, n_nonfinite[, diff, diff_ci]}}}.
     Notes: x_p = mean over the images of prompt p (non-finite scores left out); mean = mean_p x_p.
         One set of `draws` resamples of P prompt indices (with replacement, from `seed`) serves
         every model and reward; an interval is the [(1 − level)/2, (1 + level)/2] percentiles of
         the resampled means. diff: the same for d_p = x_p − x_p(baseline), so it is paired, and
-        exactly 0 with its interval for identical scores."""
+        exactly 0 with its interval for identical scores. With groups, mean = the mean over
+        groups of each group's mean of x_p (GenEval's overall score, the mean over its tasks
+        [peer X10]: djghosh13/geneval evaluation/summary_scores.py), and each resample draws
+        every group's prompts from that group alone (a stratified bootstrap: the groups keep
+        their sizes)."""
     P = next(iter(scores[baseline].values())).shape[0]
-    idx = np.random.default_rng(seed).integers(0, P, size=(draws, P))          # (B, P)
+    rng = np.random.default_rng(seed)
+    if groups is None:
+        parts = [np.arange(P)]
+        idx = [rng.integers(0, P, size=(draws, P))]                                  # (B, P)
+    else:
+        labels = np.array(groups, dtype=object)
+        parts = [np.flatnonzero(labels == g) for g in dict.fromkeys(groups)]
+        idx = [g[rng.integers(0, len(g), size=(draws, len(g)))] for g in parts]    # (B, P_g) each
     q = [50 * (1 - level), 50 * (1 + level)]
 
     def stat(x):                                     # x (P,) → mean, [lo, hi]
-        reps = np.nanmean(x[idx], axis=1)                                      # (B,)
-        return float(np.nanmean(x)), [float(v) for v in np.percentile(reps, q)]
+        mean = np.nanmean([np.nanmean(x[g]) for g in parts])
+        reps = np.nanmean(np.stack([np.nanmean(x[i], axis=1) for i in idx]), axis=0)   # (B,)
+        return float(mean), [float(v) for v in np.percentile(reps, q)]
 
     with warnings.catch_warnings():                  # all-NaN prompts: NaN, said by n_nonfinite
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -438,10 +579,34 @@ def summarize(scores: dict, baseline: str, draws: int = BOOT_DRAWS, seed: int = 
     return out
 
 
+def by_tag(scores: dict, baseline: str, tags: list) -> dict:
+    """{tag: summarize of that tag's prompts alone} (GenEval's per-task accuracy), tags in the
+    order they first appear."""
+    rows = {t: [p for p, x in enumerate(tags) if x == t] for t in dict.fromkeys(tags)}
+    return {t: summarize({m: {n: s[r] for n, s in rs.items()} for m, rs in scores.items()},
+                         baseline) for t, r in rows.items()}
+
+
+def table3_order(names: list[str]) -> list[str]:
+    """Metric names in the V-GRPO paper's Table 3 column order (TABLE3; a plug-in
+    `<package>.<metric>:score` or a URL ending in /<metric> takes its metric's place), then the
+    others in the order given."""
+    def rank(name):
+        m = (re.fullmatch(r"(?:[\w.]+\.)?(\w+):score", name)
+             or re.fullmatch(r"https?://.*/(\w+)", name))
+        short = m[1] if m else name
+        return TABLE3.index(short) if short in TABLE3 else len(TABLE3)
+    return sorted(names, key=rank)                   # stable: the rest keep their order
+
+
 def _decimals(means: list[float]) -> int:
     """Decimals that show a reward to 4 significant digits at its size (2 to 5)."""
     top = max([abs(x) for x in means if math.isfinite(x) and x != 0] or [1.0])
     return min(5, max(2, 3 - math.floor(math.log10(top))))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def _num(x: float, d: int, sign: bool = False) -> str:
@@ -449,43 +614,70 @@ def _num(x: float, d: int, sign: bool = False) -> str:
 
 
 def markdown(results: dict) -> str:
-    """results.md: the means, then the paired differences, one column per reward."""
-    s, base, names = results["settings"], results["baseline"], results["settings"]["rewards"]
-    head = [f"{n} ({V.REWARD_UNITS[n][0]})" if n in V.REWARD_UNITS else n for n in names]
+    """results.md: the means, then the paired differences, one column per metric in Table 3's
+    order; GenEval's tags in two more tables."""
+    s, base, sets = results["settings"], results["baseline"], results["prompt_sets"]
+    b, models = results["bootstrap"], results["models"]
 
-    def table(rows):
+    def tables(key, names, head):                   # means; paired differences (None: no other)
+        d = {n: _decimals([m[key][n]["mean"] for m in models.values()]) for n in names}
         lines = ["| model | " + " | ".join(head) + " |", "|---" * (len(names) + 1) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-    means, diffs = [], []
-    d = {n: _decimals([m["rewards"][n]["mean"] for m in results["models"].values()])
-         for n in names}
-    for tag, m in results["models"].items():
-        rs = m["rewards"]
-        means.append([tag] + [f"{_num(rs[n]['mean'], d[n])} [{_num(rs[n]['ci'][0], d[n])}, "
-                              f"{_num(rs[n]['ci'][1], d[n])}]" for n in names])
-        if tag != base:
+        means, diffs = list(lines), list(lines)
+        for tag, m in models.items():
+            rs = m[key]
+            means.append(f"| {tag} | " + " | ".join(
+                f"{_num(rs[n]['mean'], d[n])} [{_num(rs[n]['ci'][0], d[n])}, "
+                f"{_num(rs[n]['ci'][1], d[n])}]" for n in names) + " |")
+            if tag == base:
+                continue
             cells = []
             for n in names:
                 lo, hi = rs[n]["diff_ci"]
                 c = (f"{_num(rs[n]['diff'], d[n], True)} [{_num(lo, d[n], True)}, "
                      f"{_num(hi, d[n], True)}]")
                 cells.append(f"**{c}**" if lo > 0 or hi < 0 else c)
-            diffs.append([tag] + cells)
-    b = results["bootstrap"]
-    text = [f"# Evaluation: {s['n_prompts']} prompts × {s['images_per_prompt']} images",
-            "",
-            f"Model `{s['model']}`, prompts `{s['prompts']}`, {s['num_steps']}-step {s['solver']} "
-            f"ODE, {s['resolution']} px, {s['dtype']}, noise seed {s['seed']} (image i of prompt "
-            f"p from the same noise in every model). Each cell: the mean over prompts of each "
-            f"prompt's mean over its images, and its {b['level']:.0%} percentile bootstrap "
-            f"interval over prompts ({b['draws']:,} resamples, seed {b['seed']}, the same for "
-            "every model and reward).",
-            "", table(means)]
+            diffs.append(f"| {tag} | " + " | ".join(cells) + " |")
+        return "\n".join(means), ("\n".join(diffs) if len(models) > 1 else None)
+
+    scorer = {n: r for ps in sets.values() for n, r in ps["rewards"].items()}
+
+    def label(n):                                    # a metric scored by another reward names it
+        if scorer[n] != n:
+            return f"{n} ({scorer[n]})"
+        return f"{n} ({V.REWARD_UNITS[n][0]})" if n in V.REWARD_UNITS else n
+
+    names = table3_order(list(scorer))
+    means, diffs = tables("rewards", names, [label(n) for n in names])
+    how = (f"{s['num_steps']}-step {s['solver']} ODE, {s['resolution']} px, {s['dtype']}, noise "
+           f"seed {s['seed']} (image i of prompt p from the same noise in every model)")
+    cell = ("Each cell: the mean over prompts of each prompt's mean over its images, and its "
+            f"{b['level']:.0%} percentile bootstrap interval over prompts ({b['draws']:,} "
+            f"resamples, seed {b['seed']}, the same for every model and reward")
+    images = _count(s["images_per_prompt"], "image")
+    if list(sets) == ["prompts"]:
+        text = [f"# Evaluation: {_count(s['n_prompts'], 'prompt')} × {images}", "",
+                f"Model `{s['model']}`, prompts `{s['prompts']}`, {how}. {cell})."]
+    else:
+        used = "; ".join(f"`{ps['prompts']}` ({_count(ps['n_prompts'], 'prompt')}) for "
+                         f"{', '.join(ps['rewards'])}" for ps in sets.values())
+        text = [f"# Evaluation: {_count(len(sets), 'prompt set')} × {images} per prompt", "",
+                f"Model `{s['model']}`, {how}. Prompts: {used}. {cell} of a prompt set)."]
+    tags = sets.get("geneval", {}).get("tags")
+    if tags:
+        text[-1] += (f" GenEval: the mean over its {len(tags)} tags of each tag's mean, as "
+                     "GenEval's own overall score, with each tag's prompts resampled within it.")
+    text += ["", means]
     if diffs:
         text += ["", f"Paired difference to `{base}` (the same prompts, noises and resamples); "
-                 "bold: the interval excludes 0.", "", table(diffs)]
-    bad = [f"{tag}: {n} {e['n_nonfinite']}" for tag, m in results["models"].items()
+                 "bold: the interval excludes 0.", "", diffs]
+    if tags:
+        t_means, t_diffs = tables("geneval_tags", list(tags), [f"{t} ({n})" for t, n in
+                                                               tags.items()])
+        text += ["", "GenEval by tag (prompts): each tag's mean over its prompts, its interval "
+                 "from resampling that tag's prompts.", "", t_means]
+        if t_diffs:
+            text += ["", f"GenEval by tag, paired difference to `{base}`.", "", t_diffs]
+    bad = [f"{tag}: {n} {e['n_nonfinite']}" for tag, m in models.items()
            for n, e in m["rewards"].items() if e["n_nonfinite"]]
     if bad:
         text += ["", "Non-finite scores, left out of the means: " + "; ".join(bad) + "."]
@@ -528,43 +720,69 @@ def write_grid(out: Path, tags: list[str], prompts: list[str], n_prompts: int, n
 # The command.
 # ------------------------------------------------------------------------------------------------
 def evaluate(argv: Optional[list[str]] = None) -> dict:
-    """Parse, validate everything (flags, prompts, checkpoints, --out, rewards on a probe batch,
-    the model and each checkpoint against it), only then create --out, sample what is missing,
-    and write the reports. Returns results.json's content."""
+    """Parse, validate everything (flags, prompts, checkpoints, --out, rewards on a probe batch
+    of each prompt set, the model and each checkpoint against it), only then create --out, sample
+    what is missing, and write the reports. Returns results.json's content."""
     ns = build_parser().parse_args(argv)
-    args, models, prompts, names = configure(ns)
+    args, models, sets = configure(ns)
     base = baseline_tag(ns.baseline, models)
     dev, dtype, ctx = V.setup_device(args)
     out = Path(ns.out)
-    settings = check_out(out, settings_of(args, ns, models, prompts, names, dtype))
-    fns = {n: V.build_reward(n, args, dev, dtype) for n in names}
-    for n, fn in fns.items():                        # a failing reward stops here, in one line
-        V.probe_reward(n, fn, min(args.resolution, 256), dev, prompts)
+    current = settings_of(args, ns, models, sets, dtype)
+    settings = check_out(out, current)
+    fns = {}
+    for s in sets:          # a reward failing, or refusing its prompts, stops here in one line
+        for name, spec in s.rewards.items():
+            fns[name] = V.build_reward(spec, args, dev, dtype)
+            try:
+                V.probe_reward(name, fns[name], min(args.resolution, 256), dev, s.prompts)
+            except ConfigError as e:
+                if s.key == "prompts":
+                    raise
+                raise ConfigError(f"{e} (scoring {s.flag()} {s.path!r})") from None
     adapter = V.make_adapter(V.load_pipeline(args.model, dtype).to(dev), args, dev)
     for m in models:
         if m.kind != "base":
             check_match(adapter, m, args.model)
     if args.offload_text_encoders:
-        adapter.cache_prompts(prompts)
+        adapter.cache_prompts([p for s in sets for p in s.prompts])
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "settings.json").write_text(json.dumps(settings, indent=2))
-    rewards = V.Rewards(fns, [(n, 1.0) for n in names])
-    sample_all(adapter, rewards, names, models, prompts, args, ns, out, dev, ctx)
+    rewards = V.Rewards(fns, [(n, 1.0) for n in fns])
+    sample_all(adapter, rewards, models, sets, args, ns, out, dev, ctx)
 
-    recs, P, I = read_records(out), len(prompts), ns.images_per_prompt
-    scores = {m.tag: {n: np.array([[recs[(m.tag, p, i)][n] for i in range(I)] for p in range(P)],
-                                  dtype=np.float64) for n in names} for m in models}
-    stats = summarize(scores, base)
-    results = {"settings": {**settings, "models": {m.tag: m.describe() for m in models}},
-               "baseline": base, "bootstrap": {"draws": BOOT_DRAWS, "seed": BOOT_SEED,
-                                               "level": LEVEL, "over": "prompts"},
-               "models": {m.tag: {**m.describe(), "rewards": stats[m.tag]} for m in models}}
+    results = {"settings": current, "baseline": base,
+               "bootstrap": {"draws": BOOT_DRAWS, "seed": BOOT_SEED, "level": LEVEL,
+                             "over": "prompts"},
+               "prompt_sets": {}, "models": {m.tag: {**m.describe(), "rewards": {}}
+                                             for m in models}}
+    I = ns.images_per_prompt
+    for s in sets:
+        recs, P, names = read_records(s.folder(out)), len(s.prompts), list(s.rewards)
+        scores = {m.tag: {n: np.array([[recs[(m.tag, p, i)][n] for i in range(I)]
+                                       for p in range(P)], dtype=np.float64) for n in names}
+                  for m in models}
+        tags = s.tags()
+        stats = summarize(scores, base, groups=tags)
+        results["prompt_sets"][s.key] = {"prompts": str(s.path), "n_prompts": P,
+                                         "rewards": s.rewards}
+        for m in models:
+            results["models"][m.tag]["rewards"].update(stats[m.tag])
+        if tags:
+            results["bootstrap"]["geneval"] = "the mean over tags; prompts resampled in each tag"
+            per = by_tag(scores, base, tags)
+            results["prompt_sets"][s.key]["tags"] = {t: tags.count(t) for t in per}
+            for m in models:
+                results["models"][m.tag]["geneval_tags"] = {t: per[t][m.tag]["geneval"]
+                                                            for t in per}
+        write_grid(s.folder(out), [m.tag for m in models], s.prompts, min(P, ns.grid_prompts),
+                   min(I, ns.grid_images), args.resolution)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "results.md").write_text(md := markdown(results))
-    write_grid(out, [m.tag for m in models], prompts, min(P, ns.grid_prompts),
-               min(I, ns.grid_images), args.resolution)
-    print(md + f"\nwrote {out}/results.md, results.json, grid.png, scores.jsonl and images/")
+    wrote = [f"{s.key}/" if s.key != "prompts" else "grid.png, scores.jsonl, images/"
+             for s in sets]
+    print(md + f"\nwrote {out}/results.md, results.json, {', '.join(wrote)}")
     return results
 
 
