@@ -7,14 +7,12 @@ You Think", Tang et al., 2026, arXiv 2604.23380. Tags resolve in METHOD.md, besi
 [paper P3] stated by the paper, [peer X5] another codebase's convention, [ours C4] our choice
 where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" is a section here.
 
-What this file IS: a readable reference of the algorithm plus a working trainer for SD3 / SD3.5
-and FLUX.1 (diffusers) with PickScore, CLIPScore, HPSv2 and JPEG size (examples/hpsv2.py, jpeg.py)
-or your own (ImageReward and the LAION aesthetic predictor are two more in examples/), on one GPU
-or under torchrun (FSDP2), and offline tiny models: it all runs on a laptop CPU.
-What it is NOT: a framework; the loss can be copied into any trainer (§2–§6).
+What this file IS: a readable reference of the algorithm (this overview, the pure math §2–§6 and
+`iteration` at the start of §9) plus a working trainer for SD3 / SD3.5 and FLUX.1 (diffusers) with
+built-in or plug-in rewards (§7), on one GPU or under torchrun (FSDP2); tiny offline models run it
+all on a laptop CPU. What it is NOT: a framework; the loss can be copied into any trainer.
 
-Quickstart
-    pip install -r requirements.txt
+Quickstart (after `pip install -r requirements.txt`)
     python vgrpo.py --model tiny --reward jpeg                 # CPU, offline, < 1 min
     python vgrpo.py --model sd3.5-medium --reward pickscore    # one CUDA GPU, hub weights
     python vgrpo.py --model flux.1-dev --reward hpsv2:1,pickscore:1
@@ -58,14 +56,6 @@ CONVENTIONS
     * Losses are minimised; loss = −objective. Reductions over latent elements are MEANS (the
       paper's code does this; a sum would only rescale log ρ by d = C·H·W).
     * All surrogate, ratio and loss arithmetic is fp32, even under bf16 autocast.
-    * Math functions (§2–§6) are pure torch: tensors in, tensors out; no models, rewards,
-      processes, globals or .item().
-
-CONTENTS (top-down): §1 imports · §2–§6 the pure math: flow matching, ODE samplers, advantages,
-    stratified pairs + surrogate, the loss · §7 rewards · §8 models: loading, SD3/FLUX adapters,
-    LoRA · §9 the loop: `iteration` and its five steps, setup, train, evaluation, run folder,
-    checkpoints, torchrun · §10 Args, presets, CLI, main(). The method alone: this overview,
-    §2–§6 and the start of §9; the rest is the trainer.
 """
 
 # ------------------------------------------------------------------------------------------------
@@ -98,6 +88,27 @@ class RunError(Exception):
     """A run that cannot go on (a write into its folder failed, GPU memory ran out): main() prints
     it as one line, which says what the run folder holds and the command that continues."""
     status = 2
+
+
+class Stream(enum.IntEnum):
+    """Every random stream, named here: generator(seed, it, stream) is a CPU generator of its own,
+    so a resumed run redraws exactly what the uninterrupted run would have drawn and no two streams
+    share numbers. PROBE and HOLDOUT use generator(0, 0, stream): the same for every seed."""
+    PROMPTS = 0            # step 1: which P training prompts
+    ROLLOUT_NOISE = 1      # step 1: the initial noise x1 of the N rollouts
+    PAIRS = 2              # step 3: the (t, ε) pairs
+    MINIBATCHES = 3        # step 5: the μ minibatches (the baselines: their shuffle of the samples)
+    TIMES = 4              # examples/diffusion_nft_sd3.py: its training times t
+    STEP_NOISE = 5         # examples/: the SDE steps' noise (Flow-GRPO, MixGRPO), DiffusionNFT's ε
+    SDE_WINDOW = 6         # examples/flow_grpo_sd3.py: where the nocfg recipe's SDE window sits
+    EVAL_NOISE = 9         # evaluate: one fixed noise per held-out prompt (iteration 0's)
+    PROBE = 10             # probe_reward: the two random images of a reward's start-up probe
+    HOLDOUT = 1234         # load_prompts: which lines of --prompts are held out
+
+
+def generator(seed: int, it: int, stream: Stream) -> torch.Generator:
+    """The CPU generator of (seed, iteration, stream)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
 
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
 # ------------------------------------------------------------------------------------------------
@@ -436,14 +447,12 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 
 # === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
 # ------------------------------------------------------------------------------------------------
-# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> scores (N,).
-#     They need weights, so they live outside the pure math, which only sees a tensor of rewards
-#     (P, G); non-finite rewards are masked there (§4), never allowed to poison a group.
+# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> scores (N,),
+#     CPU fp32. The pure math sees only the rewards (P, G), and masks non-finite ones (§4).
 # ------------------------------------------------------------------------------------------------
-# Scores are CPU fp32; `raw` always means {reward name: (N,) raw values}. A reward with weights is
-# a factory that loads its frozen model once, in the compute dtype, and returns a scoring closure.
-# REWARD_UNITS: name → (logged unit, train_scale), ("raw", 1) for a plug-in; advantages see
-# raw · train_scale (only sums of rewards and std_eps notice), e.g. PickScore's raw/26 [ours C17].
+# `raw` always means {reward name: (N,) raw values}. REWARD_UNITS: name → (logged unit,
+# train_scale), ("raw", 1) for a plug-in; advantages see raw · train_scale (only sums of rewards
+# and std_eps notice), e.g. PickScore's raw/26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
                 "jpeg": ("-kB", 1.0), "geneval": ("score", 1.0), "ocr": ("score", 1.0),
                 "aesthetic": ("raw", 1.0), "imagereward": ("raw", 1.0), "unifiedreward": ("of 5", 1.0)}
@@ -454,9 +463,8 @@ REMOTE = ("http://", "https://")           # a reward served elsewhere: examples
 
 
 class Prompt(str):
-    """A prompt from a .jsonl file: the text, with `.metadata` = its line's JSON object (GenEval's
-    tag and objects, OCR's text...). Rewards read getattr(p, "metadata", None); it is a str
-    everywhere else, so rewards that never look at metadata need no change."""
+    """A prompt from a .jsonl file: a str whose `.metadata` is its line's JSON object (GenEval's
+    tag and objects, OCR's text...); rewards read getattr(p, "metadata", None)."""
     metadata: dict
 
 
@@ -479,8 +487,7 @@ def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
 
 def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
                 logit_scale: bool = False) -> Callable:
-    """A CLIPModel + CLIPProcessor as two rewards [peer X10]: pickscore logit_scale.exp() · cos,
-    clipscore cos(image, text)."""
+    """A CLIPModel + CLIPProcessor as a reward [peer X10]: cos(image, text), × logit_scale.exp()."""
     model = model.eval().requires_grad_(False).to(device, dtype)
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -499,10 +506,8 @@ class RewardError(RunError, ValueError):
 
 
 def plugin_reward(spec: str) -> Callable:
-    """A user's `module.path:function` (or a reward server's URL) under the contract above, its
-    output checked every call. Whatever goes wrong in a call (a reward server gone mid-run) is a
-    RewardError: one line. The module's optional check_prompts(prompts) raises ValueError on
-    prompts it cannot score (no GenEval metadata, no text to render): probe_reward calls it."""
+    """A user's `module.path:function` (or a reward server's URL) under the contract above; a call
+    that fails or breaks it is a one-line RewardError. check_prompts: see probe_reward."""
     module, _, fn_name = ("examples.remote_reward:client" if spec.startswith(REMOTE)
                           else spec).partition(":")
     for where in (str(Path(__file__).resolve().parent), os.getcwd()):   # examples/ beside this
@@ -516,7 +521,10 @@ def plugin_reward(spec: str) -> Callable:
     if not callable(fn):
         raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn_name!r}")
     if spec.startswith(REMOTE):
-        fn = fn(spec)                                 # the client of that URL
+        try:
+            fn = fn(spec)                             # the client of that URL
+        except (RuntimeError, ValueError) as e:       # a malformed URL or client setting
+            raise ConfigError(f"reward {spec!r}: {e}") from None
 
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         try:
@@ -534,26 +542,24 @@ def plugin_reward(spec: str) -> Callable:
             raise RewardError(f"reward {spec!r} returned shape {tuple(out.shape)}, "
                               f"expected ({len(prompts)},)")
         return out
-    score.check_prompts = getattr(mod, "check_prompts", None)
+    score.check_prompts = getattr(fn, "check_prompts", None) or getattr(mod, "check_prompts", None)
     return score
 
 
 def probe_reward(name: str, fn: Callable, size: int, device: torch.device, prompts: list[str]):
-    """Before the model loads: the plug-in's check_prompts on every prompt it will score, then one
-    trial call (2 random images, the first 2 of those prompts)."""
+    """Before the model loads: the plug-in's check_prompts on its prompts, then a trial call."""
     try:
         (getattr(fn, "check_prompts", None) or (lambda p: None))(prompts)
     except ValueError as e:
         raise ConfigError(f"reward {name!r}: {e}") from None
-    images = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+    images = torch.rand(2, 3, size, size, generator=generator(0, 0, Stream.PROBE))
     batch = f"a probe batch of 2 random {size}×{size} images"
     try:
         out = fn(images.to(device), (prompts * 2)[:2])
     except RewardError as e:
         raise ConfigError(f"{e} (on {batch})") from None
     if not torch.isfinite(out).all():
-        raise ConfigError(f"reward {name!r} returned non-finite values {out.tolist()} on {batch}; "
-                          "return finite numbers")
+        raise ConfigError(f"reward {name!r} returned non-finite values {out.tolist()} on {batch}")
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
@@ -600,8 +606,7 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
 
 
 class Rewards:
-    """The rewards of a run: models {name: reward_fn}, each loaded once and shared by training
-    and evaluation; train_terms / eval_terms: the [(name, weight), ...] each of them scores."""
+    """A run's rewards {name: reward_fn}, each loaded once, and its [(name, weight)] terms."""
 
     def __init__(self, models: dict, train_terms: list, eval_terms: Optional[list] = None):
         self.models, self.train_terms = dict(models), train_terms
@@ -613,10 +618,6 @@ class Rewards:
         names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)
         return cls({n: build_reward(n, args, device, dtype) for n in names},
                    args.train_terms, args.eval_terms)
-
-    def __call__(self, images: torch.Tensor, prompts: list[str], names) -> dict:
-        """raw {name: (N,)} of every named reward on these images."""
-        return {n: self.models[n](images, prompts).float().reshape(-1) for n in names}
 
     def unit(self, terms) -> str:
         """The unit of headline(raw, terms)."""
@@ -636,8 +637,7 @@ class Rewards:
 
 
 # ------------------------------------------------------------------------------------------------
-# §8  Models: pipelines, the model adapter, LoRA. Everything here talks to diffusers,
-#     transformers or peft; nothing here is part of the algorithm.
+# §8  Models: pipelines, the SD3 / FLUX adapters, LoRA (diffusers, transformers, peft).
 # ------------------------------------------------------------------------------------------------
 MODEL_ALIASES = {"sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
                  "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
@@ -671,8 +671,7 @@ def resolve_model(name: str) -> str:
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
     aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES])
-    raise ConfigError(f"unknown model {name!r}: use an alias ({aliases}), a hub id such as "
-                      "stabilityai/stable-diffusion-3.5-medium, or a local diffusers folder")
+    raise ConfigError(f"unknown model {name!r}: pass an alias ({aliases}), hub id or local folder")
 
 
 def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
@@ -681,25 +680,23 @@ def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
         return loader.from_pretrained(location, **kwargs)
     except OSError as e:
         raise ConfigError(f"could not load {what} from {location!r} (no network, or not in the "
-                          f"local cache). Download it on a machine with access, e.g. "
-                          f"`huggingface-cli download {location} --local-dir /path/to/dir`, "
-                          f"then pass `{flag} /path/to/dir`.") from e
+                          f"local cache): `huggingface-cli download {location} --local-dir "
+                          f"/path/to/dir` where there is access, then `{flag} /path/to/dir`") from e
 
 
+@functools.cache                     # once per folder: for the model family, then for loading
 def check_local_pipeline(location: str) -> tuple[str, dict]:
     """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
     and {component: None} for those saved as null (SD3 without T5), which loading must pass on."""
     index, where = Path(location, "model_index.json"), f"--model {location!r}"
     if not index.is_file():
-        raise ConfigError(f"{where} is not a diffusers pipeline folder (no model_index.json); "
-                          "pass the folder that holds model_index.json")
+        raise ConfigError(f"{where} has no model_index.json: pass a diffusers pipeline folder")
     try:
         spec = json.loads(index.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: model_index.json is unreadable ({e})") from None
     if spec.get("_class_name") not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"{where} holds a {spec.get('_class_name')}; "
-                          f"supported: {SUPPORTED_PIPELINES}")
+        raise ConfigError(f"{where} holds a {spec.get('_class_name')}, not an SD3 or FLUX pipeline")
     parts = [k for k, v in spec.items() if not k.startswith("_") and (v is None or type(v) is list)]
     null = {k: None for k in parts if spec[k] is None or None in spec[k]}
     for k in parts:
@@ -726,8 +723,7 @@ def load_pipeline(name: str, dtype: torch.dtype):
         pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
                                 "the model", "--model", torch_dtype=dtype, **null)
     if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"{location!r} is a {type(pipe).__name__}; "
-                          f"supported: {SUPPORTED_PIPELINES}")
+        raise ConfigError(f"{location!r} is a {type(pipe).__name__}, not an SD3 or FLUX pipeline")
     return freeze_and_cast(pipe, dtype)
 
 
@@ -747,8 +743,7 @@ def tiny_models():
         return sys.modules["vgrpo_tiny_models"]
     path = Path(__file__).resolve().parent / "examples" / "tiny_models.py"
     if not path.is_file():
-        raise ConfigError(f"--model tiny / tiny-flux needs {path} (examples/tiny_models.py of the "
-                          "repository, beside vgrpo.py); copy it there, or pass a real --model")
+        raise ConfigError(f"--model tiny / tiny-flux needs {path}; or pass a real --model")
     spec = importlib.util.spec_from_file_location("vgrpo_tiny_models", path)
     mod = sys.modules["vgrpo_tiny_models"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -762,7 +757,6 @@ def tiny_models():
 #   ODE latent   (16, H/8, W/8)                      packed 2×2: ((H/16)(W/16), 64), img_ids
 #   t, guidance  1000·t; none (CFG-free)             t (scaled ×1000 inside); distilled, 3.5
 #   rollout grid the scheduler's (shift 3)           linspace shifted by 3 (MixGRPO) [ours C8]
-#   VAE factors  1.5305 / 0.0609                     0.3611 / 0.1159 (read from vae.config)
 class SD3Adapter:
     """A diffusers SD3 / SD3.5 pipeline behind the seam above; FluxAdapter overrides its rows."""
 
@@ -789,12 +783,11 @@ class SD3Adapter:
     @torch.no_grad()
     def cache_prompts(self, prompts: list[str], batch: int = 16) -> None:
         """Embed every prompt once (kept on the CPU), then move the text encoders off the GPU."""
-        uniq, cache = list(dict.fromkeys(prompts)), {}
+        uniq, self._cache = list(dict.fromkeys(prompts)), {}
         for i in range(0, len(uniq), batch):
             for k, v in self._encode(uniq[i:i + batch]).items():
                 for p, row in zip(uniq[i:i + batch], v):
-                    cache.setdefault(p, {})[k] = row.cpu()
-        self._cache = cache
+                    self._cache.setdefault(p, {})[k] = row.cpu()
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             if getattr(self.pipe, name, None) is not None:
                 getattr(self.pipe, name).to("cpu")
@@ -908,13 +901,12 @@ def transformer_blocks(transformer) -> list:
 # ------------------------------------------------------------------------------------------------
 # §9  Training loop, top-down: the state, `iteration` (the algorithm box of §0) and its five steps,
 #     the harness around it, then what a method reader can skip (run folder, checkpoints, torchrun).
-#     Inside the steps the harness is two calls, each marked `# harness:` with its reason:
-#     run.preemption_point() (a SIGTERM still saves the last iteration) and run.grad_sync (FSDP).
+#     Inside the steps every line of the harness (preemption points, torchrun's share of the batch,
+#     fp16 and FSDP in the backward, the logged statistics) ends in `# harness:` and its reason.
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """Everything an iteration needs, built once by `setup` (no globals). Under torchrun `local`
-    cuts this process's whole groups from the N = P·G samples every process draws alike."""
+    """Everything an iteration needs, built once by `setup`; `local` gives a process its groups."""
     args: Args
     adapter: object               # SD3Adapter or FluxAdapter (§8)
     rewards: Rewards
@@ -952,17 +944,16 @@ class Run:
         return x[self.rank * n:(self.rank + 1) * n]
 
     def preemption_point(self) -> None:
-        """Raise Preempted on every process (an all-reduce) if one got SIGTERM while no optimizer
-        step of this iteration has run: the parameters are still the last completed iteration's,
-        and the harness saves them (stop_mid_iteration). After a step it does nothing."""
+        """Raise Preempted everywhere if a process got SIGTERM before this iteration stepped."""
         if not self.stepped and _any_rank("term" in self.stop, self):
             raise Preempted
 
-    def grad_sync(self, last: bool) -> None:
-        """Under FSDP, whether this micro-batch's backward reduces the gradients: a LoRA's last of
-        a step; a full fine-tune's every one (accumulating would hold its whole gradient unsharded)."""
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """loss.backward(), scaled for fp16. Under FSDP it reduces the gradients at a LoRA's `last`
+        micro-batch of a step, and at every one of a full fine-tune's (too big to accumulate)."""
         if self.world > 1:
             self.adapter.transformer.set_requires_gradient_sync(last or self.args.full_finetune)
+        self.scaler.scale(loss).backward()
 
 
 @dataclass
@@ -986,51 +977,18 @@ class Scored:
 
 @dataclass
 class OldSurrogates:
-    """[Alg. step 4] S_old: θ_old's per-pair surrogates of this process's Nl samples on the
-    iteration's pairs, and θ_old's x̂0 there when the KL needs it. Its whole contract, here:
-      * step 4 (old_surrogates) fills the rows of minibatches k ≥ 1 by a no-grad pass before any
-        optimizer step (every row when the update is skipped: the CV still reads S_old);
-      * step 5's first step runs at θ = θ_old, so `for_step` fills the rows of minibatch k = 0
-        from that step's own forward, detached: S_old = sg(S_θ) and ρ ≡ 1 [ours C18];
-      * after step 5 every row is filled, and `iteration` reads S_old whole (the CV)."""
+    """[Alg. step 4] S_old of this process's Nl samples, and θ_old's x̂0 when the KL needs it:
+    old_surrogates writes the rows of minibatches k ≥ 1, `iteration` those of minibatch 0 from
+    step 5's first forward, at θ = θ_old [ours C18]. S_old is complete there."""
     s: torch.Tensor                          # (Nl, J) per-pair s_θold
-    x0_hat: Optional[torch.Tensor]           # (Nl, J, *D) θ_old's x̂0; None when kl_coef = 0
+    x0_hat: Optional[torch.Tensor]           # (Nl, J, *D) θ_old's x̂0, rows k ≥ 1; None if β = 0
     n_old_pass: int = 0                      # rows of step 4's own pass (nfe_old)
-
-    def fill(self, rows: torch.Tensor, s: torch.Tensor, x0_hat: torch.Tensor) -> None:
-        self.s[rows] = s
-        if self.x0_hat is not None:
-            self.x0_hat[rows] = x0_hat
-
-    def for_step(self, k: int, rows: torch.Tensor, s_new: torch.Tensor, x0h_new: torch.Tensor):
-        """S_old (m, J) and x̂0_old (m, J, *D) or None of `rows` for step k's loss; at k = 0 the
-        forward that gave s_new and x0h_new is θ_old's own."""
-        if k == 0:
-            self.fill(rows, s_new.detach(), x0h_new.detach())
-        return self.s[rows], None if self.x0_hat is None else self.x0_hat[rows]
-
-
-class Stream(enum.IntEnum):
-    """The named random streams. Each (seed, iteration, stream) is its own CPU generator (_gen):
-    a resumed run redraws exactly what the uninterrupted run would have drawn, and no two kinds
-    of draw share numbers. Streams 4–8 are left to the baselines in examples/."""
-    PROMPTS = 0            # step 1: which P training prompts
-    ROLLOUT_NOISE = 1      # step 1: the initial noise x1 of the N rollouts
-    PAIRS = 2              # step 3: the (t, ε) pairs
-    MINIBATCHES = 3        # step 5: the partition of the samples into μ minibatches
-    EVAL_NOISE = 9         # evaluate: one fixed noise per held-out prompt (iteration 0's)
-
-
-def _gen(seed: int, it: int, stream: int) -> torch.Generator:
-    """The CPU generator of (seed, iteration, Stream)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
 
 
 # ---- one iteration: the algorithm box of §0, step by step --------------------------------------
 def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration, Alg. steps 1–5 of §0 (step 4 only for the minibatches after the first
-    [ours C18]); returns host-side metrics. Host syncs: the rewards (the advantages need all of
-    them), one per optimizer step (whether to step), one for the metrics, and the phase timers."""
+    """One V-GRPO iteration, Alg. steps 1–5 of §0 (step 4 only after minibatch 0 [ours C18]); its
+    metrics. Host syncs: the rewards, one per optimizer step, one for the metrics, the timers."""
     times, t0 = {}, time.perf_counter()
     with timed(times, "time_rollout", run.dev):
         ro = collect_rollouts(run, it)                                      # step 1
@@ -1040,29 +998,29 @@ def iteration(run: Run, it: int) -> dict:
     mbs = minibatches(run, it)
     with timed(times, "time_old", run.dev):
         s_old = old_surrogates(run, ro, pairs, mbs, sc.skipped)             # step 4: k ≥ 1
-    stats, grad_norms = {}, []
+    log, grad_norms = [], []
     with timed(times, "time_update", run.dev):
-        if not sc.skipped:                                  # step 5, which completes S_old
-            stats, grad_norms = update_steps(run, ro, sc, pairs, mbs, s_old)
-    S_all = _all_gather_cat(s_old.s.mean(dim=1), run.world)                 # (N,)
-    cv = surrogate_cv(S_all.view(run.args.prompts_per_iter, run.args.group_size))
-    m = iteration_metrics(run, it, sc, cv, stats, grad_norms, times, s_old.n_old_pass)
+        if not sc.skipped:                                                  # step 5
+            log, grad_norms, (rows0, s0) = update_steps(run, ro, sc, pairs, mbs, s_old)
+            s_old.s[rows0] = s0         # S_old complete: minibatch 0's, from step 5's first forward
+    m = iteration_metrics(run, it, sc, s_old, log, grad_norms, times)
     return {**m, "time_iter": time.perf_counter() - t0}
 
 
 def collect_rollouts(run: Run, it: int) -> Rollouts:
     """[Alg. step 1] G images per prompt of this process's groups, ODE-solved by θ_old (= θ)."""
     args, ad = run.args, run.adapter
-    P, n_tr, g = args.prompts_per_iter, len(run.train_prompts), _gen(args.seed, it, Stream.PROMPTS)
+    P, n_tr = args.prompts_per_iter, len(run.train_prompts)
+    g = generator(args.seed, it, Stream.PROMPTS)
     if P <= n_tr:                                       # P distinct prompts
         pick = torch.randperm(n_tr, generator=g)[:P]
     else:                                               # more than there are: with replacement
         pick = torch.randint(n_tr, (P,), generator=g)
-    prompts = run.local([run.train_prompts[i] for i in pick.tolist()])
+    prompts = run.local([run.train_prompts[i] for i in pick.tolist()])  # harness: torchrun share
     cond = ad.encode(prompts)                                               # Pl rows
     prompt_idx = (torch.arange(run.Nl) // args.group_size).to(run.dev)      # (Nl,)
-    noise = torch.randn((run.N,) + run.D, generator=_gen(args.seed, it, Stream.ROLLOUT_NOISE))
-    x1 = run.local(noise).to(run.dev)                                       # (Nl, *D)
+    noise = torch.randn((run.N,) + run.D, generator=generator(args.seed, it, Stream.ROLLOUT_NOISE))
+    x1 = run.local(noise).to(run.dev)                   # harness: torchrun share; (Nl, *D)
     x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx,
                  poll=run.preemption_point)   # harness: before each chunk, so SIGTERM saves
     return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)   # x0: (Nl, *D)
@@ -1074,7 +1032,8 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
     names = [n for n, _ in rw.train_terms]
     mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
                                 [ro.prompts[i // G] for i in range(run.Nl)], args.reward_batch)
-    every = _all_gather_cat(torch.stack([mine[n] for n in names]).to(run.dev), run.world)
+    mine = torch.stack([mine[n] for n in names]).to(run.dev)               # (R, Nl)
+    every = _all_gather_cat(mine, run.world)            # harness: every process's; (R, N)
     raw = dict(zip(names, every.cpu()))                                     # {name: (N,)}
     values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)  # (R,P,G)
     aggregate = {"sum": weighted_sum_advantages,
@@ -1083,42 +1042,42 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
                            global_std=args.global_std, std_eps=args.std_eps,
                            clamp=args.adv_clamp, eta=args.soft_clip_eta)
     # adv.flatten() is prompt-major (sample n belongs to prompt n // G), as the rollouts are
-    return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms),
-                  adv=run.local(adv.flatten()).to(run.dev), adv_stats=stats,
+    mine = run.local(adv.flatten()).to(run.dev)         # harness: torchrun share; (Nl,)
+    return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms), adv=mine, adv_stats=stats,
                   skipped=bool((adv == 0).all()))
 
 
 def draw_iteration_pairs(run: Run, it: int) -> Pairs:
-    """[Alg. step 3] One set of stratified (t, ε) pairs per sharing scope [ours C4], for θ_old
-    and every θ step, from one CPU generator; under torchrun rank 0's set is broadcast (another
-    CPU's vector unit may round the Gaussian draw differently)."""
+    """[Alg. step 3] One set of stratified (t, ε) pairs per sharing scope [ours C4], for θ_old and
+    every θ step; under torchrun rank 0's (another CPU may round the Gaussian draws differently)."""
     args, N = run.args, run.N
     scope = {"batch": torch.zeros(N, dtype=torch.long), "group": torch.arange(N) // args.group_size,
              "none": torch.arange(N)}[args.pair_sharing]
     pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
-                       generator=_gen(args.seed, it, Stream.PAIRS), device=run.dev)
-    if run.world > 1:
+                       generator=generator(args.seed, it, Stream.PAIRS), device=run.dev)
+    if run.world > 1:                                   # harness: rank 0's pairs everywhere
         for x in (pairs.t, pairs.eps):
             torch.distributed.broadcast(x, src=0)
+    pairs.index = run.local(pairs.index)                # harness: torchrun share; (Nl,)
     return pairs
 
 
 def minibatches(run: Run, it: int) -> list:
-    """[(step k, rows), ...]: the μ optimizer steps' disjoint, equal minibatches of local rows
-    (check_args) in micro-batches, in the order the update visits them; drawn before Alg. step 4,
-    so S_old is computed in the very micro-batches (rows, shapes) of θ's pass [ours C14]."""
+    """[(step k, rows), ...]: the μ steps' disjoint, equal minibatches of local rows in micro-
+    batches, drawn before Alg. step 4 so S_old is computed in θ's very micro-batches [ours C14]."""
     a = run.args
     perm = torch.arange(run.Nl, device=run.dev)
     if a.mu > 1:
-        perm = torch.randperm(run.Nl, generator=_gen(a.seed, it, Stream.MINIBATCHES)).to(run.dev)
+        g = generator(a.seed, it, Stream.MINIBATCHES)
+        perm = torch.randperm(run.Nl, generator=g).to(run.dev)
     return [(k, rows) for k, mb in enumerate(perm.tensor_split(a.mu))
             for rows in mb.split(a.micro_batch)]
 
 
 @torch.no_grad()
 def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list, skipped: bool) -> OldSurrogates:
-    """[Alg. step 4] S_old of the rows of minibatches k ≥ 1, or of every row when the update is
-    skipped; the first minibatch's rows come from step 5 (OldSurrogates says how)."""
+    """[Alg. step 4] S_old, with θ_old's no-grad pass over the rows of minibatches k ≥ 1 (every
+    row when the update is skipped; none when μ = 1): step 5's first step gives the rest."""
     a, x0_hat = run.args, None
     if a.kl_coef:
         x0_hat = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev)
@@ -1126,43 +1085,48 @@ def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list, skipped: boo
     for k, rows in mbs:
         if k > 0 or skipped:
             run.preemption_point()      # harness: no step has run yet, so a SIGTERM still saves
-            s_old.fill(rows, *surrogate_pass(run, ro, pairs, rows))
-            s_old.n_old_pass += len(rows)
+            s, x0h = surrogate_pass(run, ro, pairs, rows)
+            s_old.s[rows] = s
+            if x0_hat is not None:
+                x0_hat[rows] = x0h
+            s_old.n_old_pass += len(rows)               # harness: counted for the logged nfe_old
     return s_old
 
 
 def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list,
                  s_old: OldSurrogates):
-    """[Alg. step 5] μ optimizer steps on disjoint minibatches of the same rollouts; the first
-    step's forward completes S_old. Returns ({stat: [(micro-batch value × rows, rows)]}, [the
-    pre-clip gradient norm of each step])."""
-    args, stats, grad_norms = run.args, {}, []
+    """[Alg. step 5] μ optimizer steps on disjoint minibatches; the first, at θ = θ_old, gives
+    S_old = sg(S_θ), ρ ≡ 1 [ours C18]. Returns the log, gradient norms, step 0's (rows, S_old)."""
+    args, log, grad_norms, rows0, s0 = run.args, [], [], [], []
     size = {k: sum(len(r) for j, r in mbs if j == k) for k, _ in mbs}       # samples per step
     for i, (k, rows) in enumerate(mbs):
         last = i + 1 == len(mbs) or mbs[i + 1][0] != k              # last micro-batch of step k
         run.preemption_point()          # harness: until the first step, a SIGTERM still saves
         s_new, x0h = surrogate_pass(run, ro, pairs, rows)
-        s_old_rows, x0h_old = s_old.for_step(k, rows, s_new, x0h)    # k = 0: S_old = sg(S_θ)
+        if k == 0:                      # θ = θ_old: S_old = sg(S_θ), x̂0_old = sg(x̂0)
+            s_old_rows, x0h_old = s_new.detach(), x0h.detach()
+            rows0.append(rows)
+            s0.append(s_old_rows)
+        else:
+            s_old_rows, x0h_old = s_old.s[rows], None
+            if args.kl_coef:
+                x0h_old = s_old.x0_hat[rows]
         kl = None
-        if x0h_old is not None:
+        if args.kl_coef:
             kl = xspace_kl(x0h, x0h_old)
         loss, st = vgrpo_loss(s_new, s_old_rows, sc.adv[rows], clip_eps=args.clip_eps, kl=kl,
                               kl_coef=args.kl_coef)
-        run.grad_sync(last)             # harness: under FSDP, reduce once per step (LoRA)
-        run.scaler.scale(loss * len(rows) / size[k]).backward()   # minibatch mean [ours C16]
-        if k == 0:
-            st["abs_log_ratio_first"] = st["abs_log_ratio"]
-        for name, v in st.items():
-            stats.setdefault(name, []).append((v * len(rows), len(rows)))    # sample-weighted
+        loss = loss * len(rows) / size[k]               # the minibatch's mean [ours C16]
+        run.backward(loss, last)        # harness: fp16's loss scale, FSDP's gradient reduction
+        log.append((k, len(rows), st))  # harness: the statistics, for iteration_metrics
         if last:
             grad_norms.append(optimizer_step(run))
-    return stats, grad_norms
+    return log, grad_norms, (torch.cat(rows0), torch.cat(s0))
 
 
 def surrogate_pass(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
-    """One network pass: (s (m, J), x̂0 (m, J, *D)) of local samples `rows` on their pairs, under
-    the current parameters (§5); with grad in step 5, without in step 4."""
-    a, (t, eps) = run.args, pairs.take(rows + run.rank * run.Nl)    # pairs are indexed globally
+    """(s (m, J), x̂0 (m, J, *D)) of local samples `rows` on their pairs (§5), in one pass."""
+    a, (t, eps) = run.args, pairs.take(rows)
     with run.ctx:
         return pair_surrogates(run.adapter.velocity, ro.x0[rows], select(ro.cond, ro.prompt_idx[rows]),
                                t, eps, parameterization=a.parameterization,
@@ -1170,8 +1134,7 @@ def surrogate_pass(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
 
 
 def optimizer_step(run: Run) -> torch.Tensor:
-    """Unscale (fp16), clip, step unless the norm is non-finite, zero the gradients (which FSDP
-    has already averaged over processes). Returns the pre-clip norm."""
+    """Unscale (fp16), clip, step unless the norm is non-finite; returns the pre-clip norm."""
     run.scaler.unscale_(run.opt)                      # fp16: the true gradients before the clip
     gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
     if hasattr(gn, "full_tensor"):                    # a DTensor under FSDP
@@ -1183,15 +1146,24 @@ def optimizer_step(run: Run) -> torch.Tensor:
     return gn.detach().float()
 
 
-def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad_norms: list,
-                      times: dict, n_old: int) -> dict:
-    """One host sync for everything logged; this process's statistics averaged over processes."""
-    a = run.args
+def iteration_metrics(run: Run, it: int, sc: Scored, s_old: OldSurrogates, log: list,
+                      grad_norms: list, times: dict) -> dict:
+    """Everything logged, in one host sync: means over samples and processes, and S_old's CV."""
+    a, stats = run.args, {}
+    for k, n, st in log:                                # each micro-batch weighted by its samples
+        if k == 0:
+            st = {**st, "abs_log_ratio_first": st["abs_log_ratio"]}
+        for name, v in st.items():
+            stats.setdefault(name, []).append((v * n, n))
+    scal = {k: torch.stack([x for x, _ in v]).sum() / sum(n for _, n in v) for k, v in stats.items()}
     gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
-    scal = {k: torch.stack([x for x, _ in v]).sum() / sum(n for _, n in v)   # means over samples
-            for k, v in stats.items()}
     scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
-    vec = _all_reduce_mean(torch.stack([v.float().to(run.dev) for v in scal.values()]), run.world)
+    vec = torch.stack([v.float().to(run.dev) for v in scal.values()])
+    if run.world > 1:                                   # the mean over processes
+        torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM)
+        vec /= run.world
+    S_all = _all_gather_cat(s_old.s.mean(dim=1), run.world)                 # (N,)
+    cv = surrogate_cv(S_all.view(a.prompts_per_iter, a.group_size))
     scal = {**dict(zip(scal, vec)), **sc.adv_stats, **cv}
     host = dict(zip(scal, torch.stack([v.float().to(run.dev) for v in scal.values()]).tolist()))
     bad = int((~torch.isfinite(sc.headline)).sum())
@@ -1199,13 +1171,13 @@ def iteration_metrics(run: Run, it: int, sc: Scored, cv: dict, stats: dict, grad
          "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
          "grad_scale": run.scaler.get_scale(),     # 1.0 when disabled
-         # network evaluations per sample (θ_old's pass: n_mc·(μ − 1)/μ, docs/training.md "Logged metrics")
-         "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * n_old / run.Nl, "nfe_theta": a.n_mc}
+         "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * s_old.n_old_pass / run.Nl,
+         "nfe_theta": a.n_mc}
     if len(sc.raw) > 1:                                   # several rewards: each one's too
         for n, r in sc.raw.items():
             m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
     for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, math.nan if sc.skipped else 0.0)        # no update: no ratio statistics
+        m.setdefault(k, math.nan)                       # skipped: no update, no ratio statistics
     if bad and run.rank == 0:
         plural = "s" if bad > 1 else ""
         note = f"iteration {it}: {bad} non-finite reward{plural} dropped (advantage 0)"
@@ -1228,8 +1200,7 @@ def _warn(msg: str, prefix: str = "warning: ") -> None:
 @torch.no_grad()
 def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
             solver: str, chunk: int, ctx, poll: Optional[Callable] = None) -> torch.Tensor:
-    """ODE-solve every row of x1 (N, *D), `chunk` rows at a time: the actions o (N, *D) fp32.
-    poll() runs before every chunk (the trainer's preemption point: no sync inside a solve)."""
+    """ODE-solve x1 (N, *D), `chunk` rows at a time, poll() before each: o (N, *D) fp32."""
     out = []
     for rows in torch.arange(len(x1)).split(chunk):
         if poll is not None:
@@ -1243,13 +1214,12 @@ def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: t
 @torch.no_grad()
 def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
                       prompts: list[str], chunk: int, keep_images: bool = False):
-    """Decode once (the VAE in fp32) and score with every named reward, `chunk` images at a time.
-    Returns ({name: raw (N,) CPU fp32}, images (N, 3, H, W) CPU uint8 if keep_images else None)."""
+    """Decode once and score with every named reward, `chunk` at a time: (raw, uint8 images)."""
     raw, imgs = {n: [] for n in names}, []
     for rows in torch.arange(len(latents)).split(chunk):
-        im = adapter.decode(latents[rows])
-        for n, r in rewards(im, [prompts[i] for i in rows.tolist()], names).items():
-            raw[n].append(r)
+        im, chunk_prompts = adapter.decode(latents[rows]), [prompts[i] for i in rows.tolist()]
+        for n in names:
+            raw[n].append(rewards.models[n](im, chunk_prompts).float().reshape(-1))
         if keep_images:
             imgs.append((im * 255).round().to(torch.uint8).cpu())
     return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
@@ -1261,8 +1231,7 @@ def select(cond, rows: torch.Tensor):           # rows of every tensor in a (dic
 
 @contextlib.contextmanager
 def timed(times: dict, key: str, dev: Optional[torch.device] = None):
-    """times[key] = seconds spent in the block; given a device, its GPU work is waited for first
-    (None for host-bound phases). Running out of GPU memory inside is tagged with the phase."""
+    """times[key] = the block's seconds (after its work on `dev`); an OOM inside names the phase."""
     t = time.perf_counter()
     try:
         yield
@@ -1286,19 +1255,15 @@ class Preempted(Exception):
 
 
 def train(args: Args, fresh_ok: bool = False, resumed: Optional[tuple] = None) -> list[dict]:
-    """Run V-GRPO; returns the per-iteration metrics (also written to run_dir/metrics.jsonl).
-    fresh_ok (--resume auto, no checkpoint yet): a folder that a killed run left starts over.
-    resumed: read_checkpoint(args.resume), when the caller has read it already (main)."""
+    """Run V-GRPO; returns the per-iteration metrics (also in run_dir/metrics.jsonl)."""
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; nothing created yet
     return run_iterations(setup(args, resumed=resumed), run_dir)   # bad input fails in setup
 
 
 def run_iterations(run: Run, run_dir: Path) -> list[dict]:
-    """The harness around `iteration` (docs/training.md "Outputs"): the run's record, its signal
-    handlers, and the clean-up that runs however the run ends; `iterate` in between."""
+    """`iterate` with the run's record, its signal handlers, and a clean-up however it ends."""
     failed, log = True, RunLog(run, run_dir)
-    # whether the iteration's parameters have moved, learnt from the optimizer itself (a step
-    # skipped for a non-finite gradient moves nothing): the method's steps carry no flag
+    # run.stepped, from the optimizer itself (a step skipped for a non-finite gradient is none)
     on_step = run.opt.register_step_pre_hook(lambda *_: setattr(run, "stepped", True))
     cleanup = [catch_signals(run), on_step.remove, *log.close_steps()]
     if run.world > 1:
@@ -1322,8 +1287,7 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
 
 
 def iterate(run: Run, log: RunLog) -> list[dict]:
-    """The iterations from run.start: each with the evaluation before it when one is due, its
-    record and a checkpoint when due; a final evaluation unless a signal stopped the run."""
+    """The iterations from run.start, with evaluations, records and checkpoints when due."""
     a, history = run.args, []
     for it in log.bar:
         run.stepped = False                              # iteration `it` has taken no step yet
@@ -1343,11 +1307,9 @@ def iterate(run: Run, log: RunLog) -> list[dict]:
 
 @contextlib.contextmanager
 def interruptible(run: Run, it: int):
-    """SIGTERM (Preempted), out of GPU memory or a failing reward inside iteration `it`, or the
-    evaluation before it, ends the run in one line: where, what `latest` holds, and the command
-    that continues. If no optimizer step of `it` has run, the parameters are those after `it`
-    iterations and are saved first: by every process on SIGTERM, which all of them see; else in
-    one process only (a save is a collective that processes which did not fail would not join)."""
+    """SIGTERM, out of GPU memory or a failing reward in iteration `it` (or the evaluation before
+    it) ends the run in one line; if no step of `it` ran, saved first: on SIGTERM by every process,
+    else only by a lone one (a save is a collective the others would not join)."""
     try:
         yield
     except (Preempted, torch.cuda.OutOfMemoryError, RewardError) as e:
@@ -1366,8 +1328,7 @@ def interruptible(run: Run, it: int):
 
 
 def save_or_stop(run: Run, done: int) -> bool:
-    """After `done` iterations: a checkpoint when one is due or a signal asks to stop (every
-    process agrees on that); then SIGTERM ends the run (Preempted), Ctrl-C stops it. True: stop."""
+    """After `done` iterations, a checkpoint when due or stopping; True: stop (SIGTERM raises)."""
     a = run.args
     stopping = _any_rank(bool(run.stop), run)             # every process stops together
     if stopping or done % a.save_every == 0 or done == a.iterations:
@@ -1382,8 +1343,7 @@ def save_or_stop(run: Run, done: int) -> bool:
 
 
 def preempted(run: Run, when: str, saved: Path):
-    """The line a preemption ends in, with the command a requeued job runs; raises Preempted,
-    which main() turns into exit status 75 on every process."""
+    """Say where the run stopped and the command a requeued job runs; raise Preempted (exit 75)."""
     go_on = how_to_go_on(run.run_dir, saved)
     if run.rank == 0:
         _warn(f"preempted {when}: {go_on}; a requeued job continues with the same command and "
@@ -1392,9 +1352,7 @@ def preempted(run: Run, when: str, saved: Path):
 
 
 def how_to_go_on(run_dir: Path, saved: Optional[Path] = None) -> str:
-    """What the run folder holds and the command that continues it, as every one-line end says
-    it: `--resume RUN` once it has a checkpoint (a resumed run keeps its own configuration), else
-    --resume auto --run_dir RUN in the same command, which starts over. Each works as printed."""
+    """What the run folder holds and the command that continues it, as every one-line end says."""
     latest = run_dir / "checkpoints" / "latest"
     if saved is not None:
         return f"saved {saved}; continue with --resume {run_dir}"
@@ -1406,10 +1364,8 @@ def how_to_go_on(run_dir: Path, saved: Optional[Path] = None) -> str:
 
 
 def catch_signals(run: Run):
-    """SIGTERM (under torchrun also Ctrl-C, which its agent forwards) appends "term" to run.stop:
-    the run saves at the next preemption point. Otherwise a first Ctrl-C appends "int" (finish,
-    save, stop), a second raises KeyboardInterrupt. Returns what restores the previous handlers;
-    after a SIGTERM it leaves SIGTERM ignored: schedulers repeat it, and the exit must stay 75."""
+    """SIGTERM (and Ctrl-C under torchrun, whose agent forwards it) appends "term" to run.stop; else
+    a first Ctrl-C appends "int", a second raises KeyboardInterrupt. Returns what restores them."""
     def on_term(*_):
         if "term" not in run.stop and run.rank == 0:
             _warn("SIGTERM: saving at once (an iteration not yet stepped is redone on resume)")
@@ -1437,9 +1393,7 @@ def catch_signals(run: Run):
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
           resumed: Optional[tuple] = None) -> Run:
-    """Load the model and rewards, attach LoRA, shard under torchrun, build the optimizer, restore
-    a checkpoint; writes nothing. args: validated (resolve_args); pipe, rewards: built, or None;
-    resumed: read_checkpoint(args.resume) if the caller has read it already, else read here."""
+    """Load the model and rewards, add LoRA, shard, make the optimizer, resume; writes nothing."""
     train_prompts, eval_prompts = load_prompts(args)
     if resumed is None and args.resume:
         resumed = read_checkpoint(args.resume)
@@ -1451,11 +1405,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
             raise ConfigError(f"--{bad[0]} {getattr(args, bad[0])!r} differs from the checkpoint's "
                               f"{st['config'][bad[0]]!r} ({where}); drop --{bad[0]} to use it, "
                               "or pick another checkpoint")
-    rank, world, local_rank = dist_info()
-    dev, dtype, ctx = setup_device(args, local_rank)       # sets this rank's GPU before NCCL starts
-    if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                                             timeout=datetime.timedelta(hours=1))  # §9 "torchrun"
+    rank, world, _ = dist_info()
+    dev, dtype, ctx = setup_device(args)                   # under torchrun: joins the processes
     if rewards is None:
         rewards = Rewards.load(args, dev, dtype)
     for name, fn in rewards.models.items():                # plug-ins fail here, in one line
@@ -1483,8 +1434,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
         shard_transformer(tr, dtype)                 # replaces the parameters: before AdamW
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    # fp16's 5 exponent bits: means over ~65k latent elements underflow the gradients without loss
-    # scaling; bf16 and fp32 need none (a no-op scaler). The sharded one agrees across processes.
+    # fp16 gradients underflow without loss scaling; bf16 and fp32 get a no-op scaler
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     scaler = (ShardedGradScaler if world > 1 else torch.amp.GradScaler)(
         dev.type, enabled=dtype == torch.float16)
@@ -1498,8 +1448,9 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
                start=state["iteration"] if state else 0, resumed_from=ckpt, rank=rank, world=world)
 
 
-def setup_device(args: Args, local_rank: int = 0) -> tuple:
-    """Device, compute dtype and the one autocast context used for every model call."""
+def setup_device(args: Args) -> tuple:
+    """Device, compute dtype, the one autocast context; under torchrun, this process's GPU."""
+    _, world, local_rank = dist_info()
     device, precision = args.device, args.dtype
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -1513,17 +1464,17 @@ def setup_device(args: Args, local_rank: int = 0) -> tuple:
         torch.cuda.set_device(dev)
         # cuDNN's fused attention failed in FLUX.1-dev's backward on an H200 (docs/gpu.md)
         torch.backends.cuda.enable_cudnn_sdp(False)
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                             timeout=datetime.timedelta(hours=1))
     return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
                         else contextlib.nullcontext())
 
 
 def read_prompt_file(path: str, flag: str) -> list[str]:
-    """The prompts of a text file (one per line) or of a .jsonl file (one JSON object per line
-    with a "prompt"; each becomes a Prompt whose .metadata is the whole object). Raises ConfigError
-    naming the file, and the line for a .jsonl line that is not a JSON object with a prompt."""
+    """The prompts of a text file, one per line, or of a .jsonl file (Prompts with .metadata)."""
     if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path!r} is a folder; pass a text file with one prompt per line "
-                          "or a .jsonl file")
+        raise ConfigError(f"{flag} {path!r} is a folder; pass a text file of prompts or a .jsonl")
     if not os.path.isfile(path):
         raise ConfigError(f"{flag} {path!r} does not exist")
     try:
@@ -1553,8 +1504,7 @@ def read_prompt_file(path: str, flag: str) -> list[str]:
 
 
 def load_prompts(args: Args) -> tuple[list[str], list[str]]:
-    """(train, eval) prompt lists: --prompts / --eval_prompts files, or examples/prompts.txt (40
-    varied prompts written for this project, so a run works out of the box; every 5th held out)."""
+    """(train, eval) prompts: --prompts and --eval_prompts, or examples/prompts.txt."""
     if args.prompts is None:
         path = Path(__file__).resolve().parent / "examples" / "prompts.txt"
         allp = read_prompt_file(str(path), "--prompts not given, and the default")
@@ -1562,7 +1512,7 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
     else:
         allp = read_prompt_file(args.prompts, "--prompts")
         n_eval = math.ceil(args.eval_holdout * len(allp)) if len(allp) > 1 else 0
-        order = torch.randperm(len(allp), generator=torch.Generator().manual_seed(1234)).tolist()
+        order = torch.randperm(len(allp), generator=generator(0, 0, Stream.HOLDOUT)).tolist()
         held, train = ([allp[i] for i in sorted(order[:n_eval])],
                        [allp[i] for i in sorted(order[n_eval:])])
     if args.eval_prompts:
@@ -1572,11 +1522,10 @@ def load_prompts(args: Args) -> tuple[list[str], list[str]]:
 
 @torch.no_grad()
 def evaluate(run: Run, it: int) -> dict:
-    """Held-out prompts, one image each from fixed noise, eval_steps, every --eval_rewards; rank 0
-    saves the grid to eval/iter_XXXXXX.png. Every process runs it: an FSDP forward needs all."""
+    """Held-out prompts, one image each from fixed noise, on every process (FSDP needs them all)."""
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
-    noise = _gen(args.seed, 0, Stream.EVAL_NOISE)                 # the same at every evaluation
+    noise = generator(args.seed, 0, Stream.EVAL_NOISE)          # the same at every evaluation
     x1 = torch.randn((len(prompts),) + run.D, generator=noise).to(run.dev)
     lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
                   run.eval_sigmas, args.solver, args.rollout_batch, run.ctx,
@@ -1604,14 +1553,12 @@ def evaluate(run: Run, it: int) -> dict:
 
 
 class RunLog:
-    """What rank 0 records as a run goes: a metrics.jsonl line per iteration and per evaluation
-    (examples/plot_metrics.py draws them; examples/tensorboard_curves.py makes them TensorBoard
-    curves, live with --follow), and a line per iteration above the progress bar. Every process
-    holds one (open_run_dir tells each the run folder); off rank 0 it writes nothing."""
+    """Rank 0's record of the run: metrics.jsonl lines, and one line each above the progress bar."""
 
     def __init__(self, run: Run, run_dir: Path):
         from tqdm.auto import tqdm
-        self.run, self.file, self.say = run, open_run_dir(run, run_dir), tqdm.write
+        self.run, self.say = run, tqdm.write
+        self.file, self.lock = open_run_dir(run, run_dir)
         self.bar = tqdm(range(run.start, run.args.iterations), initial=run.start,
                         total=run.args.iterations, desc="V-GRPO", unit="it", disable=run.rank != 0)
 
@@ -1635,17 +1582,14 @@ class RunLog:
         self.say(line)
 
     def close_steps(self) -> list:
-        """The clean-up steps: the bar, and on rank 0 metrics.jsonl."""
-        if self.run.rank > 0:
-            return [self.bar.close]
-        return [self.bar.close, self.file.close]
+        """The clean-up steps: the bar, and on rank 0 metrics.jsonl and the run folder's lock."""
+        return [self.bar.close] + [f.close for f in (self.file, self.lock) if f is not None]
 
 
-# ---- the run folder: planned before anything loads, then opened by rank 0 ---------------------
+# ---- the run folder: planned before anything loads, one trainer at a time ---------------------
 def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
-    """The run folder (--run_dir, the resumed run's, or runs/<model>-<rewards>-<time>), checked
-    writable; nothing is created. One holding another run is refused unless this is that run
-    resumed, or fresh_ok (--resume auto, no checkpoint: start over)."""
+    """The run folder, checked writable and not in use; nothing is created. One holding another run
+    is refused unless this is that run resumed, or fresh_ok (--resume auto, no checkpoint yet)."""
     resumed = find_checkpoint(args.resume).parent.parent if args.resume else None
     if resumed is not None and args.run_dir is None:
         run_dir = resumed
@@ -1655,13 +1599,14 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
                                        f"{time.strftime('%Y%m%d-%H%M%S')}")
     top = next(q for q in (run_dir.absolute(), *run_dir.absolute().parents) if q.exists())
     if not top.is_dir():
-        raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder; "
-                          "pass another --run_dir")
+        raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder")
     try:
         tempfile.TemporaryFile(dir=top).close()
     except OSError as e:
         raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
                           f"({e.strerror}); pass a writable --run_dir") from None
+    if dist_info()[0] == 0:
+        lock_run_dir(run_dir, hold=False)
     held = [f for f in ("config.json", "metrics.jsonl", "checkpoints/latest") if (run_dir / f).exists()]
     if held and not fresh_ok and (resumed is None or resumed.resolve() != run_dir.resolve()):
         raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run: {how_to_go_on(run_dir)}"
@@ -1669,20 +1614,42 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     return run_dir
 
 
+def lock_run_dir(run_dir: Path, hold: bool = True):
+    """One trainer per run folder: rank 0 holds an exclusive flock on run_dir/.lock (closing the
+    returned file releases it); another is refused in one line. None: not `hold`, or no lock."""
+    if not run_dir.is_dir() or os.name != "posix":
+        return None
+    import fcntl
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise ConfigError(f"--run_dir {str(run_dir)!r} is in use by a running trainer (pid "
+                          f"{holder}); wait for it to end, or pass another --run_dir") from None
+    if not hold:
+        f.close()
+        return None
+    f.truncate(0)
+    print(os.getpid(), file=f, flush=True)
+    return f
+
+
 def open_run_dir(run: Run, run_dir: Path):
-    """Every rank learns rank 0's run folder. Rank 0 creates it, clears half-written
-    checkpoints, writes config.json, prints the banner, on resume points `latest` at the resumed
-    checkpoint (later saves never overwrite it) and drops the metrics.jsonl lines from the start
-    iteration on, logged again. Returns metrics.jsonl open to append (None off rank 0)."""
+    """Every rank learns rank 0's run folder; rank 0 creates, locks and prepares it (for a resume:
+    `latest` and metrics.jsonl). Returns (metrics.jsonl to append, the lock), None off rank 0."""
     if run.world > 1:                                      # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
         run_dir = Path(box[0])
     run.run_dir, mpath = run_dir, run_dir / "metrics.jsonl"
     if run.rank > 0:
-        return None
+        return None, None
     with writing(run_dir, run_dir):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        lock = lock_run_dir(run_dir)
         for stale in (run_dir / "checkpoints").glob(".tmp-*"):        # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
@@ -1699,13 +1666,12 @@ def open_run_dir(run: Run, run_dir: Path):
         mpath.with_suffix(".tmp").write_text("".join(l + "\n" for l in keep))
         os.replace(mpath.with_suffix(".tmp"), mpath)
     print(banner(run))
-    return open(mpath, "a")
+    return open(mpath, "a"), lock
 
 
 @contextlib.contextmanager
 def writing(what: Path, run_dir: Path):
-    """A write into the run folder that fails for any reason (full disk, quota, read-only; every
-    writer raises its own type) ends the run in one line naming what failed and how to go on."""
+    """A failed write into the run folder (any writer's error) ends the run in one line."""
     try:
         yield
     except (ConfigError, RunError):
@@ -1731,23 +1697,20 @@ def find_checkpoint(path: str, flag: str = "--resume") -> Path:
         p = latest.parent / latest.read_text().strip()
     if (p / CKPT_STATE).is_file():
         return p
-    raise ConfigError(f"{flag} {path!r}: no checkpoint there (expected {CKPT_STATE} in it, or "
-                      "checkpoints/latest in a run folder)")
+    raise ConfigError(f"{flag} {path!r}: no checkpoint there ({CKPT_STATE} or checkpoints/latest)")
 
 
 def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
-    """(folder, trainer state) of a checkpoint, validated before anything else happens. Of the
-    weights only the header is read (safetensors.safe_open): load_trainable reads them, once."""
+    """(folder, trainer state) of a checkpoint, validated; only the weights' header is read."""
     ckpt = find_checkpoint(path, flag)
     try:
         state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
         need = [CKPT_STATE + ": " + k for k in ("iteration", "config", "optimizer_saved", "rng")
                 if k not in state]
-        if need:
-            raise ValueError(f"missing {', '.join(need)}")
-        weights = FULL_FILE if state["config"]["full_finetune"] else LORA_FILE
-        need = [f for f in [weights] + [OPTIM_FILE] * state["optimizer_saved"]
-                if not (ckpt / f).is_file()]
+        if not need:
+            weights = FULL_FILE if state["config"]["full_finetune"] else LORA_FILE
+            need = [f for f in [weights] + [OPTIM_FILE] * state["optimizer_saved"]
+                    if not (ckpt / f).is_file()]
         if need:
             raise ValueError(f"missing {', '.join(need)}")
         from safetensors import safe_open
@@ -1761,11 +1724,8 @@ def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
 
 
 def save_checkpoint(run: Run, it: int) -> Path:
-    """checkpoints/iter_XXXXXX after `it` iterations: the weights in diffusers' format (LoRA or a
-    transformer folder), the optimizer and trainer state (iteration, loss scale, RNG), the config.
-    Every process takes part (FSDP gathers), rank 0 writes into a temporary folder, renames it and
-    only then switches `latest`; if `latest` already names it, nothing is written. A failed write
-    removes its files and raises RunError."""
+    """checkpoints/iter_XXXXXX after `it` iterations, by every process (FSDP gathers): rank 0 writes
+    a temporary folder, renames it, then switches `latest`; a failed write leaves nothing."""
     tr = run.adapter.transformer
     ckdir, cfg = run.run_dir / "checkpoints", dataclasses.asdict(run.args)
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
@@ -1798,10 +1758,9 @@ def save_checkpoint(run: Run, it: int) -> Path:
         torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim), "rng": rng,
                     "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        mask = os.umask(0)                                 # read the umask,
-        os.umask(mask)                                     # and put it back
-        for f in tmp.rglob("*"):                           # safetensors writes its files 0600
-            f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
+        mode = (tmp / "config.json").stat().st_mode & 0o777   # a file's mode under the umask
+        for f in tmp.rglob("*.safetensors"):                  # safetensors writes its files 0600
+            f.chmod(mode)
         shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves only move on from it
         os.replace(tmp, final)
         _point_latest(final)
@@ -1836,8 +1795,7 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
 
 
 def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
-    """Optimizer, loss scale and RNG states of a checkpoint saved by any number of processes; each
-    process keeps its shard. The optimizer file is memory-mapped: processes share its pages."""
+    """Optimizer (memory-mapped: processes share its pages), loss scale and RNG of a checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     if state["optimizer_saved"]:                 # False when saved before the first step
         optim = torch.load(ckpt / OPTIM_FILE, map_location="cpu", mmap=True, weights_only=False)
@@ -1849,19 +1807,16 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
 
 
 # ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` (docs/scaling.md) ---------------------
-# nanoGPT's pattern: WORLD_SIZE > 1 ⇒ torch.distributed (NCCL on GPUs, gloo on CPU), and FSDP2
-# (`fully_shard`) shards the transformer. Every process draws the same prompts, noise and pairs
-# and works on its own whole groups (Run.local); rewards are all-gathered. Collectives wait up to
-# 1 h, not NCCL's 10 min, while rank 0 writes a checkpoint (a FLUX full fine-tune's AdamW state).
+# WORLD_SIZE > 1 ⇒ torch.distributed and FSDP2. Every process draws the same prompts, noise and
+# pairs and keeps its whole groups (Run.local); collectives wait 1 h, for rank 0's longest saves.
 def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0, 1, 0) alone
     env = os.environ
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
 def shard_transformer(tr, dtype: torch.dtype) -> None:
-    """FSDP2: each block its own unit, then the root. Under bf16 / fp16 the parameters are gathered
-    in that dtype and the gradients reduce-scattered in fp32; no input is cast: autocast does it op
-    by op, as in one process (a bf16 cast would round SD3's timestep 1000·t; docs/scaling.md)."""
+    """FSDP2: each block a unit, then the root; parameters gathered in bf16 / fp16, gradients
+    reduced in fp32; inputs not cast (autocast casts op by op; bf16 would round SD3's 1000·t)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                cast_forward_inputs=False)
@@ -1872,10 +1827,8 @@ def shard_transformer(tr, dtype: torch.dtype) -> None:
 
 
 def full_state(tr, opt=None) -> dict:
-    """The trainable weights, or with `opt` the optimizer state, whole, on the CPU, keyed by
-    parameter name: gathered from the shards under FSDP, the same for any number of processes.
-    Every process calls it (a collective). An optimizer that never stepped gives {}: asked for
-    its state, torch.distributed.checkpoint would first initialise it with a hidden zero-lr step."""
+    """The trainable weights, or with `opt` the optimizer state, whole on the CPU (a collective).
+    An optimizer that never stepped gives {}: torch's DCP would first take a hidden lr-0 step."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     if hasattr(tr, "reshard"):       # FSDP leaves the root unsharded after forwards without a
@@ -1902,17 +1855,9 @@ def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:   # ranks' x a
     return torch.cat(parts, dim=-1)
 
 
-def _all_reduce_mean(x: torch.Tensor, world: int) -> torch.Tensor:  # mean over ranks, in place
-    if world > 1:
-        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM)
-        x /= world
-    return x
-
-
 # ------------------------------------------------------------------------------------------------
-# §10  Configuration and command line. One dataclass is the single source of truth: every field
-#      is a CLI flag of the same name, and its `src` says where the default comes from (a
-#      METHOD.md label, or "our choice"). Then presets, resolve_args, the banner and main().
+# §10  Configuration and command line: one dataclass, every field a flag of the same name whose
+#      `src` says where its default comes from; then presets, resolve_args, the banner and main().
 # ------------------------------------------------------------------------------------------------
 def _f(default, help: str, src: str = "our choice", choices=None):
     return field(default=default, metadata=dict(help=help, src=src, choices=choices))
@@ -1924,9 +1869,11 @@ class Args:
     run_dir: Optional[str] = _f(None, "output folder (default runs/<model>-<reward>-<date>)")
     prompts: Optional[str] = _f(None, "training prompts file (default: examples/prompts.txt)")
     eval_prompts: Optional[str] = _f(None, "held-out prompts (default: split off --prompts)")
-    eval_holdout: float = _f(0.1, "fraction of --prompts held out if no --eval_prompts")
+    eval_holdout: float = _f(0.1, "fraction of --prompts never trained on (the evaluation's "
+                             "prompts unless --eval_prompts is given)")
     resume: Optional[str] = _f(None, "checkpoint folder, a run folder (its latest checkpoint), or "
-                               "auto: --run_dir's run if it has a checkpoint, else a new one")
+                               "auto: --run_dir's run if it has a checkpoint, else a new one; "
+                               "its config overrides the values shown here")
     init: Optional[str] = _f(None, "a new run starting from a checkpoint's trained weights (a "
                              "checkpoint or run folder): fresh optimizer, iteration 0")
     save_every: int = _f(10, "checkpoint every k iterations (and at the end / on Ctrl-C)")
@@ -2021,9 +1968,8 @@ FAMILY_PRESETS: dict[str, dict] = {
                  global_std=False, std_eps=1e-8, max_sequence_length=512,
                  lora_targets=FLUX_LORA_TARGETS, iterations=300),
 }
-# --preset NAME, per family. "paper": SD3.5-M Stage 1's 48 prompts × 24 [paper P11], FLUX
-# MixGRPO's 32 × 12 [ours C1–C3]. The stage presets: the later SD3.5 stages' controls [ours C9],
-# on both families; their rewards (GenEval, OCR) are plug-ins of yours (docs/training.md "Presets").
+# --preset NAME, per family: "paper" is SD3.5-M Stage 1's 48 × 24 [paper P11], FLUX MixGRPO's
+# 32 × 12 [ours C1–C3]; the stages' take their controls [ours C9] (docs/training.md "Presets").
 _BOTH = lambda d: {"sd3": d, "flux": d}                         # noqa: E731
 PRESETS: dict[str, dict] = {
     "paper": {"sd3": dict(prompts_per_iter=48, group_size=24),
@@ -2037,30 +1983,37 @@ PRESETS: dict[str, dict] = {
 }
 
 
-# --help's groups are the sections of Args, each named here by its first field
-HELP_GROUPS = {"run_dir": "io", "model": "model", "num_steps": "sampler", "reward": "reward",
-               "prompts_per_iter": "objective", "iterations": "optimisation", "seed": "system"}
-
-
 def given_flags(argv: Optional[list[str]] = None) -> dict:
-    """The flags given on the command line, and only those (flag name == field name). --help lists
-    them in the sections of Args, each with the value an SD3 and a FLUX run gets (FAMILY_PRESETS)."""
+    """The flags given, and only those (flag name == field name); --help as its epilog says."""
     p = argparse.ArgumentParser(
         description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
-        epilog="SD3 / FLUX: the value each model family gets where they differ (FLUX: MixGRPO's "
-               "protocol, [ours C1–C3, C8, C17]); --model tiny and tiny-flux make it small "
-               "(examples/tiny_models.py). Sources in brackets are items of METHOD.md: [paper Pk] "
-               "stated by the paper, [peer Xk] another codebase's, [ours Ck] this project's choice.")
+        epilog="In brackets: the value a run of --model gets (without --model: SD3.5-medium's, and "
+               "FLUX.1-dev's where it differs) and its source, overridden by --preset, a resumed "
+               "checkpoint's config, then the flags given. Sources are items of METHOD.md: [paper "
+               "Pk] stated by the paper, [peer Xk] another codebase's, [ours Ck] this project's.")
     p.error = lambda message: p.exit(2, f"error: {message} (--help lists every flag)\n")  # one line
+    peek = argparse.ArgumentParser(add_help=False)        # --help, and the --model it is for
+    peek.add_argument("--model")
+    peek.add_argument("-h", "--help", action="store_true")
+    peek.error = p.error
+    asked = peek.parse_known_args(argv)[0]
+    views = []                                            # (label, the Args a run gets) to show
+    if asked.help and asked.model is None:
+        views = [("SD3 ", resolve_args({})), ("FLUX ", resolve_args({"model": "flux.1-dev"}))]
+    elif asked.help:
+        views = [("", resolve_args({"model": asked.model}))]
+    # --help's groups are the sections of Args, each named here by its first field
+    sections = {"run_dir": "io", "model": "model", "num_steps": "sampler", "reward": "reward",
+                "prompts_per_iter": "objective", "iterations": "optimisation", "seed": "system"}
     types, group = {"int": int, "float": float, "str": str}, p
     for f in dataclasses.fields(Args):
-        if f.name in HELP_GROUPS:
-            group = p.add_argument_group(HELP_GROUPS[f.name])
-        sd3, flux = (FAMILY_PRESETS[family].get(f.name, f.default) for family in ("sd3", "flux"))
-        value = f"default {sd3!r}"
-        if sd3 != flux:
-            value = f"SD3 {sd3!r}, FLUX {flux!r}"
-        kw = dict(default=argparse.SUPPRESS, help=f"{f.metadata['help']} [{value}; {f.metadata['src']}]")
+        if f.name in sections:
+            group = p.add_argument_group(sections[f.name])
+        shown = [(label, getattr(a, f.name), a.origin[f.name]) for label, a in views]
+        if shown and shown[-1][1] == shown[0][1]:       # what every view gets: one bracket
+            shown = [("", *shown[0][1:])]
+        kw = dict(default=argparse.SUPPRESS, help=" ".join(
+            [f.metadata["help"]] + [f"[{label}{v!r}; {src}]" for label, v, src in shown]))
         if f.type in ("bool", bool):
             kw["action"] = argparse.BooleanOptionalAction
         else:
@@ -2076,8 +2029,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
 
 
 def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
-    """The one configuration pass: per-family, per-model and named presets, a resumed run's config
-    and the given flags, later layers winning; validated once; `args.origin` says where from."""
+    """The one configuration pass: presets, a resumed config, then the flags given (later wins)."""
     model = given.get("model", (resumed or {}).get("model", Args.model))
     family, preset = model_family(model), given.get("preset")
     fields = {f.name: f for f in dataclasses.fields(Args)}
@@ -2123,10 +2075,8 @@ def check_args(args: Args) -> None:
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
         (not 0 <= args.eval_holdout < 1,
          f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})"),
-        # one rule for one process and for many: each process holds whole groups and splits its
-        # samples into μ equal minibatches, so every optimizer step sees as many samples
-        (P % world, f"--prompts_per_iter {P} must be divisible by the {world} processes: a group "
-         "is never split across processes"),
+        # each process holds whole groups, split into μ equal minibatches (one rule for any count)
+        (P % world, f"--prompts_per_iter {P} must be divisible by the {world} processes"),
         (args.mu >= 1 and P // world * G % args.mu, f"each process's {P // world * G} samples "
          f"must split into --mu {args.mu} equal minibatches")]
     problems += [msg for failed, msg in checks if failed]
@@ -2166,9 +2116,7 @@ def banner(run: Run) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The command line; every end but a bug is one line and an exit status of §1. `--resume
-    auto` continues --run_dir's run if it has a checkpoint, else starts one: a requeued job's
-    command line never changes."""
+    """The command line; every end but a bug is one line and an exit status of §1."""
     try:
         given = given_flags(argv)
         auto = given.get("resume") == "auto"

@@ -1,10 +1,12 @@
 """The command-line front that examples/flow_grpo_sd3.py, diffusion_nft_sd3.py and mix_grpo_sd3.py
-share: the run-level flags each adds to its own parser, and the vgrpo.Args built from them and from
-every flag the script does not know (passed through to vgrpo's parser, same names there)."""
+share: the run-level flags each adds to its own parser, the vgrpo.Args built from them and from
+every flag the script does not know (passed through to vgrpo's parser, same names there), and
+`parse`, which each script's parse() calls: one return shape, (options with .rec, vgrpo.Args)."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -53,3 +55,19 @@ def vgrpo_args(mine, rest: list[str], cuda_dtype: str | None = None) -> V.Args:
     elif cuda_dtype is not None and cuda:
         given += ["--dtype", cuda_dtype]
     return V.parse_args(given + rest)
+
+
+def parse(parser, recipe: Callable, argv=None, cuda_dtype: str | None = None):
+    """argv → (the script's options, vgrpo.Args): the options hold .rec, the method's settings
+    after the script's overrides, which recipe(options, args) returns (and may complete options,
+    such as Flow-GRPO's --batch). A bad flag or value raises ValueError (vgrpo's ConfigError is
+    one) in one line per problem; from the command line (argv None) it exits with that message."""
+    try:
+        mine, rest = parser.parse_known_args(argv)
+        args = vgrpo_args(mine, rest, cuda_dtype)
+        mine.rec = recipe(mine, args)
+    except ValueError as e:
+        if argv is None:
+            sys.exit(f"error: {e}")
+        raise
+    return mine, args

@@ -68,12 +68,12 @@ Deviations from upstream, each with its reason (also in examples/diffusion_nft_s
   D1 One process. Upstream shards every sampling batch over 8 GPUs (9 samples each) and DDP
      averages the gradient; here the P·G samples live on one device and are cut into
      --micro_batch rows; the accumulated gradient is the same mean over samples and times.
-  D2 Prompts and noise come from vgrpo's streams (_gen(seed, it, 0) for the prompt permutation,
-     _gen(seed, it, 1) for x1), so every method of a comparison sees the same ones; upstream's
+  D2 Prompts and noise come from vgrpo's streams (V.Stream.PROMPTS for the prompt permutation,
+     ROLLOUT_NOISE for x1), so every method of a comparison sees the same ones; upstream's
      DistributedKRepeatSampler draws 48 distinct prompts per sampling round and may repeat a
      prompt across the 16 rounds of an epoch (the stat tracker then pools those groups: so does
      the one used here, which groups by prompt text). The shuffles, training times and noises use
-     their own generators (_gen(seed, it, 3 / 4 / 5)) instead of the global RNG.
+     their own streams (MINIBATCHES, TIMES, STEP_NOISE) instead of the global RNG.
   D3 Rollout precision: the latent stays fp32 between solver steps and the timestep is the
      float σ·1000. Upstream casts the latent to the fp16 of its text embeddings after every step
      and truncates σ·1000 to an integer (torch.long) in the rollout and evaluation, but not in
@@ -116,7 +116,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 import vgrpo as V
-from baseline_cli import add_run_flags, vgrpo_args
+import baseline_cli
+from baseline_cli import add_run_flags
 import flow_grpo_sd3 as FG          # its stat tracker and EMA are DiffusionNFT's too (see below)
 
 OLD = "old"                         # the sampling policy's adapter (train_nft_sd3.py: "old")
@@ -397,13 +398,14 @@ def nft_iteration(run, it: int, state: dict) -> dict:
 
     # 1. rollout: the old adapter, deterministic solve, no CFG; prompts and x1 as vgrpo draws them
     with V.timed(times, "time_rollout", run.dev):
-        n_tr, g = len(run.train_prompts), V._gen(args.seed, it, 0)
+        n_tr, g = len(run.train_prompts), V.generator(args.seed, it, V.Stream.PROMPTS)
         pick = (torch.randperm(n_tr, generator=g)[:P] if P <= n_tr
                 else torch.randint(n_tr, (P,), generator=g))
         prompts = [run.train_prompts[i] for i in pick.tolist()]
         cond = ad.encode(prompts)                                           # P rows
         prompt_idx = (torch.arange(N) // G).to(run.dev)                     # (N,)
-        x1 = torch.randn((N,) + run.D, generator=V._gen(args.seed, it, 1)).to(run.dev)
+        g = V.generator(args.seed, it, V.Stream.ROLLOUT_NOISE)
+        x1 = torch.randn((N,) + run.D, generator=g).to(run.dev)
         with adapter_active(tr, OLD), torch.no_grad():
             x0 = torch.cat([_solve(rec["solver"], ad, x1[rows], V.select(cond, prompt_idx[rows]),
                                    state["sigmas"], run.ctx)
@@ -459,8 +461,9 @@ def _train(run, state: dict, x0: torch.Tensor, cond, prompt_idx: torch.Tensor, a
     args, ad, rec = run.args, run.adapter, state["recipe"]
     tr, N, T = ad.transformer, len(x0), state["T"]
     times = state["sigmas"][:-1].float()                                   # (K,) the rollout's
-    perm = torch.randperm(N, generator=V._gen(args.seed, it, 3))           # sample shuffle
-    g_t, g_eps = V._gen(args.seed, it, 4), V._gen(args.seed, it, 5)
+    perm = torch.randperm(N, generator=V.generator(args.seed, it, V.Stream.MINIBATCHES))  # shuffle
+    g_t = V.generator(args.seed, it, V.Stream.TIMES)
+    g_eps = V.generator(args.seed, it, V.Stream.STEP_NOISE)
     t_all = torch.stack([times[torch.randperm(len(times), generator=g_t)[:T]]
                          for _ in range(N)])                               # (N, T) per sample
     stats, grad_norms = {}, []
@@ -533,9 +536,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv=None):
-    """argv → (this script's options, vgrpo.Args, recipe overrides)."""
-    mine, rest = build_parser().parse_known_args(argv)
-    args = vgrpo_args(mine, rest, cuda_dtype="fp16")
+    """argv → (options with .rec, the recipe's overrides for init_state; vgrpo.Args):
+    baseline_cli.parse, with upstream's fp16 on CUDA for --dtype auto."""
+    return baseline_cli.parse(build_parser(), recipe, argv, cuda_dtype="fp16")
+
+
+def recipe(mine, args) -> dict:
+    """The --recipe's settings for init_state (its run-level ones are vgrpo's flags), with this
+    script's overrides."""
     over = {k: v for k, v in RECIPES[mine.recipe].items() if k not in RUN_LEVEL}
     for flag, key in (("nft_steps", "num_steps"), ("beta", "beta"), ("kl_coef", "kl_coef"),
                       ("opt_steps", "opt_steps"), ("timestep_fraction", "timestep_fraction"),
@@ -547,13 +555,14 @@ def parse(argv=None):
         over.update(decay_flat=flat, decay_uprate=uprate, decay_uphold=uphold)
     if mine.no_ema:
         over["ema"] = False
-    return mine, args, over
+    return over
 
 
 def main(argv=None) -> list[dict]:
     """Train, evaluate (every --eval_every iterations and at the end, through eval_weights), write
     metrics.jsonl, recipe.json and lora_diffusion_nft/. Returns the metrics lines."""
-    mine, args, over = parse(argv)
+    mine, args = parse(argv)
+    over = mine.rec
     tag = "+".join(n.split(":")[-1] for n, _ in V.parse_reward_spec(args.reward))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(mine.out or f"runs/diffusion_nft_sd3-{Path(args.model).name}-{tag}-{stamp}")

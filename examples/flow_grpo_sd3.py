@@ -71,7 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 import vgrpo as V
-from baseline_cli import add_run_flags, vgrpo_args
+import baseline_cli
+from baseline_cli import add_run_flags
 
 # Flow-GRPO's published recipes (module docstring for the sources).
 RECIPES = {
@@ -125,9 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv=None):
-    """argv → (flow options, vgrpo.Args). Raises ValueError with one line per problem."""
-    mine, rest = build_parser().parse_known_args(argv)
-    args = vgrpo_args(mine, rest)                        # vgrpo.Args, per-model presets applied
+    """argv → (options with .rec, the Flow-GRPO recipe; vgrpo.Args): baseline_cli.parse."""
+    return baseline_cli.parse(build_parser(), recipe, argv)
+
+
+def recipe(mine, args) -> dict:
+    """The --recipe with this script's overrides; also resolves --methods and --batch on mine.
+    Raises ValueError with one line per problem."""
     rec = dict(RECIPES[mine.recipe])
     for k in ("guidance", "noise_level", "clip_range", "beta", "timestep_fraction"):
         if getattr(mine, k) is not None:
@@ -137,7 +142,6 @@ def parse(argv=None):
     if rec["beta"] is None:
         names = [n for n, _ in V.parse_reward_spec(mine.reward)]
         rec["beta"] = max(KL_BETA.get(n, KL_BETA_OTHER) for n in names)
-    mine.rec = rec
     mine.methods = [m.strip() for m in mine.methods.split(",") if m.strip()]
     N = args.prompts_per_iter * args.group_size
     problems = []
@@ -159,7 +163,7 @@ def parse(argv=None):
                         f"--flow_steps ≥ {2 * rec['window']}")
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
-    return mine, args
+    return rec
 
 
 # ------------------------------------------------------------------------------------------------
@@ -357,7 +361,9 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     sig = [float(s) for s in sigmas]
     times = {}
     t0 = time.perf_counter()
-    g_prompt, g_noise, g_perm, g_sde, g_win = (V._gen(args.seed, it, s) for s in (0, 1, 3, 5, 6))
+    S = V.Stream
+    g_prompt, g_noise, g_perm, g_sde, g_win = (V.generator(args.seed, it, s) for s in (
+        S.PROMPTS, S.ROLLOUT_NOISE, S.MINIBATCHES, S.STEP_NOISE, S.SDE_WINDOW))
     sde, trained = step_plan(K, rec, g_win)
     T = len(trained)
 
@@ -477,7 +483,7 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
 def evaluate(guided, rewards, args, eval_prompts, D, dev, ctx) -> float:
     prompts = eval_prompts[:args.n_eval]
     n = len(prompts)
-    x1 = torch.randn((n,) + D, generator=V._gen(args.seed, 0, 9)).to(dev)
+    x1 = torch.randn((n,) + D, generator=V.generator(args.seed, 0, V.Stream.EVAL_NOISE)).to(dev)
     cond = guided.adapter.encode(prompts)
     lat = V.rollout(guided, x1, cond, torch.arange(n, device=dev),
                     guided.adapter.sigmas(args.eval_steps or args.num_steps), args.solver,
@@ -665,12 +671,7 @@ def to_markdown(rows, info) -> str:
 
 def main(argv=None) -> list[dict]:
     """Run from an argument list; returns the metrics lines (also in <out>/metrics.jsonl)."""
-    try:
-        mine, args = parse(argv)
-    except ValueError as e:
-        if argv is None:
-            sys.exit(f"error: {e}")
-        raise
+    mine, args = parse(argv)
     tag = "+".join(n.split(":")[-1] for n, _ in V.parse_reward_spec(args.reward))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(mine.out or f"runs/flow_grpo_sd3-{Path(args.model).name}-{tag}-{stamp}")

@@ -85,10 +85,10 @@ DEVIATIONS from upstream, each with its reason:
   6. Window end: rolled back when its start reaches K − 2, one step earlier than upstream's
      state machine, whose window at start K − 2 is empty (its code would then fail on an
      undefined ratio); the published 300 iterations never get there (starts ≤ 11 of 23).
-  7. Random streams: prompts and initial noise as vgrpo's collect_rollouts (_gen(seed, it, 0)
-     and (seed, it, 1)); the group's shared noise is the group's first row of that draw; the SDE
-     noise comes from _gen(seed, it, 5); all fp32 (upstream: global RNG seeded seed + rank,
-     bf16 initial noise).
+  7. Random streams: prompts and initial noise as vgrpo's collect_rollouts (V.Stream.PROMPTS
+     and ROLLOUT_NOISE); the group's shared noise is the group's first row of that draw; the SDE
+     noise comes from STEP_NOISE; all fp32 (upstream: global RNG seeded seed + rank, bf16
+     initial noise).
   8. Robustness from vgrpo: a non-finite reward gets A = 0 (upstream has no such path), an
      optimizer step with a non-finite gradient norm is skipped, fp16 runs use vgrpo's loss scaler.
   9. Logged grad_norm is the mean over the iteration's steps (upstream logs the last one);
@@ -113,7 +113,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 import vgrpo as V
-from baseline_cli import add_run_flags, vgrpo_args
+import baseline_cli
+from baseline_cli import add_run_flags
 
 # MixGRPO's published numbers that this script uses (scripts/finetune/finetune_flux_grpo_MixGRPO.sh
 # and the defaults of fastvideo/train_grpo_flux.py for the flags it leaves unset).
@@ -387,7 +388,7 @@ def window_rollout(run: V.Run, x1, cond, prompt_idx, sig: list, window: list, re
     traj = torch.empty((N, T + 1) + run.D, device=run.dev)                    # (N, T + 1, *D)
     logp_old = torch.zeros(N, T, device=run.dev)                              # (N, T)
     traj[:, 0] = x
-    for _, rows in mbs if T else []:
+    for _, rows in mbs:                           # no window (T = 0): nothing to step
         c, xr = V.select(cond, prompt_idx[rows]), x[rows]
         for w, i in enumerate(window):
             t = torch.full((len(rows),), sig[i], device=run.dev)
@@ -413,17 +414,19 @@ def mix_iteration(run: V.Run, it: int, state: dict) -> dict:
     times, t0 = {}, time.perf_counter()
 
     # 1. prompts and initial noise exactly as vgrpo's collect_rollouts; then one noise per group
-    n_tr, g = len(run.train_prompts), V._gen(args.seed, it, 0)
+    n_tr, g = len(run.train_prompts), V.generator(args.seed, it, V.Stream.PROMPTS)
     pick = (torch.randperm(n_tr, generator=g)[:P] if P <= n_tr
             else torch.randint(n_tr, (P,), generator=g))
     prompts = [run.train_prompts[i] for i in pick.tolist()]
     cond = ad.encode(prompts)                                                 # P rows
     prompt_idx = (torch.arange(N) // G).to(run.dev)                           # (N,)
-    x1 = torch.randn((N,) + run.D, generator=V._gen(args.seed, it, 1))        # (N, *D)
+    g = V.generator(args.seed, it, V.Stream.ROLLOUT_NOISE)
+    x1 = torch.randn((N,) + run.D, generator=g)                               # (N, *D)
     if rec["init_same_noise"]:
         x1 = x1[(torch.arange(N) // G) * G]                                   # group's first row
     x1 = x1.to(run.dev)
-    noise = torch.randn((N, T) + run.D, generator=V._gen(args.seed, it, 5)).to(run.dev)
+    g = V.generator(args.seed, it, V.Stream.STEP_NOISE)
+    noise = torch.randn((N, T) + run.D, generator=g).to(run.dev)             # (N, T, *D)
     mbs = micro_batches(run, rec)
     x0, traj, logp_old = window_rollout(run, x1, cond, prompt_idx, sig, window, rec, mbs, noise)
     if run.dev.type == "cuda":                    # the GPU's work, before the clock
@@ -506,29 +509,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv=None):
-    """argv → (this script's options with .rec, the MixGRPO recipe; vgrpo.Args)."""
-    mine, rest = build_parser().parse_known_args(argv)
-    args = vgrpo_args(mine, rest)
+    """argv → (options with .rec, the MixGRPO recipe; vgrpo.Args): baseline_cli.parse."""
+    return baseline_cli.parse(build_parser(), recipe, argv)
+
+
+def recipe(mine, args) -> dict:
+    """The published recipe scaled to K and the iterations (scaled_recipe), with the overrides."""
     rec = scaled_recipe(mine.mix_steps or args.num_steps, mine.iterations)
     for k in ("window", "shift_interval", "sde", "eta", "clip_range", "kl_coeff"):
         if getattr(mine, k) is not None:
             rec[k] = getattr(mine, k)
     if mine.no_same_noise:
         rec["init_same_noise"] = False
-    mine.rec = rec
-    return mine, args
+    return rec
 
 
 def main(argv=None) -> list[dict]:
     """Train MixGRPO from an argument list; returns the metrics lines (also in
     <out>/metrics.jsonl, with a held-out evaluation before and after) and saves the LoRA to
     <out>/lora_mix_grpo/ (diffusers format: pipe.load_lora_weights(folder))."""
-    try:
-        mine, args = parse(argv)
-    except ValueError as e:
-        if argv is None:
-            sys.exit(f"error: {e}")
-        raise
+    mine, args = parse(argv)
     tag = "+".join(n.split(":")[-1] for n, _ in V.parse_reward_spec(args.reward))
     out = Path(mine.out or f"runs/mix_grpo_sd3-{Path(args.model).name}-{tag}-"
                            f"{time.strftime('%Y%m%d-%H%M%S')}")

@@ -210,11 +210,13 @@ def measure(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict],
     sigmas = adapter.sigmas(args.num_steps)                       # (K + 1,), ends in 0
     grid = sigmas[:-1]                                            # stratification grid, no t = 0
     train_prompts, _ = V.load_prompts(args)
-    pick = torch.randperm(len(train_prompts), generator=V._gen(args.seed, 0, 0))[:P]
+    g = V.generator(args.seed, 0, V.Stream.PROMPTS)              # vgrpo's prompt stream
+    pick = torch.randperm(len(train_prompts), generator=g)[:P]
     prompts = [train_prompts[i] for i in pick.tolist()]
     cond = adapter.encode(prompts)                                # P rows
     prompt_idx = (torch.arange(N) // G).to(dev)                   # (N,) row of cond per sample
-    x1 = torch.randn((N,) + D, generator=V._gen(args.seed, 0, 1)).to(dev)
+    g = V.generator(args.seed, 0, V.Stream.ROLLOUT_NOISE)        # and its rollout noise
+    x1 = torch.randn((N,) + D, generator=g).to(dev)                # (N, *D)
     t0 = time.perf_counter()
     x0 = V.rollout(adapter, x1, cond, prompt_idx, sigmas, args.solver, args.rollout_batch, ctx)
     raw, adv = score_and_advantages(adapter, rewards, args, x0, [prompts[i // G] for i in range(N)], P, G)
