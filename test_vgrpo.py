@@ -6181,7 +6181,7 @@ def _fu_run(method, seed, its, rewards, steps=1, nfe=100, lr=1e-3, key="raw", n=
 
 @pytest.mark.examples
 def test_digits_followup_plan_fixed_before_its_runs():
-    """The follow-up plan as issue 47 asks, fixed in code before any run: fresh seeds 7-11 (none
+    """The follow-up plan, fixed in code before any run: fresh seeds 7-11 (none
     of the B = 128 plan's); Run A both methods at lr 1e-3 for 160 iterations, Run B each at the
     lr the B = 128 plan chose (DiffusionNFT 3e-4 for 384, evaluated every 16; V-GRPO 1e-3 for
     160, the same runs as Run A's); the claim counted in iterations with its sources named; cut-
@@ -6343,7 +6343,7 @@ def test_digits_followup_smoke_plan_end_to_end(tmp_path, monkeypatch):
 
 @pytest.mark.examples
 def test_digits_report_says_what_the_b128_runs_say(tmp_path, monkeypatch):
-    """The B = 128 report and README section, written from the committed runs (issue 47 part 3):
+    """The B = 128 report and README section, written from the committed runs:
     the same-lr table has sentences and seed-level intervals; the lr choice states the fallback
     branch, its near tie and how often bootstrap draws flip it, and the three choices at the
     bottom of the grid; the knob swaps list what was not swapped and give the +0.042 its

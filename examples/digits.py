@@ -20,7 +20,7 @@ Commands (from the repository root):
                                              # vgrpo.py, before/after grid + prompt accuracy
     python examples/digits.py build          # only the pretrained folder + classifier (cached)
     python examples/digits.py benchmark      # V-GRPO against DiffusionNFT and MixGRPO (resumable)
-    python examples/digits.py benchmark --plan followup --workers 1   # issue 47's follow-up:
+    python examples/digits.py benchmark --plan followup --workers 1   # the follow-up plan:
                                              # the DiffusionNFT claim on seeds 7-11, in iterations
     python examples/digits.py report         # the report, figures and README section
     python examples/digits.py report --out examples/digits_results_followup   # its report.md

@@ -22,7 +22,7 @@ The plan ("regime", the default), in the order the workers take it:
   swap      B = 32, lr 3e-3: V-GRPO given one of DiffusionNFT's knobs at a time, and DiffusionNFT
   nmc       B = 32: V-GRPO's N_MC at 2, 4, 8 and 10, at V-GRPO's chosen lr and at 3e-3
 
-The follow-up ("followup", issue 47; results in examples/digits_results_followup, its plan.md):
+The follow-up ("followup"; results in examples/digits_results_followup, its plan.md):
 
     python examples/digits.py benchmark --plan followup --workers 1 --threads 1
 
@@ -113,7 +113,7 @@ PLANS = {
         swap=dict(iterations=2, lr=3e-3, seeds=[0], eval_every=2, configs=["V-GRPO"]),
         nmc=dict(iterations=2, lrs=["chosen"], seeds=[0], eval_every=2, values=[2])),
 }
-# The follow-up (issue 47): does the DiffusionNFT claim hold when the lr and the budget no longer
+# The follow-up: does the DiffusionNFT claim hold when the lr and the budget no longer
 # decide it? Every run's lr and budget are fixed here, before any run; nothing is chosen from them.
 VGEN = "V-GRPO (GenEval-stage)"
 FOLLOWUP_UNIT = (
@@ -791,7 +791,7 @@ def add_commands(sub) -> None:
     k.add_argument("--plan_only", action="store_true",
                    help="write plan.json and base.json, then stop (no training run)")
     k.add_argument("--plan", default=None, choices=tuple(PLANS),
-                   help="a named plan: regime (the default), quick, followup (issue 47's "
+                   help="a named plan: regime (the default), quick, followup (the DiffusionNFT "
                    "follow-up; default out examples/digits_results_followup), or a miniature")
     w = sub.add_parser("worker", help="one worker process of a running benchmark (internal)")
     w.add_argument("--out", required=True)

@@ -1274,7 +1274,7 @@ def report(out: Path = RESULTS, md: Path | None = None, readme: Path | None = No
 
 
 # ------------------------------------------------------------------------------------------------
-# The follow-up plan (issue 47; digits_bench.PLANS["followup"]): runs at fixed lrs and budgets,
+# The follow-up plan (digits_bench.PLANS["followup"]): runs at fixed lrs and budgets,
 # the claim in the plan's unit under the budget-sensitivity rule, the ladder from the baseline's
 # gain. A comparison, and the ladder, wait for every one of their runs.
 # ------------------------------------------------------------------------------------------------
@@ -1490,7 +1490,7 @@ def followup_summary(F: dict, folder: str) -> str:
     """The follow-up in one bullet for the README: each comparison's verdict with its reason once
     all its runs are in, else how many runs are finished."""
     p, cl = F["plan"], F["plan"]["claim"]
-    s = (f"* **Follow-up (issue 47): the DiffusionNFT claim in {ST.UNITS[cl['unit']]}, on seeds "
+    s = (f"* **Follow-up: the DiffusionNFT claim in {ST.UNITS[cl['unit']]}, on seeds "
          f"{_seeds(p['confirmation_seeds'])}** ([plan]({folder}/plan.md), [report]({folder}/"
          f"report.md)). ")
     for c in F["comparisons"]:
