@@ -144,9 +144,11 @@ def levers(run, names, compile_backend="inductor"):
                     return real_rollout(adapter, *a, **k)
             V.rollout = merged_rollout
         for kernel in ("flash", "efficient", "cudnn"):
-            if f"attn_{kernel}" in names:             # that SDPA kernel alone
+            if f"attn_{kernel}" in names:
+                # that fused kernel, with math (tried last) as the fallback: with math off too,
+                # the VAE's fp32 attention raised "Invalid backend" on an H200 (torch 2.11)
                 for enable, k in zip(switches, ("flash", "efficient", "math", "cudnn")):
-                    enable(k == kernel)
+                    enable(k in (kernel, "math"))
         if "vae_autocast" in names:                   # decode in the compute dtype, not fp32
             def decode(latents):
                 with run.ctx:
