@@ -1461,9 +1461,12 @@ def write_followup(S: dict, cmd: str) -> str:
     if S["failed"]:
         status += f"\nFailed runs: {', '.join(S['failed'])}.\n"
     if S["not_finished"]:
-        status += (f"\n**Not finished when this report was written** "
-                   f"({plural(len(S['not_finished']), 'run')} of {len(BENCH.jobs_of(p))}): "
-                   f"sections that need them say \"Not measured yet\". `{cmd}` continues.\n")
+        jobs = BENCH.jobs_of(p)
+        timing = sum(j["kind"] == "timing" for j in jobs)
+        status += (f"\n**Not finished when this report was written**: {len(S['not_finished'])} of "
+                   f"the plan's {len(jobs)} jobs ({len(jobs) - timing} training runs and "
+                   f"{plural(timing, 'timing run')}). Sections that need them say \"Not measured "
+                   f"yet\". `{cmd}` continues.\n")
     return "\n".join([
         f"# Follow-up: V-GRPO (GenEval-stage) against DiffusionNFT on fresh seeds\n",
         f"Produced by `{cmd}` (plan `{p['mode']}`, written at commit {p.get('commit', '?')} before "
