@@ -1450,7 +1450,9 @@ def followup_cost_text(S: dict) -> str:
         rows.append([n, f"{len(took)} of {g['planned']}", hours(sum(took)) if took else "—",
                      f"{sum(took) / max(sum(r['iterations'] for r in g['runs']), 1):.1f} s"
                      if took else "—", hours(est.get(key, 0))])
-    return (f"One worker process of one thread, under nice, on a shared 2-core machine.\n\n"
+    return ("Each run is one worker process of one thread, under nice, on a shared 2-core machine; "
+            "some sittings ran two workers side by side, and other work at times, so these run "
+            "times are upper bounds. Speed-ups in seconds use the timing run, not these times.\n\n"
             + table(["runs", "finished", "run time", "per iteration", "estimated for all"],
                     rows))
 
