@@ -3017,9 +3017,14 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_run_continues(tmp_pa
         f.unlink()
     # call 1 is the start-up probe, 2 the reward of iteration 0, 3 of iteration 1
     cut = launch(tmp_path / "run", TERM_AT="3")
-    assert "preempted at iteration 1" in cut.stderr, cut.stderr[-3000:]
+    # the workers stop at the first preemption point both reach after the agent forwards the
+    # signal: inside iteration 1 (saving 1 iteration), or after its step when the forwarding is
+    # slow, as on a loaded machine (saving 2); either way the resumed run must end as `ref` does
+    when = re.search(r"preempted (at|after) iteration 1\b", cut.stderr)
+    assert when, cut.stderr[-3000:]
     assert cut.returncode != 0                      # the agent itself dies of its SIGTERM
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000001"
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == \
+        {"at": "iter_000001", "after": "iter_000002"}[when.group(1)]
     again = launch(tmp_path / "run")
     assert again.returncode == 0, again.stderr[-3000:]
     assert _strip_times(_metrics(tmp_path / "run")) == _strip_times(_metrics(tmp_path / "ref"))
