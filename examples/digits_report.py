@@ -83,8 +83,14 @@ def label(m: str, variant: str = "main") -> str:
 
 def _ci_or_reached(t, reached: int, seeds: int, fmt="{:.1f}") -> str:
     if math.isinf(t[0]):
-        return f"not reached ({reached} of {plural(seeds, 'seed')})"
-    return f"{ci_s(t, fmt)} ({reached} of {plural(seeds, 'seed')})"
+        return f"not reached by the seed mean ({reached_words(reached, seeds)})"
+    return f"{ci_s(t, fmt)} ({reached_words(reached, seeds)})"
+
+
+def reached_words(reached: int, seeds: int) -> str:
+    """How many seeds' own curves reached the target, in words."""
+    return ("no seed reached it" if reached == 0 else f"{reached} of {plural(seeds, 'seed')} "
+            f"reached it")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -421,7 +427,7 @@ def ratio_s(c: dict, u: str) -> str:
     if not c["gain_over_base"][1] > 0:
         return "— (the baseline did not improve)"
     if not c["reached"]:
-        return f"not reached ({c['seeds_reached']} of {c['seeds']} seeds)"
+        return f"not reached by the seed mean ({reached_words(c['seeds_reached'], c['seeds'])})"
     p, lo, hi = c["ratio"][u]
     mark = "†" if c["hi_is_bound"].get(u) else ""
     f = lambda x: "∞" if math.isinf(x) else f"{x:.2f}"
@@ -1470,7 +1476,7 @@ def write_followup(S: dict, cmd: str) -> str:
                    f"{plural(timing, 'timing run')}). Sections that need them say \"Not measured "
                    f"yet\". `{cmd}` continues.\n")
     return "\n".join([
-        f"# Follow-up: V-GRPO (GenEval-stage) against DiffusionNFT on fresh seeds\n",
+        "# Follow-up: V-GRPO (GenEval-stage) against DiffusionNFT on fresh seeds\n",
         f"Produced by `{cmd}` (plan `{p['mode']}`, written at commit {p.get('commit', '?')} before "
         f"any of its runs; the plan: [plan.md](plan.md)). This report was written by `python "
         f"examples/digits.py report --out {os.path.relpath(S['out'], D.ROOT)}` from the code of "

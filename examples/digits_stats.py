@@ -516,18 +516,26 @@ def budget_verdict(bs: dict, factor: float, unit: str) -> tuple[str, str]:
         return "not tested", (f"{c['method']} had not settled: the speed-up in {UNITS[unit]} "
                               f"{way} as its budget grew ({at}); at "
                               f"{and_words([str(cc['B']) for cc in out])} iterations it lies "
-                              f"outside the interval at B = {c['B']}, [{lo:.2f}, {hi:.2f}], "
+                              f"outside the interval at B = {c['B']}, {interval_words(lo, hi)}, "
                               f"which {interval_position(lo, hi, factor)}")
     where = (f"the speed-up in {UNITS[unit]} stays inside its interval at B = {c['B']} at every "
              f"cut-off ({at})")
     if lo > 1 and hi >= factor:
-        return "agrees", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], " \
+        return "agrees", f"{where}; the interval, {interval_words(lo, hi)}, " \
                          f"{interval_position(lo, hi, factor)}"
     if hi < factor:
-        return "disagrees", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], lies wholly below " \
-                            f"{factor:.2g}×"
-    return "not resolved", f"{where}; the interval, [{lo:.2f}, {hi:.2f}], includes both 1 " \
-                           f"and {factor:.2g}×"
+        return "disagrees", f"{where}; the interval, {interval_words(lo, hi)}, lies wholly " \
+                            f"below {factor:.2g}×"
+    return "not resolved", f"{where}; the interval, {interval_words(lo, hi)}, includes both " \
+                           f"1 and {factor:.2g}×"
+
+
+def interval_words(lo: float, hi: float) -> str:
+    """'[1.03, 2.04]'; where draws in which V-GRPO missed the target put the lower end at 0, only
+    the upper end (a lower end of 0 says nothing about the direction)."""
+    if lo > 0:
+        return f"[{lo:.2f}, {hi:.2f}]"
+    return f"up to {hi:.2f}× (V-GRPO missed the target in some draws, so it has no lower end)"
 
 
 def and_words(items: list) -> str:
