@@ -431,6 +431,8 @@ def ratio_s(c: dict, u: str) -> str:
     p, lo, hi = c["ratio"][u]
     mark = "†" if c["hi_is_bound"].get(u) else ""
     f = lambda x: "∞" if math.isinf(x) else f"{x:.2f}"
+    if lo <= 0:                         # 0 only from missed draws: a lower end with no direction
+        return f"{f(p)}× [up to {f(hi)}{mark}]"
     return f"{f(p)}× [{f(lo)}, {f(hi)}{mark}]"
 
 
