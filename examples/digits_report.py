@@ -1495,7 +1495,10 @@ def write_followup(S: dict, cmd: str) -> str:
         "## Cost\n", followup_cost_text(S),
         "## The unit and the rules, as the plan fixed them before any run\n",
         f"**The unit** (the line numbers are those of commit {p.get('commit', '?')}, where the "
-        f"plan was written). {p['unit']}\n\n**Settled.** {p['rules']['settled']}\n\n**The verdict.** "
+        f"plan was written; \"PAPER.md\" there is a summary of the paper, arXiv 2604.23380, not "
+        f"shipped: its §1.7 and Table 5 are the paper's stage lengths and per-stage steps and NFE, "
+        f"which METHOD.md P11 restates, and its §3 item 9 is this project's choice, METHOD.md C9). "
+        f"{p['unit']}\n\n**Settled.** {p['rules']['settled']}\n\n**The verdict.** "
         f"{p['rules']['verdict']}\n\n**The ladder.** {p['rules']['ladder']}\n"])
 
 
