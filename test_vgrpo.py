@@ -3031,6 +3031,33 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_run_continues(tmp_pa
 
 
 @pytest.mark.multiprocess
+def test_torchrun_processes_exit_cleanly_while_gloo_still_holds_tensors(tmp_path):
+    """The end of a 2-process run: torch keeps the process group alive past
+    destroy_process_group (DTensor's caches hold FSDP's mesh), and a gloo worker thread that lets
+    go of the last collective's tensors while Python shuts down needs the GIL there, which aborts
+    the process ("terminate called without an active exception"; once in CI, in the last second
+    of a 2-process run). Here collectives end just before the exit, as at the end of a save on the
+    process that does not write: `exit_process`, what `python vgrpo.py` ends with, must still exit
+    cleanly. It is a race: with `sys.exit` in its place 12 launches of 30 aborted on a 2-core
+    machine, so 5 launches catch that with probability ≈ 0.92; with `exit_process`, 0 of 40."""
+    (tmp_path / "ends.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+        "import torch, torch.distributed as dist, vgrpo\n"
+        "dist.init_process_group('gloo')\n"
+        "kept = dist.group.WORLD          # alive past destroy, as FSDP's mesh is in DTensor's caches\n"
+        "xs = [torch.randn(20000) for _ in range(8)]\n"
+        "for _ in range(20):\n"
+        "    for work in [dist.all_reduce(x, async_op=True) for x in xs]:\n"
+        "        work.wait()\n"
+        "    dist.all_gather([torch.empty(20000) for _ in range(2)], xs[0])\n"
+        "dist.destroy_process_group()\n"
+        "vgrpo.exit_process(0)\n")
+    for launch in range(5):
+        p = _launch([], tmp_path, script=tmp_path / "ends.py", timeout=300)
+        assert p.returncode == 0 and "terminate called" not in p.stderr, (launch, p.stderr[-3000:])
+
+
+@pytest.mark.multiprocess
 def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path, monkeypatch):
     """Out of memory in one process of two (rank 1's reward of iteration 3, after the save of
     iteration 2): that process ends in one line and saves nothing (a save is a collective that

@@ -1093,8 +1093,7 @@ def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list, skipped: boo
     return s_old
 
 
-def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list,
-                 s_old: OldSurrogates):
+def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_old: OldSurrogates):
     """[Alg. step 5] μ optimizer steps on disjoint minibatches; the first, at θ = θ_old, gives
     S_old = sg(S_θ), ρ ≡ 1 [ours C18]. Returns the log, gradient norms, step 0's (rows, S_old)."""
     args, log, grad_norms, rows0, s0 = run.args, [], [], [], []
@@ -1265,9 +1264,8 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
     failed, log = True, RunLog(run, run_dir)
     # run.stepped, from the optimizer itself (a step skipped for a non-finite gradient is none)
     on_step = run.opt.register_step_pre_hook(lambda *_: setattr(run, "stepped", True))
-    cleanup = [catch_signals(run), on_step.remove, *log.close_steps()]
-    if run.world > 1:
-        cleanup.append(torch.distributed.destroy_process_group)
+    cleanup = [catch_signals(run), on_step.remove, *log.close_steps(),
+               *([torch.distributed.destroy_process_group] if run.world > 1 else [])]
     try:
         history = iterate(run, log)
         failed = False
@@ -1814,6 +1812,15 @@ def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0,
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
+def exit_process(status: int) -> None:
+    """sys.exit; under torchrun os._exit, skipping Python's shutdown: a gloo thread still letting
+    go of the last collective's tensors there aborts the process (docs/tests.md "A clean exit")."""
+    if dist_info()[1] > 1:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 def shard_transformer(tr, dtype: torch.dtype) -> None:
     """FSDP2: each block a unit, then the root; parameters gathered in bf16 / fp16, gradients
     reduced in fp32; inputs not cast (autocast casts op by op; bf16 would round SD3's 1000·t)."""
@@ -1966,8 +1973,7 @@ FAMILY_PRESETS: dict[str, dict] = {
                  solver="dpmpp2m", group_size=12, prompts_per_iter=2, mu=4, clip_eps=1e-2,
                  soft_clip_eta=3.0, reward="hpsv2:1,pickscore:1", reward_aggregation="per_reward",
                  global_std=False, std_eps=1e-8, max_sequence_length=512,
-                 lora_targets=FLUX_LORA_TARGETS, iterations=300),
-}
+                 lora_targets=FLUX_LORA_TARGETS, iterations=300)}
 # --preset NAME, per family: "paper" is SD3.5-M Stage 1's 48 × 24 [paper P11], FLUX MixGRPO's
 # 32 × 12 [ours C1–C3]; the stages' take their controls [ours C9] (docs/training.md "Presets").
 _BOTH = lambda d: {"sd3": d, "flux": d}                         # noqa: E731
@@ -1979,8 +1985,7 @@ PRESETS: dict[str, dict] = {
     "ocr-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3,
                             clip_eps=0.0, iterations=30)),             # Stage 5
     "smoke": _BOTH(dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1,
-                        save_every=1, n_eval=2)),
-}
+                        save_every=1, n_eval=2))}
 
 
 def given_flags(argv: Optional[list[str]] = None) -> dict:
@@ -2039,8 +2044,7 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
               (f"{model} preset (examples/tiny_models.py)",
                tiny_models().PRESETS[model] if model in TINY_MODELS else {}),
               (f"--preset {preset}", PRESETS[preset][family] if preset else {}),
-              ("the resumed run's config", resumed),
-              ("command line", given)]
+              ("the resumed run's config", resumed), ("command line", given)]
     values, origin = {}, {}
     for where, layer in layers:
         values.update(layer)
@@ -2125,10 +2129,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if auto:
             latest = Path(given["run_dir"], "checkpoints", "latest").is_file()
             given["resume"] = given["run_dir"] if latest else None
-        resumed, config = None, None      # read once: the config here, the state in setup
-        if given.get("resume"):           # a resumed run keeps its configuration; flags override
-            resumed = read_checkpoint(given["resume"])
-            config = resumed[1]["config"]
+        resumed = read_checkpoint(given["resume"]) if given.get("resume") else None  # read once
+        config = resumed[1]["config"] if resumed else None  # a resumed run's; flags override it
         train(resolve_args(given, resumed=config), fresh_ok=auto, resumed=resumed)
     except (ConfigError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -2145,4 +2147,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
