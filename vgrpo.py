@@ -1808,15 +1808,13 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
 # WORLD_SIZE > 1 ⇒ torch.distributed and FSDP2. Every process draws the same prompts, noise and
 # pairs and keeps its whole groups (Run.local); collectives wait 1 h, for rank 0's longest saves.
 def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0, 1, 0) alone
-    env = os.environ
-    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+    return tuple(int(os.getenv(k, v)) for k, v in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0).items())
 
 
 def exit_process(status: int) -> None:
-    """sys.exit; under torchrun os._exit, skipping Python's shutdown: a gloo thread still letting
-    go of the last collective's tensors there aborts the process (docs/tests.md "A clean exit")."""
+    """sys.exit; os._exit under torchrun, where gloo threads can abort an exit (docs/tests.md)."""
     if dist_info()[1] > 1:
-        sys.stdout.flush(), sys.stderr.flush()
+        sys.stdout.flush()           # stderr is line-buffered; stdout may sit in a pipe buffer
         os._exit(status)
     sys.exit(status)
 
@@ -2129,8 +2127,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if auto:
             latest = Path(given["run_dir"], "checkpoints", "latest").is_file()
             given["resume"] = given["run_dir"] if latest else None
-        resumed = read_checkpoint(given["resume"]) if given.get("resume") else None  # read once
-        config = resumed[1]["config"] if resumed else None  # a resumed run's; flags override it
+        resumed, config = None, None      # read once: the config here, the state in setup
+        if given.get("resume"):           # a resumed run keeps its configuration; flags override
+            resumed = read_checkpoint(given["resume"])
+            config = resumed[1]["config"]
         train(resolve_args(given, resumed=config), fresh_ok=auto, resumed=resumed)
     except (ConfigError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
