@@ -2844,6 +2844,7 @@ def checkpoint(run, it):     # "skip" also gathers AdamW's state first, before t
 vgrpo.save_checkpoint = checkpoint
 for run_dir, argv in json.loads(sys.argv[1]).items():
     assert vgrpo.main(argv + ["--run_dir", run_dir]) == 0, run_dir
+vgrpo.exit_process(0)            # as `python vgrpo.py` ends (docs/tests.md "A clean exit under torchrun")
 """
 
 
