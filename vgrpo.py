@@ -457,9 +457,9 @@ REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore"
                 "jpeg": ("-kB", 1.0), "geneval": ("score", 1.0), "ocr": ("score", 1.0),
                 "aesthetic": ("raw", 1.0), "imagereward": ("raw", 1.0), "unifiedreward": ("of 5", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
-REWARD_PLUGINS = {n: f"examples.{n}:score" for n in BUILTIN_REWARDS[1:]            # examples/<name>.py
+REWARD_PLUGINS = {n: f"examples.rewards.{n}:score" for n in BUILTIN_REWARDS[1:]    # examples/rewards/
                   if n != "clipscore"}
-REMOTE = ("http://", "https://")           # a reward served elsewhere: examples/remote_reward.py
+REMOTE = ("http://", "https://")           # a reward served elsewhere: examples/rewards/remote_reward.py
 
 
 class Prompt(str):
@@ -508,7 +508,7 @@ class RewardError(RunError, ValueError):
 def plugin_reward(spec: str) -> Callable:
     """A user's `module.path:function` (or a reward server's URL) under the contract above; a call
     that fails or breaks it is a one-line RewardError. check_prompts: see probe_reward."""
-    module, _, fn_name = ("examples.remote_reward:client" if spec.startswith(REMOTE)
+    module, _, fn_name = ("examples.rewards.remote_reward:client" if spec.startswith(REMOTE)
                           else spec).partition(":")
     for where in (str(Path(__file__).resolve().parent), os.getcwd()):   # examples/ beside this
         if where not in sys.path:                     # file, and the user's modules beside the run
@@ -738,10 +738,10 @@ def freeze_and_cast(pipe, dtype: torch.dtype):
 
 
 def tiny_models():
-    """examples/tiny_models.py (scaffolding: the offline --model tiny / tiny-flux), by path."""
+    """examples/tools/tiny_models.py (scaffolding: the offline --model tiny / tiny-flux), by path."""
     if "vgrpo_tiny_models" in sys.modules:
         return sys.modules["vgrpo_tiny_models"]
-    path = Path(__file__).resolve().parent / "examples" / "tiny_models.py"
+    path = Path(__file__).resolve().parent / "examples" / "tools" / "tiny_models.py"
     if not path.is_file():
         raise ConfigError(f"--model tiny / tiny-flux needs {path}; or pass a real --model")
     spec = importlib.util.spec_from_file_location("vgrpo_tiny_models", path)
@@ -1909,8 +1909,8 @@ class Args:
     rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, same results)")
     # --- reward ----------------------------------------------------------------------------------
     reward: str = _f("pickscore", f"rewards with weights, e.g. pickscore:1,hpsv2:1; each one of "
-                     f"{', '.join(BUILTIN_REWARDS)} or module.path:function (examples/: "
-                     "examples.imagereward:score, examples.aesthetic:score)")
+                     f"{', '.join(BUILTIN_REWARDS)} or module.path:function (examples/rewards/: "
+                     "examples.rewards.imagereward:score)")
     reward_aggregation: str = _f("sum", "several rewards: sum then normalise, or the reverse",
                                  "[ours C3]", choices=("sum", "per_reward"))
     eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: training's)")
@@ -2039,7 +2039,7 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     resumed = {k: v for k, v in (resumed or {}).items()       # options removed since: dropped
                if k in fields and v in (fields[k].metadata["choices"] or [v])}
     layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
-              (f"{model} preset (examples/tiny_models.py)",
+              (f"{model} preset (examples/tools/tiny_models.py)",
                tiny_models().PRESETS[model] if model in TINY_MODELS else {}),
               (f"--preset {preset}", PRESETS[preset][family] if preset else {}),
               ("the resumed run's config", resumed), ("command line", given)]
