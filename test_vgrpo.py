@@ -45,10 +45,10 @@ TM = V.tiny_models()                 # examples/tiny_models.py: the offline tiny
 ROOT = Path(__file__).parent
 
 
-def _load_example(name):
-    """Import examples/<name>.py by path (examples/ is not a package)."""
-    path = ROOT / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+def _load_example(rel):
+    """Import examples/<rel>.py by path (examples/ is not a package), e.g. "baselines/flow_grpo_sd3"."""
+    path = ROOT / "examples" / f"{rel}.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -3209,13 +3209,13 @@ def test_sd3_diagnostics_variance_reduction(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # 20. The baselines: MixGRPO, Flow-GRPO and DiffusionNFT in examples/
 # ------------------------------------------------------------------------------------------------
-# examples/mix_grpo_sd3.py: MixGRPO (mixed ODE–SDE window) on the tiny SD3 pipeline
+# examples/baselines/mix_grpo_sd3.py: MixGRPO (mixed ODE–SDE window) on the tiny SD3 pipeline
 @pytest.mark.examples
 def test_mix_grpo_steps_and_loss_by_hand():
     """MixGRPO's two SDE steps (sampling_utils.py flow_grpo_step, dance_grpo_step) and its clipped
     per-step loss against hand computations in float64: x = (1, −2), v = (0.5, 1), σ = 0.75 → 0.5,
     η = 0.7, ξ = (1, −0.5)."""
-    mix = _load_example("mix_grpo_sd3")
+    mix = _load_example("baselines/mix_grpo_sd3")
     f64 = dict(dtype=torch.float64)
     x, v, xi = (torch.tensor([[1.0, -2.0]], **f64), torch.tensor([[0.5, 1.0]], **f64),
                 torch.tensor([[1.0, -0.5]], **f64))
@@ -3268,7 +3268,7 @@ def test_mix_grpo_window_schedule_published_and_scaled():
     """The progressive window (grpo_states.py): published K = 25, window 4, moved by 1 every 25 of
     300 iterations (starts 0 … 11, never wrapping); the scaled rule and its roll-back, against
     hand-computed positions and the state machine it is written from."""
-    mix = _load_example("mix_grpo_sd3")
+    mix = _load_example("baselines/mix_grpo_sd3")
     R = mix.RECIPE
     assert (R["num_steps"], R["window"], R["shift_interval"], R["iterations"], R["stride"]) == (25, 4, 25, 300, 1)
     assert mix.scaled_recipe(25, 300) == R
@@ -3308,7 +3308,7 @@ def test_mix_grpo_two_iterations_on_the_tiny_model():
     """Two MixGRPO iterations on a vgrpo.Run (tiny SD3, P×G = 2×4, K = 4, scaled recipe: window 1,
     moved every iteration): the LoRA moves, the base weights do not, metrics are finite, the ratio
     is exactly 1 before the first of the 4 optimizer steps, NFE = rollout K + trained window T."""
-    mix = _load_example("mix_grpo_sd3")
+    mix = _load_example("baselines/mix_grpo_sd3")
     args = V.parse_args(["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2",
                          "--group_size", "4", "--num_steps", "4", "--lora_rank", "4",
                          "--lora_alpha", "8", "--no-gradient_checkpointing"])
@@ -3339,7 +3339,7 @@ def test_mix_grpo_two_iterations_on_the_tiny_model():
 def test_mix_grpo_cli_writes_metrics_and_the_lora(tmp_path):
     """main(argv): tiny model + jpeg by default, vgrpo flags passed through, metrics.jsonl with an
     evaluation before and after, and the LoRA in diffusers' format."""
-    mix = _load_example("mix_grpo_sd3")
+    mix = _load_example("baselines/mix_grpo_sd3")
     out = tmp_path / "mix"
     lines = mix.main(["--prompts_per_iter", "2", "--group_size", "2", "--mix_steps", "3",
                       "--iterations", "1", "--n_eval", "1", "--eval_steps", "2", "--out", str(out),
@@ -3355,14 +3355,14 @@ def test_mix_grpo_cli_writes_metrics_and_the_lora(tmp_path):
     assert mine.rec["sde"] == "dance" and mine.rec["init_same_noise"]
 
 
-# examples/flow_grpo_sd3.py: Flow-GRPO on the tiny SD3 pipeline, its cost table
+# examples/baselines/flow_grpo_sd3.py: Flow-GRPO on the tiny SD3 pipeline, its cost table
 FLOW_SMALL = ["--prompts_per_iter", "2", "--group_size", "4", "--iterations", "1", "--seed", "0",
               "--num_steps", "4", "--flow_steps", "4", "--n_eval", "2"]
 
 
 @pytest.mark.examples
 def test_flow_grpo_baseline_and_cost_table(tmp_path):
-    """examples/flow_grpo_sd3.py, both methods at the default cfg4.5 recipe on the tiny SD3 pipeline
+    """examples/baselines/flow_grpo_sd3.py, both methods at the default cfg4.5 recipe on the tiny SD3 pipeline
     (P×G = 2×4, V-GRPO K = 4, Flow-GRPO K = 4, 1 iteration each), with prompt files: the NFE
     accounting with CFG (2 forwards per step) and the KL's reference forwards, the ratio exactly 1
     before the first of Flow-GRPO's 2 optimizer steps, metrics.jsonl, and both LoRAs loadable.
@@ -3374,7 +3374,7 @@ def test_flow_grpo_baseline_and_cost_table(tmp_path):
     1 ± 1e-4). Rewards are not asserted: one iteration on a random tiny model moves them by less
     than their noise.
     """
-    flow = _load_example("flow_grpo_sd3")
+    flow = _load_example("baselines/flow_grpo_sd3")
     train = tmp_path / "train.txt"
     train.write_text("a red square\na blue circle\na green triangle\n")
     held = tmp_path / "held.txt"
@@ -3449,8 +3449,8 @@ def test_flow_grpo_nocfg_recipe_filters_zero_advantages(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.txt").write_text("a flat grey wall\na busy street market\n")
     (tmp_path / "held.txt").write_text("a quiet lake\n")
-    before = (ROOT / "examples" / "flow_grpo_sd3.md").read_text()
-    flow = _load_example("flow_grpo_sd3")
+    before = (ROOT / "examples" / "baselines" / "flow_grpo_sd3.md").read_text()
+    flow = _load_example("baselines/flow_grpo_sd3")
     lines = flow.main(["--methods", "flow_grpo", "--recipe", "nocfg",
                        "--reward", "flat_reward:score", "--prompts", "train.txt",
                        "--eval_prompts", "held.txt", "--eval_holdout", "0",
@@ -3468,16 +3468,16 @@ def test_flow_grpo_nocfg_recipe_filters_zero_advantages(tmp_path, monkeypatch):
     assert its[0]["abs_log_ratio_first"] == 0.0 and its[0]["clip_frac_first_step"] == 0.0
     runs = list((tmp_path / "runs").glob("flow_grpo_sd3-tiny-score-*"))
     assert len(runs) == 1 and (runs[0] / "lora_flow_grpo" / V.LORA_FILE).is_file()
-    assert (ROOT / "examples" / "flow_grpo_sd3.md").read_text() == before
+    assert (ROOT / "examples" / "baselines" / "flow_grpo_sd3.md").read_text() == before
 
 
 @pytest.mark.examples
 def test_flow_grpo_pure_parts():
-    """The pieces of examples/flow_grpo_sd3.py against hand computations: the per-prompt stat
+    """The pieces of examples/baselines/flow_grpo_sd3.py against hand computations: the per-prompt stat
     tracker (group mean, global population std + 1e-4, duplicates of a prompt pooled), the
     zero-advantage mask and its padding, the two SDE steps' log-probs, the KL term, CFG with the
     unconditional half detached, and the CLI (no abbreviation of --prompts, clear errors)."""
-    flow = _load_example("flow_grpo_sd3")
+    flow = _load_example("baselines/flow_grpo_sd3")
     r = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0, 7.0])
     prompts = ["a", "a", "b", "b", "a", "c"]
     adv = flow.stat_tracker_advantages(prompts, r)
@@ -3556,7 +3556,7 @@ def test_flow_grpo_pure_parts():
         flow.parse(["--methods", "ppo"])
 
 
-# examples/diffusion_nft_sd3.py: the loss by hand, the old adapter's schedule, dpm2, two iterations
+# examples/baselines/diffusion_nft_sd3.py: the loss by hand, the old adapter's schedule, dpm2, two iterations
 @pytest.mark.examples
 def test_diffusion_nft_loss_by_hand():
     """DiffusionNFT's loss (scripts/train_nft_sd3.py) on two 2-element samples, float64, β = 0.5,
@@ -3569,7 +3569,7 @@ def test_diffusion_nft_loss_by_hand():
     Sample 2: t = 1, x_t = [1, 1], x0 = [0, 0], v_θ = v_old = [1, 1], v_ref = [0, 2], A = −10:
       clamp → −5, r = 0; x̂± = x0 exactly: MAE 0 is floored at 1e-5, e± = 0 (not 0/0); KL 1.
     Loss = (25/3 + 0)/2 + 0.1·(0.5 + 1)/2 = 25/6 + 0.075 = 509/120."""
-    nft = _load_example("diffusion_nft_sd3")
+    nft = _load_example("baselines/diffusion_nft_sd3")
     d = dict(dtype=torch.float64)
     x_t = torch.tensor([[0.5, 0.5], [1.0, 1.0]], **d)
     x0 = torch.tensor([[1.0, -1.0], [0.0, 0.0]], **d)
@@ -3605,7 +3605,7 @@ def test_diffusion_nft_loss_by_hand():
 def test_diffusion_nft_old_adapter_schedule():
     """train_nft_sd3.py return_decay (types 1 and 2 of config/nft.py) and the soft update
     old ← d·old + (1 − d)·θ against hand values; the recipes' schedules and the CLI's mapping."""
-    nft = _load_example("diffusion_nft_sd3")
+    nft = _load_example("baselines/diffusion_nft_sd3")
     one, two = nft.DECAY_TYPES[1], nft.DECAY_TYPES[2]
     assert one == (0, 0.001, 0.5) and two == (75, 0.0075, 0.999) and nft.DECAY_TYPES[0][2] == 0
     for step, want in ((0, 0.0), (1, 0.001), (250, 0.25), (500, 0.5), (10_000, 0.5)):
@@ -3640,7 +3640,7 @@ def test_diffusion_nft_dpm2_solver():
     float64: a first step that is DDIM from σ = 1 (x' = (1 − σ')x̂0 + σ'x1), a last step that
     lands on x̂0, the same result as vgrpo's DPM-Solver++(2M) on SD3's shifted grid and on a grid
     that does not start at 1; Euler ("flow", η = 0) is vgrpo's euler_sample."""
-    nft = _load_example("diffusion_nft_sd3")
+    nft = _load_example("baselines/diffusion_nft_sd3")
     g = torch.Generator().manual_seed(0)
     A = 0.5 * torch.randn(4, 4, generator=g, dtype=torch.float64)
     fn = lambda x, t, c: x @ A + t[:, None]                                   # noqa: E731
@@ -3664,7 +3664,7 @@ def test_diffusion_nft_two_iterations_tiny_sd3(monkeypatch):
     old adapter; the old adapter starts as θ and then follows old ← d·old + (1 − d)·θ with the
     schedule's d (here uprate 0.25, uphold 0.4: d = 0.25, then 0.4); the EMA moves by 9/11 at
     step 1 (ema.py: 1 − min(2/11, 0.9)); eval_weights swaps the EMA in and back."""
-    nft = _load_example("diffusion_nft_sd3")
+    nft = _load_example("baselines/diffusion_nft_sd3")
     run = V.setup(V.parse_args(["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2",
                                 "--group_size", "2", "--resolution", "32", "--seed", "0"]))
     tr = run.adapter.transformer
@@ -3712,11 +3712,11 @@ def test_diffusion_nft_two_iterations_tiny_sd3(monkeypatch):
 
 @pytest.mark.examples
 def test_nft_gradient_identity_at_theta_old():
-    """At θ = old, DiffusionNFT's loss (examples/diffusion_nft_sd3.py nft_loss) has the gradient of
+    """At θ = old, DiffusionNFT's loss (examples/baselines/diffusion_nft_sd3.py nft_loss) has the gradient of
     V-GRPO's μ = 1 loss on the same (t, ε) pairs with advantages clamped at ±A_max, whatever its
     mixing β: both are mean_n clip(A_n)·mean_j ∇e_nj with e the self-normalised x-error (the
     reason the digits report swaps knobs, not methods, to explain a gap between the two)."""
-    nft = _load_example("diffusion_nft_sd3")
+    nft = _load_example("baselines/diffusion_nft_sd3")
     torch.manual_seed(0)
     N, J, D = 6, 3, 8
     net = torch.nn.Linear(D, D).double()

@@ -26,10 +26,10 @@ as it is measured, so a run cut short keeps what it measured:
   memory  which settings train SD3.5-M LoRA on a 24, 48 and 80 GB card, emulated with
           torch.cuda.set_per_process_memory_fraction (card size − 0.75 GiB for the CUDA context):
           candidates from fastest to leanest, stopping at the first that fits.
-  flow    Flow-GRPO at its published SD3.5-M settings (examples/flow_grpo_sd3.py --recipe cfg4.5:
-          10 SDE steps, CFG 4.5, 9 trained steps, 2 optimizer steps, fp16) against V-GRPO at the
-          paper's (40 ODE steps, CFG-free, N_MC 4, μ 1, bf16), same P×G and initial noise: seconds
-          and GPU-seconds per iteration and per 1,000 images.
+  flow    Flow-GRPO at its published SD3.5-M settings (examples/baselines/flow_grpo_sd3.py
+          --recipe cfg4.5: 10 SDE steps, CFG 4.5, 9 trained steps, 2 optimizer steps, fp16)
+          against V-GRPO at the paper's (40 ODE steps, CFG-free, N_MC 4, μ 1, bf16), same P×G and
+          initial noise: seconds and GPU-seconds per iteration and per 1,000 images.
   flux    FLUX.1-dev defaults (720 px, 16-step DPM-Solver++(2M), μ 4) at MixGRPO's per-GPU batch
           1×12: whole-iteration MFU, with and without the levers that paid on SD3.5-M.
 
@@ -481,7 +481,7 @@ def stage_memory(env) -> None:
 
 def load_flow_example():
     import importlib.util
-    path = ROOT / "examples" / "flow_grpo_sd3.py"
+    path = ROOT / "examples" / "baselines" / "flow_grpo_sd3.py"
     spec = importlib.util.spec_from_file_location("flow_grpo_sd3", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -493,7 +493,7 @@ def stage_flow(env) -> None:
     flow = load_flow_example()
     if not hasattr(flow, "RECIPES"):
         skip(env, "flow", "Flow-GRPO vs V-GRPO",
-             "examples/flow_grpo_sd3.py has no --recipe (older version)")
+             "examples/baselines/flow_grpo_sd3.py has no --recipe (older version)")
         return
     P, G = (1, 4) if env.a.cpu_smoke else (1, 24)
     argv = ["--model", env.model, "--reward", "pickscore", "--recipe", "cfg4.5",

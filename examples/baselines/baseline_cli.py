@@ -1,14 +1,15 @@
-"""The command-line front that examples/flow_grpo_sd3.py, diffusion_nft_sd3.py and mix_grpo_sd3.py
-share: the run-level flags each adds to its own parser, the vgrpo.Args built from them and from
-every flag the script does not know (passed through to vgrpo's parser, same names there), and
-`parse`, which each script's parse() calls: one return shape, (options with .rec, vgrpo.Args)."""
+"""The command-line front that examples/baselines/flow_grpo_sd3.py, diffusion_nft_sd3.py and
+mix_grpo_sd3.py share: the run-level flags each adds to its own parser, the vgrpo.Args built from
+them and from every flag the script does not know (passed through to vgrpo's parser, same names
+there), and `parse`, which each script's parse() calls: one return shape, (options with .rec,
+vgrpo.Args)."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

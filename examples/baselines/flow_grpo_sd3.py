@@ -9,10 +9,10 @@ deterministic ODE rollouts, then N_MC surrogate forwards for θ_old and N_MC wit
 This script trains either or both from the same LoRA initialisation, on the same prompts and
 initial noises, and writes the per-iteration cost of each phase side by side.
 
-    python examples/flow_grpo_sd3.py                        # tiny SD3 pipeline, CPU, both methods
-    python examples/flow_grpo_sd3.py --methods flow_grpo --model DIR --reward mymod:fn \\
+    python examples/baselines/flow_grpo_sd3.py              # tiny SD3 pipeline, CPU, both methods
+    python examples/baselines/flow_grpo_sd3.py --methods flow_grpo --model DIR --reward mymod:fn \\
         --prompts train.txt --eval_prompts test.txt --iterations 30 --out runs/flow
-    python examples/flow_grpo_sd3.py --model sd3.5-medium --reward pickscore      # one GPU
+    python examples/baselines/flow_grpo_sd3.py --model sd3.5-medium --reward pickscore      # one GPU
 
 Output folder (--out, default runs/flow_grpo_sd3-<model>-<reward>-<date>/): metrics.jsonl (one
 line per iteration and per evaluation, each with its "method"), table.md and summary.json (the
@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # never wait on a hub look-up (tiny model)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
@@ -523,7 +523,7 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
     pipe.vae.to(torch.float32)
     adapter = V.make_adapter(pipe, args, dev)
     if not isinstance(adapter, V.SD3Adapter) or isinstance(adapter, V.FluxAdapter):
-        raise ValueError("examples/flow_grpo_sd3.py supports SD3 pipelines only "
+        raise ValueError("examples/baselines/flow_grpo_sd3.py supports SD3 pipelines only "
                          "(Flow-GRPO's SD3 script); --model names a FLUX pipeline")
     torch.manual_seed(args.seed)              # the LoRA init from the seed alone (as vgrpo.setup)
     lora_cfg = V.add_lora(adapter.transformer, args.lora_rank, args.lora_alpha,
@@ -631,8 +631,8 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
 
 def to_markdown(rows, info) -> str:
     r_ = {k.removeprefix("flow_"): v for k, v in info.items() if k.startswith("flow_")}
-    head = (f"Per-iteration cost (examples/flow_grpo_sd3.py --recipe {info['recipe']}): model "
-            f"`{info['model']}`, reward `{info['reward']}`, {info['device']} {info['dtype']}; "
+    head = (f"Per-iteration cost (examples/baselines/flow_grpo_sd3.py --recipe {info['recipe']}): "
+            f"model `{info['model']}`, reward `{info['reward']}`, {info['device']} {info['dtype']}; "
             f"P×G = {info['P']}×{info['G']} at {info['resolution']} px; "
             f"V-GRPO K = {info['K_vgrpo']}, "
             f"N_MC = {info['J']}; Flow-GRPO K = {info['K_flow']}, guidance {r_['guidance']:g}, "

@@ -12,10 +12,10 @@ treats the whole generation as one action scored by its ELBO surrogate.
 Published for FLUX.1-dev; here it runs on any vgrpo.Run built by vgrpo.setup(args) (an SD3 /
 SD3.5 diffusers pipeline with vgrpo's LoRA, AdamW, rewards and prompts):
 
-    python examples/mix_grpo_sd3.py                                   # tiny SD3 pipeline, CPU
-    python examples/mix_grpo_sd3.py --model DIR --reward mymod:fn --prompts train.txt \\
+    python examples/baselines/mix_grpo_sd3.py                         # tiny SD3 pipeline, CPU
+    python examples/baselines/mix_grpo_sd3.py --model DIR --reward mymod:fn --prompts train.txt \\
         --num_steps 10 --iterations 30 --out runs/mix
-    python examples/mix_grpo_sd3.py --model sd3.5-medium --reward pickscore --num_steps 25 \\
+    python examples/baselines/mix_grpo_sd3.py --model sd3.5-medium --reward pickscore --num_steps 25 \\
         --iterations 300                                              # the published schedule
 
 From Python (the shape examples/digits.py calls):
@@ -107,7 +107,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # never wait on a hub look-up (tiny model)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
@@ -140,7 +140,7 @@ PUBLISHED_SETUP = dict(
     model="FLUX.1-dev", resolution=720, shift=3.0, group_size=12,   # .sh: --h/--w 720, --shift 3
     prompts_per_iter=32,                    # .sh: 4 nodes × 8 GPUs × --train_batch_size 1
     full_finetune=True, lr=1e-5, weight_decay=1e-4, max_grad_norm=1.0,   # .sh
-    rewards="hpsv2:1,examples.imagereward:score:1,pickscore:1",   # .sh: "multi_reward", weights 1
+    rewards="hpsv2:1,examples.rewards.imagereward:score:1,pickscore:1",   # .sh: "multi_reward", weights 1
     advantage_aggregation="advantage_aggr", precision="bf16")      # .sh: multi_reward_mix, bf16
 METHOD = "mix_grpo"
 

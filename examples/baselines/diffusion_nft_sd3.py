@@ -8,10 +8,10 @@ positive branch v⁺ = β·v_θ + (1 − β)·v_old is pulled towards each image
 implicit negative branch v⁻ = (1 + β)·v_old − β·v_θ in proportion to 1 − r. The sampling policy
 v_old is a second LoRA adapter that trails θ by a soft update with a ramped decay.
 
-    python examples/diffusion_nft_sd3.py                       # tiny SD3 pipeline, CPU, jpeg
-    python examples/diffusion_nft_sd3.py --model DIR --reward mymod:fn --prompts train.txt \\
+    python examples/baselines/diffusion_nft_sd3.py             # tiny SD3 pipeline, CPU, jpeg
+    python examples/baselines/diffusion_nft_sd3.py --model DIR --reward mymod:fn --prompts train.txt \\
         --eval_prompts test.txt --iterations 30 --out runs/nft
-    python examples/diffusion_nft_sd3.py --model sd3.5-medium --reward pickscore   # one GPU
+    python examples/baselines/diffusion_nft_sd3.py --model sd3.5-medium --reward pickscore   # one GPU
 
 Output folder (--out, default runs/diffusion_nft_sd3-<model>-<reward>-<date>/): metrics.jsonl (one
 line per iteration and per evaluation, each with "method": "diffusion_nft"), recipe.json (the
@@ -64,7 +64,7 @@ one-GPU default P = 6), evaluation by a 40-step deterministic Euler solve (vgrpo
 --solver euler) of the EMA weights; fp16 autocast with loss scaling (--dtype auto here: fp16
 on CUDA, fp32 on CPU).
 
-Deviations from upstream, each with its reason (also in examples/diffusion_nft_sd3.md):
+Deviations from upstream, each with its reason (also in examples/baselines/diffusion_nft_sd3.md):
   D1 One process. Upstream shards every sampling batch over 8 GPUs (9 samples each) and DDP
      averages the gradient; here the P·G samples live on one device and are cut into
      --micro_batch rows; the accumulated gradient is the same mean over samples and times.
@@ -110,7 +110,7 @@ import warnings
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # never wait on a hub look-up (tiny model)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
@@ -368,7 +368,8 @@ def init_state(run, **overrides) -> dict:
                          f"{run_level} are vgrpo flags (vgrpo.setup builds the run from them)")
     rec = {**RECIPE, **overrides}
     if run.world > 1:
-        raise V.ConfigError("examples/diffusion_nft_sd3.py runs in one process (not torchrun)")
+        raise V.ConfigError("examples/baselines/diffusion_nft_sd3.py runs in one process "
+                            "(not torchrun)")
     if run.lora_cfg is None or not isinstance(run.adapter, V.SD3Adapter) \
             or isinstance(run.adapter, V.FluxAdapter):
         raise V.ConfigError("DiffusionNFT here needs an SD3 pipeline with LoRA (no "
