@@ -40,7 +40,7 @@ import torch
 
 import vgrpo as V
 
-TM = V.tiny_models()                 # examples/tiny_models.py: the offline tiny pipelines
+TM = V.tiny_models()                 # examples/tools/tiny_models.py: the offline tiny pipelines
 
 ROOT = Path(__file__).parent
 
@@ -1747,12 +1747,12 @@ def test_reward_weight_typo_is_an_argument_error(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.trainer
 def test_tiny_model_without_its_builders_is_one_line(tmp_path, capsys, monkeypatch):
-    """vgrpo.py copied alone: --model tiny names the missing examples/tiny_models.py."""
+    """vgrpo.py copied alone: --model tiny names the missing examples/tools/tiny_models.py."""
     monkeypatch.delitem(sys.modules, "vgrpo_tiny_models")
     monkeypatch.setattr(V, "__file__", str(tmp_path / "vgrpo.py"))
     (tmp_path / "p.txt").write_text("a cat\n")
     _one_line(TINY + ["--prompts", str(tmp_path / "p.txt")], tmp_path, capsys,
-              r"--model tiny / tiny-flux needs .*examples/tiny_models.py")
+              r"--model tiny / tiny-flux needs .*examples/tools/tiny_models.py")
 
 
 @pytest.mark.trainer
@@ -2498,15 +2498,15 @@ def test_a_second_trainer_on_a_live_run_folder_is_refused_and_the_first_finishes
 
 
 # ------------------------------------------------------------------------------------------------
-# 14. Watching a run: TensorBoard and examples/plot_metrics.py
+# 14. Watching a run: TensorBoard and examples/tools/plot_metrics.py
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.trainer
 def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, monkeypatch,
                                                                        capsys):
-    """examples/tensorboard_curves.py --follow, started before the run: TensorBoard's own reader
+    """examples/tools/tensorboard_curves.py --follow, started before the run: TensorBoard's own reader
     finds reward_mean once per iteration, also after a kill (iteration 2 was logged, then lost
     with the kill) and --resume, and the evaluation grids as images; run once after the run, the
-    same curves; a disk that fills up is one line, exit 2. examples/plot_metrics.py draws the run's
+    same curves; a disk that fills up is one line, exit 2. examples/tools/plot_metrics.py draws the run's
     metrics.jsonl as a real image, skipping a line cut short by a kill; a folder without metrics
     is one line, exit 2."""
     import errno
@@ -2537,7 +2537,7 @@ def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, 
             raise SystemExit("killed")
         return real(r, it)
 
-    follower = subprocess.Popen([sys.executable, str(ROOT / "examples" / "tensorboard_curves.py"),
+    follower = subprocess.Popen([sys.executable, str(ROOT / "examples" / "tools" / "tensorboard_curves.py"),
                                  str(run), "--follow", "--every", "0.2"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -2556,7 +2556,7 @@ def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, 
         follower.send_signal(signal.SIGINT)                           # Ctrl-C stops it
         err = follower.communicate(timeout=60)[1]
     assert follower.returncode == 0 and err == "", err
-    tb = _load_example("tensorboard_curves")
+    tb = _load_example("tools/tensorboard_curves")
     assert tb.main([str(run)]) == 0 and steps() == done               # once, after the run
     from torch.utils.tensorboard import SummaryWriter
     monkeypatch.setattr(SummaryWriter, "add_scalar", lambda *a, **k: (_ for _ in ()).throw(
@@ -2565,7 +2565,7 @@ def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, 
     assert tb.main([str(run)]) == 2
     assert re.fullmatch(r"error: .*No space left on device\n", capsys.readouterr().err)
     monkeypatch.undo()
-    pm = _load_example("plot_metrics")
+    pm = _load_example("tools/plot_metrics")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"iter": 5, "rew')                                  # cut short by a kill
     assert pm.main([str(run)]) == 0
@@ -2607,7 +2607,7 @@ def test_help_shows_what_each_family_gets_in_the_sections_of_args(capsys):
     with pytest.raises(SystemExit):
         V.given_flags(["--model", "tiny", "--help"])
     flat = " ".join(capsys.readouterr().out.split())
-    assert "image side in pixels [64; tiny preset (examples/tiny_models.py)]" in flat
+    assert "image side in pixels [64; tiny preset (examples/tools/tiny_models.py)]" in flat
 
 
 @pytest.mark.trainer
@@ -2742,7 +2742,7 @@ def test_flux_defaults_follow_the_paper_protocol():
     # every value says where it comes from
     assert a.origin["clip_eps"].startswith("flux preset") and "[ours C" in a.origin["clip_eps"]
     assert s.origin["num_steps"] == "[paper P11] 40-step ODE rollouts" and s.origin["model"] == "command line"
-    assert V.parse_args(["--model", "tiny"]).origin["lr"] == "tiny preset (examples/tiny_models.py)"
+    assert V.parse_args(["--model", "tiny"]).origin["lr"] == "tiny preset (examples/tools/tiny_models.py)"
 
 
 @pytest.mark.trainer
@@ -5560,7 +5560,7 @@ def _ur_tiny_qwen25vl(folder):
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                               Qwen2_5_VLProcessor, Qwen2TokenizerFast, Qwen2VLImageProcessor,
                               Qwen2VLVideoProcessor)
-    from examples.tiny_models import _bytes_to_unicode
+    from examples.tools.tiny_models import _bytes_to_unicode
     bpe = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(_bytes_to_unicode().values())},
                                merges=[]))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

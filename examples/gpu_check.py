@@ -60,7 +60,7 @@ import torch
 
 import vgrpo as V
 
-TM = V.tiny_models()                      # examples/tiny_models.py: offline tiny pipelines
+TM = V.tiny_models()                      # examples/tools/tiny_models.py: offline tiny pipelines
 
 BF16_PEAK_TFLOPS = 989.0     # H100/H200 SXM dense bf16 spec; pass --peak for another GPU
 

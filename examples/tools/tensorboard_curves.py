@@ -1,14 +1,14 @@
 """TensorBoard curves of a vgrpo run, from its metrics.jsonl: once, or live as the run goes.
 
-    python examples/tensorboard_curves.py runs/<run>             # → runs/<run>/tensorboard
-    python examples/tensorboard_curves.py runs/<run> --follow    # keeps it up to date; Ctrl-C stops
+    python examples/tools/tensorboard_curves.py runs/<run>             # → runs/<run>/tensorboard
+    python examples/tools/tensorboard_curves.py runs/<run> --follow    # keeps it up to date; Ctrl-C stops
     tensorboard --logdir runs/
 
 Every number of each metrics.jsonl line becomes a scalar at step = its "iter" (the rewards, |log ρ|,
 the clip fraction, the surrogate CV, the gradient norm, seconds per phase: docs/training.md
 "Logged metrics"), and each evaluation's grid, eval/iter_XXXXXX.png, the image "eval_grid". The
 trainer needs no flag for it: it appends a line to metrics.jsonl after every iteration and every
-evaluation, and this script reads the file as examples/plot_metrics.py does (a line cut short by
+evaluation, and this script reads the file as examples/tools/plot_metrics.py does (a line cut short by
 a kill is skipped; it is read whole the next time).
 
 A resumed run drops the lines logged after its checkpoint and logs them again. The curves follow

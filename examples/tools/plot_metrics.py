@@ -1,12 +1,12 @@
 """Curves of a vgrpo run from its metrics.jsonl, as one PNG: no server, no account.
 
-    python examples/plot_metrics.py runs/sd3.5-medium-pickscore-20261202-101500   # → its metrics.png
-    python examples/plot_metrics.py RUN_DIR --out curves.png
+    python examples/tools/plot_metrics.py runs/sd3.5-medium-pickscore-20261202-101500   # → its metrics.png
+    python examples/tools/plot_metrics.py RUN_DIR --out curves.png
 
 It reads the file a run appends to after every iteration, so it works while the run goes on, after
 it ends, and after a crash. Four panels: the training reward and the held-out evaluations; |log ρ|
 and the clip fraction; the surrogate CV (batch and group); seconds per phase of an iteration.
-For live curves in TensorBoard: examples/tensorboard_curves.py RUN_DIR --follow.
+For live curves in TensorBoard: examples/tools/tensorboard_curves.py RUN_DIR --follow.
 """
 from __future__ import annotations
 
