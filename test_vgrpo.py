@@ -1287,11 +1287,11 @@ def _fails(argv, tmp_path, capsys, pattern):
 
 @pytest.mark.trainer
 def test_hpsv2_without_its_weights_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    """Offline, `hpsv2` (the plug-in examples/hpsv2.py) fails at its probe and names HPSV2_CHECKPOINT."""
+    """Offline, `hpsv2` (the plug-in examples/rewards/hpsv2.py) fails at its probe and names HPSV2_CHECKPOINT."""
     monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
     monkeypatch.setenv("HPSV2_CHECKPOINT", "nobody/nothing/missing.pt")
     _fails(TINY + ["--reward", "hpsv2"], tmp_path, capsys,
-           r"reward 'examples.hpsv2:score' failed: .*HPSV2_CHECKPOINT=/path/to/file")
+           r"reward 'examples.rewards.hpsv2:score' failed: .*HPSV2_CHECKPOINT=/path/to/file")
 
 
 def _tiny_open_clip(folder):
@@ -1311,10 +1311,10 @@ def _tiny_open_clip(folder):
 
 @pytest.mark.trainer
 def test_hpsv2_reward_matches_open_clip_reference(tmp_path, monkeypatch):
-    """`hpsv2` is the plug-in examples/hpsv2.py, its weights named by HPSV2_ARCH / HPSV2_CHECKPOINT."""
+    """`hpsv2` is the plug-in examples/rewards/hpsv2.py, its weights named by HPSV2_ARCH / HPSV2_CHECKPOINT."""
     import open_clip
     from PIL import Image
-    import examples.hpsv2 as HP
+    import examples.rewards.hpsv2 as HP
     cfg, ckpt, ref_model = _tiny_open_clip(tmp_path)
     monkeypatch.setenv("HPSV2_ARCH", str(cfg))
     monkeypatch.setenv("HPSV2_CHECKPOINT", str(ckpt))
@@ -1354,7 +1354,7 @@ def test_clipscore_is_cosine_on_tiny_clip(tmp_path):
 
 @pytest.mark.trainer
 def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path, capsys, monkeypatch):
-    """examples/aesthetic.py: the LAION MLP (the original's key names) on the L2-normalised CLIP
+    """examples/rewards/aesthetic.py: the LAION MLP (the original's key names) on the L2-normalised CLIP
     image features of vgrpo's CLIP preprocessing, from AESTHETIC_CLIP and AESTHETIC_WEIGHTS; it
     trains through --reward as a plug-in, by its module path and by its short name `aesthetic`."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
@@ -1373,7 +1373,7 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path, capsys, m
     CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
                   tokenizer=tok).save_pretrained(d)
     monkeypatch.chdir(ROOT)
-    from examples import aesthetic as AE
+    from examples.rewards import aesthetic as AE
     head = AE.head()
     torch.save(head.state_dict(), tmp_path / "aesthetic.pth")
     monkeypatch.setenv("AESTHETIC_CLIP", str(d))
@@ -1390,7 +1390,7 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path, capsys, m
     assert sorted(k for k in head.state_dict()) == sorted(
         f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))   # the original's key names
     run = tmp_path / "run"
-    assert V.main(TINY + ["--iterations", "1", "--reward", "examples.aesthetic:score",
+    assert V.main(TINY + ["--iterations", "1", "--reward", "examples.rewards.aesthetic:score",
                           "--run_dir", str(run)]) == 0
     assert torch.isfinite(torch.tensor(_metrics(run)[0]["reward_mean"]))
     assert V.main(TINY + ["--iterations", "1", "--reward", "aesthetic",      # the short name
@@ -1401,14 +1401,14 @@ def test_aesthetic_reward_is_mlp_on_normalised_clip_features(tmp_path, capsys, m
 @pytest.mark.trainer
 def test_imagereward_plugin_scores_pairs_and_without_package_says_how_to_install(
         tmp_path, capsys, monkeypatch):
-    """examples/imagereward.py: without the package, one line saying how to install it (from the
+    """examples/rewards/imagereward.py: without the package, one line saying how to install it (from the
     plug-in probe, before the model loads); with it (a stand-in module here), one score per
     (prompt, image) pair from the images as uint8 PIL images, the model loaded once per device."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setitem(sys.modules, "ImageReward", None)               # import fails
-    monkeypatch.delitem(sys.modules, "examples.imagereward", raising=False)
-    _fails(TINY + ["--reward", "examples.imagereward:score"], tmp_path, capsys,
-           r"reward 'examples.imagereward:score' failed: .*pip install image-reward")
+    monkeypatch.delitem(sys.modules, "examples.rewards.imagereward", raising=False)
+    _fails(TINY + ["--reward", "examples.rewards.imagereward:score"], tmp_path, capsys,
+           r"reward 'examples.rewards.imagereward:score' failed: .*pip install image-reward")
     loads, seen = [], []
 
     class FakeModel:
@@ -1419,7 +1419,7 @@ def test_imagereward_plugin_scores_pairs_and_without_package_says_how_to_install
     fake = types.SimpleNamespace(load=lambda name, device: loads.append((name, device)) or FakeModel())
     monkeypatch.setitem(sys.modules, "ImageReward", fake)
     monkeypatch.setenv("IMAGEREWARD_MODEL", "/local/ImageReward.pt")
-    from examples import imagereward as IR
+    from examples.rewards import imagereward as IR
     monkeypatch.setattr(IR, "_MODEL", {})
     images = torch.zeros(2, 3, 8, 6)
     images[1, 0] = 1.0                                                  # red
@@ -1483,7 +1483,7 @@ def test_multi_reward_run_logs_each_reward_and_eval_rewards(tmp_path, monkeypatc
 
 def _first_reward_nan(images, prompts):
     """The JPEG reward with the first image of every call scored NaN."""
-    from examples.jpeg import score as jpeg
+    from examples.rewards.jpeg import score as jpeg
     r = jpeg(images, prompts)
     r[0] = float("nan")
     return r
@@ -2151,7 +2151,7 @@ def test_every_resume_hint_works_as_printed(tmp_path, monkeypatch, capsys):
 
 FLAKY_REWARD = """\
 import os
-from examples.jpeg import score as jpeg
+from examples.rewards.jpeg import score as jpeg
 calls = []
 
 
@@ -4817,8 +4817,8 @@ def test_digits_verdict_wording_an_interval_wholly_above_the_factor(tmp_path, mo
 # ------------------------------------------------------------------------------------------------
 # 24. The curriculum's rewards: OCR, GenEval, a reward server, UnifiedReward
 # ------------------------------------------------------------------------------------------------
-# examples/ocr.py: the OCR reward (PP-OCRv4 through rapidocr-onnxruntime, Flow-GRPO's scoring)
-from examples import ocr as OCR  # noqa: E402
+# examples/rewards/ocr.py: the OCR reward (PP-OCRv4 through rapidocr-onnxruntime, Flow-GRPO's scoring)
+from examples.rewards import ocr as OCR  # noqa: E402
 
 
 @pytest.mark.examples
@@ -4970,8 +4970,8 @@ def test_ocr_model_files_come_from_the_environment(monkeypatch, tmp_path):
         OCR._load(torch.device("cpu"))
 
 
-# examples/geneval.py: GenEval's rules on synthetic detections, each tag passes and fails
-from examples import geneval as GE  # noqa: E402
+# examples/rewards/geneval.py: GenEval's rules on synthetic detections, each tag passes and fails
+from examples.rewards import geneval as GE  # noqa: E402
 
 
 def _ge_box(x, y, side=10.0):
@@ -5166,7 +5166,7 @@ def test_geneval_check_prompts_names_the_first_prompt_without_usable_metadata():
         GE.check_prompts([_ge_prompt(forward)])
 
 
-# examples/geneval.py: the loading path on tiny random models, through the environment variables
+# examples/rewards/geneval.py: the loading path on tiny random models, through the environment variables
 def _ge_tiny_models(folder: Path, monkeypatch):
     """A tiny random Mask2Former (Swin backbone, 2 queries, 80 classes) whose class head favours
     "cat", saved with its image processor; a tiny random open_clip model (JSON config + state
@@ -5274,8 +5274,8 @@ def test_geneval_is_the_reward_name_and_its_errors_are_one_line(tmp_path, monkey
     assert "\n" not in str(e.value)
 
 
-# examples/remote_reward.py: a reward server on loopback
-from examples import remote_reward as RR  # noqa: E402
+# examples/rewards/remote_reward.py: a reward server on loopback
+from examples.rewards import remote_reward as RR  # noqa: E402
 
 
 class _RuEvil:
@@ -5377,7 +5377,7 @@ def _ru_geneval_prompts(n):
 
 @pytest.mark.examples
 def test_remote_reward_round_trips_scores_and_metadata(_ru_server, monkeypatch):
-    """examples/remote_reward.py speaks reward-server's protocol: POST "/" (the URL without NAME,
+    """examples/rewards/remote_reward.py speaks reward-server's protocol: POST "/" (the URL without NAME,
     a PREFIX kept) with a pickled dict of JPEG "images", "meta_datas" (each prompt's .metadata, None
     without), "only_strict" and plain-str "prompts"; the NAME's field of the pickled answer comes
     back as (N,) fp32 in the images' order, across batches; numpy answers are accepted."""
@@ -5521,8 +5521,8 @@ def test_remote_reward_trains_through_vgrpo_main(_ru_server, tmp_path, capsys):
     assert not (tmp_path / "no").exists()
 
 
-# examples/unifiedreward.py: the VLM judge
-from examples import unifiedreward as UR  # noqa: E402
+# examples/rewards/unifiedreward.py: the VLM judge
+from examples.rewards import unifiedreward as UR  # noqa: E402
 
 
 @pytest.mark.examples
@@ -5594,7 +5594,7 @@ def _ur_tiny_qwen25vl(folder):
 
 @pytest.mark.examples
 def test_unifiedreward_scores_with_a_tiny_qwen25vl_from_UNIFIEDREWARD_MODEL(tmp_path, monkeypatch):
-    """examples/unifiedreward.py loads UNIFIEDREWARD_MODEL with transformers (fp32 on the CPU,
+    """examples/rewards/unifiedreward.py loads UNIFIEDREWARD_MODEL with transformers (fp32 on the CPU,
     once), asks the authors' prompt about each image, and returns (N,) fp32 Final Scores: NaN or
     1–5 from the random model; with canned answers, their parsed scores in order across batches.
     A model that is not there is one line naming UNIFIEDREWARD_MODEL."""
@@ -5848,13 +5848,13 @@ def test_evaluate8_results_md_one_table_in_table3_order(ev8, ev8_eval):
     assert [c.strip() for c in heads[0].strip("|").split("|")] == _EV8_HEAD
     assert heads[1] == "| model | single_object (2) | counting (2) | colors (1) |"
     assert "| base | 0.5000 [0.3333, 0.6667] | " in md and "GenEval: the mean over its 3 tags" in md
-    assert ev8.table3_order(["jpeg", "unifiedreward", "http://h:18085/ocr", "examples.aesthetic:score",
+    assert ev8.table3_order(["jpeg", "unifiedreward", "http://h:18085/ocr", "examples.rewards.aesthetic:score",
                              "pickscore", "my.mod:fn", "hpsv2", "geneval", "imagereward",
                              "clipscore"]) == [
         "geneval", "http://h:18085/ocr", "pickscore", "clipscore", "hpsv2",
-        "examples.aesthetic:score", "imagereward", "unifiedreward", "jpeg", "my.mod:fn"]
+        "examples.rewards.aesthetic:score", "imagereward", "unifiedreward", "jpeg", "my.mod:fn"]
     # the GenEval column is GenEval's own verdict by default, not the partial-credit `geneval`
-    assert ev8.set_reward("geneval", None) == "examples.geneval:accuracy"
+    assert ev8.set_reward("geneval", None) == "examples.rewards.geneval:accuracy"
     assert ev8.set_reward("ocr", None) == "ocr"
 
 

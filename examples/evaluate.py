@@ -1,7 +1,7 @@
 """Evaluate a base model and its trained checkpoints on prompts they never saw, with every reward.
 
     python examples/evaluate.py --model sd3.5-medium --checkpoints runs/<run> \\
-        --prompts test_prompts.txt --rewards pickscore,hpsv2,clipscore,examples.aesthetic:score \\
+        --prompts test_prompts.txt --rewards pickscore,hpsv2,clipscore,examples.rewards.aesthetic:score \\
         --out runs/eval
 
 The eight metrics of the V-GRPO paper's SD3.5-Medium table (Table 3), each on its own prompts:
@@ -93,7 +93,7 @@ KINDS = ("base", "lora", "full")          # sampled in this order: a full fine-t
 TABLE3 = ("geneval", "ocr", "pickscore", "clipscore", "hpsv2", "aesthetic", "imagereward",
           "unifiedreward")
 PAPER_REWARDS = TABLE3[2:]
-SETS = {"geneval": ("GenEval's metadata on every line: a .jsonl file", "examples.geneval:accuracy"),
+SETS = {"geneval": ("GenEval's metadata on every line: a .jsonl file", "examples.rewards.geneval:accuracy"),
         "ocr": ("the text to render between double quotes", "ocr")}
 
 
@@ -205,7 +205,7 @@ def reward_names(spec: Optional[str], first: dict) -> list[str]:
     if spec is None:
         if not first:
             raise ConfigError("--rewards is required without --checkpoints, e.g. "
-                              "--rewards pickscore,hpsv2,clipscore,examples.aesthetic:score")
+                              "--rewards pickscore,hpsv2,clipscore,examples.rewards.aesthetic:score")
         spec = ",".join([first["reward"]] + [first["eval_rewards"]] * bool(first["eval_rewards"]))
         terms = dict.fromkeys(n for n, _ in V.parse_reward_spec(spec))
         return list(terms)

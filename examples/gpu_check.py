@@ -695,7 +695,7 @@ def main(argv=None):
                      "--group_size", "4"]
         flux_only = stages == ["flux"] or (stages == ["configs"] and a.family == "flux")
         env.pipe = TM.build_tiny_flux_pipeline() if flux_only else TM.build_tiny_sd3_pipeline()
-        from examples.jpeg import score as jpeg
+        from examples.rewards.jpeg import score as jpeg
         env.reward = V.Rewards({"jpeg": jpeg}, [("jpeg", 1.0)])
         global LEVER_BASE, MEMORY_TRIAL
         LEVER_BASE = ["--prompts_per_iter", "1", "--group_size", "4"]

@@ -7,13 +7,13 @@ final weights of the one before (paper P11, which follows DiffusionNFT's five-st
     python examples/sd35_curriculum.py --model tiny --stage_iterations 2,2,2,2,2 \\
         --stage_rewards 'jpeg;my_geneval:score;jpeg;my_geneval:score;my_ocr:score' -- --device cpu
 
-| stage | reward                          | iterations | --preset      | prompts              |
-|-------|---------------------------------|------------|---------------|----------------------|
-| 1     | HPSv2.1 + PickScore + CLIPScore | 150        | paper         | --preference_prompts |
-| 2     | GenEval (examples/geneval.py)   | 200        | geneval-stage | prompts/geneval_*    |
-| 3     | HPSv2.1 + PickScore + CLIPScore | 150        | paper         | --preference_prompts |
-| 4     | GenEval                         | 50         | geneval-stage | prompts/geneval_*    |
-| 5     | OCR (examples/ocr.py)           | 30         | ocr-stage     | prompts/ocr_*        |
+| stage | reward                                | iterations | --preset      | prompts              |
+|-------|---------------------------------------|------------|---------------|----------------------|
+| 1     | HPSv2.1 + PickScore + CLIPScore       | 150        | paper         | --preference_prompts |
+| 2     | GenEval (examples/rewards/geneval.py) | 200        | geneval-stage | prompts/geneval_*    |
+| 3     | HPSv2.1 + PickScore + CLIPScore       | 150        | paper         | --preference_prompts |
+| 4     | GenEval                               | 50         | geneval-stage | prompts/geneval_*    |
+| 5     | OCR (examples/rewards/ocr.py)         | 30         | ocr-stage     | prompts/ocr_*        |
 
 The preference reward is `hpsv2:1,pickscore:1,clipscore:1` (README's Stage-1 command): equal
 weights on the training-scaled rewards, summed, then group-normalised (METHOD.md P11, C3). `paper`

@@ -2,9 +2,9 @@
 CLIP ViT-L/14 image features, as ddpo-pytorch's `aesthetic_scorer.py` scores it [peer X10]. The
 prompts are not used; the score is about 1–10, logged raw.
 
-    python vgrpo.py --model sd3.5-medium --reward examples.aesthetic:score
-    python vgrpo.py --model sd3.5-medium --reward pickscore --eval_rewards pickscore,examples.aesthetic:score
-    python examples/evaluate.py ... --rewards pickscore,hpsv2,clipscore,examples.aesthetic:score
+    python vgrpo.py --model sd3.5-medium --reward examples.rewards.aesthetic:score
+    python vgrpo.py --model sd3.5-medium --reward pickscore --eval_rewards pickscore,examples.rewards.aesthetic:score
+    python examples/evaluate.py ... --rewards pickscore,hpsv2,clipscore,examples.rewards.aesthetic:score
 
 Where its two parts come from, set in the environment (offline: point both at local copies):
     AESTHETIC_CLIP     the CLIP model and processor: a hub id or a local folder
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from examples.hub_file import hub_file  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from examples.rewards.hub_file import hub_file  # noqa: E402
 from vgrpo import clip_pixels  # noqa: E402
 
 CLIP = "openai/clip-vit-large-patch14"

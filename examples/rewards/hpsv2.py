@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from examples.hub_file import hub_file  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from examples.rewards.hub_file import hub_file  # noqa: E402
 
 ARCH, CHECKPOINT = "ViT-H-14", "xswu/HPSv2/HPS_v2.1_compressed.pt"
 _LOADED = {}                     # (device, arch, checkpoint) → (model, tokenizer, image side)

@@ -6,18 +6,18 @@ partial-credit training reward of flow_grpo / DiffusionNFT [peer X10]. No mmdet,
     python vgrpo.py --model sd3.5-medium --preset geneval-stage \\
         --prompts examples/prompts/geneval_train.jsonl \\
         --eval_prompts examples/prompts/geneval_eval.jsonl \\
-        --reward geneval --eval_rewards geneval,examples.geneval:accuracy
+        --reward geneval --eval_rewards geneval,examples.rewards.geneval:accuracy
 
 Prompts must come from a .jsonl file whose lines are GenEval metadata (GenEval's
 `prompts/evaluation_metadata.jsonl` format: {"tag", "include": [{"class", "count", "color"?,
 "position"?}], "exclude"?, "prompt"}); `check_prompts` rejects any other prompt in one line.
 
 Three scorers, each `(images, prompts) -> (N,)` CPU fp32, each a reward name of its own:
-    score     `geneval` (= examples.geneval:score): the partial-credit training reward of
+    score     `geneval` (= examples.rewards.geneval:score): the partial-credit training reward of
               flow_grpo / DiffusionNFT, below
-    accuracy  `examples.geneval:accuracy`: GenEval's own verdict, 1 or 0, what the benchmark
+    accuracy  `examples.rewards.geneval:accuracy`: GenEval's own verdict, 1 or 0, what the benchmark
               averages (`evaluate` in evaluate_images.py)
-    strict    `examples.geneval:strict`: the peers' "strict_correct", 1 or 0: every count met
+    strict    `examples.rewards.geneval:strict`: the peers' "strict_correct", 1 or 0: every count met
               exactly, every colour and position right (from `evaluate_reward` in their
               gen_eval.py)
 `evaluate` returns all three with GenEval's reason per image; `tag_accuracy` averages them per
@@ -91,7 +91,7 @@ mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco_20220504_001756-743b7d99.pth):
 The official scorer as a reward: run yifan123/reward-server (mmdet, the real checkpoint) in its
 own environment, `gunicorn "app_geneval:create_app()"` (port 18085 in its gunicorn.conf.py), and
 name it by URL: `--reward http://127.0.0.1:18085/geneval` (partial credit),
-`.../geneval_strict`, `.../geneval_accuracy`; examples/remote_reward.py speaks its protocol.
+`.../geneval_strict`, `.../geneval_accuracy`; examples/rewards/remote_reward.py speaks its protocol.
 """
 import os
 import sys
@@ -102,8 +102,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from examples.hub_file import hub_file  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from examples.rewards.hub_file import hub_file  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # GenEval's constants [peer X10]: evaluate_images.py's option defaults, its COLORS, and its

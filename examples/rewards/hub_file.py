@@ -1,5 +1,6 @@
-"""The weights file of a plug-in reward (examples/aesthetic.py, examples/hpsv2.py), named by an
-environment variable: a local file, or owner/repo/path/in/repo fetched from the hub (cached)."""
+"""The weights file of a plug-in reward (examples/rewards/aesthetic.py, examples/rewards/hpsv2.py),
+named by an environment variable: a local file, or owner/repo/path/in/repo fetched from the hub
+(cached)."""
 import os
 
 

@@ -3,7 +3,7 @@
 
     pip install image-reward          # not in requirements.txt: its pins (timm 0.6.13,
                                       # fairscale 0.4.13) clash with open_clip's
-    python vgrpo.py --model flux.1-dev --reward hpsv2:1,pickscore:1,examples.imagereward:score:1
+    python vgrpo.py --model flux.1-dev --reward hpsv2:1,pickscore:1,examples.rewards.imagereward:score:1
     IMAGEREWARD_MODEL=/path/to/ImageReward.pt python vgrpo.py ...      # offline: a local file
 
 The model is loaded on the first call, on the device of the images it is given, and kept. Its
