@@ -8,7 +8,7 @@ You Think", Tang et al., 2026, arXiv 2604.23380. Tags resolve in METHOD.md, besi
 where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" is a section here.
 
 What this file IS: a readable reference of the algorithm (this overview, the pure math §2–§6 and
-`iteration` at the start of §9) plus a working trainer for SD3 / SD3.5 and FLUX.1 (diffusers) with
+`iteration` and its steps in §7) plus a working trainer for SD3 / SD3.5 and FLUX.1 (diffusers) with
 built-in or plug-in rewards (§7), on one GPU or under torchrun (FSDP2); tiny offline models run it
 all on a laptop CPU. What it is NOT: a framework; the loss can be copied into any trainer.
 
@@ -20,8 +20,8 @@ Quickstart (after `pip install -r requirements.txt`)
 
 ALGORITHM (one iteration; "→ §k" points into this file; METHOD.md and the README quote it)
     0. θ_old ← θ: nothing is copied; all θ_old is needed for is computed in steps 1, 4 and 5
-    1. rollout: P prompts, G images each, by a deterministic ODE solve of v_θold        → §3, §9
-    2. rewards r (N = P·G), group-relative advantages A, clamp ±5, soft-clip η·tanh(A/η) → §7, §4
+    1. rollout: P prompts, G images each, by a deterministic ODE solve of v_θold        → §3, §7
+    2. rewards r (N = P·G), group-relative advantages A, clamp ±5, soft-clip η·tanh(A/η) → §8, §4
     3. draw N_MC stratified (t, ε) pairs, shared across the batch (or per group)        → §5
     4. S_old[n] = mean_j s_θold(o_n; t_j, ε_j), s = −MSE_x / sg(MAE_x)   (no grad)      → §5
     5. μ optimizer steps over disjoint minibatches:
@@ -29,6 +29,10 @@ ALGORITHM (one iteration; "→ §k" points into this file; METHOD.md and the REA
        The first step runs at θ = θ_old, so its own forward gives S_old = sg(S_θ) (ρ ≡ 1):
        step 4 runs only for the other μ − 1 minibatches, and not at all when μ = 1 [ours C18].
     Rollouts carry no per-step log-probs: the whole generation is one atomic action.
+
+    At the default μ = 1 the only step runs at θ = θ_old: ρ ≡ 1 on every sample, the clip does
+    nothing, and the update is the policy gradient −A·∇S of the surrogate with group-relative
+    advantages. The ratio, the clip and the KL to θ_old act only at μ > 1 (FLUX's μ = 4).
 
 NOTATION
     code name     paper          shape            meaning
@@ -56,6 +60,14 @@ CONVENTIONS
     * Losses are minimised; loss = −objective. Reductions over latent elements are MEANS (the
       paper's code does this; a sum would only rescale log ρ by d = C·H·W).
     * All surrogate, ratio and loss arithmetic is fp32, even under bf16 autocast.
+
+CONTENTS
+    §1 imports            §2–§6 the pure math: flow matching, ODE samplers, advantages, the
+    shared pairs and the surrogate, the loss         §7 one iteration (the box above), step by
+    step                  §8 rewards                 §9 models: SD3 / FLUX adapters, LoRA
+    §10 the run: setup, the loop, evaluation, run folder, checkpoints, torchrun
+    §11 configuration: Args, presets, the command line, main
+    The cluster layer (preemption, requeue, one trainer per folder) is examples/cluster.py.
 """
 
 # ------------------------------------------------------------------------------------------------
@@ -64,7 +76,7 @@ CONVENTIONS
 from __future__ import annotations
 
 import argparse, contextlib, dataclasses, datetime, enum, functools, importlib.util, json, math
-import os, random, shutil, signal, sys, tempfile, time, warnings
+import os, random, shutil, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -72,43 +84,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-
-# main()'s exit statuses (docs/training.md "Exit statuses"): 0 done, 1 a bug (its traceback), 2 bad
-# input or a run ended in one line, 69 a reward failed mid-run, 75 preempted and saved, 130 Ctrl-C.
-REWARD_FAILED, PREEMPTED = 69, 75
-
-
-class ConfigError(ValueError):
-    """Bad input (a flag, a file, a model location, a plug-in): main() prints it as one line and
-    exits with `status`, having written nothing. Anything else is a bug and tracebacks."""
-    status = 2
-
-
-class RunError(Exception):
-    """A run that cannot go on (a write into its folder failed, GPU memory ran out): main() prints
-    it as one line, which says what the run folder holds and the command that continues."""
-    status = 2
-
-
-class Stream(enum.IntEnum):
-    """Every random stream, named here: generator(seed, it, stream) is a CPU generator of its own,
-    so a resumed run redraws exactly what the uninterrupted run would have drawn and no two streams
-    share numbers. PROBE and HOLDOUT use generator(0, 0, stream): the same for every seed."""
-    PROMPTS = 0            # step 1: which P training prompts
-    ROLLOUT_NOISE = 1      # step 1: the initial noise x1 of the N rollouts
-    PAIRS = 2              # step 3: the (t, ε) pairs
-    MINIBATCHES = 3        # step 5: the μ minibatches (the baselines: their shuffle of the samples)
-    TIMES = 4              # examples/diffusion_nft_sd3.py: its training times t
-    STEP_NOISE = 5         # examples/: the SDE steps' noise (Flow-GRPO, MixGRPO), DiffusionNFT's ε
-    SDE_WINDOW = 6         # examples/flow_grpo_sd3.py: where the nocfg recipe's SDE window sits
-    EVAL_NOISE = 9         # evaluate: one fixed noise per held-out prompt (iteration 0's)
-    PROBE = 10             # probe_reward: the two random images of a reward's start-up probe
-    HOLDOUT = 1234         # load_prompts: which lines of --prompts are held out
-
-
-def generator(seed: int, it: int, stream: Stream) -> torch.Generator:
-    """The CPU generator of (seed, iteration, stream)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
 
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
 # ------------------------------------------------------------------------------------------------
@@ -447,9 +422,394 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 
 # === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
 # ------------------------------------------------------------------------------------------------
-# §7  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> scores (N,),
+# §7  One iteration: the algorithm box of §0, step by step.                     [Alg. steps 1–5]
+#     The state the steps share (Run), `iteration`, then its five steps in order. Inside the
+#     steps every line of the harness (torchrun's share of the batch, fp16 and FSDP in the
+#     backward, the statistics kept for the log, the cluster companion's poll) ends in
+#     `# harness:` and its reason. The run around the iteration is §10.
+# ------------------------------------------------------------------------------------------------
+class Stream(enum.IntEnum):
+    """The random streams of this file: generator(seed, it, stream) is a CPU generator of its
+    own, so a resumed run redraws exactly what the uninterrupted run would have drawn, and no two
+    streams share numbers. PROBE and HOLDOUT use generator(0, 0, stream), the same for every
+    seed. Values 4–8 and 11–15 are left to the examples' own streams (examples/baselines/)."""
+    PROMPTS = 0            # step 1: which P training prompts
+    ROLLOUT_NOISE = 1      # step 1: the initial noise x1 of the N rollouts
+    PAIRS = 2              # step 3: the (t, ε) pairs
+    MINIBATCHES = 3        # step 5: the μ minibatches
+    EVAL_NOISE = 9         # evaluate: one fixed noise per held-out prompt
+    PROBE = 10             # probe_reward: the two random images of a reward's start-up probe
+    HOLDOUT = 1234         # load_prompts: which lines of --prompts are held out
+
+
+def generator(seed: int, it: int, stream: int) -> torch.Generator:
+    """The CPU generator of (seed, iteration, stream); stream < 16 keeps them apart."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
+
+
+@dataclass
+class Run:
+    """Everything an iteration needs, built once by `setup` (§10). Under torchrun each process
+    keeps whole groups of the global batch: `local` gives it its share."""
+    args: Args
+    adapter: object               # SD3Adapter or FluxAdapter (§9)
+    rewards: Rewards              # §8
+    opt: torch.optim.Optimizer
+    params: list                  # the trainable parameters (LoRA, or the whole transformer)
+    lora_cfg: object              # peft LoraConfig; None for --full_finetune
+    train_prompts: list
+    eval_prompts: list
+    dev: torch.device
+    dtype: torch.dtype            # compute dtype of the autocast `ctx`
+    ctx: object
+    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
+    eval_sigmas: torch.Tensor     # (K_eval + 1,)
+    D: tuple                      # latent shape: (C, H, W) for SD3, (seq, 64) for FLUX
+    start: int = 0                # first iteration (> 0 when resumed)
+    resumed_from: Optional[Path] = None           # the checkpoint folder resumed from
+    rank: int = 0
+    world: int = 1
+    run_dir: Optional[Path] = None
+    scaler: object = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
+    # Hooks for examples/cluster.py; as here they do nothing.
+    poll: Callable = lambda: None   # where a SIGTERM may still stop an iteration (no step yet)
+    guard: Callable = lambda it: contextlib.nullcontext()   # around iteration `it` and its log
+    writing: Callable = contextlib.nullcontext      # around each write into the run folder
+
+    @property
+    def N(self) -> int:
+        return self.args.prompts_per_iter * self.args.group_size
+
+    @property
+    def Nl(self) -> int:
+        return self.N // self.world                        # samples of this process
+
+    def local(self, x):
+        """This process's share of a global batch-first tensor (N, ...) or prompt list (P)."""
+        n = len(x) // self.world
+        return x[self.rank * n:(self.rank + 1) * n]
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """loss.backward(), scaled for fp16. Under FSDP it reduces the gradients at a LoRA's
+        `last` micro-batch of a step, and at every one of a full fine-tune's."""
+        if self.world > 1:
+            sync = last or self.args.full_finetune
+            self.adapter.transformer.set_requires_gradient_sync(sync)
+        self.scaler.scale(loss).backward()
+
+
+@dataclass
+class Rollouts:
+    """[Alg. step 1] This process's rollouts: Pl = P / world prompts, Nl samples."""
+    prompts: list                  # Pl prompts
+    cond: object                   # their encodings, Pl rows
+    prompt_idx: torch.Tensor       # (Nl,) row of cond per sample
+    x0: torch.Tensor               # (Nl, *D) fp32 actions o
+
+
+@dataclass
+class Scored:
+    """[Alg. step 2] Rewards of the whole batch (every process), this process's advantages."""
+    raw: dict                      # {reward name: (N,) raw values}, CPU
+    headline: torch.Tensor         # (N,) the logged reward (Rewards.headline)
+    adv: torch.Tensor              # (Nl,) advantages, on the device
+    adv_stats: dict
+    skipped: bool                  # every advantage is 0: nothing to learn, no optimizer step
+
+
+@dataclass
+class OldSurrogates:
+    """[Alg. step 4] S_old of this process's Nl samples, and θ_old's x̂0 when the KL needs it.
+    Step 4 writes the rows of minibatches k ≥ 1; step 5's first step, which runs at θ = θ_old,
+    completes it with minibatch 0's rows from its own forward [ours C18]."""
+    s: torch.Tensor                          # (Nl, J) per-pair s_θold
+    x0_hat: Optional[torch.Tensor]           # (Nl, J, *D) θ_old's x̂0; None if β = 0
+    n_old_pass: int = 0                      # rows of step 4's own pass (nfe_old)
+
+    def write(self, rows: torch.Tensor, s: torch.Tensor, x0_hat: torch.Tensor) -> None:
+        """S_old (and x̂0_old) of local samples `rows`, detached."""
+        self.s[rows] = s.detach()
+        if self.x0_hat is not None:
+            self.x0_hat[rows] = x0_hat.detach()
+
+
+def iteration(run: Run, it: int) -> dict:
+    """One V-GRPO iteration, Alg. steps 1–5 of §0, and its metrics. Host syncs: the rewards,
+    one per optimizer step, one for the metrics, the timers."""
+    times, t0 = {}, time.perf_counter()
+    with timed(times, "time_rollout", run.dev):
+        ro = collect_rollouts(run, it)                                      # step 1
+    with timed(times, "time_reward"):
+        sc = reward_and_advantages(run, ro)                                 # step 2
+    pairs = draw_iteration_pairs(run, it)                                   # step 3
+    mbs = minibatches(run, it)
+    with timed(times, "time_old", run.dev):
+        s_old = old_surrogates(run, ro, pairs, mbs, sc.skipped)             # step 4: k ≥ 1
+    log, grad_norms = [], []
+    with timed(times, "time_update", run.dev):
+        if not sc.skipped:                                                  # step 5
+            log, grad_norms = update_steps(run, ro, sc, pairs, mbs, s_old)
+    # S_old is complete: step 4 wrote minibatches k ≥ 1, step 5's first step minibatch 0
+    m = iteration_metrics(run, it, sc, s_old, log, grad_norms, times)
+    return {**m, "time_iter": time.perf_counter() - t0}
+
+
+def collect_rollouts(run: Run, it: int) -> Rollouts:
+    """[Alg. step 1] G images per prompt of this process's groups, ODE-solved by θ_old (= θ)."""
+    args, ad = run.args, run.adapter
+    P, n_tr = args.prompts_per_iter, len(run.train_prompts)
+    g = generator(args.seed, it, Stream.PROMPTS)
+    if P <= n_tr:                                       # P distinct prompts
+        pick = torch.randperm(n_tr, generator=g)[:P]
+    else:                                               # more than there are: with replacement
+        pick = torch.randint(n_tr, (P,), generator=g)
+    prompts = [run.train_prompts[i] for i in pick.tolist()]
+    prompts = run.local(prompts)                        # harness: torchrun's share
+    cond = ad.encode(prompts)                                               # Pl rows
+    prompt_idx = (torch.arange(run.Nl) // args.group_size).to(run.dev)      # (Nl,)
+    g = generator(args.seed, it, Stream.ROLLOUT_NOISE)
+    noise = torch.randn((run.N,) + run.D, generator=g)                      # (N, *D)
+    x1 = run.local(noise).to(run.dev)                   # harness: torchrun's share; (Nl, *D)
+    x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch,
+                 run.ctx, poll=run.poll)                # harness: the companion's poll
+    return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)  # x0 (Nl, *D)
+
+
+def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
+    """[Alg. step 2] Rewards, all-gathered so that the advantages (§4) see the global batch."""
+    args, G, rw = run.args, run.args.group_size, run.rewards
+    names = [n for n, _ in rw.train_terms]
+    prompts = [ro.prompts[i // G] for i in range(run.Nl)]                   # one per sample
+    mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0, prompts, args.reward_batch)
+    mine = torch.stack([mine[n] for n in names]).to(run.dev)               # (R, Nl)
+    every = _all_gather_cat(mine, run.world)            # harness: every process's; (R, N)
+    raw = dict(zip(names, every.cpu()))                                     # {name: (N,)}
+    values = rw.training_values(raw, rw.train_terms)                        # (R, N)
+    values = values.view(-1, args.prompts_per_iter, G)                      # (R, P, G)
+    aggregate = {"sum": weighted_sum_advantages,
+                 "per_reward": per_reward_advantages}[args.reward_aggregation]
+    weights = torch.tensor([w for _, w in rw.train_terms])                  # (R,)
+    adv, stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
+                           clamp=args.adv_clamp, eta=args.soft_clip_eta)    # (P, G)
+    # adv.flatten() is prompt-major (sample n belongs to prompt n // G), as the rollouts are
+    mine = run.local(adv.flatten()).to(run.dev)         # harness: torchrun's share; (Nl,)
+    return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms), adv=mine,
+                  adv_stats=stats, skipped=bool((adv == 0).all()))
+
+
+def draw_iteration_pairs(run: Run, it: int) -> Pairs:
+    """[Alg. step 3] One set of stratified (t, ε) pairs per sharing scope [ours C4], for θ_old
+    and every θ step; under torchrun rank 0's (another CPU may round the draws differently)."""
+    args, N = run.args, run.N
+    scope = {"batch": torch.zeros(N, dtype=torch.long),
+             "group": torch.arange(N) // args.group_size,
+             "none": torch.arange(N)}[args.pair_sharing]                    # (N,)
+    g = generator(args.seed, it, Stream.PAIRS)
+    pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
+                       generator=g, device=run.dev)
+    if run.world > 1:                                   # harness: rank 0's pairs everywhere
+        for x in (pairs.t, pairs.eps):
+            torch.distributed.broadcast(x, src=0)
+    pairs.index = run.local(pairs.index)                # harness: torchrun's share; (Nl,)
+    return pairs
+
+
+def minibatches(run: Run, it: int) -> list:
+    """The μ optimizer steps' disjoint, equal minibatches of local rows: μ index tensors. Drawn
+    before Alg. step 4, so S_old is computed in θ's very micro-batches [ours C14]."""
+    perm = torch.arange(run.Nl)                         # μ = 1: every sample, in order
+    if run.args.mu > 1:
+        perm = torch.randperm(run.Nl, generator=generator(run.args.seed, it, Stream.MINIBATCHES))
+    return list(perm.to(run.dev).tensor_split(run.args.mu))
+
+
+@torch.no_grad()
+def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list,
+                   skipped: bool) -> OldSurrogates:
+    """[Alg. step 4] S_old, θ_old's no-grad pass over minibatches k ≥ 1 (every minibatch when
+    the update is skipped; none when μ = 1): step 5's first step gives minibatch 0's."""
+    a, x0_hat = run.args, None
+    if a.kl_coef:
+        x0_hat = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev)
+    s_old = OldSurrogates(torch.empty(run.Nl, a.n_mc, device=run.dev), x0_hat)
+    for k, mb in enumerate(mbs):
+        if k == 0 and not skipped:
+            continue                                    # step 5's first step computes these
+        for rows in mb.split(a.micro_batch):
+            run.poll()                  # harness: no step has run yet, so a SIGTERM may stop
+            s_old.write(rows, *surrogate_pass(run, ro, pairs, rows))
+            s_old.n_old_pass += len(rows)               # harness: for the logged nfe_old
+    return s_old
+
+
+def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list,
+                 s_old: OldSurrogates):
+    """[Alg. step 5] μ optimizer steps, one per minibatch, each accumulated over micro-batches.
+
+    The first step runs at θ = θ_old, so its forward gives minibatch 0's S_old = sg(S_θ) (and
+    x̂0_old = sg(x̂0)) and ρ ≡ 1 on its samples [ours C18]. At the default μ = 1 that is the
+    only step: the ratio is exactly 1 on every sample, the clip does nothing, and the update
+    is the policy gradient −A·∇S of the surrogate with group-relative advantages. The ratio,
+    the clip and the KL to θ_old act only at μ > 1 (FLUX's preset: μ = 4).
+    Returns the log [(step k, samples, stats)] and the μ pre-clip gradient norms."""
+    a, log, grad_norms = run.args, [], []
+    for k, mb in enumerate(mbs):                        # one optimizer step per minibatch
+        micro = mb.split(a.micro_batch)
+        for i, rows in enumerate(micro):                # its micro-batches, gradients summed
+            if k == 0:
+                run.poll()              # harness: until the first step, a SIGTERM may stop
+            s_new, x0h = surrogate_pass(run, ro, pairs, rows)     # (m, J), (m, J, *D)
+            if k == 0:                  # θ = θ_old: these rows' S_old is this forward's
+                s_old.write(rows, s_new, x0h)
+            kl = None
+            if a.kl_coef:
+                kl = xspace_kl(x0h, s_old.x0_hat[rows])                     # (m, J)
+            loss, st = vgrpo_loss(s_new, s_old.s[rows], sc.adv[rows], clip_eps=a.clip_eps,
+                                  kl=kl, kl_coef=a.kl_coef)
+            loss = loss * len(rows) / len(mb)           # the minibatch's mean [ours C16]
+            run.backward(loss, last=i == len(micro) - 1)  # harness: fp16 scale, FSDP sync
+            log.append((k, len(rows), st))  # harness: the statistics, for iteration_metrics
+        grad_norms.append(optimizer_step(run))
+    return log, grad_norms
+
+
+def surrogate_pass(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
+    """(s (m, J), x̂0 (m, J, *D)) of local samples `rows` on their pairs (§5), in one pass."""
+    a, (t, eps) = run.args, pairs.take(rows)
+    cond = select(ro.cond, ro.prompt_idx[rows])
+    with run.ctx:
+        return pair_surrogates(run.adapter.velocity, ro.x0[rows], cond, t, eps,
+                               parameterization=a.parameterization,
+                               adaptive=a.adaptive_weighting, mae_floor=a.mae_floor)
+
+
+def optimizer_step(run: Run) -> torch.Tensor:
+    """Unscale (fp16), clip, step unless the norm is non-finite; returns the pre-clip norm."""
+    run.scaler.unscale_(run.opt)                      # fp16: the true gradients before the clip
+    gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
+    if hasattr(gn, "full_tensor"):                    # a DTensor under FSDP
+        gn = gn.full_tensor()
+    if torch.isfinite(gn):                            # host sync: step, or skip a bad step
+        run.scaler.step(run.opt)
+    run.scaler.update()                               # fp16: halve the scale after an overflow
+    run.opt.zero_grad(set_to_none=True)
+    return gn.detach().float()
+
+
+def iteration_metrics(run: Run, it: int, sc: Scored, s_old: OldSurrogates, log: list,
+                      grad_norms: list, times: dict) -> dict:
+    """Everything logged, in one host sync: means over samples and processes, and S_old's CV."""
+    a, stats = run.args, {}
+    for k, n, st in log:                                # each micro-batch weighted by its samples
+        if k == 0:
+            st = {**st, "abs_log_ratio_first": st["abs_log_ratio"]}
+        for name, v in st.items():
+            stats.setdefault(name, []).append((v * n, n))
+    scal = {k: torch.stack([x for x, _ in v]).sum() / sum(n for _, n in v) for k, v in stats.items()}
+    gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
+    scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
+    vec = torch.stack([v.float().to(run.dev) for v in scal.values()])
+    if run.world > 1:                                   # the mean over processes
+        torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM)
+        vec /= run.world
+    S_all = _all_gather_cat(s_old.s.mean(dim=1), run.world)                 # (N,)
+    cv = surrogate_cv(S_all.view(a.prompts_per_iter, a.group_size))
+    scal = {**dict(zip(scal, vec)), **sc.adv_stats, **cv}
+    host = dict(zip(scal, torch.stack([v.float().to(run.dev) for v in scal.values()]).tolist()))
+    bad = int((~torch.isfinite(sc.headline)).sum())
+    m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
+         "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
+         "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
+         "grad_scale": run.scaler.get_scale(),     # 1.0 when disabled
+         "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * s_old.n_old_pass / run.Nl,
+         "nfe_theta": a.n_mc}
+    if len(sc.raw) > 1:                                   # several rewards: each one's too
+        for n, r in sc.raw.items():
+            m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
+    for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
+        m.setdefault(k, math.nan)                       # skipped: no update, no ratio statistics
+    if bad and run.rank == 0:
+        plural = "s" if bad > 1 else ""
+        note = f"iteration {it}: {bad} non-finite reward{plural} dropped (advantage 0)"
+        if sc.skipped:
+            note += "; update skipped"
+        _warn(note)
+    return m
+
+
+def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
+    f = r[torch.isfinite(r)]                   # mean and population std of the finite entries
+    return (f.mean().item(), f.std(unbiased=False).item()) if len(f) else (math.nan, math.nan)
+
+
+def _warn(msg: str, prefix: str = "warning: ") -> None:
+    from tqdm.auto import tqdm                            # tqdm.write: not overwritten by the bar
+    tqdm.write(prefix + msg, file=sys.stderr)
+
+
+@torch.no_grad()
+def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
+            solver: str, chunk: int, ctx, poll: Optional[Callable] = None) -> torch.Tensor:
+    """ODE-solve x1 (N, *D), `chunk` rows at a time, poll() before each: o (N, *D) fp32."""
+    out = []
+    for rows in torch.arange(len(x1)).split(chunk):
+        if poll is not None:
+            poll()
+        with ctx:
+            x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
+        out.append(x0.float())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
+                      prompts: list[str], chunk: int, keep_images: bool = False):
+    """Decode once and score with every named reward, `chunk` at a time: (raw, uint8 images)."""
+    raw, imgs = {n: [] for n in names}, []
+    for rows in torch.arange(len(latents)).split(chunk):
+        im, chunk_prompts = adapter.decode(latents[rows]), [prompts[i] for i in rows.tolist()]
+        for n in names:
+            raw[n].append(rewards.models[n](im, chunk_prompts).float().reshape(-1))
+        if keep_images:
+            imgs.append((im * 255).round().to(torch.uint8).cpu())
+    return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
+
+
+def select(cond, rows: torch.Tensor):           # rows of every tensor in a (dict of) batch-first
+    return {k: v[rows] for k, v in cond.items()} if isinstance(cond, dict) else cond[rows]
+
+
+@contextlib.contextmanager
+def timed(times: dict, key: str, dev: Optional[torch.device] = None):
+    """times[key] = the block's seconds (after its work on `dev`); an OOM inside names the phase."""
+    t = time.perf_counter()
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        e.vgrpo_phase = getattr(e, "vgrpo_phase", key)        # the innermost phase names it
+        raise
+    if dev is not None and dev.type == "cuda":              # wait for the GPU before the clock
+        torch.cuda.synchronize(dev)
+    times[key] = time.perf_counter() - t
+
+
+# ------------------------------------------------------------------------------------------------
+# §8  Rewards. The contract: reward_fn(images (N, 3, H, W) in [0, 1], prompts) -> scores (N,),
 #     CPU fp32. The pure math sees only the rewards (P, G), and masks non-finite ones (§4).
 # ------------------------------------------------------------------------------------------------
+# Bad input and runs that cannot go on: main() (§11) prints them as one line, no traceback.
+class ConfigError(ValueError):
+    """Bad input (a flag, a file, a model location, a plug-in): main() prints it as one line and
+    exits with `status`, having written nothing. Anything else is a bug and tracebacks."""
+    status, label = 2, "error"
+
+
+class RunError(Exception):
+    """A run that cannot go on: main() prints it as one line, which says what the run folder
+    holds and the command that continues, and exits with `status`."""
+    status, label = 2, "error"
+
+
 # `raw` always means {reward name: (N,) raw values}. REWARD_UNITS: name → (logged unit,
 # train_scale), ("raw", 1) for a plug-in; advantages see raw · train_scale (only sums of rewards
 # and std_eps notice), e.g. PickScore's raw/26 [ours C17].
@@ -502,7 +862,7 @@ def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
 
 class RewardError(RunError, ValueError):
     """A plug-in reward that raised or broke the contract mid-run, after the start-up probe."""
-    status = REWARD_FAILED
+    status = REWARD_FAILED = 69
 
 
 def plugin_reward(spec: str) -> Callable:
@@ -530,7 +890,7 @@ def plugin_reward(spec: str) -> Callable:
         try:
             out = fn(images, prompts)
         except torch.cuda.OutOfMemoryError:
-            raise                                 # the harness names the phase and its knob
+            raise                                 # not the plug-in's fault: the run's
         except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
             raise RewardError(f"reward {spec!r} failed: {type(e).__name__}: {e}") from e
         try:
@@ -637,7 +997,7 @@ class Rewards:
 
 
 # ------------------------------------------------------------------------------------------------
-# §8  Models: pipelines, the SD3 / FLUX adapters, LoRA (diffusers, transformers, peft).
+# §9  Models: pipelines, the SD3 / FLUX adapters, LoRA (diffusers, transformers, peft).
 # ------------------------------------------------------------------------------------------------
 MODEL_ALIASES = {"sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
                  "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
@@ -899,494 +1259,64 @@ def transformer_blocks(transformer) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-# §9  Training loop, top-down: the state, `iteration` (the algorithm box of §0) and its five steps,
-#     the harness around it, then what a method reader can skip (run folder, checkpoints, torchrun).
-#     Inside the steps every line of the harness (preemption points, torchrun's share of the batch,
-#     fp16 and FSDP in the backward, the logged statistics) ends in `# harness:` and its reason.
+# §10  The run around the iteration: setup, the loop and its record, evaluation; then what a
+#      reader of the method can skip: prompts, the run folder, checkpoints, torchrun.
+#      examples/cluster.py runs the same loop with the hooks of `Run` filled in (preemption,
+#      requeue, one trainer per folder, one-line out-of-memory and write failures).
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class Run:
-    """Everything an iteration needs, built once by `setup`; `local` gives a process its groups."""
-    args: Args
-    adapter: object               # SD3Adapter or FluxAdapter (§8)
-    rewards: Rewards
-    opt: torch.optim.Optimizer
-    params: list                  # the trainable parameters (LoRA, or the whole transformer)
-    lora_cfg: object              # peft LoraConfig; None for --full_finetune
-    train_prompts: list
-    eval_prompts: list
-    dev: torch.device
-    dtype: torch.dtype            # compute dtype of the autocast `ctx`
-    ctx: object
-    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
-    eval_sigmas: torch.Tensor     # (K_eval + 1,)
-    D: tuple                      # latent shape of the ODE: (C, H, W) for SD3, (seq, 64) for FLUX
-    start: int = 0                # first iteration (> 0 when resumed)
-    resumed_from: Optional[Path] = None             # the checkpoint folder resumed from
-    rank: int = 0
-    world: int = 1
-    run_dir: Optional[Path] = None
-    scaler: object = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
-    stop: list = field(default_factory=list)   # signals received: "term" (preempt), "int" (Ctrl-C)
-    stepped: bool = False         # an optimizer step of this iteration has run (run_iterations)
-
-    @property
-    def N(self) -> int:
-        return self.args.prompts_per_iter * self.args.group_size
-
-    @property
-    def Nl(self) -> int:
-        return self.N // self.world                        # samples of this process
-
-    def local(self, x):
-        """This process's share of a global batch-first tensor (N, ...) or prompt list (P)."""
-        n = len(x) // self.world
-        return x[self.rank * n:(self.rank + 1) * n]
-
-    def preemption_point(self) -> None:
-        """Raise Preempted everywhere if a process got SIGTERM before this iteration stepped."""
-        if not self.stepped and _any_rank("term" in self.stop, self):
-            raise Preempted
-
-    def backward(self, loss: torch.Tensor, last: bool) -> None:
-        """loss.backward(), scaled for fp16. Under FSDP it reduces the gradients at a LoRA's `last`
-        micro-batch of a step, and at every one of a full fine-tune's (too big to accumulate)."""
-        if self.world > 1:
-            self.adapter.transformer.set_requires_gradient_sync(last or self.args.full_finetune)
-        self.scaler.scale(loss).backward()
+class Interrupted(RunError):
+    """Ctrl-C: main() prints where the run stands and exits 130, without a traceback."""
+    status, label = 130, "interrupted"
 
 
-@dataclass
-class Rollouts:
-    """[Alg. step 1] This process's rollouts: Pl = P / world prompts, Nl samples."""
-    prompts: list                  # Pl prompts
-    cond: object                   # their encodings, Pl rows
-    prompt_idx: torch.Tensor       # (Nl,) row of cond per sample
-    x0: torch.Tensor               # (Nl, *D) fp32 actions o
-
-
-@dataclass
-class Scored:
-    """[Alg. step 2] Rewards of the whole batch (every process) and this process's advantages."""
-    raw: dict                      # {reward name: (N,) raw values}, CPU
-    headline: torch.Tensor         # (N,) the logged reward (Rewards.headline)
-    adv: torch.Tensor              # (Nl,) advantages, on the device
-    adv_stats: dict
-    skipped: bool                  # every advantage is 0: nothing to learn, no optimizer step
-
-
-@dataclass
-class OldSurrogates:
-    """[Alg. step 4] S_old of this process's Nl samples, and θ_old's x̂0 when the KL needs it:
-    old_surrogates writes the rows of minibatches k ≥ 1, `iteration` those of minibatch 0 from
-    step 5's first forward, at θ = θ_old [ours C18]. S_old is complete there."""
-    s: torch.Tensor                          # (Nl, J) per-pair s_θold
-    x0_hat: Optional[torch.Tensor]           # (Nl, J, *D) θ_old's x̂0, rows k ≥ 1; None if β = 0
-    n_old_pass: int = 0                      # rows of step 4's own pass (nfe_old)
-
-
-# ---- one iteration: the algorithm box of §0, step by step --------------------------------------
-def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration, Alg. steps 1–5 of §0 (step 4 only after minibatch 0 [ours C18]); its
-    metrics. Host syncs: the rewards, one per optimizer step, one for the metrics, the timers."""
-    times, t0 = {}, time.perf_counter()
-    with timed(times, "time_rollout", run.dev):
-        ro = collect_rollouts(run, it)                                      # step 1
-    with timed(times, "time_reward"):
-        sc = reward_and_advantages(run, ro)                                 # step 2
-    pairs = draw_iteration_pairs(run, it)                                   # step 3
-    mbs = minibatches(run, it)
-    with timed(times, "time_old", run.dev):
-        s_old = old_surrogates(run, ro, pairs, mbs, sc.skipped)             # step 4: k ≥ 1
-    log, grad_norms = [], []
-    with timed(times, "time_update", run.dev):
-        if not sc.skipped:                                                  # step 5
-            log, grad_norms, (rows0, s0) = update_steps(run, ro, sc, pairs, mbs, s_old)
-            s_old.s[rows0] = s0         # S_old complete: minibatch 0's, from step 5's first forward
-    m = iteration_metrics(run, it, sc, s_old, log, grad_norms, times)
-    return {**m, "time_iter": time.perf_counter() - t0}
-
-
-def collect_rollouts(run: Run, it: int) -> Rollouts:
-    """[Alg. step 1] G images per prompt of this process's groups, ODE-solved by θ_old (= θ)."""
-    args, ad = run.args, run.adapter
-    P, n_tr = args.prompts_per_iter, len(run.train_prompts)
-    g = generator(args.seed, it, Stream.PROMPTS)
-    if P <= n_tr:                                       # P distinct prompts
-        pick = torch.randperm(n_tr, generator=g)[:P]
-    else:                                               # more than there are: with replacement
-        pick = torch.randint(n_tr, (P,), generator=g)
-    prompts = run.local([run.train_prompts[i] for i in pick.tolist()])  # harness: torchrun share
-    cond = ad.encode(prompts)                                               # Pl rows
-    prompt_idx = (torch.arange(run.Nl) // args.group_size).to(run.dev)      # (Nl,)
-    noise = torch.randn((run.N,) + run.D, generator=generator(args.seed, it, Stream.ROLLOUT_NOISE))
-    x1 = run.local(noise).to(run.dev)                   # harness: torchrun share; (Nl, *D)
-    x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch, run.ctx,
-                 poll=run.preemption_point)   # harness: before each chunk, so SIGTERM saves
-    return Rollouts(prompts=prompts, cond=cond, prompt_idx=prompt_idx, x0=x0)   # x0: (Nl, *D)
-
-
-def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
-    """[Alg. step 2] Rewards, all-gathered so that the advantages (§4) see the global batch."""
-    args, G, rw = run.args, run.args.group_size, run.rewards
-    names = [n for n, _ in rw.train_terms]
-    mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0,
-                                [ro.prompts[i // G] for i in range(run.Nl)], args.reward_batch)
-    mine = torch.stack([mine[n] for n in names]).to(run.dev)               # (R, Nl)
-    every = _all_gather_cat(mine, run.world)            # harness: every process's; (R, N)
-    raw = dict(zip(names, every.cpu()))                                     # {name: (N,)}
-    values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)  # (R,P,G)
-    aggregate = {"sum": weighted_sum_advantages,
-                 "per_reward": per_reward_advantages}[args.reward_aggregation]
-    adv, stats = aggregate(values, torch.tensor([w for _, w in rw.train_terms]),
-                           global_std=args.global_std, std_eps=args.std_eps,
-                           clamp=args.adv_clamp, eta=args.soft_clip_eta)
-    # adv.flatten() is prompt-major (sample n belongs to prompt n // G), as the rollouts are
-    mine = run.local(adv.flatten()).to(run.dev)         # harness: torchrun share; (Nl,)
-    return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms), adv=mine, adv_stats=stats,
-                  skipped=bool((adv == 0).all()))
-
-
-def draw_iteration_pairs(run: Run, it: int) -> Pairs:
-    """[Alg. step 3] One set of stratified (t, ε) pairs per sharing scope [ours C4], for θ_old and
-    every θ step; under torchrun rank 0's (another CPU may round the Gaussian draws differently)."""
-    args, N = run.args, run.N
-    scope = {"batch": torch.zeros(N, dtype=torch.long), "group": torch.arange(N) // args.group_size,
-             "none": torch.arange(N)}[args.pair_sharing]
-    pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
-                       generator=generator(args.seed, it, Stream.PAIRS), device=run.dev)
-    if run.world > 1:                                   # harness: rank 0's pairs everywhere
-        for x in (pairs.t, pairs.eps):
-            torch.distributed.broadcast(x, src=0)
-    pairs.index = run.local(pairs.index)                # harness: torchrun share; (Nl,)
-    return pairs
-
-
-def minibatches(run: Run, it: int) -> list:
-    """[(step k, rows), ...]: the μ steps' disjoint, equal minibatches of local rows in micro-
-    batches, drawn before Alg. step 4 so S_old is computed in θ's very micro-batches [ours C14]."""
-    a = run.args
-    perm = torch.arange(run.Nl, device=run.dev)
-    if a.mu > 1:
-        g = generator(a.seed, it, Stream.MINIBATCHES)
-        perm = torch.randperm(run.Nl, generator=g).to(run.dev)
-    return [(k, rows) for k, mb in enumerate(perm.tensor_split(a.mu))
-            for rows in mb.split(a.micro_batch)]
-
-
-@torch.no_grad()
-def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list, skipped: bool) -> OldSurrogates:
-    """[Alg. step 4] S_old, with θ_old's no-grad pass over the rows of minibatches k ≥ 1 (every
-    row when the update is skipped; none when μ = 1): step 5's first step gives the rest."""
-    a, x0_hat = run.args, None
-    if a.kl_coef:
-        x0_hat = torch.empty((run.Nl, a.n_mc) + run.D, device=run.dev)
-    s_old = OldSurrogates(torch.empty(run.Nl, a.n_mc, device=run.dev), x0_hat)
-    for k, rows in mbs:
-        if k > 0 or skipped:
-            run.preemption_point()      # harness: no step has run yet, so a SIGTERM still saves
-            s, x0h = surrogate_pass(run, ro, pairs, rows)
-            s_old.s[rows] = s
-            if x0_hat is not None:
-                x0_hat[rows] = x0h
-            s_old.n_old_pass += len(rows)               # harness: counted for the logged nfe_old
-    return s_old
-
-
-def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list, s_old: OldSurrogates):
-    """[Alg. step 5] μ optimizer steps on disjoint minibatches; the first, at θ = θ_old, gives
-    S_old = sg(S_θ), ρ ≡ 1 [ours C18]. Returns the log, gradient norms, step 0's (rows, S_old)."""
-    args, log, grad_norms, rows0, s0 = run.args, [], [], [], []
-    size = {k: sum(len(r) for j, r in mbs if j == k) for k, _ in mbs}       # samples per step
-    for i, (k, rows) in enumerate(mbs):
-        last = i + 1 == len(mbs) or mbs[i + 1][0] != k              # last micro-batch of step k
-        run.preemption_point()          # harness: until the first step, a SIGTERM still saves
-        s_new, x0h = surrogate_pass(run, ro, pairs, rows)
-        if k == 0:                      # θ = θ_old: S_old = sg(S_θ), x̂0_old = sg(x̂0)
-            s_old_rows, x0h_old = s_new.detach(), x0h.detach()
-            rows0.append(rows)
-            s0.append(s_old_rows)
-        else:
-            s_old_rows, x0h_old = s_old.s[rows], None
-            if args.kl_coef:
-                x0h_old = s_old.x0_hat[rows]
-        kl = None
-        if args.kl_coef:
-            kl = xspace_kl(x0h, x0h_old)
-        loss, st = vgrpo_loss(s_new, s_old_rows, sc.adv[rows], clip_eps=args.clip_eps, kl=kl,
-                              kl_coef=args.kl_coef)
-        loss = loss * len(rows) / size[k]               # the minibatch's mean [ours C16]
-        run.backward(loss, last)        # harness: fp16's loss scale, FSDP's gradient reduction
-        log.append((k, len(rows), st))  # harness: the statistics, for iteration_metrics
-        if last:
-            grad_norms.append(optimizer_step(run))
-    return log, grad_norms, (torch.cat(rows0), torch.cat(s0))
-
-
-def surrogate_pass(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
-    """(s (m, J), x̂0 (m, J, *D)) of local samples `rows` on their pairs (§5), in one pass."""
-    a, (t, eps) = run.args, pairs.take(rows)
-    with run.ctx:
-        return pair_surrogates(run.adapter.velocity, ro.x0[rows], select(ro.cond, ro.prompt_idx[rows]),
-                               t, eps, parameterization=a.parameterization,
-                               adaptive=a.adaptive_weighting, mae_floor=a.mae_floor)
-
-
-def optimizer_step(run: Run) -> torch.Tensor:
-    """Unscale (fp16), clip, step unless the norm is non-finite; returns the pre-clip norm."""
-    run.scaler.unscale_(run.opt)                      # fp16: the true gradients before the clip
-    gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
-    if hasattr(gn, "full_tensor"):                    # a DTensor under FSDP
-        gn = gn.full_tensor()
-    if torch.isfinite(gn):                            # host sync: step, or skip a bad step
-        run.scaler.step(run.opt)
-    run.scaler.update()                               # fp16: halve the scale after an overflow
-    run.opt.zero_grad(set_to_none=True)
-    return gn.detach().float()
-
-
-def iteration_metrics(run: Run, it: int, sc: Scored, s_old: OldSurrogates, log: list,
-                      grad_norms: list, times: dict) -> dict:
-    """Everything logged, in one host sync: means over samples and processes, and S_old's CV."""
-    a, stats = run.args, {}
-    for k, n, st in log:                                # each micro-batch weighted by its samples
-        if k == 0:
-            st = {**st, "abs_log_ratio_first": st["abs_log_ratio"]}
-        for name, v in st.items():
-            stats.setdefault(name, []).append((v * n, n))
-    scal = {k: torch.stack([x for x, _ in v]).sum() / sum(n for _, n in v) for k, v in stats.items()}
-    gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
-    scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
-    vec = torch.stack([v.float().to(run.dev) for v in scal.values()])
-    if run.world > 1:                                   # the mean over processes
-        torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM)
-        vec /= run.world
-    S_all = _all_gather_cat(s_old.s.mean(dim=1), run.world)                 # (N,)
-    cv = surrogate_cv(S_all.view(a.prompts_per_iter, a.group_size))
-    scal = {**dict(zip(scal, vec)), **sc.adv_stats, **cv}
-    host = dict(zip(scal, torch.stack([v.float().to(run.dev) for v in scal.values()]).tolist()))
-    bad = int((~torch.isfinite(sc.headline)).sum())
-    m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
-         "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
-         "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": run.scaler.get_scale(),     # 1.0 when disabled
-         "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * s_old.n_old_pass / run.Nl,
-         "nfe_theta": a.n_mc}
-    if len(sc.raw) > 1:                                   # several rewards: each one's too
-        for n, r in sc.raw.items():
-            m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
-    for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, math.nan)                       # skipped: no update, no ratio statistics
-    if bad and run.rank == 0:
-        plural = "s" if bad > 1 else ""
-        note = f"iteration {it}: {bad} non-finite reward{plural} dropped (advantage 0)"
-        if sc.skipped:
-            note += "; update skipped"
-        _warn(note)
-    return m
-
-
-def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
-    f = r[torch.isfinite(r)]                   # mean and population std of the finite entries
-    return (f.mean().item(), f.std(unbiased=False).item()) if len(f) else (math.nan, math.nan)
-
-
-def _warn(msg: str, prefix: str = "warning: ") -> None:
-    from tqdm.auto import tqdm                            # tqdm.write: not overwritten by the bar
-    tqdm.write(prefix + msg, file=sys.stderr)
-
-
-@torch.no_grad()
-def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
-            solver: str, chunk: int, ctx, poll: Optional[Callable] = None) -> torch.Tensor:
-    """ODE-solve x1 (N, *D), `chunk` rows at a time, poll() before each: o (N, *D) fp32."""
-    out = []
-    for rows in torch.arange(len(x1)).split(chunk):
-        if poll is not None:
-            poll()
-        with ctx:
-            x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
-        out.append(x0.float())
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
-                      prompts: list[str], chunk: int, keep_images: bool = False):
-    """Decode once and score with every named reward, `chunk` at a time: (raw, uint8 images)."""
-    raw, imgs = {n: [] for n in names}, []
-    for rows in torch.arange(len(latents)).split(chunk):
-        im, chunk_prompts = adapter.decode(latents[rows]), [prompts[i] for i in rows.tolist()]
-        for n in names:
-            raw[n].append(rewards.models[n](im, chunk_prompts).float().reshape(-1))
-        if keep_images:
-            imgs.append((im * 255).round().to(torch.uint8).cpu())
-    return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
-
-
-def select(cond, rows: torch.Tensor):           # rows of every tensor in a (dict of) batch-first
-    return {k: v[rows] for k, v in cond.items()} if isinstance(cond, dict) else cond[rows]
-
-
-@contextlib.contextmanager
-def timed(times: dict, key: str, dev: Optional[torch.device] = None):
-    """times[key] = the block's seconds (after its work on `dev`); an OOM inside names the phase."""
-    t = time.perf_counter()
-    try:
-        yield
-    except torch.cuda.OutOfMemoryError as e:
-        e.vgrpo_phase = getattr(e, "vgrpo_phase", key)        # the innermost phase names it
-        raise
-    if dev is not None and dev.type == "cuda":              # wait for the GPU before the clock
-        torch.cuda.synchronize(dev)
-    times[key] = time.perf_counter() - t
-
-
-# ---- the harness: setup, the iterations, how a run stops, evaluation, its record ---------------
-OOM_KNOBS = {"time_rollout": "the rollout: lower --rollout_batch", "time_reward": "decoding and "
-             "rewards: lower --reward_batch", "time_old": "the θ_old pass: lower --micro_batch",
-             "time_update": "the update: lower --micro_batch or use --gradient_checkpointing",
-             "eval": "the evaluation: lower --rollout_batch or --reward_batch"}
-
-
-class Preempted(Exception):
-    """SIGTERM before the iteration's first optimizer step, raised on every process alike."""
-
-
-def train(args: Args, fresh_ok: bool = False, resumed: Optional[tuple] = None) -> list[dict]:
+def train(args: Args, resumed: Optional[tuple] = None, fresh_ok: bool = False) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also in run_dir/metrics.jsonl)."""
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; nothing created yet
     return run_iterations(setup(args, resumed=resumed), run_dir)   # bad input fails in setup
 
 
 def run_iterations(run: Run, run_dir: Path) -> list[dict]:
-    """`iterate` with the run's record, its signal handlers, and a clean-up however it ends."""
-    failed, log = True, RunLog(run, run_dir)
-    # run.stepped, from the optimizer itself (a step skipped for a non-finite gradient is none)
-    on_step = run.opt.register_step_pre_hook(lambda *_: setattr(run, "stepped", True))
-    cleanup = [catch_signals(run), on_step.remove, *log.close_steps(),
-               *([torch.distributed.destroy_process_group] if run.world > 1 else [])]
+    """`iterate` with the run's record; a stop says where the run stands and how to go on."""
+    log = RunLog(run, run_dir)
     try:
-        history = iterate(run, log)
-        failed = False
-    except KeyboardInterrupt:                            # a second Ctrl-C: stop at once
-        print(f"\ninterrupted: {how_to_go_on(run_dir)}", file=sys.stderr)
-        raise
-    finally:                    # every step runs; none masks the error that ended a failed run
-        errors = []
-        for close in cleanup:
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
-        if errors and not failed:
-            raise errors[0]
-    return history
+        return iterate(run, log)
+    except KeyboardInterrupt:
+        raise Interrupted(how_to_go_on(run_dir)) from None
+    except RewardError as e:
+        raise RewardError(f"{e}; {how_to_go_on(run_dir)}") from None
+    finally:
+        log.close()
+        if run.world > 1:
+            torch.distributed.destroy_process_group()
 
 
 def iterate(run: Run, log: RunLog) -> list[dict]:
     """The iterations from run.start, with evaluations, records and checkpoints when due."""
     a, history = run.args, []
     for it in log.bar:
-        run.stepped = False                              # iteration `it` has taken no step yet
-        with interruptible(run, it):
+        with run.guard(it):             # examples/cluster.py: a stop saves and says so
             if a.eval_every and it % a.eval_every == 0:
                 log.evaluation(it)
             m = iteration(run, it)
-        history.append(m)
-        log.iteration(m)
-        if save_or_stop(run, it + 1):
-            return history
+            history.append(m)
+            log.iteration(m)
+        if (it + 1) % a.save_every == 0 or it + 1 == a.iterations:
+            save_checkpoint(run, it + 1)
     if a.eval_every and run.start < a.iterations:
-        with interruptible(run, a.iterations):
+        with run.guard(a.iterations):
             log.evaluation(a.iterations)
     return history
 
 
-@contextlib.contextmanager
-def interruptible(run: Run, it: int):
-    """SIGTERM, out of GPU memory or a failing reward in iteration `it` (or the evaluation before
-    it) ends the run in one line; if no step of `it` ran, saved first: on SIGTERM by every process,
-    else only by a lone one (a save is a collective the others would not join)."""
-    try:
-        yield
-    except (Preempted, torch.cuda.OutOfMemoryError, RewardError) as e:
-        saved = None
-        if not run.stepped and (isinstance(e, Preempted) or run.world == 1):
-            saved = save_checkpoint(run, it)
-        if isinstance(e, Preempted):
-            preempted(run, f"at iteration {it}", saved)
-        go_on = how_to_go_on(run.run_dir, saved)
-        if isinstance(e, RewardError):
-            raise RewardError(f"{e}, in iteration {it}; {go_on}") from None
-        phase = OOM_KNOBS.get(getattr(e, "vgrpo_phase", ""), "the run")
-        if not run.args.offload_text_encoders:
-            phase += " (or --offload_text_encoders)"
-        raise RunError(f"out of GPU memory in {phase}, iteration {it}; {go_on}") from None
-
-
-def save_or_stop(run: Run, done: int) -> bool:
-    """After `done` iterations, a checkpoint when due or stopping; True: stop (SIGTERM raises)."""
-    a = run.args
-    stopping = _any_rank(bool(run.stop), run)             # every process stops together
-    if stopping or done % a.save_every == 0 or done == a.iterations:
-        saved = save_checkpoint(run, done)
-    if not stopping:
-        return False
-    if _any_rank("term" in run.stop, run):
-        preempted(run, f"after iteration {done - 1}", saved)
-    if run.rank == 0:
-        _warn(f"stopped after iteration {done - 1}: {how_to_go_on(run.run_dir, saved)}", "")
-    return True
-
-
-def preempted(run: Run, when: str, saved: Path):
-    """Say where the run stopped and the command a requeued job runs; raise Preempted (exit 75)."""
-    go_on = how_to_go_on(run.run_dir, saved)
-    if run.rank == 0:
-        _warn(f"preempted {when}: {go_on}; a requeued job continues with the same command and "
-              f"--resume auto --run_dir {run.run_dir}")
-    raise Preempted(go_on)
-
-
 def how_to_go_on(run_dir: Path, saved: Optional[Path] = None) -> str:
-    """What the run folder holds and the command that continues it, as every one-line end says."""
+    """What the run folder holds and the command that continues it."""
     latest = run_dir / "checkpoints" / "latest"
     if saved is not None:
         return f"saved {saved}; continue with --resume {run_dir}"
     if latest.is_file():
         return (f"checkpoints/latest ({latest.read_text().strip()}) is the last complete one; "
                 f"continue with --resume {run_dir}")
-    return (f"no checkpoint yet; continue with --resume auto --run_dir {run_dir} in the same "
-            "command (it starts over)")
-
-
-def catch_signals(run: Run):
-    """SIGTERM (and Ctrl-C under torchrun, whose agent forwards it) appends "term" to run.stop; else
-    a first Ctrl-C appends "int", a second raises KeyboardInterrupt. Returns what restores them."""
-    def on_term(*_):
-        if "term" not in run.stop and run.rank == 0:
-            _warn("SIGTERM: saving at once (an iteration not yet stepped is redone on resume)")
-        run.stop.append("term")
-
-    def on_int(*_):
-        if run.stop:
-            raise KeyboardInterrupt
-        run.stop.append("int")
-        _warn("Ctrl-C: finishing this iteration, then saving (Ctrl-C again: stop now)")
-
-    def restore():
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if "term" in run.stop:                           # on its way out with 75, never 143
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    on = {signal.SIGTERM: on_term,
-          signal.SIGINT: on_term if "TORCHELASTIC_RUN_ID" in os.environ else on_int}
-    try:
-        previous = {sig: signal.signal(sig, handler) for sig, handler in on.items()}
-    except ValueError:                                   # not the main thread: no handlers
-        return lambda: None
-    return restore
+    return f"no checkpoint yet; start a new run with another --run_dir than {run_dir}"
 
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
@@ -1398,10 +1328,12 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     ckpt, state = resumed or (None, None)
     init = read_checkpoint(args.init, "--init") if args.init and not ckpt else (None, None)
     for where, st in (resumed or (None, None), init):
-        bad = [k for k in RESUME_FIXED if st and st["config"].get(k, getattr(args, k)) != getattr(args, k)]
+        saved = (st or {}).get("config", {})
+        bad = [k for k in RESUME_FIXED if saved.get(k, getattr(args, k)) != getattr(args, k)]
         if bad:
-            raise ConfigError(f"--{bad[0]} {getattr(args, bad[0])!r} differs from the checkpoint's "
-                              f"{st['config'][bad[0]]!r} ({where}); drop --{bad[0]} to use it, "
+            k = bad[0]
+            raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
+                              f"{st['config'][k]!r} ({where}); drop --{k} to use it, "
                               "or pick another checkpoint")
     rank, world, _ = dist_info()
     dev, dtype, ctx = setup_device(args)                   # under torchrun: joins the processes
@@ -1527,7 +1459,7 @@ def evaluate(run: Run, it: int) -> dict:
     x1 = torch.randn((len(prompts),) + run.D, generator=noise).to(run.dev)
     lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
                   run.eval_sigmas, args.solver, args.rollout_batch, run.ctx,
-                  poll=run.preemption_point)   # harness: before each chunk, so SIGTERM saves
+                  poll=run.poll)             # the cluster companion's poll
     raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval_terms], lat, prompts,
                                   args.reward_batch, keep_images=True)
     if run.run_dir is not None and run.rank == 0:
@@ -1535,7 +1467,7 @@ def evaluate(run: Run, it: int) -> dict:
         from torchvision.utils import make_grid          # ⌈√n⌉ per row, black where none is
         grid = make_grid(imgs, nrow=math.ceil(math.sqrt(len(imgs))), padding=0).permute(1, 2, 0)
         path = run.run_dir / "eval" / f"iter_{it:06d}.png"
-        with writing(path, run.run_dir):
+        with run.writing(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(grid.numpy()).save(path)
     head = rw.headline(raw, rw.eval_terms)
@@ -1556,7 +1488,7 @@ class RunLog:
     def __init__(self, run: Run, run_dir: Path):
         from tqdm.auto import tqdm
         self.run, self.say = run, tqdm.write
-        self.file, self.lock = open_run_dir(run, run_dir)
+        self.file = open_run_dir(run, run_dir)
         self.bar = tqdm(range(run.start, run.args.iterations), initial=run.start,
                         total=run.args.iterations, desc="V-GRPO", unit="it", disable=run.rank != 0)
 
@@ -1575,19 +1507,21 @@ class RunLog:
     def record(self, m: dict, line: str) -> None:
         if self.run.rank > 0:
             return
-        with writing(self.run.run_dir / "metrics.jsonl", self.run.run_dir):
+        with self.run.writing(self.run.run_dir / "metrics.jsonl"):
             print(json.dumps(m), file=self.file, flush=True)
         self.say(line)
 
-    def close_steps(self) -> list:
-        """The clean-up steps: the bar, and on rank 0 metrics.jsonl and the run folder's lock."""
-        return [self.bar.close] + [f.close for f in (self.file, self.lock) if f is not None]
+    def close(self) -> None:
+        """The bar, and on rank 0 metrics.jsonl."""
+        self.bar.close()
+        if self.file is not None:
+            self.file.close()
 
 
-# ---- the run folder: planned before anything loads, one trainer at a time ---------------------
+# ---- the run folder: planned before anything loads, one run per folder -------------------------
 def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
-    """The run folder, checked writable and not in use; nothing is created. One holding another run
-    is refused unless this is that run resumed, or fresh_ok (--resume auto, no checkpoint yet)."""
+    """The run folder, checked writable; nothing is created. One that holds another run is
+    refused unless this is that run resumed, or fresh_ok (examples/cluster.py's --resume auto)."""
     resumed = find_checkpoint(args.resume).parent.parent if args.resume else None
     if resumed is not None and args.run_dir is None:
         run_dir = resumed
@@ -1603,54 +1537,31 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     except OSError as e:
         raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
                           f"({e.strerror}); pass a writable --run_dir") from None
-    if dist_info()[0] == 0:
-        lock_run_dir(run_dir, hold=False)
-    held = [f for f in ("config.json", "metrics.jsonl", "checkpoints/latest") if (run_dir / f).exists()]
-    if held and not fresh_ok and (resumed is None or resumed.resolve() != run_dir.resolve()):
-        raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run: {how_to_go_on(run_dir)}"
-                          "; or start a new run with another --run_dir")
+    held = [f for f in ("config.json", "metrics.jsonl", "checkpoints/latest")
+            if (run_dir / f).exists()]
+    same = resumed is not None and resumed.resolve() == run_dir.resolve()
+    if held and not (fresh_ok or same):
+        raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run: "
+                          f"{how_to_go_on(run_dir)}")
     return run_dir
 
 
-def lock_run_dir(run_dir: Path, hold: bool = True):
-    """One trainer per run folder: rank 0 holds an exclusive flock on run_dir/.lock (closing the
-    returned file releases it); another is refused in one line. None: not `hold`, or no lock."""
-    if not run_dir.is_dir() or os.name != "posix":
-        return None
-    import fcntl
-    f = open(run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
-        raise ConfigError(f"--run_dir {str(run_dir)!r} is in use by a running trainer (pid "
-                          f"{holder}); wait for it to end, or pass another --run_dir") from None
-    if not hold:
-        f.close()
-        return None
-    f.truncate(0)
-    print(os.getpid(), file=f, flush=True)
-    return f
-
-
 def open_run_dir(run: Run, run_dir: Path):
-    """Every rank learns rank 0's run folder; rank 0 creates, locks and prepares it (for a resume:
-    `latest` and metrics.jsonl). Returns (metrics.jsonl to append, the lock), None off rank 0."""
+    """Every rank learns rank 0's run folder; rank 0 creates and prepares it (for a resume:
+    `latest` and metrics.jsonl). Returns metrics.jsonl to append; None off rank 0."""
     if run.world > 1:                                      # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
         run_dir = Path(box[0])
     run.run_dir, mpath = run_dir, run_dir / "metrics.jsonl"
     if run.rank > 0:
-        return None, None
-    with writing(run_dir, run_dir):
+        return None
+    with run.writing(run_dir):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        lock = lock_run_dir(run_dir)
         for stale in (run_dir / "checkpoints").glob(".tmp-*"):        # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
+        config = json.dumps(dataclasses.asdict(run.args), indent=2)
+        (run_dir / "config.json").write_text(config)
         if run.resumed_from and run.resumed_from.parent == run_dir / "checkpoints":
             _point_latest(run.resumed_from)            # `latest` names the resumed checkpoint
         keep, lines = [], mpath.read_text().splitlines() if mpath.exists() else []
@@ -1664,20 +1575,7 @@ def open_run_dir(run: Run, run_dir: Path):
         mpath.with_suffix(".tmp").write_text("".join(l + "\n" for l in keep))
         os.replace(mpath.with_suffix(".tmp"), mpath)
     print(banner(run))
-    return open(mpath, "a"), lock
-
-
-@contextlib.contextmanager
-def writing(what: Path, run_dir: Path):
-    """A failed write into the run folder (any writer's error) ends the run in one line."""
-    try:
-        yield
-    except (ConfigError, RunError):
-        raise
-    except Exception as e:  # noqa: BLE001 — every writer's error, one message
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise RunError(f"could not write {what} ({type(e).__name__}: {why}); free space or fix "
-                       f"permissions there; {how_to_go_on(run_dir)}") from None
+    return open(mpath, "a")
 
 
 # ---- checkpoints: one folder per save, `latest` switched atomically once it is complete --------
@@ -1724,53 +1622,56 @@ def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
 def save_checkpoint(run: Run, it: int) -> Path:
     """checkpoints/iter_XXXXXX after `it` iterations, by every process (FSDP gathers): rank 0 writes
     a temporary folder, renames it, then switches `latest`; a failed write leaves nothing."""
-    tr = run.adapter.transformer
-    ckdir, cfg = run.run_dir / "checkpoints", dataclasses.asdict(run.args)
+    tr, ckdir = run.adapter.transformer, run.run_dir / "checkpoints"
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
     if (ckdir / "latest").is_file() and (ckdir / "latest").read_text().strip() == final.name:
         return final                          # saved already: a stop right after a save
-    weights = full_state(tr)                  # the optimizer state follows, once these are written
-    if run.rank > 0:
-        full_state(tr, run.opt)
-        torch.distributed.barrier()                        # rank 0 writes
+    if run.rank > 0:                          # the collectives of rank 0's write, then wait
+        full_state(tr), full_state(tr, run.opt)
+        torch.distributed.barrier()
         return final
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)                            # umask applies (not mkdtemp's 0700)
-        if run.args.full_finetune:
-            from safetensors.torch import save_file
-            tr.save_config(tmp / "transformer")
-            conf = tmp / "transformer" / "config.json"       # FSDP2's class is FSDP<model class>
-            conf.write_text(conf.read_text().replace('"_class_name": "FSDP', '"_class_name": "'))
-            save_file(weights, str(tmp / FULL_FILE))
-        else:
-            from peft.utils import get_peft_model_state_dict
-            lora = get_peft_model_state_dict(tr, state_dict=weights)
-            run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
-        del weights                         # host memory: never the weights and AdamW's at once
-        optim = full_state(tr, run.opt)
-        if optim:
-            torch.save(optim, tmp / OPTIM_FILE)
-        # no CUDA state: every draw comes from CPU generators, and a resume may see fewer GPUs
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim), "rng": rng,
-                    "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        mode = (tmp / "config.json").stat().st_mode & 0o777   # a file's mode under the umask
-        for f in tmp.rglob("*.safetensors"):                  # safetensors writes its files 0600
-            f.chmod(mode)
-        shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves only move on from it
-        os.replace(tmp, final)
-        _point_latest(final)
-    except Exception as e:  # noqa: BLE001 — OSError, SafetensorError, torch's RuntimeError, ...
+        with run.writing(ckdir):
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_checkpoint(run, tmp, it)
+            shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves move on from it
+            os.replace(tmp, final)
+            _point_latest(final)
+    finally:                                  # after a failed write nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         (ckdir / ".latest.tmp").unlink(missing_ok=True)
-        why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise RunError(f"could not write a checkpoint in {str(ckdir)!r} ({why}); free space "
-                       f"there; {how_to_go_on(run.run_dir)}") from None
     if run.world > 1:
         torch.distributed.barrier()
     return final
+
+
+def write_checkpoint(run: Run, tmp: Path, it: int) -> None:
+    """The files of a checkpoint in folder `tmp` (rank 0): weights, optimizer, trainer state."""
+    tr, cfg = run.adapter.transformer, dataclasses.asdict(run.args)
+    weights = full_state(tr)              # the optimizer state follows, once these are written
+    tmp.mkdir(parents=True)                            # umask applies (not mkdtemp's 0700)
+    if run.args.full_finetune:
+        from safetensors.torch import save_file
+        tr.save_config(tmp / "transformer")
+        conf = tmp / "transformer" / "config.json"       # FSDP2's class is FSDP<model class>
+        conf.write_text(conf.read_text().replace('"_class_name": "FSDP', '"_class_name": "'))
+        save_file(weights, str(tmp / FULL_FILE))
+    else:
+        from peft.utils import get_peft_model_state_dict
+        lora = get_peft_model_state_dict(tr, state_dict=weights)
+        run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
+    del weights                         # host memory: never the weights and AdamW's at once
+    optim = full_state(tr, run.opt)
+    if optim:
+        torch.save(optim, tmp / OPTIM_FILE)
+    # no CUDA state: every draw comes from CPU generators, and a resume may see fewer GPUs
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim), "rng": rng,
+                "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    mode = (tmp / "config.json").stat().st_mode & 0o777   # a file's mode under the umask
+    for f in tmp.rglob("*.safetensors"):                  # safetensors writes its files 0600
+        f.chmod(mode)
 
 
 def _point_latest(ckpt: Path) -> None:          # checkpoints/latest ← ckpt's name, atomically
@@ -1844,14 +1745,6 @@ def full_state(tr, opt=None) -> dict:
     return get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
 
 
-def _any_rank(flag: bool, run: Run) -> bool:    # True everywhere if anywhere (Ctrl-C may not be)
-    if run.world == 1:
-        return flag
-    t = torch.tensor([float(flag)], device=run.dev)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:   # ranks' x along the last dim
     if world == 1:
         return x
@@ -1861,7 +1754,7 @@ def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:   # ranks' x a
 
 
 # ------------------------------------------------------------------------------------------------
-# §10  Configuration and command line: one dataclass, every field a flag of the same name whose
+# §11  Configuration and command line: one dataclass, every field a flag of the same name whose
 #      `src` says where its default comes from; then presets, resolve_args, the banner and main().
 # ------------------------------------------------------------------------------------------------
 def _f(default, help: str, src: str = "our choice", choices=None):
@@ -1876,9 +1769,9 @@ class Args:
     eval_prompts: Optional[str] = _f(None, "held-out prompts (default: split off --prompts)")
     eval_holdout: float = _f(0.1, "fraction of --prompts never trained on (the evaluation's "
                              "prompts unless --eval_prompts is given)")
-    resume: Optional[str] = _f(None, "checkpoint folder, a run folder (its latest checkpoint), or "
-                               "auto: --run_dir's run if it has a checkpoint, else a new one; "
-                               "its config overrides the values shown here")
+    resume: Optional[str] = _f(None, "checkpoint folder, or a run folder (its latest "
+                               "checkpoint), whose config overrides the values shown here; "
+                               "examples/cluster.py also takes auto")
     init: Optional[str] = _f(None, "a new run starting from a checkpoint's trained weights (a "
                              "checkpoint or run folder): fresh optimizer, iteration 0")
     save_every: int = _f(10, "checkpoint every k iterations (and at the end / on Ctrl-C)")
@@ -2117,34 +2010,28 @@ def banner(run: Run) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """The command line; every end but a bug is one line and an exit status of §1."""
+def main(argv: Optional[list[str]] = None, command: Optional[Callable] = None) -> int:
+    """The command line. Every end but a bug is one line and an exit status: 0 done, 1 a bug
+    (its traceback), 2 bad input (nothing written), 69 a reward failed mid-run, 130 Ctrl-C.
+    examples/cluster.py passes its own `command` (and adds 75, preempted and saved)."""
     try:
-        given = given_flags(argv)
-        auto = given.get("resume") == "auto"
-        if auto and not given.get("run_dir"):
-            raise ConfigError("--resume auto needs --run_dir: the folder to continue or start in")
-        if auto:
-            latest = Path(given["run_dir"], "checkpoints", "latest").is_file()
-            given["resume"] = given["run_dir"] if latest else None
-        resumed, config = None, None      # read once: the config here, the state in setup
-        if given.get("resume"):           # a resumed run keeps its configuration; flags override
-            resumed = read_checkpoint(given["resume"])
-            config = resumed[1]["config"]
-        train(resolve_args(given, resumed=config), fresh_ok=auto, resumed=resumed)
+        (command or start)(given_flags(argv))
     except (ConfigError, RunError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{e.label}: {e}", file=sys.stderr)
         return e.status
-    except Preempted:                                      # saved; the harness said where
-        return PREEMPTED
-    except torch.cuda.OutOfMemoryError as e:               # outside the iterations: loading
-        print(f"error: out of GPU memory while loading ({str(e).splitlines()[0]}); try "
-              "--offload_text_encoders or fewer --reward models", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:                              # a second Ctrl-C (train says where)
+    except KeyboardInterrupt:                     # while loading: nothing was written yet
+        print("interrupted before the first iteration: nothing written", file=sys.stderr)
         return 130
     return 0
 
+
+def start(given: dict, trainer: Optional[Callable] = None, fresh_ok: bool = False) -> list:
+    """The flags given → `train`. A resumed run keeps its checkpoint's config; flags override."""
+    resumed, config = None, None          # read once: the config here, the state in setup
+    if given.get("resume"):
+        resumed = read_checkpoint(given["resume"])
+        config = resumed[1]["config"]
+    return (trainer or train)(resolve_args(given, resumed=config), resumed, fresh_ok)
 
 if __name__ == "__main__":
     exit_process(main())

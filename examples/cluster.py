@@ -1,0 +1,219 @@
+"""
+examples/cluster.py — vgrpo.py for a job scheduler: the same flags, and what a job that can be
+preempted and requeued needs. Run it exactly as vgrpo.py:
+
+    python examples/cluster.py --model sd3.5-medium --run_dir runs/a --resume auto
+    torchrun --nproc_per_node=8 examples/cluster.py --model sd3.5-medium --preset paper \
+        --run_dir runs/a --resume auto
+
+What it adds to `python vgrpo.py` (docs/training.md, "On a cluster"):
+  * SIGTERM (a scheduler's preemption; under torchrun Ctrl-C too, which its agent forwards)
+    saves within a fraction of an iteration and exits 75. An iteration that has not yet taken
+    its first optimizer step is saved as not begun and redone on resume; one that has, finishes.
+  * --resume auto: the same command, submitted again, starts the run or continues it.
+  * One trainer per run folder: a second is refused in one line; the first goes on untouched.
+  * Out of GPU memory, a reward that fails, a write that fails: one line that names the phase or
+    the file and the command that continues, after saving what can still be saved.
+  * A first Ctrl-C finishes the iteration, saves it and exits 130; a second stops at once.
+
+It fills in the hooks of vgrpo.Run (poll, guard, writing) and reads the phase that vgrpo.timed
+puts on an out-of-memory error. Nothing of vgrpo.py's method changes.
+"""
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vgrpo as V  # noqa: E402
+
+PREEMPTED = 75                       # EX_TEMPFAIL: saved; the same command continues
+OOM_KNOBS = {"time_rollout": "the rollout: lower --rollout_batch",
+             "time_reward": "decoding and rewards: lower --reward_batch",
+             "time_old": "the θ_old pass: lower --micro_batch",
+             "time_update": "the update: lower --micro_batch or use --gradient_checkpointing",
+             "eval": "the evaluation: lower --rollout_batch or --reward_batch"}
+
+
+class Preempted(V.RunError):
+    """SIGTERM: raised on every process alike; main() prints where the run stands."""
+    status, label = PREEMPTED, "preempted"
+
+
+def main(argv=None) -> int:
+    """vgrpo.main with this file's command: exit statuses as vgrpo.py's, and 75."""
+    return V.main(argv, command=command)
+
+
+def command(given: dict) -> list:
+    """--resume auto: --run_dir's run if it has a checkpoint, else a new run in that folder."""
+    auto = given.get("resume") == "auto"
+    if auto and not given.get("run_dir"):
+        raise V.ConfigError("--resume auto needs --run_dir: the folder to start or continue")
+    if auto:
+        latest = Path(given["run_dir"], "checkpoints", "latest").is_file()
+        given["resume"] = given["run_dir"] if latest else None
+    return V.start(given, trainer=train, fresh_ok=auto)
+
+
+def train(args: V.Args, resumed=None, fresh_ok: bool = False) -> list:
+    """vgrpo.train with the run folder locked, signals caught and the hooks filled in."""
+    run_dir = V.plan_run_dir(args, fresh_ok)
+    rank = V.dist_info()[0]
+    if rank == 0:
+        lock(run_dir, hold=False)           # refused before anything loads
+    try:
+        run = V.setup(args, resumed=resumed)
+    except torch.cuda.OutOfMemoryError as e:
+        raise V.RunError(f"out of GPU memory while loading ({str(e).splitlines()[0]}); try "
+                         "--offload_text_encoders or fewer --reward models") from None
+    with contextlib.ExitStack() as stack:
+        if rank == 0:                       # held before vgrpo writes anything there
+            run_dir.mkdir(parents=True, exist_ok=True)
+            held = lock(run_dir)
+            stack.callback(held.close)
+        stack.enter_context(Cluster(run, run_dir))
+        return V.run_iterations(run, run_dir)
+
+
+def lock(run_dir: Path, hold: bool = True):
+    """One trainer per run folder: an exclusive flock on run_dir/.lock, released when the
+    returned file closes. Another trainer is refused in one line. None: not `hold`, or no
+    folder yet (nothing to protect)."""
+    if not run_dir.is_dir():
+        return None
+    import fcntl                            # POSIX: Linux and macOS
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise V.ConfigError(f"--run_dir {str(run_dir)!r} is in use by a running trainer (pid "
+                            f"{holder}); wait for it to end, or pass another --run_dir") from None
+    if not hold:
+        f.close()
+        return None
+    f.truncate(0)
+    print(os.getpid(), file=f, flush=True)
+    return f
+
+
+def how_to_go_on(run_dir: Path, saved=None) -> str:
+    """vgrpo.how_to_go_on, and before the first checkpoint the requeue command."""
+    if saved is None and not (run_dir / "checkpoints" / "latest").is_file():
+        return (f"no checkpoint yet; continue with --resume auto --run_dir {run_dir} in the "
+                "same command (it starts over)")
+    return V.how_to_go_on(run_dir, saved)
+
+
+class Cluster:
+    """The hooks of one run: signals in, a poll and a guard for the loop, named write errors."""
+
+    def __init__(self, run: V.Run, run_dir: Path):
+        self.run, self.run_dir = run, run_dir
+        self.stop = []                      # signals received: "term" (preempt), "int" (Ctrl-C)
+        self.stepped = False                # an optimizer step of this iteration has run
+        run.poll, run.guard, run.writing = self.poll, self.guard, self.writing
+
+    def __enter__(self):
+        # stepped, from the optimizer itself (a step skipped for a non-finite gradient is none)
+        self.on_step = self.run.opt.register_step_pre_hook(
+            lambda *_: setattr(self, "stepped", True))
+        torchrun = "TORCHELASTIC_RUN_ID" in os.environ     # its agent forwards Ctrl-C, then kills
+        on = {signal.SIGTERM: self.on_term,
+              signal.SIGINT: self.on_term if torchrun else self.on_int}
+        try:
+            self.previous = {sig: signal.signal(sig, fn) for sig, fn in on.items()}
+        except ValueError:                  # not the main thread: no handlers
+            self.previous = {}
+        return self
+
+    def __exit__(self, *exc):
+        self.on_step.remove()
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        if "term" in self.stop:             # on its way out with 75, never 143
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def on_term(self, *_):
+        if "term" not in self.stop and self.run.rank == 0:
+            V._warn("SIGTERM: saving at once (an iteration not yet stepped is redone on resume)")
+        self.stop.append("term")
+
+    def on_int(self, *_):
+        if self.stop:
+            raise KeyboardInterrupt
+        self.stop.append("int")
+        V._warn("Ctrl-C: finishing this iteration, then saving (Ctrl-C again: stop now)")
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every process if on any (a signal may reach only some)."""
+        if self.run.world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.run.dev)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item())
+
+    def poll(self) -> None:
+        """vgrpo's poll: stop everywhere if a process got SIGTERM before this iteration stepped."""
+        if not self.stepped and self.any_rank("term" in self.stop):
+            raise Preempted("SIGTERM")
+
+    @contextlib.contextmanager
+    def guard(self, it: int):
+        """Around iteration `it` and its record: a stop inside saves if no step has run (a lone
+        process, or every process on SIGTERM) and ends in one line; after it, a signal saves."""
+        self.stepped = False
+        try:
+            yield
+        except (Preempted, torch.cuda.OutOfMemoryError, V.RewardError) as e:
+            raise self.ended(e, it) from None
+        if it < self.run.args.iterations and self.any_rank(bool(self.stop)):   # after `it`
+            saved = V.save_checkpoint(self.run, it + 1)
+            if self.any_rank("term" in self.stop):
+                raise self.preempted(f"after iteration {it}", saved)
+            raise V.Interrupted(f"after iteration {it}: {how_to_go_on(self.run_dir, saved)}")
+
+    def ended(self, e: Exception, it: int) -> V.RunError:
+        """The one-line end of iteration `it` stopped by e, saved first where that is safe (a
+        save is a collective that processes other than a preempted set would not join)."""
+        saved = None
+        if not self.stepped and (isinstance(e, Preempted) or self.run.world == 1):
+            saved = V.save_checkpoint(self.run, it)
+        if isinstance(e, Preempted):
+            return self.preempted(f"at iteration {it}", saved)
+        go_on = how_to_go_on(self.run_dir, saved)
+        if isinstance(e, V.RewardError):
+            err = V.RunError(f"{e}, in iteration {it}; {go_on}")
+            err.status = V.RewardError.status
+            return err
+        phase = OOM_KNOBS.get(getattr(e, "vgrpo_phase", ""), "the run")
+        if not self.run.args.offload_text_encoders:
+            phase += " (or --offload_text_encoders)"
+        return V.RunError(f"out of GPU memory in {phase}, iteration {it}; {go_on}")
+
+    def preempted(self, when: str, saved) -> Preempted:
+        """Where the run stopped, and the command a requeued job runs."""
+        return Preempted(f"{when}: {how_to_go_on(self.run_dir, saved)}; a requeued job continues "
+                         f"with the same command and --resume auto --run_dir {self.run_dir}")
+
+    @contextlib.contextmanager
+    def writing(self, what: Path):
+        """A failed write into the run folder (any writer's error) ends the run in one line."""
+        try:
+            yield what
+        except (V.ConfigError, V.RunError):
+            raise
+        except Exception as e:  # noqa: BLE001 — every writer's error, one message
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise V.RunError(f"could not write {what} ({type(e).__name__}: {why}); free space "
+                             f"or fix permissions there; {how_to_go_on(self.run_dir)}") from None
+
+
+if __name__ == "__main__":
+    V.exit_process(main())
