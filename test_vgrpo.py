@@ -56,7 +56,7 @@ def _load_example(rel):
 
 @pytest.fixture(autouse=True)
 def _restore_sdpa_switches():
-    """examples/gpu_check.py's attention levers set torch's process-wide SDPA switches. Tests share
+    """examples/gpu/gpu_check.py's attention levers set torch's process-wide SDPA switches. Tests share
     one process, so restore them after each test even if a lever's own restore failed: a run that
     ended on `flash` alone must not leave later code, such as a CLIP text encoder with an
     attention mask, without a usable kernel."""
@@ -3094,7 +3094,7 @@ def test_prompts_must_split_evenly_across_processes(tmp_path, capsys, monkeypatc
 
 
 # ------------------------------------------------------------------------------------------------
-# 19. examples/toy_2d.py and examples/sd3_diagnostics.py
+# 19. examples/toy_2d.py and examples/gpu/sd3_diagnostics.py
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.examples
 def test_toy_vgrpo_beats_naive():
@@ -3185,7 +3185,7 @@ def test_sd3_diagnostics_variance_reduction(tmp_path):
     level (|r| ≲ 0.3 over 8 samples) and flips order between seeds; and anything about the v-space
     variants, whose loss scale does not depend on t for a random network (see the script's notes).
     """
-    diag = _load_example("sd3_diagnostics")
+    diag = _load_example("gpu/sd3_diagnostics")
     out = tmp_path / "diag.md"
     rows = diag.main(["--prompts_per_iter", "2", "--group_size", "4", "--draws", "4", "--grad_draws", "2",
                       "--seed", "0", "--out", str(out)])
@@ -3748,7 +3748,7 @@ def test_nft_gradient_identity_at_theta_old():
 
 
 # ------------------------------------------------------------------------------------------------
-# 21. examples/gpu_check.py: the throughput levers and the CPU smoke run
+# 21. examples/gpu/gpu_check.py: the throughput levers and the CPU smoke run
 #    Each lever changes how the same numbers are computed, not what is computed: experiments
 #    applied to a live Run from outside.
 # ------------------------------------------------------------------------------------------------
@@ -3759,7 +3759,7 @@ LEVER = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--gr
 def _lever_run(names=(), its=2, extra=(), backend="aot_eager"):
     """setup() on a fresh tiny pipeline with LoRA B ≠ 0 (the default init B = 0 would make a merge
     a no-op), then `its` iterations with gpu_check's levers `names`. Returns (run, metrics)."""
-    gc = _load_example("gpu_check")
+    gc = _load_example("gpu/gpu_check")
     run = V.setup(V.parse_args(LEVER + list(extra)), pipe=TM.build_tiny_sd3_pipeline())
     g = torch.Generator().manual_seed(1)
     for n, p in run.adapter.transformer.named_parameters():
@@ -3773,7 +3773,7 @@ def _lever_run(names=(), its=2, extra=(), backend="aot_eager"):
 def test_lora_merge_restores_every_weight_bit_for_bit():
     """gpu_check.lora_merged: inside, the base weights hold W + (α/r)·B·A and a forward equals the
     unmerged one up to rounding; after, every parameter (base and LoRA) is bit-identical."""
-    gc = _load_example("gpu_check")
+    gc = _load_example("gpu/gpu_check")
     run, _ = _lever_run(its=0)
     ad, tr = run.adapter, run.adapter.transformer
     before = {n: p.detach().clone() for n, p in tr.named_parameters()}
@@ -3825,10 +3825,10 @@ def test_levers_keep_ratio_one_and_the_same_run():
 
 @pytest.mark.examples
 def test_gpu_check_smoke_runs_every_stage(tmp_path):
-    """examples/gpu_check.py --cpu_smoke: the one-run GPU measurement, on the tiny models, writes
+    """examples/gpu/gpu_check.py --cpu_smoke: the one-run GPU measurement, on the tiny models, writes
     its JSON and markdown with a row per lever, memory candidate, method and FLUX configuration;
     every lever keeps ρ = 1 at μ = 1. (The compile lever is covered above; left out for time.)"""
-    gc = _load_example("gpu_check")
+    gc = _load_example("gpu/gpu_check")
     out = tmp_path / "gc.json"
     gc.main(["--cpu_smoke", "--levers", "merge_lora_rollout,attn_flash,attn_cudnn,vae_autocast",
              "--flow_iterations", "1", "--out", str(out)])

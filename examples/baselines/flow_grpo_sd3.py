@@ -514,7 +514,7 @@ def setup_dtype(mine, args):
 def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None):
     """Every method in mine.methods, one after the other, from the same LoRA init.
     Returns (summary rows, info, metrics lines). `pipe` / `rewards` may be passed in already built
-    (e.g. examples/gpu_check.py's random-weight SD3.5-M); else loaded from args."""
+    (e.g. examples/gpu/gpu_check.py's random-weight SD3.5-M); else loaded from args."""
     t_start = time.perf_counter()
     dev, prec = setup_dtype(mine, args)
     torch.manual_seed(args.seed)

@@ -2,12 +2,12 @@
 ratio measured within ONE process: both versions are set up on the same flags and run one
 iteration each in turn, so both see the same machine load.
 
-    python examples/ab_timing.py --before HEAD~1 --rounds 8 -- --model tiny --reward jpeg
-    python examples/ab_timing.py --before HEAD~1 --digits --rounds 8     # the digits benchmark's
-                                                                         # V-GRPO settings
+    python examples/gpu/ab_timing.py --before HEAD~1 --rounds 8 -- --model tiny --reward jpeg
+    python examples/gpu/ab_timing.py --before HEAD~1 --digits --rounds 8     # the digits benchmark's
+                                                                             # V-GRPO settings
 
 Everything after `--` is vgrpo.py flags (both versions parse them). `--digits` uses the flags of
-`examples/digits.py benchmark`'s V-GRPO runs on its cached pretrained model (built if missing).
+`python -m examples.digits benchmark`'s V-GRPO runs on its cached pretrained model (built if missing).
 Prints each round, then the median seconds of each version and the median of the per-round
 ratios after / before with a 95 % bootstrap interval over rounds. Round 0 (warm-up) is left out
 of the statistics.
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import vgrpo as V  # noqa: E402  (the working tree's)
@@ -56,8 +56,7 @@ def main(argv=None) -> dict:
     p.add_argument("--digits", action="store_true", help="the digits benchmark's V-GRPO flags")
     a = p.parse_args(own)
     if a.digits:
-        sys.path.insert(0, str(ROOT / "examples"))
-        import digits as DG
+        from examples.digits import model as DG
         folder = DG.build()
         flags = DG.vgrpo_flags(folder, 0, ["--lr", "3e-3"]) + flags
     versions = {"before": load_revision(a.before), "after": V}

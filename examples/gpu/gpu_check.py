@@ -6,11 +6,11 @@ FLUX.1-dev's 11.9B transformer, and a PickScore-shaped CLIP ViT-H/14 reward), so
 are those of the real models while the images and rewards are meaningless. Tokenizers are the tiny
 offline ones (token ids differ, sequence lengths are the real ones).
 
-    python examples/gpu_check.py                      # every stage below, ~10 min on one H100/H200
-    python examples/gpu_check.py --stages levers      # some stages: levers,memory,flow,flux,configs
-    python examples/gpu_check.py --cpu_smoke          # the whole script on the tiny models, CPU
-    python examples/gpu_check.py --stages configs --configs default,rb48_mb8   # single named rows
-    python examples/gpu_check.py --stages configs --family flux --configs flux_default
+    python examples/gpu/gpu_check.py                  # every stage below, ~10 min on one H100/H200
+    python examples/gpu/gpu_check.py --stages levers  # some stages: levers,memory,flow,flux,configs
+    python examples/gpu/gpu_check.py --cpu_smoke      # the whole script on the tiny models, CPU
+    python examples/gpu/gpu_check.py --stages configs --configs default,rb48_mb8   # single named rows
+    python examples/gpu/gpu_check.py --stages configs --family flux --configs flux_default
 
 Stages, in this order, each skipped when the time guard (--budget_s, default 570 s after the model
 build) says it would not finish; every row is written to --out (JSON, and a markdown twin) as soon
@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch
@@ -625,7 +625,7 @@ class Report:
                 return "—" if math.isnan(v) else (f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}")
             return "—" if v is None else str(v)
         i = self.info
-        out = [f"# examples/gpu_check.py: {i.get('device', '')}, torch {i.get('torch', '')}", "",
+        out = [f"# examples/gpu/gpu_check.py: {i.get('device', '')}, torch {i.get('torch', '')}", "",
                f"Command: `{i.get('command', '')}`. Times in seconds; MFU against "
                f"{i.get('peak_TFLOPs')} TFLOP/s; FLOP counting in the script's docstring.", ""]
         for sec, rows in self.sections.items():
@@ -682,7 +682,7 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = True
         a.out = a.out or str(ROOT / "results" / "gpu" / "gpu_check.json")
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (smoke: tiny models)"
-    cmd = "python examples/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python examples/gpu/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
     info = {"device": name, "torch": torch.__version__, "command": cmd, "peak_TFLOPs": a.peak,
             "budget_s": a.budget_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     env = Env(a, dev, dtype, ctx, Report(a.out, info))

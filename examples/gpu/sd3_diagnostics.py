@@ -14,12 +14,12 @@ This script measures the same quantities on ONE fixed rollout batch (P prompts �
 seed, deterministic ODE rollouts with vgrpo.rollout, rewards with vgrpo.score) for each technique
 on and off, averaging over several independent draws of the (t, ε) pairs:
 
-    python examples/sd3_diagnostics.py                          # tiny SD3 pipeline, CPU, ~35 s
-    python examples/sd3_diagnostics.py --model sd3.5-medium --reward pickscore --draws 8   # one GPU
+    python examples/gpu/sd3_diagnostics.py                      # tiny SD3 pipeline, CPU, ~35 s
+    python examples/gpu/sd3_diagnostics.py --model sd3.5-medium --reward pickscore --draws 8   # one GPU
 
 Any other vgrpo.py flag is passed through (e.g. --resolution 512, --n_mc 4, --lora_rank 32,
 --pickscore_model /models/pickscore). Output: a markdown table on stdout and in --out
-(default examples/sd3_diagnostics.md). `main(argv)` returns the rows (used by the tests).
+(default examples/gpu/sd3_diagnostics.md). `main(argv)` returns the rows (used by the tests).
 
 Columns (all measured at the LoRA initialisation, i.e. the gradient of iteration 0):
     CV batch    std_n(S_n) / |mean_n S_n| over the N = P·G samples of one pair draw (the paper's
@@ -39,7 +39,7 @@ Columns (all measured at the LoRA initialisation, i.e. the gradient of iteration
 
 The tiny pipeline is randomly initialised (only its VAE decoder is made latent-sensitive), so
 its numbers test the code path and the mechanics of each technique, not the paper's figures.
-What to expect there (examples/sd3_diagnostics.md, seed 0): sharing the pairs cuts the batch and
+What to expect there (examples/gpu/sd3_diagnostics.md, seed 0): sharing the pairs cuts the batch and
 within-group CV ≈ 4×; stratification leaves them unchanged (with batch-wide sharing every sample
 sees the same t anyway) and instead cuts the draw-to-draw noise ≈ 4.6× and steadies the update
 direction; self-normalisation halves the CV of the x-space loss (MSE/MAE scales like |error|, MSE
@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # never wait on a hub look-up for the tiny model
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
@@ -274,7 +274,7 @@ def measure(mine, args, log=print, pipe=None, rewards=None) -> tuple[list[dict],
 
 
 def to_markdown(rows, info) -> str:
-    head = (f"Surrogate diagnostics (examples/sd3_diagnostics.py): model `{info['model']}`, reward "
+    head = (f"Surrogate diagnostics (examples/gpu/sd3_diagnostics.py): model `{info['model']}`, reward "
             f"`{info['reward']}`, {info['device']} {info['dtype']}; one rollout batch of P×G = "
             f"{info['P']}×{info['G']} at {info['resolution']} px, K = {info['K']} ODE steps, seed {info['seed']} "
             f"(reward {info['reward_mean']:.4f} ± {info['reward_std']:.4f}); N_MC = {info['J']}; "
