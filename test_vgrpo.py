@@ -5969,7 +5969,7 @@ def test_evaluate8_stratified_bootstrap_by_hand(ev8):
     assert {t: e["base"]["r"]["mean"] for t, e in per.items()} == {"a": 1.0, "b": 0.0}
 
 
-# examples/make_prompts.py: the prompt sets
+# examples/prompts/make_prompts.py: the prompt sets
 def _cur_load(name):
     """Import examples/<name>.py by path (examples/ is not a package)."""
     spec = importlib.util.spec_from_file_location(f"_cur_{name}", ROOT / "examples" / f"{name}.py")
@@ -5978,7 +5978,7 @@ def _cur_load(name):
     return mod
 
 
-MP = _cur_load("make_prompts")
+MP = _cur_load("prompts/make_prompts")
 
 
 def _cur_read(path: Path) -> list:
@@ -6023,7 +6023,7 @@ def _cur_check_ocr(e: dict) -> None:
 
 @pytest.mark.examples
 def test_make_prompts_deterministic_and_well_formed(tmp_path):
-    """examples/make_prompts.py: the same seed writes the same bytes, another seed other prompts;
+    """examples/prompts/make_prompts.py: the same seed writes the same bytes, another seed other prompts;
     every GenEval tag is in the training and the held-out file, whose first lines alternate tags;
     every entry follows GenEval's metadata conventions; every OCR prompt holds its text once, in
     the only pair of double quotes; the splits share no prompt (GenEval: no objects either) and
@@ -6082,7 +6082,7 @@ def test_make_prompts_committed_sets_match_their_command(tmp_path):
     well-formed."""
     folder = ROOT / "examples" / "prompts"
     readme = (folder / "README.md").read_text()
-    cmd = re.search(r"python examples/make_prompts.py (.*)", readme).group(1).split()
+    cmd = re.search(r"python examples/prompts/make_prompts.py (.*)", readme).group(1).split()
     if "--exclude" in cmd:
         del cmd[cmd.index("--exclude"):cmd.index("--exclude") + 2]
     cmd[cmd.index("--out") + 1] = str(tmp_path)
@@ -6120,7 +6120,7 @@ def test_make_prompts_disjoint_from_geneval_benchmark(tmp_path):
             assert MP.norm(e["prompt"]) not in texts
             assert e.get("tag", "single_object") == "single_object" or MP.content_key(e) not in keys
     readme = (folder / "README.md").read_text()
-    cmd = re.search(r"python examples/make_prompts.py (.*)", readme).group(1).split()
+    cmd = re.search(r"python examples/prompts/make_prompts.py (.*)", readme).group(1).split()
     cmd[cmd.index("--out") + 1] = str(tmp_path)
     cmd[cmd.index("--exclude") + 1] = str(geneval)
     MP.main(cmd)

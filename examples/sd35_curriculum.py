@@ -18,9 +18,9 @@ final weights of the one before (paper P11, which follows DiffusionNFT's five-st
 The preference reward is `hpsv2:1,pickscore:1,clipscore:1` (README's Stage-1 command): equal
 weights on the training-scaled rewards, summed, then group-normalised (METHOD.md P11, C3). `paper`
 gives Stage 1's 48 prompts × 24 images; the stage presets add the controls of METHOD.md C6 and C9
-(docs/training.md "Presets"). The prompt files are examples/make_prompts.py's (--prompt_dir); the
-paper's preference prompts (Pick-a-Pic) are not shipped, so stages 1 and 3 use vgrpo's default
-prompts unless --preference_prompts is given. Stage k runs in RUN_ROOT/stage<k>-<kind> as
+(docs/training.md "Presets"). The prompt files are examples/prompts/make_prompts.py's
+(--prompt_dir); the paper's preference prompts (Pick-a-Pic) are not shipped, so stages 1 and 3 use
+vgrpo's default prompts unless --preference_prompts is given. Stage k runs in RUN_ROOT/stage<k>-<kind> as
 
     python vgrpo.py --model M --reward R --preset P --iterations N
         --run_dir RUN_ROOT/stage<k>-<kind> --resume auto --init <stage k-1's final checkpoint>
@@ -111,7 +111,7 @@ def parse(argv: Optional[list]) -> tuple[argparse.Namespace, list]:
     p.add_argument("--preference_eval_prompts", help="held-out prompts of stages 1 and 3")
     p.add_argument("--prompt_dir", default=str(Path(__file__).resolve().parent / "prompts"),
                    help="folder of geneval_{train,eval}.jsonl and ocr_{train,eval}.jsonl "
-                   "(examples/make_prompts.py)")
+                   "(examples/prompts/make_prompts.py)")
     p.add_argument("--launcher", help="run each stage as `LAUNCHER vgrpo.py ...` in a new process, "
                    "e.g. 'torchrun --nproc_per_node=8' (default: in this process)")
     p.add_argument("--dry_run", action="store_true", help="print each stage's state and command")
@@ -172,7 +172,7 @@ def prompt_flags(args: argparse.Namespace, s: Stage) -> list:
     for flag, f in files:
         if f is not None and not Path(f).is_file():
             raise CurriculumError(f"{flag} of the {s.kind} stages: {str(f)!r} does not exist"
-                                  + (" (make it with examples/make_prompts.py)"
+                                  + (" (make it with examples/prompts/make_prompts.py)"
                                      if s.kind != "preference" else ""))
         out += [flag, str(f)] if f is not None else []
     return out

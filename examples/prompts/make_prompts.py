@@ -1,7 +1,7 @@
 """Training prompts for the GenEval and OCR stages of the SD3.5-M curriculum, written from templates
 here and deterministic from a seed (examples/sd35_curriculum.py uses them).
 
-    python examples/make_prompts.py --out examples/prompts --seed 0 \\
+    python examples/prompts/make_prompts.py --out examples/prompts --seed 0 \\
         --exclude /path/to/geneval/prompts/evaluation_metadata.jsonl
 
 writes, in --out:
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
 
 def readme(args, sets: dict, dropped: dict) -> str:
     """README.md of the output folder: how the files were made, and what they hold."""
-    cmd = ["python", "examples/make_prompts.py", "--out", args.out, "--seed", str(args.seed)]
+    cmd = ["python", "examples/prompts/make_prompts.py", "--out", args.out, "--seed", str(args.seed)]
     for k, default in (("geneval_per_tag", 500), ("geneval_eval_per_tag", 10), ("ocr_train", 2000),
                        ("ocr_eval", 60)):
         if getattr(args, k) != default:
@@ -386,7 +386,7 @@ def readme(args, sets: dict, dropped: dict) -> str:
     return "\n".join([
         "# Prompt sets for the GenEval and OCR stages",
         "",
-        "Written by `examples/make_prompts.py` (its docstring describes the templates and "
+        "Written by `examples/prompts/make_prompts.py` (its docstring describes the templates and "
         "formats):",
         "",
         "```bash",
