@@ -1,41 +1,35 @@
-"""The digits benchmark's runs: the plan, each method's trainer, one JSON per run, the workers.
+"""The digits benchmark's runs: the plans, each method's trainer, one JSON per run, the workers.
 
-    python examples/digits.py benchmark              # the plan below; resumable, 2 workers
-    python examples/digits.py benchmark --quick      # the same in miniature (runs/digits-quick)
-    python examples/digits.py benchmark --plan_only  # write plan.json and base.json, run nothing
+    python -m examples.digits benchmark                 # the B = 128 plan, 2 workers, resumable
+    python -m examples.digits benchmark --plan followup --workers 1 --threads 1
+    python -m examples.digits benchmark --quick         # the B = 128 plan in miniature
+    python -m examples.digits benchmark --plan_only     # write plan.json and base.json only
 
-A plan is fixed before any run and written to the results folder's plan.json. Every run is one
-method at one lr and seed on the pretrained digits model of examples/digits.py, built by
-vgrpo.setup (the same LoRA, AdamW, rewards, prompts and P × G for every method), evaluated on the
-held-out set every `eval_every` iterations and on the validation set at the end. Workers (one
-process each) take the next job whose inputs are finished; a killed benchmark resumes where it
-stopped. The statistics are in digits_stats.py, the report in digits_report.py.
+A plan is fixed before any run and written to its results folder's plan.json. Every run is one
+method at one lr and seed on the committed model (model.CACHE), built by vgrpo.setup (the same
+LoRA, AdamW, reward, prompts and P × G for every method), evaluated on the held-out set every
+`eval_every` iterations and on both sets at the end. Workers (one process each) take the next job
+whose inputs are finished; a killed benchmark resumes where it stopped. Every run checks the
+model against the fingerprint in base.json, so runs on another build are never mixed.
 
-The plan ("regime", the default), in the order the workers take it:
-  select    every method of `methods` at every lr of `lrs` on the selection seeds, B iterations;
-            each method's lr is chosen from these runs on the validation set (digits_stats.choose)
-  confirm   every method at its chosen lr on the confirmation seeds, which the choice never saw;
-            the claims are measured on these runs
-  variant   a variant of a method (MixGRPO's old squeezed window schedule, DiffusionNFT's old-policy
-            decay scaled to B) at that method's chosen lr, on the confirmation seeds
+The B = 128 plan ("regime"; results/), in the order the workers take it:
+  select    every method at every lr of the grid on the selection seeds; each method's lr is
+            chosen from these on the validation set (stats.choose)
+  confirm   every method at its chosen lr on the confirmation seeds, which the choice never saw
+  variant   MixGRPO's old squeezed window schedule and DiffusionNFT's old-policy decay scaled to
+            B, at that method's chosen lr, on the confirmation seeds
   timing    seconds per iteration: one iteration of each method in turn, in one process
   swap      B = 32, lr 3e-3: V-GRPO given one of DiffusionNFT's knobs at a time, and DiffusionNFT
   nmc       B = 32: V-GRPO's N_MC at 2, 4, 8 and 10, at V-GRPO's chosen lr and at 3e-3
-
-The follow-up ("followup"; results in examples/digits_results_followup, its plan.md):
-
-    python examples/digits.py benchmark --plan followup --workers 1 --threads 1
-
-  timing    seconds per iteration of V-GRPO (GenEval-stage) and DiffusionNFT, in one process
-  fixed     runs at an lr and budget fixed in the plan, on fresh seeds 7–11: V-GRPO (GenEval-stage)
-            at 1e-3 for 160 iterations (shared by Run A and Run B), DiffusionNFT at 1e-3 for 160
-            (Run A: the same lr), DiffusionNFT at 3e-4 for 384, evaluated every 16 (Run B: each
-            method at the lr the B = 128 plan chose)
+The follow-up ("followup"; results_followup/, its plan.md) fixes every lr and budget in advance:
+V-GRPO (GenEval-stage) at 1e-3 and DiffusionNFT at 1e-3 for 160 iterations, DiffusionNFT at 3e-4
+for 384, on fresh seeds 7-11, and a timing run.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -45,53 +39,52 @@ from pathlib import Path
 
 import torch
 
-from examples import digits as D
+from examples.digits import model as D
 
 V = D.V
-RESULTS = Path(__file__).with_name("digits_results")
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+BASELINES = D.ROOT / "examples" / "baselines"
 
 # ------------------------------------------------------------------------------------------------
-# The methods. Each is a spec: which trainer ("kind") and its knobs. Every method trains the same
-# LoRA from vgrpo.setup; the published lr of each is 3e-4 for LoRA on SD3.5-M (MixGRPO publishes
-# 1e-5 for a full fine-tune of FLUX.1-dev), all at a far larger batch than this benchmark's 4 × 8.
+# The methods: which trainer ("kind") and its knobs. Every method trains the same LoRA from
+# vgrpo.setup.
 # ------------------------------------------------------------------------------------------------
 # V-GRPO's GenEval-stage recipe (vgrpo.py --preset geneval-stage) at the benchmark's batch: the
 # paper trains its correctness rewards (GenEval, OCR) with N_MC 10, μ 2 and a ratio clip of 1e-2,
 # without soft clipping.
 GENEVAL_FLAGS = ["--n_mc", "10", "--mu", "2", "--clip_eps", "1e-2", "--soft_clip_eta", "0"]
+VGEN = "V-GRPO (GenEval-stage)"
 CONFIGS = {
-    "V-GRPO": dict(kind="vgrpo", flags=[]),                    # the shipped preference recipe
-    "V-GRPO (GenEval-stage)": dict(kind="vgrpo", flags=GENEVAL_FLAGS),
+    "V-GRPO": dict(kind="vgrpo", flags=[]),                    # vgrpo.py's shipped defaults
+    VGEN: dict(kind="vgrpo", flags=GENEVAL_FLAGS),
     "DiffusionNFT": dict(kind="nft"),                           # config/nft.py sd3_pickscore
     "DiffusionNFT (decay scaled)": dict(kind="nft", decay="scaled"),
     "MixGRPO": dict(kind="mix", schedule="in_range"),
     "MixGRPO (old scaled schedule)": dict(kind="mix", schedule="scaled"),
-    "Flow-GRPO (no CFG)": dict(kind="flow", mdp="nocfg"),
     # V-GRPO given one of DiffusionNFT's knobs; the evaluation EMA is tracked in the V-GRPO run
     "V-GRPO, soft clip off": dict(kind="vgrpo", flags=["--soft_clip_eta", "0"]),
     "V-GRPO, 9 per-sample pairs": dict(kind="vgrpo", flags=["--n_mc", "9", "--pair_sharing",
                                                              "none"]),
     **{f"V-GRPO, N_MC {j}": dict(kind="vgrpo", flags=["--n_mc", str(j)]) for j in (2, 4, 8, 10)},
 }
-# DiffusionNFT's evaluation EMA (train_nft_sd3.py: decay 0.9, every optimizer step), given to
-# V-GRPO in the knob swap
+# DiffusionNFT's evaluation EMA (decay 0.9 after every optimizer step), given to V-GRPO in the
+# knob swap
 EVAL_EMA = dict(decay=0.9, interval=1)
-# DiffusionNFT's published count of gradient steps over the SD3.5-M curriculum (about 1.7K); its
-# old-policy decay min(0.001·step, 0.5) reaches the plateau 0.5 at step 500 of them. The scaled
-# variant runs the same schedule on a time axis shrunk by 1.7K / B.
+# DiffusionNFT's published gradient steps over the SD3.5-M curriculum (about 1.7K); its old-policy
+# decay min(0.001·step, 0.5) plateaus at step 500. The scaled variant shrinks that axis by 1.7K / B.
 NFT_PUBLISHED_STEPS = 1700
+DIVERSITY_KEEP = 0.9      # an lr is eligible if its validation diversity ≥ 0.9 × the base model's
 
 # ------------------------------------------------------------------------------------------------
-# The plans. "regime" is the one the README reports; "quick" and "smoke" are miniatures.
+# The plans. "regime" and "followup" produced the committed runs; the others are miniatures.
 # ------------------------------------------------------------------------------------------------
-REGIME_METHODS = ["V-GRPO (GenEval-stage)", "V-GRPO", "DiffusionNFT", "MixGRPO"]
+REGIME_METHODS = [VGEN, "V-GRPO", "DiffusionNFT", "MixGRPO"]
 PLANS = {
     "regime": dict(
         iterations=128, lrs=[3e-4, 1e-3, 3e-3, 1e-2], selection_seeds=[0, 1],
         confirmation_seeds=[2, 3, 4, 5, 6], eval_every=8, n_heldout=40, n_val=20,
-        methods=REGIME_METHODS, claims_vgrpo="V-GRPO (GenEval-stage)",
-        claims_vgrpo_reason=("the digits reward is a correctness reward, like GenEval, and the "
-                             "paper trains such rewards with its GenEval-stage knobs"),
+        methods=REGIME_METHODS, claims_vgrpo=VGEN,
         variants={"MixGRPO (old scaled schedule)": "MixGRPO",
                   "DiffusionNFT (decay scaled)": "DiffusionNFT"},
         timing_rounds=8,
@@ -102,60 +95,22 @@ PLANS = {
                  values=[2, 4, 8, 10])),
     "quick": dict(
         iterations=8, lrs=[1e-3, 3e-3], selection_seeds=[0], confirmation_seeds=[1],
-        eval_every=4, n_heldout=40, n_val=20, methods=REGIME_METHODS,
-        claims_vgrpo="V-GRPO (GenEval-stage)", claims_vgrpo_reason="as the full plan",
+        eval_every=4, n_heldout=40, n_val=20, methods=REGIME_METHODS, claims_vgrpo=VGEN,
         variants={}, timing_rounds=2, swap=None, nmc=None),
     "smoke": dict(
         iterations=2, lrs=[3e-3], selection_seeds=[0], confirmation_seeds=[1],
         eval_every=2, n_heldout=4, n_val=2, methods=["V-GRPO", "DiffusionNFT", "MixGRPO"],
-        claims_vgrpo="V-GRPO", claims_vgrpo_reason="a test of the machinery",
-        variants={"MixGRPO (old scaled schedule)": "MixGRPO"}, timing_rounds=1,
+        claims_vgrpo="V-GRPO", variants={"MixGRPO (old scaled schedule)": "MixGRPO"},
+        timing_rounds=1,
         swap=dict(iterations=2, lr=3e-3, seeds=[0], eval_every=2, configs=["V-GRPO"]),
         nmc=dict(iterations=2, lrs=["chosen"], seeds=[0], eval_every=2, values=[2])),
 }
-# The follow-up: does the DiffusionNFT claim hold when the lr and the budget no longer
-# decide it? Every run's lr and budget are fixed here, before any run; nothing is chosen from them.
-VGEN = "V-GRPO (GenEval-stage)"
-FOLLOWUP_UNIT = (
-    "The paper's 580 and ~1.7K count iterations (rollout rounds), for both methods. Sources: "
-    "METHOD.md P11 (lines 161-162: stage lengths 150 / 200 / 150 / 50 / 30 = 580 iterations) "
-    "and C9 (lines 336-338: iterations are what is counted against the paper's 580); PAPER.md "
-    "§1.7 (lines 127-132: the same stage lengths, DiffusionNFT ≈ 800/300/200/200/100 ≈ 1.7K, "
-    "and NFE_θ 6.9 as the stage-length-weighted mean of N_MC), Table 5 (lines 187-195: 48 NFE "
-    "per step in the preference stages = 40 rollout + 4 + 4, 60 in the GenEval stages = 40 + "
-    "10 + 10, so each step pays one 40-step rollout: a step is a rollout round) and §3 item 9 "
-    "(line 258: count steps as iterations against the 580). PAPER.md line 211 paraphrases the "
-    "headline as gradient steps; in Stage 1 (μ = 1) the two are the same, and only V-GRPO "
-    "(GenEval-stage)'s μ = 2 separates them here. The verdict is given in iterations; every "
-    "table also gives gradient steps.")
-FOLLOWUP_RULES = dict(
-    settled=("Budget sensitivity. For each comparison the speed-up is measured with the "
-             "baseline cut off at the last evaluation at or before ½, ¾ and all of its budget "
-             "B: the target is the baseline's seed-mean held-out reward there, the speed-up "
-             "cut-off·u_b / (h·u_v) with h V-GRPO's iterations to that target (u: the unit's "
-             "count per iteration). Where V-GRPO's seed-mean curve does not reach a target in "
-             "its own budget, that cut-off's speed-up is taken at its bound, cut-off·u_b / "
-             "(Bv·u_v). The baseline has settled when the speed-ups at ½ and ¾ of B lie inside "
-             "the 95 % interval of the speed-up at B."),
-    verdict=("A baseline that did not improve on the base model (its gain's interval reaches "
-             "0): not tested, no target. A baseline that has settled: agrees (the interval at "
-             "B lies above 1 and reaches the claimed 1700/580 = 2.9×), disagrees (it lies "
-             "wholly below 2.9×), not resolved (it includes both 1 and 2.9×). A baseline that "
-             "has not settled: not tested, and the report says which way the interval leans: "
-             "where the interval at B lies against 2.9× and 1, and how the speed-up moved "
-             "from ½ to all of the budget."),
-    ladder=("Targets: the base model's held-out reward plus 25, 50, 75, 90 and 100 % of the "
-            "final gain of the claim's baseline (DiffusionNFT at 3e-4, the lr the B = 128 plan "
-            "chose, after its 384 iterations) over the base model. The same target rewards in "
-            "every table, for both runs and every unit."),
-    seeds=("Every reported number is on seeds 7-11, which no earlier run used; nothing in "
-           "this plan is chosen from its runs."),
-)
+# The follow-up: the DiffusionNFT claim with every lr and budget fixed before any run, on seeds no
+# earlier run used (its rules and the unit it counts: results_followup/plan.md).
 FOLLOWUP = dict(
     iterations=160, lrs=[], selection_seeds=[], confirmation_seeds=[7, 8, 9, 10, 11],
     eval_every=8, n_heldout=40, n_val=20, methods=[VGEN, "DiffusionNFT"], claims_vgrpo=VGEN,
-    claims_vgrpo_reason="as in the B = 128 plan, whose claims it used", variants={},
-    timing_rounds=8, swap=None, nmc=None,
+    variants={}, timing_rounds=8, swap=None, nmc=None,
     # the runs, in the order the worker takes them (seed by seed: a finished pair is paired)
     runs=[dict(method=VGEN, lr=1e-3, iterations=160, eval_every=8),
           dict(method="DiffusionNFT", lr=1e-3, iterations=160, eval_every=8),
@@ -165,13 +120,9 @@ FOLLOWUP = dict(
              baseline=["DiffusionNFT", 1e-3, 160]),
         dict(name="Run B", what="each method at the lr the B = 128 plan chose for it",
              vgrpo=[VGEN, 1e-3, 160], baseline=["DiffusionNFT", 3e-4, 384])],
-    ladder_baseline=["DiffusionNFT", 3e-4, 384],
     chosen_lrs={VGEN: 1e-3, "DiffusionNFT": 3e-4},           # the B = 128 plan's choice
-    cutoffs=[0.5, 0.75, 1.0], ladder=[0.25, 0.5, 0.75, 0.9, 1.0],
-    claim=dict(factor=1700 / 580, unit="iters", label="3× fewer iterations than DiffusionNFT",
-               paper="SD3.5-M: about 1.7K steps down to 580"),
-    unit=FOLLOWUP_UNIT, rules=FOLLOWUP_RULES,
-    model_from="examples/digits_results/cache")             # the model of the B = 128 runs
+    cutoffs=[0.5, 0.75, 1.0],
+    claim=dict(factor=1700 / 580, unit="iters", label="3× fewer iterations than DiffusionNFT"))
 PLANS["followup"] = FOLLOWUP
 # the same in miniature, for the tests: one seed, 1 × 4 rollouts per iteration
 PLANS["followup-smoke"] = dict(
@@ -181,32 +132,9 @@ PLANS["followup-smoke"] = dict(
           dict(method="DiffusionNFT", lr=1e-3, iterations=2, eval_every=1),
           dict(method="DiffusionNFT", lr=3e-4, iterations=4, eval_every=2)],
     comparisons=[dict(c, vgrpo=[VGEN, 1e-3, 2], baseline=[*c["baseline"][:2], b])
-                 for c, b in zip(FOLLOWUP["comparisons"], (2, 4))],
-    ladder_baseline=["DiffusionNFT", 3e-4, 4], model_from=None)
-DEFAULT_OUT = {"quick": Path("runs/digits-quick"),
-               "followup": Path(__file__).with_name("digits_results_followup")}
-DIVERSITY_KEEP = 0.9      # an lr is eligible if its validation diversity ≥ 0.9 × the base model's
-# Seconds per training iteration measured on the 2-core machine (1 thread per process, another
-# process on the other core) and per 400-image held-out evaluation; the plan's estimate uses them.
-MEASURED = dict(sec_per_iter={"vgrpo": 1.65, "nft": 3.78, "mix": 1.29, "flow": 2.0},
-                sec_per_eval_400=8.0, sec_setup=5.0)
-# Seconds per iteration of the B = 128 plan's finished runs (examples/digits_results: each run's
-# seconds / iterations, its held-out evaluation every 8 iterations included; 2 workers of 1 thread
-# on the 2-core machine), per (method, lr): the follow-up's estimate uses them.
-MEASURED_B128 = {(VGEN, 1e-3): 11.13, ("DiffusionNFT", 1e-3): 13.76, ("DiffusionNFT", 3e-4): 11.96}
-
-
-def sec_per_iter(name: str) -> float:
-    """The estimate's seconds per iteration of a method: its kind's, times N_MC / 4 for V-GRPO
-    (its θ forwards dominate; μ = 2 adds N_MC / 2 no-grad forwards for θ_old)."""
-    spec = CONFIGS[name]
-    s = MEASURED["sec_per_iter"][spec["kind"]]
-    if spec["kind"] == "vgrpo":
-        fl = spec["flags"]
-        j = int(fl[fl.index("--n_mc") + 1]) if "--n_mc" in fl else 4
-        mu = int(fl[fl.index("--mu") + 1]) if "--mu" in fl else 1
-        s *= (0.5 + 0.5 * j / 4) * (1 + 0.25 * (mu - 1))
-    return s
+                 for c, b in zip(FOLLOWUP["comparisons"], (2, 4))])
+DEFAULT_OUT = {"regime": RESULTS, "followup": HERE / "results_followup",
+               "quick": Path("runs/digits-quick")}
 
 
 def slug(name: str) -> str:
@@ -220,26 +148,22 @@ def _lr_id(lr) -> str:
 def jobs_of(plan: dict) -> list[dict]:
     """Every run of the plan, in the order workers take them. lr None: the method's chosen lr,
     known once its selection runs are finished. "parent": the method whose chosen lr a run takes."""
-    B, jobs = plan["iterations"], []
     if plan.get("runs"):
         return fixed_jobs(plan)
-    sel = [dict(kind="select", method=m, lr=lr, seed=s, iterations=B, parent=None)
-           for s in plan["selection_seeds"] for lr in plan["lrs"] for m in plan["methods"]]
-    jobs += sel
-    jobs += [dict(kind="confirm", method=m, lr=None, seed=s, iterations=B, parent=m)
-             for s in plan["confirmation_seeds"] for m in plan["methods"]]
-    jobs += [dict(kind="variant", method=v, lr=None, seed=s, iterations=B, parent=p)
-             for s in plan["confirmation_seeds"] for v, p in plan["variants"].items()]
-    jobs.append(dict(kind="timing", method="all", lr=None, seed=0, iterations=0, parent="all"))
-    sw = plan.get("swap")
-    if sw:
-        jobs += [dict(kind="swap", method=m, lr=sw["lr"], seed=s, iterations=sw["iterations"],
-                      parent=None) for s in sw["seeds"] for m in sw["configs"]]
-    nm = plan.get("nmc")
-    if nm:
-        jobs += [dict(kind="nmc", method=f"V-GRPO, N_MC {j}", lr=None if lr == "chosen" else lr,
-                      seed=s, iterations=nm["iterations"],
-                      parent="V-GRPO" if lr == "chosen" else None)
+    B, seeds = plan["iterations"], plan["confirmation_seeds"]
+    job = lambda kind, m, lr, s, b, parent: dict(kind=kind, method=m, lr=lr, seed=s,
+                                                 iterations=b, parent=parent)
+    jobs = [job("select", m, lr, s, B, None) for s in plan["selection_seeds"]
+            for lr in plan["lrs"] for m in plan["methods"]]
+    jobs += [job("confirm", m, None, s, B, m) for s in seeds for m in plan["methods"]]
+    jobs += [job("variant", v, None, s, B, p) for s in seeds for v, p in plan["variants"].items()]
+    jobs.append(job("timing", "all", None, 0, 0, "all"))
+    if sw := plan.get("swap"):
+        jobs += [job("swap", m, sw["lr"], s, sw["iterations"], None)
+                 for s in sw["seeds"] for m in sw["configs"]]
+    if nm := plan.get("nmc"):
+        jobs += [job("nmc", f"V-GRPO, N_MC {j}", None if lr == "chosen" else lr, s,
+                     nm["iterations"], "V-GRPO" if lr == "chosen" else None)
                  for s in nm["seeds"] for lr in nm["lrs"] for j in nm["values"]]
     for j in jobs:
         j["id"] = f"{j['kind']}__{slug(j['method'])}__{_lr_id(j['lr'])}__s{j['seed']}"
@@ -247,10 +171,9 @@ def jobs_of(plan: dict) -> list[dict]:
 
 
 def fixed_jobs(plan: dict) -> list[dict]:
-    """A plan whose runs are all fixed (the follow-up), in the order the worker takes them: the
-    timing job; the runs of budget plan["iterations"] (Run A: both methods at 1e-3) seed by seed,
-    so that each finished pair of seeds is a paired comparison; then the longer runs, seed by
-    seed. Ids name method, lr, budget and seed."""
+    """A plan whose runs are all fixed (the follow-up): the timing job; the runs of budget
+    plan["iterations"] seed by seed (each finished pair of seeds is a paired comparison); then
+    the longer runs. Ids name method, lr, budget and seed."""
     spec = lambda r, s: dict(kind="fixed", method=r["method"], lr=r["lr"], seed=s,
                              iterations=r["iterations"], eval_every=r["eval_every"], parent=None)
     short = [r for r in plan["runs"] if r["iterations"] == plan["iterations"]]
@@ -262,11 +185,6 @@ def fixed_jobs(plan: dict) -> list[dict]:
     for j in jobs[1:]:
         j["id"] = f"fixed__{slug(j['method'])}__{_lr_id(j['lr'])}__B{j['iterations']}__s{j['seed']}"
     return jobs
-
-
-def fixed_chosen(plan: dict) -> dict:
-    """{method: {"lr"}} of a plan that fixes its lrs (the timing job times them)."""
-    return {m: {"lr": lr} for m, lr in (plan.get("chosen_lrs") or {}).items()}
 
 
 def needs(job: dict, jobs: list[dict]) -> list[str]:
@@ -283,33 +201,6 @@ def eval_every_of(plan: dict, job: dict) -> int:
     return plan[job["kind"]]["eval_every"] if job["kind"] in ("swap", "nmc") else plan["eval_every"]
 
 
-def estimate(plan: dict, workers: int = 2) -> dict:
-    """Seconds the plan takes, from MEASURED: each run's iterations, its held-out evaluations
-    (an EMA method also evaluates its other weights at the end), the validation set and the
-    setup; wall-clock = worker-seconds / workers."""
-    M, e400 = MEASURED, MEASURED["sec_per_eval_400"] * plan["n_heldout"] / 40
-    per, by_run = {}, {}
-    for j in jobs_of(plan):
-        if j["kind"] == "timing":
-            c = plan["timing_rounds"] * sum(sec_per_iter(m) for m in plan["methods"])
-        elif (j["method"], j["lr"]) in MEASURED_B128 and plan.get("runs"):
-            c = M["sec_setup"] + j["iterations"] * MEASURED_B128[(j["method"], j["lr"])]
-        else:
-            n_ev = j["iterations"] // eval_every_of(plan, j) + 2
-            c = M["sec_setup"] + j["iterations"] * sec_per_iter(j["method"]) + n_ev * e400
-        per[j["kind"]] = per.get(j["kind"], 0.0) + c
-        key = f"{j['method']} lr {j['lr']:g} B {j['iterations']}" if j["kind"] == "fixed" \
-            else j["kind"]
-        by_run[key] = by_run.get(key, 0.0) + c
-    total = sum(per.values())
-    out = {"worker_seconds": round(total), "wall_seconds": round(total / max(workers, 1)),
-           "by_kind": {k: round(v) for k, v in per.items()}, "from": M}
-    if plan.get("runs"):
-        out.update(by_run={k: round(v) for k, v in by_run.items()}, from_b128={
-            f"{m} lr {lr:g}": s for (m, lr), s in MEASURED_B128.items()})
-    return out
-
-
 def new_plan(mode: str, workers: int, threads: int) -> dict:
     """The plan.json of a new results folder: the plan, the rules and the recipes it fixes."""
     plan = dict(PLANS[mode])
@@ -320,8 +211,7 @@ def new_plan(mode: str, workers: int, threads: int) -> dict:
                 recipes=recipes_of(plan), diversity_keep=DIVERSITY_KEEP, lr_beats_base=True,
                 heldout_templates=D.EVAL_TEMPLATES, val_templates=D.VAL_TEMPLATES,
                 heldout_seed=D.HELDOUT_SEED, val_seed=D.VAL_SEED, workers=workers,
-                threads=threads, estimate=estimate(plan, workers),
-                written=time.strftime("%Y-%m-%d %H:%M:%S"), commit=commit())
+                threads=threads, written=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
 def recipes_of(plan: dict) -> dict:
@@ -367,26 +257,18 @@ def mix_recipe(MIX, schedule: str, K: int, B: int, sigmas) -> dict:
 
 
 def example(name: str):
-    """examples/<name>.py as a module (the baselines import each other by their file names)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import importlib
+    """examples/baselines/<name>.py as a module (the baselines import each other by file name)."""
+    if str(BASELINES) not in sys.path:
+        sys.path.insert(0, str(BASELINES))
     return importlib.import_module(name)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(D.ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or "?"
-    except Exception:
-        return "?"
 
 
 # ------------------------------------------------------------------------------------------------
 # One method at one lr and seed. `step(it)` trains one iteration and returns its metrics with the
 # iteration's transformer forwards (nfe_total) and optimizer steps (opt_steps); `evaluated(which)`
-# holds the weights to evaluate: "main" (what the method evaluates: DiffusionNFT's and Flow-GRPO's
-# EMA, V-GRPO's and MixGRPO's trained weights) or "other" (the trained weights of an EMA method,
-# the tracked EMA of V-GRPO in the knob swap).
+# holds the weights to evaluate: "main" (what the method evaluates: DiffusionNFT's EMA, V-GRPO's
+# and MixGRPO's trained weights) or "other" (DiffusionNFT's trained weights, the EMA tracked
+# beside V-GRPO in the knob swap).
 # ------------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, folder: Path, name: str, seed: int, lr: float, budget: int,
@@ -396,48 +278,29 @@ class Trainer:
         self.ema = self.recipe = None
         self.track_ema = track_ema                       # V-GRPO: an evaluation EMA beside it
         extra = ["--lr", repr(float(lr)), *plan_flags]   # plan_flags: a miniature plan's P × G
-        if self.kind == "flow":
-            self.FG = example("flow_grpo_sd3")
-            self.mine, self.args = self.FG.parse(D.vgrpo_flags(
-                folder, seed, ["--recipe", self.spec["mdp"], "--methods", "flow_grpo", *extra]))
-        else:
-            self.args = V.parse_args(D.vgrpo_flags(folder, seed,
-                                                   [*self.spec.get("flags", []), *extra]))
+        self.args = V.parse_args(D.vgrpo_flags(folder, seed, [*self.spec.get("flags", []), *extra]))
         self.run = V.setup(self.args)
         self.N = self.args.prompts_per_iter * self.args.group_size
-        getattr(self, "_init_" + self.kind)(budget)
-
-    def _init_vgrpo(self, budget: int) -> None:
-        if self.track_ema:
+        if self.kind == "vgrpo" and track_ema:
             if self.args.mu != 1:
                 raise ValueError("the evaluation EMA steps once per iteration: μ = 1 only")
             self.ema = example("flow_grpo_sd3").LoraEMA(self.run.params, **EVAL_EMA)
             self.ema_steps = 0
-
-    def _init_nft(self, budget: int) -> None:
-        self.M = example("diffusion_nft_sd3")
-        self.state = self.M.init_state(self.run, **nft_overrides(self.spec, budget))
-        if self.state["recipe"]["num_steps"] != self.args.num_steps:
-            raise ValueError(f"DiffusionNFT's rollout has {self.state['recipe']['num_steps']} "
-                             f"steps, the benchmark's {self.args.num_steps}")
-        self.ema = self.state["ema"]
-        self.recipe = dict(self.state["recipe"])
-
-    def _init_mix(self, budget: int) -> None:
-        self.M = example("mix_grpo_sd3")
-        sig = self.run.adapter.sigmas(self.args.num_steps)
-        self.recipe = mix_recipe(self.M, self.spec["schedule"], self.args.num_steps, budget, sig)
-        self.state = self.M.init_state(self.run, self.recipe)
-        self.recipe["sigma_trained"] = self.M.sigmas_trained(self.recipe, sig, budget)
-
-    def _init_flow(self, budget: int) -> None:
-        r = self.run
-        if self.mine.rec["guidance"] != 1:
-            raise ValueError("the benchmark runs Flow-GRPO without CFG (recipe nocfg)")
-        self.guided = self.FG.Guided(r.adapter, r.adapter.encode([""]), 1.0)
-        self.f_sigmas = r.adapter.sigmas(self.mine.flow_steps)
-        self.state = {"step": 0, "ema": self.FG.LoraEMA(r.params)}
-        self.ema = self.state["ema"]
+        elif self.kind == "nft":
+            self.M = example("diffusion_nft_sd3")
+            self.state = self.M.init_state(self.run, **nft_overrides(self.spec, budget))
+            if self.state["recipe"]["num_steps"] != self.args.num_steps:
+                raise ValueError(f"DiffusionNFT's rollout has {self.state['recipe']['num_steps']}"
+                                 f" steps, the benchmark's {self.args.num_steps}")
+            self.ema = self.state["ema"]
+            self.recipe = dict(self.state["recipe"])
+        elif self.kind == "mix":
+            self.M = example("mix_grpo_sd3")
+            sig = self.run.adapter.sigmas(self.args.num_steps)
+            self.recipe = mix_recipe(self.M, self.spec["schedule"], self.args.num_steps, budget,
+                                     sig)
+            self.state = self.M.init_state(self.run, self.recipe)
+            self.recipe["sigma_trained"] = self.M.sigmas_trained(self.recipe, sig, budget)
 
     @property
     def adapter(self):
@@ -449,62 +312,40 @@ class Trainer:
         return "ema" if self.ema is not None and not self.track_ema else "raw"
 
     def step(self, it: int) -> dict:
-        m = getattr(self, "_step_" + self.kind)(it)
-        out = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.kind == "vgrpo":
+            # NFE = rollout + θ_old's no-grad pass + θ's pass, per sample
+            m = V.iteration(self.run, it)
+            m["nfe_total"] = self.N * (m["nfe_rollout"] + m["nfe_old"] + m["nfe_theta"])
+            m["opt_steps"] = 0 if m.get("skipped") else self.args.mu
+            if self.track_ema and not m.get("skipped"):
+                self.ema_steps += 1
+                self.ema.step(self.ema_steps)      # as DiffusionNFT: after each optimizer step
+        elif self.kind == "nft":
+            m = self.M.nft_iteration(self.run, it, self.state)
+        else:
+            m = self.M.mix_iteration(self.run, it, self.state)
+            m["window_start"] = m["window"][0] if m["window"] else -1
+            m["window_len"] = len(m["window"])
+        out = {k: v for k, v in m.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
         out["nfe_total"], out["opt_steps"] = int(m["nfe_total"]), int(m["opt_steps"])
         return out
 
-    def _step_vgrpo(self, it: int) -> dict:
-        """vgrpo.iteration; NFE = rollout + θ_old's no-grad pass (N_MC·(μ − 1)/μ per sample: the
-        first minibatch takes S_old from its own pass) + θ's pass, per sample."""
-        m = V.iteration(self.run, it)
-        m["nfe_total"] = self.N * (m["nfe_rollout"] + m["nfe_old"] + m["nfe_theta"])
-        m["opt_steps"] = 0 if m.get("skipped") else self.args.mu
-        if self.track_ema and not m.get("skipped"):
-            self.ema_steps += 1
-            self.ema.step(self.ema_steps)          # as DiffusionNFT: after each optimizer step
-        return m
-
-    def _step_nft(self, it: int) -> dict:
-        return self.M.nft_iteration(self.run, it, self.state)
-
-    def _step_mix(self, it: int) -> dict:
-        m = self.M.mix_iteration(self.run, it, self.state)
-        m["window_start"] = m["window"][0] if m["window"] else -1
-        m["window_len"] = len(m["window"])
-        return m
-
-    def _step_flow(self, it: int) -> dict:
-        r = self.run
-        m = self.FG.flow_grpo_iteration(self.mine, self.args, r.adapter, self.guided, r.rewards,
-                                        r.opt, r.params, r.train_prompts, it, r.D,
-                                        self.f_sigmas, r.dev, r.ctx, self.state)
-        m["nfe_total"] = (self.N * m["nfe_rollout"]     # the SDE rollout (θ_old terms free)
-                          + m["n_trained_samples"] * (m["nfe_theta"] + m["nfe_ref"]))
-        return m
-
+    @contextlib.contextmanager
     def evaluated(self, which: str = "main"):
-        """A context holding the weights to evaluate ("main" or "other", see above)."""
-        import contextlib
+        """The weights to evaluate ("main" or "other", see above) held in place."""
         ema_in = (which == "main") != self.track_ema      # the EMA's weights inside?
         if self.ema is None or not ema_in:
-            return contextlib.nullcontext()
-        if self.kind == "nft":
-            return self.M.eval_weights(self.run, self.state)
-        return _swapped(self.ema)
-
-
-def _swapped(ema):
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        ema.swap()
-        try:
             yield
-        finally:
-            ema.swap()
-    return ctx()
+        elif self.kind == "nft":
+            with self.M.eval_weights(self.run, self.state):
+                yield
+        else:
+            self.ema.swap()
+            try:
+                yield
+            finally:
+                self.ema.swap()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -515,9 +356,12 @@ def eval_sets(plan: dict) -> dict:
             "val": D.eval_set(plan["n_val"], D.VAL_SEED, D.VAL_TEMPLATES)}
 
 
-def pack(m: dict, full: bool) -> dict:
+def evaluate(adapter, data, full: bool = True) -> tuple[dict, torch.Tensor]:
     """An evaluation for the JSON: means, the image count and the per-image reward and
     correctness (for the bootstrap); the per-image div and nn too if `full` (final evaluations)."""
+    prompts, digits, x1 = data
+    imgs = D.generate(adapter, prompts, x1)
+    m = D.image_metrics(imgs, digits)
     out = {"n": int(len(m["reward"])), "acc": float(m["correct"].mean()),
            "reward": float(m["reward"].mean()), "diversity": float(m["div"].mean()),
            "nn_real": float(m["nn"].mean()),
@@ -526,13 +370,7 @@ def pack(m: dict, full: bool) -> dict:
     if full:
         out["img_div"] = [round(float(x), 4) for x in m["div"]]
         out["img_nn"] = [round(float(x), 4) for x in m["nn"]]
-    return out
-
-
-def evaluate(adapter, data, full: bool = True) -> tuple[dict, torch.Tensor]:
-    prompts, digits, x1 = data
-    imgs = D.generate(adapter, prompts, x1)
-    return pack(D.image_metrics(imgs, digits), full), imgs
+    return out, imgs
 
 
 def evaluate_base(folder: Path, plan: dict, grids: Path, log=print) -> dict:
@@ -543,37 +381,45 @@ def evaluate_base(folder: Path, plan: dict, grids: Path, log=print) -> dict:
         base[name], imgs = evaluate(tr.adapter, data)
         if name == "heldout":
             D.save_grid(imgs, data[1], grids / "base.png")
-    log(f"base model: held-out acc {base['heldout']['acc']:.3f} reward "
-        f"{base['heldout']['reward']:.3f} diversity {base['heldout']['diversity']:.3f}; "
-        f"validation reward {base['val']['reward']:.3f} diversity {base['val']['diversity']:.3f}")
+    log(f"base model: held-out reward {base['heldout']['reward']:.3f}, validation reward "
+        f"{base['val']['reward']:.3f}")
     return base
 
 
 def run_job(job: dict, folder: Path, plan: dict, base: dict, lr: float, grids: Path,
             log=print) -> dict:
     """One training run: held-out evaluations of the weights the method evaluates every
-    `eval_every` iterations and at the end; at the end also the validation set and, for an EMA
-    method (or V-GRPO with a tracked EMA), the other weights on both sets."""
+    `eval_every` iterations; at the end both sets with per-image measures and, for an EMA method
+    (or V-GRPO with a tracked EMA), the other weights on both sets too."""
     iters, every = job["iterations"], eval_every_of(plan, job)
     at = set(range(0, iters + 1, every)) | {iters}
     sets = eval_sets(plan)
     t0 = time.perf_counter()
-    track = job["kind"] == "swap" and CONFIGS[job["method"]]["kind"] == "vgrpo" \
-        and job["method"] == "V-GRPO"
-    tr = Trainer(folder, job["method"], job["seed"], lr, iters, track_ema=track,
+    tr = Trainer(folder, job["method"], job["seed"], lr, iters,
+                 track_ema=job["kind"] == "swap" and job["method"] == "V-GRPO",
                  plan_flags=plan.get("extra_flags", ()))
-    key, evals, log_iters = tr.main_key, [], []
+    key, evals, log_iters, final = tr.main_key, [], [], {}
+    strip = lambda e: {k: v for k, v in e.items() if k not in ("img_div", "img_nn")}
     for it in range(iters + 1):
-        if it == iters:                      # the last evaluation is the final one's held-out part
-            final = _final_evaluations(tr, sets, key, grids / f"{job['id']}__{key}.png")
-            evals.append({"iter": it, key: {k: v for k, v in final[f"heldout_{key}"].items()
-                                            if k not in ("img_div", "img_nn")}})
+        if it == 0:                                   # the base model (LoRA B = 0)
+            evals.append({"iter": 0, key: strip(base["heldout"])})
+        elif it == iters:
+            for which, name in (("main", key), ("other", "raw" if key == "ema" else "ema")):
+                if which == "other" and tr.ema is None:
+                    break
+                with tr.evaluated(which):
+                    final[f"heldout_{name}"], imgs = evaluate(tr.adapter, sets["heldout"])
+                    final[f"val_{name}"], _ = evaluate(tr.adapter, sets["val"])
+                if which == "main":
+                    D.save_grid(imgs, sets["heldout"][1], grids / f"{job['id']}__{key}.png")
+            evals.append({"iter": it, key: strip(final[f"heldout_{key}"])})
         elif it in at:
-            evals.append(_evaluation(tr, it, base, sets["heldout"], key))
+            with tr.evaluated("main"):
+                evals.append({"iter": it, key: evaluate(tr.adapter, sets["heldout"], False)[0]})
         if it in at:
             e = evals[-1][key]
             log(f"{job['id']:52s} iter {it:3d}  held-out acc {e['acc']:.3f}  reward "
-                f"{e['reward']:.3f}  diversity {e['diversity']:.3f}  nn-real {e['nn_real']:.3f}")
+                f"{e['reward']:.3f}  diversity {e['diversity']:.3f}")
         if it == iters:
             break
         log_iters.append(tr.step(it))
@@ -582,32 +428,6 @@ def run_job(job: dict, folder: Path, plan: dict, base: dict, lr: float, grids: P
                 n_val=len(sets["val"][0]), spec=tr.spec, recipe=tr.recipe,
                 seconds=time.perf_counter() - t0, threads=torch.get_num_threads(),
                 finished=time.strftime("%Y-%m-%d %H:%M:%S"))
-
-
-def _evaluation(tr: Trainer, it: int, base: dict, data, key: str) -> dict:
-    """One held-out evaluation {"iter", key: metrics}; iteration 0 is the base model (LoRA B = 0)."""
-    if it == 0:
-        return {"iter": 0, key: {k: v for k, v in base["heldout"].items()
-                                 if k not in ("img_div", "img_nn")}}
-    with tr.evaluated("main"):
-        ev, _ = evaluate(tr.adapter, data, full=False)
-    return {"iter": it, key: ev}
-
-
-def _final_evaluations(tr: Trainer, sets: dict, key: str, grid: Path) -> dict:
-    """The end of a run: both sets with full per-image measures, the held-out grid; the other
-    weights too where there are two."""
-    final = {}
-    other = "raw" if key == "ema" else "ema"
-    for which, name in (("main", key), ("other", other)):
-        if which == "other" and tr.ema is None:
-            break
-        with tr.evaluated(which):
-            final[f"heldout_{name}"], imgs = evaluate(tr.adapter, sets["heldout"])
-            final[f"val_{name}"], _ = evaluate(tr.adapter, sets["val"])
-        if which == "main":
-            D.save_grid(imgs, sets["heldout"][1], grid)
-    return final
 
 
 def timing_job(folder: Path, plan: dict, chosen: dict, log=print) -> dict:
@@ -633,8 +453,8 @@ def timing_job(folder: Path, plan: dict, chosen: dict, log=print) -> dict:
 # ------------------------------------------------------------------------------------------------
 def load_results(out: Path) -> dict:
     """{job id: result dict} of every finished run in `out`."""
-    return {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))
-            if p.name not in ("plan.json", "base.json", "build.json", "summary.json")}
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))
+            if p.name not in ("plan.json", "base.json")}
 
 
 def claim(path: Path) -> bool:
@@ -668,7 +488,7 @@ def next_job(out: Path, jobs: list[dict]):
 
 def worker(out: Path, log=print) -> None:
     """Run jobs until none is left; a failed run is recorded (.failed) and the others go on."""
-    from examples import digits_stats as ST
+    from examples.digits import stats as ST
     plan = json.loads((out / "plan.json").read_text())
     base = json.loads((out / "base.json").read_text())
     folder, jobs, grids = D.CACHE / "pipeline", jobs_of(plan), out / "grids"
@@ -683,8 +503,8 @@ def worker(out: Path, log=print) -> None:
             path.with_suffix(".claim").unlink(missing_ok=True)
             raise
         try:
-            chosen = ST.choose(load_results(out), plan, base) if needs(job, jobs) \
-                else fixed_chosen(plan)
+            chosen = ST.choose(load_results(out), plan, base) if needs(job, jobs) else \
+                {m: {"lr": lr} for m, lr in (plan.get("chosen_lrs") or {}).items()}
             if job["kind"] == "timing":
                 res = timing_job(folder, plan, chosen, log)
             else:
@@ -701,9 +521,8 @@ def worker(out: Path, log=print) -> None:
 
 
 def model_fingerprint() -> str:
-    """SHA-256 of the files that define the benchmark's model and reward (the pretrained
-    transformer, VAE, text encoders and the classifier in D.CACHE): every run checks it against
-    the one base.json was evaluated with, so runs on another build are never mixed."""
+    """SHA-256 of the files that define the model and the reward (the pipeline's weights and the
+    classifier in D.CACHE), named relative to it."""
     import hashlib
     h = hashlib.sha256()
     files = sorted((D.CACHE / "pipeline").rglob("*.safetensors")) + [D.CACHE / "classifier.pt"]
@@ -723,7 +542,7 @@ def check_model(base: dict) -> None:
 
 def prepare(out: Path, mode: str, workers: int, threads: int, log=print,
             build: dict | None = None) -> dict:
-    """Build (or reuse) the model (`build`: digits.build's budgets, default its own); write
+    """Build (or reuse) the model (`build`: model.build's budgets, default its own); write
     plan.json and base.json if the folder has none (both are fixed before any training run).
     Returns the plan."""
     D.build(log=log, **(build or {}))
@@ -742,95 +561,54 @@ def prepare(out: Path, mode: str, workers: int, threads: int, log=print,
         base = evaluate_base(D.CACHE / "pipeline", plan, out / "grids", log)
         base["model_fingerprint"] = model_fingerprint()
         (out / "base.json").write_text(json.dumps(base))
-        (out / "build.json").write_text((D.CACHE / "build.json").read_text())   # its record
     check_model(json.loads((out / "base.json").read_text()))
     return plan
 
 
 def benchmark(out: Path, mode: str = "regime", workers: int = 2, threads: int = 1,
               log=print, build: dict | None = None) -> None:
-    """prepare, then every job with `workers` processes of `threads` threads each, then the
-    report. Each invocation's span is recorded in plan.json (the report's cost section)."""
+    """prepare, then every job with `workers` processes of `threads` threads each."""
     prepare(out, mode, workers, threads, log, build)
-    path = out / "plan.json"
-    plan = json.loads(path.read_text())
-    plan.setdefault("sessions", []).append(dict(started=time.strftime("%Y-%m-%d %H:%M:%S"),
-                                                commit=commit()))
-    path.write_text(json.dumps(plan, indent=1))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), VGRPO_DIGITS_CACHE=str(D.CACHE))
-    procs = [subprocess.Popen([sys.executable, str(Path(D.__file__).resolve()), "worker",
-                               "--out", str(out), "--threads", str(threads)], env=env)
-             for _ in range(workers - 1)]
+    procs = [subprocess.Popen([sys.executable, "-m", "examples.digits", "worker", "--out",
+                               str(Path(out).resolve()), "--threads", str(threads)],
+                              env=env, cwd=D.ROOT) for _ in range(workers - 1)]
     torch.set_num_threads(threads)
     worker(out, log)
     for p in procs:
         p.wait()
-    plan = json.loads(path.read_text())
-    plan["sessions"][-1]["ended"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    path.write_text(json.dumps(plan, indent=1))
-    if plan.get("runs"):               # the follow-up runs from a frozen copy of the code: its
-        log(f"done; the report: python examples/digits.py report --out {out}")   # report is
-        return                         # made from the working tree
-    from examples import digits_report
-    digits_report.report(out, log=log)
+    log("done; the report: python -m examples.digits report")
 
 
 # ------------------------------------------------------------------------------------------------
-# The commands (examples/digits.py's `benchmark` and its hidden `worker`).
+# The commands: `benchmark` and its hidden `worker`.
 # ------------------------------------------------------------------------------------------------
 def add_commands(sub) -> None:
-    import argparse
-    k = sub.add_parser("benchmark", help="V-GRPO against the baselines on a fixed plan, then the "
-                       "report (resumable)")
-    k.add_argument("--quick", action="store_true",
-                   help="the plan in miniature: 1 selection and 1 confirmation seed, 2 lrs, "
-                   "8 iterations (default out: runs/digits-quick)")
-    k.add_argument("--out", default=None, help="results folder (default examples/digits_results)")
+    k = sub.add_parser("benchmark", help="V-GRPO against the baselines on a plan fixed before "
+                       "its runs (resumable)")
+    k.add_argument("--plan", default=None, choices=tuple(PLANS),
+                   help="regime (the default: B = 128, results/), followup (results_followup/), "
+                   "quick (runs/digits-quick) or a miniature for the tests")
+    k.add_argument("--quick", action="store_true", help="the same as --plan quick")
+    k.add_argument("--out", default=None, help="results folder (default: the plan's)")
     k.add_argument("--workers", type=int, default=2, help="worker processes")
     k.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     k.add_argument("--plan_only", action="store_true",
                    help="write plan.json and base.json, then stop (no training run)")
-    k.add_argument("--plan", default=None, choices=tuple(PLANS),
-                   help="a named plan: regime (the default), quick, followup (the DiffusionNFT "
-                   "follow-up; default out examples/digits_results_followup), or a miniature")
     w = sub.add_parser("worker", help="one worker process of a running benchmark (internal)")
     w.add_argument("--out", required=True)
     w.add_argument("--threads", type=int, default=1)
 
 
-def use_kept_model(out: Path) -> None:
-    """A results folder may keep the model its runs share (out/cache, a copy of examples/digits.py
-    build's folder, about 12 MB): then every run, on any machine and in any later invocation, uses
-    that one, and base.json's fingerprint still matches. VGRPO_DIGITS_CACHE, if set, wins."""
-    if (out / "cache" / "build.json").is_file() and "VGRPO_DIGITS_CACHE" not in os.environ:
-        D.CACHE = out / "cache"
-
-
-def keep_model(out: Path, model_from: str | None) -> None:
-    """A plan that names the model of earlier runs (the follow-up: the B = 128 runs' kept model)
-    gets a copy of it in out/cache, once, so its runs use that very model (same fingerprint)."""
-    src = D.ROOT / model_from if model_from else None
-    if src is None or (out / "cache" / "build.json").is_file() or "VGRPO_DIGITS_CACHE" in os.environ:
-        return
-    if not (src / "build.json").is_file():
-        raise ValueError(f"the plan runs on the model kept in {src}, which is not there")
-    import shutil
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src, out / "cache", ignore=shutil.ignore_patterns("*.tmp"))
-
-
 def run_command(a) -> None:
     if a.cmd == "worker":
         torch.set_num_threads(a.threads)
-        use_kept_model(Path(a.out))
         worker(Path(a.out))
         return
     if a.workers < 1 or a.threads < 1:
         raise ValueError("--workers and --threads must be ≥ 1")
     mode = a.plan or ("quick" if a.quick else "regime")
-    out = Path(a.out or DEFAULT_OUT.get(mode, RESULTS))
-    keep_model(out, PLANS[mode].get("model_from"))
-    use_kept_model(out)
+    out = Path(a.out or DEFAULT_OUT.get(mode, Path("runs") / f"digits-{mode}"))
     if a.plan_only:
         prepare(out, mode, a.workers, a.threads)
         print(f"wrote {out / 'plan.json'} and {out / 'base.json'}")

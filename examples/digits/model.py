@@ -14,37 +14,30 @@ inside its wheel. This script builds, from the real diffusers/transformers class
      classifier trained on real digits; `reward(images, prompts)` is the probability it gives the
      prompted digit, plugged into vgrpo.py as `--reward examples.digits:reward`.
 
-Commands (from the repository root):
+The committed build is `examples/digits/model/` (the default cache; VGRPO_DIGITS_CACHE names
+another). Commands (from the repository root; `python -m examples.digits --help` lists them):
 
-    python examples/digits.py quickstart     # build (or reuse), 30 V-GRPO iterations through
-                                             # vgrpo.py, before/after grid + prompt accuracy
-    python examples/digits.py build          # only the pretrained folder + classifier (cached)
-    python examples/digits.py benchmark      # V-GRPO against DiffusionNFT and MixGRPO (resumable)
-    python examples/digits.py benchmark --plan followup --workers 1   # the follow-up plan:
-                                             # the DiffusionNFT claim on seeds 7-11, in iterations
-    python examples/digits.py report         # the report, figures and README section
-    python examples/digits.py report --out examples/digits_results_followup   # its report.md
+    python -m examples.digits quickstart     # 30 V-GRPO iterations through vgrpo.py on the
+                                             # committed model, before/after grid + accuracy
+    python -m examples.digits build          # the pretrained folder + classifier (reused if built)
+    python -m examples.digits benchmark      # V-GRPO against DiffusionNFT and MixGRPO (resumable)
+    python -m examples.digits report         # examples/digits/report.md from the committed runs
 
     # the folder is an ordinary diffusers pipeline; train on it with vgrpo.py itself:
-    python vgrpo.py --model examples/digits_cache/pipeline --reward examples.digits:reward \\
-        --prompts examples/digits_cache/train_prompts.txt \\
-        --eval_prompts examples/digits_cache/eval_prompts.txt \\
-        --resolution 32 --max_sequence_length 32 --num_steps 10 ...   (see README)
+    python vgrpo.py --model examples/digits/model/pipeline --reward examples.digits:reward \\
+        --prompts examples/digits/model/train_prompts.txt \\
+        --eval_prompts examples/digits/model/eval_prompts.txt \\
+        --resolution 32 --max_sequence_length 32 --num_steps 10 ...   (see docs/benchmarks.md)
 
 `--max_sequence_length` must be the T5 length the model was pretrained with (32): SD3 pads T5 to
 that length and the transformer attends over the padding, so another length moves every prompt
 embedding and prompt accuracy collapses to chance.
 
-The benchmark lives in three modules beside this one, each with one job:
-    digits_bench.py    the plan, the methods' trainers, the runs (one JSON each), the workers
-    digits_stats.py    the statistics: lr choice, bootstrap intervals, crossings, verdicts
-    digits_report.py   the report's text, tables and figures, and the README's digits section
-This file is what the reward plug-in imports; the benchmark modules are imported only by the
-`benchmark`, `worker` and `report` commands.
+This module is what the reward plug-in `examples.digits:reward` runs; the benchmark (bench.py),
+its statistics (stats.py) and its report (report.py) are imported only by their commands.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -53,7 +46,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")            # everything here is built offline
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch
@@ -63,7 +56,8 @@ import torch.nn.functional as F
 import vgrpo as V
 TM = V.tiny_models()                                  # the offline tokenizer builders
 
-CACHE = Path(os.environ.get("VGRPO_DIGITS_CACHE", Path(__file__).with_name("digits_cache")))
+MODEL = Path(__file__).with_name("model")            # the committed build every run shares
+CACHE = Path(os.environ.get("VGRPO_DIGITS_CACHE", MODEL))
 SEQ_LEN = 32              # T5 tokens: pretraining and every V-GRPO run must use the same length
 CLIP_LEN = 32             # CLIP tokens (stored in the saved tokenizers, so loaders pick it up)
 RES = 32                  # pixels; the VAE downsamples ×4 to 8×8×4 latents
@@ -270,9 +264,8 @@ def _pretrain_batch(z, y, g, batch: int, n_templates: int, t_density: str):
     return xt, t, eps - x0, row
 
 
-def pretrain(pipe, steps: int, seed: int = 0, batch: int = 32, lr: float = 1e-3, log=print,
-             eval_every: int = 0, on_eval=None, t_density: str = "logit_normal",
-             train_text: bool = False):
+def pretrain(pipe, steps: int, seed: int = 0, batch: int = 32, lr: float = 1e-3,
+             t_density: str = "logit_normal", train_text: bool = False):
     """Rectified-flow pretraining of the transformer: x_t = (1 − t)·x0 + t·ε, target ε − x0,
     t logit-normal (SD3's training density), 10 % of prompts replaced by "" (keeps an unconditional
     model for classifier-free guidance). Latents are the VAE posterior means, scaled as SD3 does.
@@ -314,24 +307,10 @@ def pretrain(pipe, steps: int, seed: int = 0, batch: int = 32, lr: float = 1e-3,
         sched.step()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-        if eval_every and (step + 1) % eval_every == 0:
-            _pretrain_eval(pipe, step + 1, log, on_eval)
     bar.close()
     for m in [tr, *encoders]:
         m.eval().requires_grad_(False)
     return pipe
-
-
-def _pretrain_eval(pipe, step: int, log, on_eval) -> None:
-    """Held-out metrics during pretraining (`build --eval_every`), in eval mode, then back."""
-    pipe.transformer.eval()
-    with torch.no_grad():
-        m = heldout_metrics(pipe, n_per=5)
-    pipe.transformer.train()
-    log(f"pretraining step {step}: held-out prompt accuracy {m['acc']:.3f}, "
-        f"diversity {m['diversity']:.2f}")
-    if on_eval is not None:
-        on_eval(step, m)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,12 +318,13 @@ def _pretrain_eval(pipe, step: int, log, on_eval) -> None:
 # ------------------------------------------------------------------------------------------------
 def build(cache: Path | None = None, pretrain_steps: int = 1500, vae_steps: int = 300,
           clf_steps: int = 400, seed: int = 0, force: bool = False, log=print,
-          eval_every: int = 0, on_eval=None, pretrain_lr: float = 1e-3, layers: int = 4,
-          heads: int = 4, t_density: str = "logit_normal", train_text: bool = False) -> Path:
+          pretrain_lr: float = 1e-3, layers: int = 4, heads: int = 4,
+          t_density: str = "logit_normal", train_text: bool = False) -> Path:
     """Make (or reuse) cache/pipeline (diffusers folder), cache/classifier.pt and the prompt files.
     Returns the pipeline folder. Reused only if it was built with the same budgets and seed; each
     stage (classifier, VAE) is also cached on its own recipe. cache: default CACHE, read at the
-    call (VGRPO_DIGITS_CACHE, or the one a test set)."""
+    call (VGRPO_DIGITS_CACHE, or the one a test set). The committed build (MODEL) is never
+    overwritten: another recipe needs another cache."""
     global _CLF
     cache = Path(cache) if cache is not None else CACHE
     recipe = dict(pretrain_steps=pretrain_steps, pretrain_lr=pretrain_lr, vae_steps=vae_steps,
@@ -356,6 +336,9 @@ def build(cache: Path | None = None, pretrain_steps: int = 1500, vae_steps: int 
         log(f"reusing the pretrained digits model in {cache} (delete it, or pass --force, "
             "to rebuild)")
         return cache / "pipeline"
+    if cache.resolve() == MODEL.resolve():
+        raise ValueError(f"{MODEL} is the committed build every benchmark run shares; set "
+                         "VGRPO_DIGITS_CACHE to another folder to build another model")
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     clf, clf_acc = _cached_classifier(cache, clf_steps, seed, force, log)
@@ -367,8 +350,8 @@ def build(cache: Path | None = None, pretrain_steps: int = 1500, vae_steps: int 
     n_par = sum(p.numel() for p in pipe.transformer.parameters())
     log(f"transformer: {n_par / 1e6:.2f}M parameters; rectified-flow pretraining, "
         f"{pretrain_steps} steps")
-    pretrain(pipe, pretrain_steps, seed, lr=pretrain_lr, log=log, eval_every=eval_every,
-             on_eval=on_eval, t_density=t_density, train_text=train_text)
+    pretrain(pipe, pretrain_steps, seed, lr=pretrain_lr, t_density=t_density,
+             train_text=train_text)
     t3 = time.perf_counter()
     _save_pipeline(pipe, cache)
     base = heldout_metrics(load_pipe(cache / "pipeline"), n_per=10)
@@ -630,9 +613,6 @@ def before_after_figure(imgs0, imgs1, digits, titles: list[str], path: Path, per
 
 
 # ------------------------------------------------------------------------------------------------
-
-
-# ------------------------------------------------------------------------------------------------
 # The newcomer's first run: build (or reuse), train with `vgrpo.py` itself, show before/after.
 # ------------------------------------------------------------------------------------------------
 def quickstart(iterations: int = 30, run_dir: str = "runs/digits-quickstart", seed: int = 0,
@@ -658,41 +638,3 @@ def quickstart(iterations: int = 30, run_dir: str = "runs/digits-quickstart", se
         f"{after['reward']:.3f}; diversity {before['diversity']:.2f} → {after['diversity']:.2f}")
     log(f"before/after grid (rows: digits 0-9, same noise): {grid}")
     return {"before": before, "after": after}
-
-
-# ------------------------------------------------------------------------------------------------
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="pretrain (or reuse) the digits pipeline and classifier")
-    b.add_argument("--pretrain_steps", type=int, default=1500)
-    b.add_argument("--force", action="store_true", help="rebuild even if the cache matches")
-    q = sub.add_parser("quickstart", help="build, train 30 V-GRPO iterations, before/after grid")
-    q.add_argument("--iterations", type=int, default=30)
-    q.add_argument("--run_dir", default="runs/digits-quickstart")
-    q.add_argument("--grid", default="runs/digits-quickstart/before_after.png")
-    q.add_argument("--seed", type=int, default=0)
-    from examples import digits_bench, digits_report          # only these commands need them
-    digits_bench.add_commands(sub)
-    digits_report.add_command(sub)
-    a = p.parse_args(argv)
-    try:
-        if a.cmd == "build":
-            build(pretrain_steps=a.pretrain_steps, force=a.force)
-        elif a.cmd == "quickstart":
-            quickstart(a.iterations, a.run_dir, a.seed, a.grid)
-        elif a.cmd == "report":
-            digits_report.run_command(a)
-        else:
-            digits_bench.run_command(a)
-    except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    # run as `examples.digits`, the module the reward plug-in names, so that the command and the
-    # plug-in share one module (one classifier, one CACHE)
-    from examples import digits
-    sys.exit(digits.main())
