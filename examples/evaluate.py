@@ -1,8 +1,8 @@
 """Evaluate a base model and its trained checkpoints on prompts they never saw, with every reward.
 
     python examples/evaluate.py --model sd3.5-medium --checkpoints runs/<run> \\
-        --prompts test_prompts.txt --rewards pickscore,hpsv2,clipscore,examples.rewards.aesthetic:score \\
-        --out runs/eval
+        --prompts test_prompts.txt \\
+        --rewards pickscore,hpsv2,clipscore,examples.rewards.aesthetic:score --out runs/eval
 
 The eight metrics of the V-GRPO paper's SD3.5-Medium table (Table 3), each on its own prompts:
 
@@ -93,7 +93,8 @@ KINDS = ("base", "lora", "full")          # sampled in this order: a full fine-t
 TABLE3 = ("geneval", "ocr", "pickscore", "clipscore", "hpsv2", "aesthetic", "imagereward",
           "unifiedreward")
 PAPER_REWARDS = TABLE3[2:]
-SETS = {"geneval": ("GenEval's metadata on every line: a .jsonl file", "examples.rewards.geneval:accuracy"),
+SETS = {"geneval": ("GenEval's metadata on every line: a .jsonl file",
+                    "examples.rewards.geneval:accuracy"),
         "ocr": ("the text to render between double quotes", "ocr")}
 
 

@@ -20,7 +20,8 @@ weights on the training-scaled rewards, summed, then group-normalised (METHOD.md
 gives Stage 1's 48 prompts × 24 images; the stage presets add the controls of METHOD.md C6 and C9
 (docs/training.md "Presets"). The prompt files are examples/prompts/make_prompts.py's
 (--prompt_dir); the paper's preference prompts (Pick-a-Pic) are not shipped, so stages 1 and 3 use
-vgrpo's default prompts unless --preference_prompts is given. Stage k runs in RUN_ROOT/stage<k>-<kind> as
+vgrpo's default prompts unless --preference_prompts is given. Stage k runs in
+RUN_ROOT/stage<k>-<kind> as
 
     python vgrpo.py --model M --reward R --preset P --iterations N
         --run_dir RUN_ROOT/stage<k>-<kind> --resume auto --init <stage k-1's final checkpoint>

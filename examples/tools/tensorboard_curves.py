@@ -8,8 +8,8 @@ Every number of each metrics.jsonl line becomes a scalar at step = its "iter" (t
 the clip fraction, the surrogate CV, the gradient norm, seconds per phase: docs/training.md
 "Logged metrics"), and each evaluation's grid, eval/iter_XXXXXX.png, the image "eval_grid". The
 trainer needs no flag for it: it appends a line to metrics.jsonl after every iteration and every
-evaluation, and this script reads the file as examples/tools/plot_metrics.py does (a line cut short by
-a kill is skipped; it is read whole the next time).
+evaluation, and this script reads the file as examples/tools/plot_metrics.py does (a line cut
+short by a kill is skipped; it is read whole the next time).
 
 A resumed run drops the lines logged after its checkpoint and logs them again. The curves follow
 it: from the first line that changed, the steps are purged (SummaryWriter's purge_step, which

@@ -3,7 +3,8 @@ Offline tiny models for vgrpo.py: randomly initialised StableDiffusion3Pipeline 
 in miniature, with real tokenizers and configs built here (no network, no weights) [ours C19].
 
 `python vgrpo.py --model tiny` / `--model tiny-flux` loads this file by path (vgrpo.tiny_models());
-the tests, examples/gpu/gpu_check.py and the CPU smoke runs of the examples build their pipelines here.
+the tests, examples/gpu/gpu_check.py and the CPU smoke runs of the examples build their pipelines
+here.
 They exist so that everything runs on a laptop CPU in minutes; they are not part of the method.
 """
 from __future__ import annotations
