@@ -7,9 +7,9 @@ You Think", Tang et al., 2026, arXiv 2604.23380. Tags resolve in METHOD.md, besi
 [paper P3] stated by the paper, [peer X5] another codebase's convention, [ours C4] our choice
 where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" is a section here.
 
-What this file IS: a readable reference of the algorithm (this overview, the pure math §2–§6 and
+What this file IS: a readable reference of the algorithm (this overview, the pure math §2–§6,
 `iteration` and its steps in §7) plus a working trainer for SD3 / SD3.5 and FLUX.1 (diffusers) with
-built-in or plug-in rewards (§7), on one GPU or under torchrun (FSDP2); tiny offline models run it
+built-in or plug-in rewards (§8), on one GPU or under torchrun (FSDP2); tiny offline models run it
 all on a laptop CPU. What it is NOT: a framework; the loss can be copied into any trainer.
 
 Quickstart (after `pip install -r requirements.txt`)
@@ -29,19 +29,16 @@ ALGORITHM (one iteration; "→ §k" points into this file; METHOD.md and the REA
        The first step runs at θ = θ_old, so its own forward gives S_old = sg(S_θ) (ρ ≡ 1):
        step 4 runs only for the other μ − 1 minibatches, and not at all when μ = 1 [ours C18].
     Rollouts carry no per-step log-probs: the whole generation is one atomic action.
-
-    At the default μ = 1 the only step runs at θ = θ_old: ρ ≡ 1 on every sample, the clip does
-    nothing, and the update is the policy gradient −A·∇S of the surrogate with group-relative
+    At the default μ = 1 that first step is the only one: ρ ≡ 1 on every sample, the clip is
+    inert, and the update is the policy gradient −A·∇S of the surrogate with group-relative
     advantages. The ratio, the clip and the KL to θ_old act only at μ > 1 (FLUX's μ = 4).
 
 NOTATION
     code name     paper          shape            meaning
-    P             —              int              prompts per iteration
-    G             G              int              group size (images per prompt)
+    P, G          —, G           int              prompts per iteration, images per prompt (group)
     N             —              int              P·G samples per iteration
     J / n_mc      N_MC           int              (t, ε) pairs per sample
     K / num_steps —              int              ODE steps per rollout (grid of K + 1 times)
-    R             —              int              number of rewards (a weighted list, §7)
     n_scopes      —              int              independent (t, ε) pair sets (1 = batch-shared)
     x0 / o        o              (N, C, H, W)     rollout result, a clean latent (the "action")
     x1            x_1 / ε        (N, C, H, W)     initial noise of the rollout
@@ -52,7 +49,6 @@ NOTATION
     S             −L̂(θ | o, c)   (N,)             mean_j s; the stand-in for log π_θ(o | c)
     A             A_i            (N,)             advantage
     ρ / ratio     ρ_i            (N,)             exp(S_θ − S_old), one per sample
-    args          —              Args             the run's configuration (§10); `adv` = A
 
 CONVENTIONS
     * Time: t = σ ∈ [0, 1], t = 1 is pure noise, t = 0 is data; x_t = (1 − t)·x0 + t·ε; the
@@ -61,13 +57,9 @@ CONVENTIONS
       paper's code does this; a sum would only rescale log ρ by d = C·H·W).
     * All surrogate, ratio and loss arithmetic is fp32, even under bf16 autocast.
 
-CONTENTS
-    §1 imports            §2–§6 the pure math: flow matching, ODE samplers, advantages, the
-    shared pairs and the surrogate, the loss         §7 one iteration (the box above), step by
-    step                  §8 rewards                 §9 models: SD3 / FLUX adapters, LoRA
-    §10 the run: setup, the loop, evaluation, run folder, checkpoints, torchrun
-    §11 configuration: Args, presets, the command line, main
-    The cluster layer (preemption, requeue, one trainer per folder) is examples/cluster.py.
+CONTENTS: §2–§6 the pure math (flow matching, samplers, advantages, pairs and surrogate, loss);
+    §7 one iteration, step by step; §8 rewards; §9 models and LoRA; §10 the run (setup, loop,
+    evaluation, run folder, checkpoints, torchrun); §11 configuration. Cluster: examples/cluster.py
 """
 
 # ------------------------------------------------------------------------------------------------
@@ -109,9 +101,9 @@ def x0_from_v(x_t: torch.Tensor, v: torch.Tensor, t: torch.Tensor) -> torch.Tens
 
 PARAM_SCALE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     # error in space p = PARAM_SCALE[p](t) · (v̂ − v), up to a sign that ² and |·| drop [peer X6]
-    "x": lambda t: t,                       # x̂0 − x0 = −t (v̂ − v)          [paper P6]
-    "eps": lambda t: 1 - t,                 # ε̂ − ε  = (1 − t)(v̂ − v)       [paper P12]
-    "v": lambda t: torch.ones_like(t),      # plain flow-matching error       [paper P12]
+    "x": lambda t: t,                   # x̂0 − x0 = −t (v̂ − v)          [paper P6]
+    "eps": lambda t: 1 - t,             # ε̂ − ε  = (1 − t)(v̂ − v)       [paper P12]
+    "v": lambda t: torch.ones_like(t),  # plain flow-matching error       [paper P12]
 }
 
 
@@ -147,12 +139,12 @@ def euler_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor,
     Args: velocity_fn (x (M, *D), t (M,), cond) -> v (M, *D); x1 (M, *D) the initial noise;
         sigmas (K + 1,) the decreasing grid, a CPU tensor or a list.
     Returns: x0 (M, *D) in x1's dtype."""
-    sig = [float(s) for s in sigmas]          # python floats: no device syncs inside the loop
-    x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
+    sig = [float(s) for s in sigmas]                         # floats: no device syncs in the loop
+    x = x1.to(torch.promote_types(x1.dtype, torch.float32))  # accumulate in ≥ fp32
     for s, s_next in zip(sig[:-1], sig[1:]):
-        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)     # (M,)
+        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)  # (M,)
         v = velocity_fn(x.to(x1.dtype), t, cond)
-        x = x + (s_next - s) * v.to(x.dtype)                                       # (M, *D)
+        x = x + (s_next - s) * v.to(x.dtype)  # (M, *D)
     return x.to(x1.dtype)
 
 
@@ -166,18 +158,18 @@ def dpmpp2m_sample(velocity_fn: Callable, x1: torch.Tensor, sigmas: torch.Tensor
     e^{−h} = σ_{k+1}α_k / (σ_k α_{k+1}) is finite even at t = 1 (α = 0, λ = −∞), so the first
     step is the DDIM step x = (1 − σ')·x̂0 + σ'·x1. K network calls; the rest as euler_sample."""
     sig = [float(s) for s in sigmas]
-    x = x1.to(torch.promote_types(x1.dtype, torch.float32))      # accumulate in ≥ fp32
+    x = x1.to(torch.promote_types(x1.dtype, torch.float32))  # accumulate in ≥ fp32
     prev_x0, prev_h = None, None
     for k, (s, s_next) in enumerate(zip(sig[:-1], sig[1:])):
-        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)          # (M,)
-        x0_hat = x - s * velocity_fn(x.to(x1.dtype), t, cond).to(x.dtype)                # (M, *D)
+        t = torch.full((x.shape[0],), s, device=x.device, dtype=torch.float32)  # (M,)
+        x0_hat = x - s * velocity_fn(x.to(x1.dtype), t, cond).to(x.dtype)       # (M, *D)
         if s_next == 0.0:                               # final step: e^{-h} = 0, first order
             x = x0_hat
             break
         alpha, alpha_next = 1.0 - s, 1.0 - s_next
         exp_neg_h = (s_next * alpha) / (s * alpha_next)
         h = math.inf if alpha == 0.0 else math.log(alpha_next / s_next) - math.log(alpha / s)
-        if prev_x0 is None or math.isinf(prev_h):       # no usable history → first order
+        if prev_x0 is None or math.isinf(prev_h):  # no usable history → first order
             d = x0_hat
         else:
             r = prev_h / h
@@ -207,18 +199,18 @@ def group_advantages(rewards: torch.Tensor, *, global_std: bool = True, std_eps:
     Returns: adv (P, G) fp32, 0 for dropped samples and for groups with < 2 finite rewards; and
         stats, detached scalars (mean, std, max |A|, fraction of dropped samples)."""
     r = rewards.float()
-    ok = torch.isfinite(r)                                                   # (P, G)
-    n = ok.sum(dim=1, keepdim=True)                                          # (P, 1)
-    r0 = torch.where(ok, r, torch.zeros_like(r))                             # (P, G)
-    mean = r0.sum(dim=1, keepdim=True) / n.clamp(min=1)                      # (P, 1)
-    dev = torch.where(ok, r - mean, torch.zeros_like(r))                     # (P, G)
+    ok = torch.isfinite(r)                                # (P, G)
+    n = ok.sum(dim=1, keepdim=True)                       # (P, 1)
+    r0 = torch.where(ok, r, torch.zeros_like(r))          # (P, G)
+    mean = r0.sum(dim=1, keepdim=True) / n.clamp(min=1)   # (P, 1)
+    dev = torch.where(ok, r - mean, torch.zeros_like(r))  # (P, G)
     ddof = 1 if unbiased else 0
-    if global_std:                                                           # around the batch mean
+    if global_std:  # around the batch mean
         n_all = ok.sum()
         dev_all = torch.where(ok, r - r0.sum() / n_all.clamp(min=1), torch.zeros_like(r))
         std = (dev_all.square().sum() / (n_all - ddof).clamp(min=1)).sqrt()  # ()
     else:
-        std = (dev.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)).sqrt()   # (P, 1)
+        std = (dev.square().sum(dim=1, keepdim=True) / (n - ddof).clamp(min=1)).sqrt()  # (P, 1)
     return clip_advantages(dev / (std + std_eps), ok & (n >= 2), ok, clamp=clamp, eta=eta)
 
 
@@ -242,7 +234,7 @@ def weighted_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, **kw):
     """Several rewards, "sum then normalise" (DiffusionNFT's SD3.5 convention) [ours C3]:
     group_advantages(Σ_k w_k r_k) of rewards (R, P, G), training-scaled, and weights (R,); a
     sample with a non-finite component is dropped; kw as group_advantages. Returns (P, G), stats."""
-    total = (weights.float().view(-1, 1, 1) * rewards.float()).sum(dim=0)             # (P, G)
+    total = (weights.float().view(-1, 1, 1) * rewards.float()).sum(dim=0)  # (P, G)
     return group_advantages(total, **kw)
 
 
@@ -253,12 +245,12 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
     of rewards (R, P, G) and weights (R,); a sample with any non-finite component is dropped.
     std_k: the UNBIASED group std, MixGRPO's torch.std() [peer X2]. Returns (P, G) fp32 A, stats."""
     r = rewards.float()
-    ok = torch.isfinite(r).all(dim=0)                                                  # (P, G)
-    r = torch.where(ok, r, torch.full_like(r, float("nan")))                 # drop whole sample
-    w = weights.float() / weights.float().sum().clamp(min=1e-12)                        # (R,)
+    ok = torch.isfinite(r).all(dim=0)                             # (P, G)
+    r = torch.where(ok, r, torch.full_like(r, float("nan")))      # drop whole sample
+    w = weights.float() / weights.float().sum().clamp(min=1e-12)  # (R,)
     parts = [group_advantages(rk, global_std=global_std, std_eps=std_eps, clamp=math.inf, eta=0.0,
                               unbiased=True)[0] for rk in r]
-    adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0)                           # (P, G)
+    adv = (w.view(-1, 1, 1) * torch.stack(parts)).sum(dim=0)  # (P, G)
     return clip_advantages(adv, ok, ok, clamp=clamp, eta=eta)
 
 
@@ -277,9 +269,9 @@ def per_reward_advantages(rewards: torch.Tensor, weights: torch.Tensor, *, globa
 @dataclass
 class Pairs:
     """The (t, ε) pairs of one iteration, reused by θ_old and by every θ step [ours C4]."""
-    t: torch.Tensor        # (n_scopes, J) times; n_scopes independent pair sets (1 = batch-wide)
-    eps: torch.Tensor      # (n_scopes, J, *D) noises
-    index: torch.Tensor    # (N,) long: which set each of the N samples uses
+    t: torch.Tensor      # (n_scopes, J) times; n_scopes independent pair sets (1 = batch-wide)
+    eps: torch.Tensor    # (n_scopes, J, *D) noises
+    index: torch.Tensor  # (N,) long: which set each of the N samples uses
 
     def take(self, rows: torch.Tensor):
         """Pairs of samples `rows` (m,): returns t (m, J), eps (m, J, *D)."""
@@ -308,13 +300,13 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, latent_shape: tuple, index: torch.
         chunks = torch.tensor_split(torch.arange(len(grid)), n_mc)          # J chunks of indices
         lo = torch.tensor([int(c[0]) for c in chunks])                      # (J,) first index
         size = torch.tensor([len(c) for c in chunks])                       # (J,) chunk length
-        u = torch.rand(n_scopes, n_mc, generator=generator, dtype=torch.float64)   # (n_scopes, J)
+        u = torch.rand(n_scopes, n_mc, generator=generator, dtype=torch.float64)  # (n_scopes, J)
         idx = lo + (u * size).long().clamp(max=size - 1)                    # (n_scopes, J)
     else:
-        idx = torch.randint(len(grid), (n_scopes, n_mc), generator=generator)      # (n_scopes, J)
-    t = grid[idx].float()                                                   # (n_scopes, J)
+        idx = torch.randint(len(grid), (n_scopes, n_mc), generator=generator)  # (n_scopes, J)
+    t = grid[idx].float()                                                      # (n_scopes, J)
     eps = torch.randn((n_scopes, n_mc) + tuple(latent_shape),
-                      generator=generator)                                  # (n_scopes, J, *D)
+                      generator=generator)  # (n_scopes, J, *D)
     return Pairs(t=t.to(device), eps=eps.to(device), index=index.long().to(device))
 
 
@@ -328,12 +320,12 @@ def surrogate_from_velocity(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.T
     Args: v_pred (M, *D) the network velocity at z = (1 − t)·x0 + t·ε (any dtype); x0 (M, *D)
         rollout latents; eps (M, *D) pair noises; t (M,) pair times, t = 1 noise → 0 data.
     Returns: s (M,) fp32, differentiable through v_pred only."""
-    v_err = v_pred.float() - (eps.float() - x0.float())                     # v̂ − v, (M, *D)
-    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err       # (M, *D)
-    mse = err.square().flatten(1).mean(dim=1)                                 # (M,)
+    v_err = v_pred.float() - (eps.float() - x0.float())                # v̂ − v, (M, *D)
+    err = PARAM_SCALE[parameterization](bcast(t.float(), x0)) * v_err  # (M, *D)
+    mse = err.square().flatten(1).mean(dim=1)                          # (M,)
     if not adaptive:
         return -mse
-    mae = err.detach().abs().flatten(1).mean(dim=1).clamp(min=mae_floor)     # (M,) stop-gradient
+    mae = err.detach().abs().flatten(1).mean(dim=1).clamp(min=mae_floor)  # (M,) stop-gradient
     return -mse / mae
 
 
@@ -359,10 +351,10 @@ def pair_surrogates(velocity_fn: Callable, x0: torch.Tensor, cond, t: torch.Tens
     Reference form: for m, j: z = (1 − t)·x0[m] + t·eps[m, j]; v = velocity_fn(z, t, cond[m]);
                               s[m, j] = surrogate_from_velocity(v, x0[m], eps[m, j], t)"""
     (m, J), D = t.shape, x0.shape[1:]
-    x0r = x0.unsqueeze(1).expand(m, J, *D).reshape(m * J, *D)                # (m·J, *D)
-    tr, er = t.reshape(m * J), eps.reshape(m * J, *D)                        # (m·J,), (m·J, *D)
-    z = interpolate(x0r.float(), er.float(), tr.float()).to(x0.dtype)        # (m·J, *D)
-    v = velocity_fn(z, tr, _repeat_rows(cond, J))                            # (m·J, *D)
+    x0r = x0.unsqueeze(1).expand(m, J, *D).reshape(m * J, *D)          # (m·J, *D)
+    tr, er = t.reshape(m * J), eps.reshape(m * J, *D)                  # (m·J,), (m·J, *D)
+    z = interpolate(x0r.float(), er.float(), tr.float()).to(x0.dtype)  # (m·J, *D)
+    v = velocity_fn(z, tr, _repeat_rows(cond, J))                      # (m·J, *D)
     s = surrogate_from_velocity(v, x0r, er, tr, parameterization=parameterization,
                                 adaptive=adaptive, mae_floor=mae_floor).reshape(m, J)
     return s, x0_from_v(z.float(), v.float(), tr.float()).reshape(m, J, *D)
@@ -402,10 +394,10 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
         approx KL k2 = ½(log ρ)² [peer X7] and the x-space KL.
     Notes: with θ = θ_old, ρ ≡ 1 and ∇loss = −A·∇S: REINFORCE with a group baseline on the
         surrogate (ours C18), which is the whole update when μ = 1."""
-    log_ratio = s_new.float().mean(dim=1) - s_old.detach().float().mean(dim=1)   # (m,)
-    ratio = torch.exp(log_ratio)                                                 # (m,)
+    log_ratio = s_new.float().mean(dim=1) - s_old.detach().float().mean(dim=1)  # (m,)
+    ratio = torch.exp(log_ratio)                                                # (m,)
     A = adv.detach().float()
-    pg = -A * ratio                                                              # (m,)
+    pg = -A * ratio  # (m,)
     if clip_eps > 0:
         pg = torch.maximum(pg, -A * ratio.clamp(1 - clip_eps, 1 + clip_eps))
         clipped = ((ratio - 1).abs() > clip_eps).float()
@@ -413,7 +405,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
         clipped = torch.zeros_like(ratio)
     loss = pg.mean()
     kl_mean = kl.float().mean() if kl is not None else torch.zeros((), device=s_new.device)
-    if kl_coef > 0:                          # mean over pairs, then samples = mean over (m, J)
+    if kl_coef > 0:  # mean over pairs, then samples = mean over (m, J)
         loss = loss + kl_coef * kl_mean
     stats = {"ratio": ratio.mean().detach(), "abs_log_ratio": log_ratio.abs().mean().detach(),
              "clip_frac": clipped.mean().detach(),
@@ -423,23 +415,19 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
 # ------------------------------------------------------------------------------------------------
 # §7  One iteration: the algorithm box of §0, step by step.                     [Alg. steps 1–5]
-#     The state the steps share (Run), `iteration`, then its five steps in order. Inside the
-#     steps every line of the harness (torchrun's share of the batch, fp16 and FSDP in the
-#     backward, the statistics kept for the log, the cluster companion's poll) ends in
-#     `# harness:` and its reason. The run around the iteration is §10.
+#     Run, `iteration`, then its five steps. In the steps each harness line (torchrun's share,
+#     fp16 and FSDP, the log's statistics, examples/cluster.py's poll) ends in `# harness:`.
 # ------------------------------------------------------------------------------------------------
 class Stream(enum.IntEnum):
-    """The random streams of this file: generator(seed, it, stream) is a CPU generator of its
-    own, so a resumed run redraws exactly what the uninterrupted run would have drawn, and no two
-    streams share numbers. PROBE and HOLDOUT use generator(0, 0, stream), the same for every
-    seed. Values 4–8 and 11–15 are left to the examples' own streams (examples/baselines/)."""
-    PROMPTS = 0            # step 1: which P training prompts
-    ROLLOUT_NOISE = 1      # step 1: the initial noise x1 of the N rollouts
-    PAIRS = 2              # step 3: the (t, ε) pairs
-    MINIBATCHES = 3        # step 5: the μ minibatches
-    EVAL_NOISE = 9         # evaluate: one fixed noise per held-out prompt
-    PROBE = 10             # probe_reward: the two random images of a reward's start-up probe
-    HOLDOUT = 1234         # load_prompts: which lines of --prompts are held out
+    """Each a CPU generator(seed, it, stream) of its own: a resume redraws what the run drew.
+    PROBE, HOLDOUT: generator(0, 0, ·). 4–8 and 11–15 are the examples' (examples/baselines/)."""
+    PROMPTS = 0        # step 1: which P training prompts
+    ROLLOUT_NOISE = 1  # step 1: the initial noise x1 of the N rollouts
+    PAIRS = 2          # step 3: the (t, ε) pairs
+    MINIBATCHES = 3    # step 5: the μ minibatches
+    EVAL_NOISE = 9     # evaluate: one fixed noise per held-out prompt
+    PROBE = 10         # probe_reward: the two random images of a reward's start-up probe
+    HOLDOUT = 1234     # load_prompts: which lines of --prompts are held out
 
 
 def generator(seed: int, it: int, stream: int) -> torch.Generator:
@@ -449,40 +437,36 @@ def generator(seed: int, it: int, stream: int) -> torch.Generator:
 
 @dataclass
 class Run:
-    """Everything an iteration needs, built once by `setup` (§10). Under torchrun each process
-    keeps whole groups of the global batch: `local` gives it its share."""
+    """Everything an iteration needs, built by `setup` (§10); `local`: a process's groups."""
     args: Args
-    adapter: object               # SD3Adapter or FluxAdapter (§9)
-    rewards: Rewards              # §8
+    adapter: object   # SD3Adapter or FluxAdapter (§9)
+    rewards: Rewards  # §8
     opt: torch.optim.Optimizer
-    params: list                  # the trainable parameters (LoRA, or the whole transformer)
-    lora_cfg: object              # peft LoraConfig; None for --full_finetune
+    params: list      # the trainable parameters (LoRA, or the whole transformer)
+    lora_cfg: object  # peft LoraConfig; None for --full_finetune
     train_prompts: list
     eval_prompts: list
     dev: torch.device
-    dtype: torch.dtype            # compute dtype of the autocast `ctx`
+    dtype: torch.dtype  # compute dtype of the autocast `ctx`
     ctx: object
-    sigmas: torch.Tensor          # (K + 1,) rollout grid, ends in 0
-    eval_sigmas: torch.Tensor     # (K_eval + 1,)
-    D: tuple                      # latent shape: (C, H, W) for SD3, (seq, 64) for FLUX
-    start: int = 0                # first iteration (> 0 when resumed)
-    resumed_from: Optional[Path] = None           # the checkpoint folder resumed from
+    sigmas: torch.Tensor                 # (K + 1,) rollout grid, ends in 0
+    eval_sigmas: torch.Tensor            # (K_eval + 1,)
+    D: tuple                             # latent shape: (C, H, W) for SD3, (seq, 64) for FLUX
+    start: int = 0                       # first iteration (> 0 when resumed)
+    resumed_from: Optional[Path] = None  # the checkpoint folder resumed from
     rank: int = 0
     world: int = 1
     run_dir: Optional[Path] = None
     scaler: object = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
+    compiled: bool = False     # the transformer blocks compiled (--compile)
+    time_compile: float = 0.0  # seconds it took, before the first iteration
     # Hooks for examples/cluster.py; as here they do nothing.
-    poll: Callable = lambda: None   # where a SIGTERM may still stop an iteration (no step yet)
-    guard: Callable = lambda it: contextlib.nullcontext()   # around iteration `it` and its log
-    writing: Callable = contextlib.nullcontext      # around each write into the run folder
+    poll: Callable = lambda: None                          # may a SIGTERM stop it (no step yet)?
+    guard: Callable = lambda it: contextlib.nullcontext()  # around iteration `it`, its log
+    writing: Callable = contextlib.nullcontext             # around each write to the run folder
 
-    @property
-    def N(self) -> int:
-        return self.args.prompts_per_iter * self.args.group_size
-
-    @property
-    def Nl(self) -> int:
-        return self.N // self.world                        # samples of this process
+    N = property(lambda self: self.args.prompts_per_iter * self.args.group_size)   # P·G
+    Nl = property(lambda self: self.N // self.world)          # the samples of this process
 
     def local(self, x):
         """This process's share of a global batch-first tensor (N, ...) or prompt list (P)."""
@@ -490,41 +474,38 @@ class Run:
         return x[self.rank * n:(self.rank + 1) * n]
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
-        """loss.backward(), scaled for fp16. Under FSDP it reduces the gradients at a LoRA's
-        `last` micro-batch of a step, and at every one of a full fine-tune's."""
+        """loss.backward(), scaled for fp16; FSDP reduces a LoRA's gradients at `last` only."""
         if self.world > 1:
-            sync = last or self.args.full_finetune
-            self.adapter.transformer.set_requires_gradient_sync(sync)
+            self.adapter.transformer.set_requires_gradient_sync(last or self.args.full_finetune)
         self.scaler.scale(loss).backward()
 
 
 @dataclass
 class Rollouts:
     """[Alg. step 1] This process's rollouts: Pl = P / world prompts, Nl samples."""
-    prompts: list                  # Pl prompts
-    cond: object                   # their encodings, Pl rows
-    prompt_idx: torch.Tensor       # (Nl,) row of cond per sample
-    x0: torch.Tensor               # (Nl, *D) fp32 actions o
+    prompts: list             # Pl prompts
+    cond: object              # their encodings, Pl rows
+    prompt_idx: torch.Tensor  # (Nl,) row of cond per sample
+    x0: torch.Tensor          # (Nl, *D) fp32 actions o
 
 
 @dataclass
 class Scored:
     """[Alg. step 2] Rewards of the whole batch (every process), this process's advantages."""
-    raw: dict                      # {reward name: (N,) raw values}, CPU
-    headline: torch.Tensor         # (N,) the logged reward (Rewards.headline)
-    adv: torch.Tensor              # (Nl,) advantages, on the device
+    raw: dict               # {reward name: (N,) raw values}, CPU
+    headline: torch.Tensor  # (N,) the logged reward (Rewards.headline)
+    adv: torch.Tensor       # (Nl,) advantages, on the device
     adv_stats: dict
-    skipped: bool                  # every advantage is 0: nothing to learn, no optimizer step
+    skipped: bool  # every advantage is 0: nothing to learn, no optimizer step
 
 
 @dataclass
 class OldSurrogates:
-    """[Alg. step 4] S_old of this process's Nl samples, and θ_old's x̂0 when the KL needs it.
-    Step 4 writes the rows of minibatches k ≥ 1; step 5's first step, which runs at θ = θ_old,
-    completes it with minibatch 0's rows from its own forward [ours C18]."""
-    s: torch.Tensor                          # (Nl, J) per-pair s_θold
-    x0_hat: Optional[torch.Tensor]           # (Nl, J, *D) θ_old's x̂0; None if β = 0
-    n_old_pass: int = 0                      # rows of step 4's own pass (nfe_old)
+    """[Alg. step 4] S_old (and θ_old's x̂0 for the KL) of the Nl samples: step 4 writes
+    minibatches k ≥ 1, step 5's first step (θ = θ_old) minibatch 0 from its forward [ours C18]."""
+    s: torch.Tensor                 # (Nl, J) per-pair s_θold
+    x0_hat: Optional[torch.Tensor]  # (Nl, J, *D) θ_old's x̂0; None if β = 0
+    n_old_pass: int = 0             # rows of step 4's own pass (nfe_old)
 
     def write(self, rows: torch.Tensor, s: torch.Tensor, x0_hat: torch.Tensor) -> None:
         """S_old (and x̂0_old) of local samples `rows`, detached."""
@@ -534,20 +515,19 @@ class OldSurrogates:
 
 
 def iteration(run: Run, it: int) -> dict:
-    """One V-GRPO iteration, Alg. steps 1–5 of §0, and its metrics. Host syncs: the rewards,
-    one per optimizer step, one for the metrics, the timers."""
+    """Alg. steps 1–5 of §0 and the metrics; host syncs: rewards, each step, metrics, timers."""
     times, t0 = {}, time.perf_counter()
     with timed(times, "time_rollout", run.dev):
-        ro = collect_rollouts(run, it)                                      # step 1
+        ro = collect_rollouts(run, it)  # step 1
     with timed(times, "time_reward"):
-        sc = reward_and_advantages(run, ro)                                 # step 2
-    pairs = draw_iteration_pairs(run, it)                                   # step 3
+        sc = reward_and_advantages(run, ro)  # step 2
+    pairs = draw_iteration_pairs(run, it)    # step 3
     mbs = minibatches(run, it)
     with timed(times, "time_old", run.dev):
-        s_old = old_surrogates(run, ro, pairs, mbs, sc.skipped)             # step 4: k ≥ 1
+        s_old = old_surrogates(run, ro, pairs, mbs, sc.skipped)  # step 4: k ≥ 1
     log, grad_norms = [], []
     with timed(times, "time_update", run.dev):
-        if not sc.skipped:                                                  # step 5
+        if not sc.skipped:  # step 5
             log, grad_norms = update_steps(run, ro, sc, pairs, mbs, s_old)
     # S_old is complete: step 4 wrote minibatches k ≥ 1, step 5's first step minibatch 0
     m = iteration_metrics(run, it, sc, s_old, log, grad_norms, times)
@@ -559,16 +539,15 @@ def collect_rollouts(run: Run, it: int) -> Rollouts:
     args, ad = run.args, run.adapter
     P, n_tr = args.prompts_per_iter, len(run.train_prompts)
     g = generator(args.seed, it, Stream.PROMPTS)
-    if P <= n_tr:                                       # P distinct prompts
+    if P <= n_tr:  # P distinct prompts
         pick = torch.randperm(n_tr, generator=g)[:P]
-    else:                                               # more than there are: with replacement
+    else:  # more than there are: with replacement
         pick = torch.randint(n_tr, (P,), generator=g)
-    prompts = [run.train_prompts[i] for i in pick.tolist()]
-    prompts = run.local(prompts)                        # harness: torchrun's share
-    cond = ad.encode(prompts)                                               # Pl rows
-    prompt_idx = (torch.arange(run.Nl) // args.group_size).to(run.dev)      # (Nl,)
-    g = generator(args.seed, it, Stream.ROLLOUT_NOISE)
-    noise = torch.randn((run.N,) + run.D, generator=g)                      # (N, *D)
+    prompts = run.local([run.train_prompts[i] for i in pick.tolist()])  # harness: its share
+    cond = ad.encode(prompts)                                           # Pl rows
+    prompt_idx = (torch.arange(run.Nl) // args.group_size).to(run.dev)  # (Nl,)
+    noise = torch.randn((run.N,) + run.D, generator=generator(args.seed, it,
+                                                                Stream.ROLLOUT_NOISE))  # (N, *D)
     x1 = run.local(noise).to(run.dev)                   # harness: torchrun's share; (Nl, *D)
     x0 = rollout(ad, x1, cond, prompt_idx, run.sigmas, args.solver, args.rollout_batch,
                  run.ctx, poll=run.poll)                # harness: the companion's poll
@@ -579,20 +558,19 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
     """[Alg. step 2] Rewards, all-gathered so that the advantages (§4) see the global batch."""
     args, G, rw = run.args, run.args.group_size, run.rewards
     names = [n for n, _ in rw.train_terms]
-    prompts = [ro.prompts[i // G] for i in range(run.Nl)]                   # one per sample
+    prompts = [ro.prompts[i // G] for i in range(run.Nl)]  # one per sample
     mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0, prompts, args.reward_batch)
-    mine = torch.stack([mine[n] for n in names]).to(run.dev)               # (R, Nl)
-    every = _all_gather_cat(mine, run.world)            # harness: every process's; (R, N)
-    raw = dict(zip(names, every.cpu()))                                     # {name: (N,)}
-    values = rw.training_values(raw, rw.train_terms)                        # (R, N)
-    values = values.view(-1, args.prompts_per_iter, G)                      # (R, P, G)
+    mine = torch.stack([mine[n] for n in names]).to(run.dev)  # (R, Nl)
+    every = _all_gather_cat(mine, run.world)                  # harness: every process's; (R, N)
+    raw = dict(zip(names, every.cpu()))                       # {name: (N,)}
+    values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)
     aggregate = {"sum": weighted_sum_advantages,
                  "per_reward": per_reward_advantages}[args.reward_aggregation]
-    weights = torch.tensor([w for _, w in rw.train_terms])                  # (R,)
-    adv, stats = aggregate(values, weights, global_std=args.global_std, std_eps=args.std_eps,
-                           clamp=args.adv_clamp, eta=args.soft_clip_eta)    # (P, G)
+    adv, stats = aggregate(values, torch.tensor([w for _, w in rw.train_terms]),  # (R,P,G), (R,)
+                           global_std=args.global_std, std_eps=args.std_eps,
+                           clamp=args.adv_clamp, eta=args.soft_clip_eta)  # (P, G)
     # adv.flatten() is prompt-major (sample n belongs to prompt n // G), as the rollouts are
-    mine = run.local(adv.flatten()).to(run.dev)         # harness: torchrun's share; (Nl,)
+    mine = run.local(adv.flatten()).to(run.dev)  # harness: torchrun's share; (Nl,)
     return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms), adv=mine,
                   adv_stats=stats, skipped=bool((adv == 0).all()))
 
@@ -601,23 +579,20 @@ def draw_iteration_pairs(run: Run, it: int) -> Pairs:
     """[Alg. step 3] One set of stratified (t, ε) pairs per sharing scope [ours C4], for θ_old
     and every θ step; under torchrun rank 0's (another CPU may round the draws differently)."""
     args, N = run.args, run.N
-    scope = {"batch": torch.zeros(N, dtype=torch.long),
-             "group": torch.arange(N) // args.group_size,
-             "none": torch.arange(N)}[args.pair_sharing]                    # (N,)
-    g = generator(args.seed, it, Stream.PAIRS)
+    scope = {"batch": torch.zeros(N, dtype=torch.long), "none": torch.arange(N),
+             "group": torch.arange(N) // args.group_size}[args.pair_sharing]  # (N,)
     pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
-                       generator=g, device=run.dev)
-    if run.world > 1:                                   # harness: rank 0's pairs everywhere
+                       generator=generator(args.seed, it, Stream.PAIRS), device=run.dev)
+    if run.world > 1:  # harness: rank 0's pairs everywhere
         for x in (pairs.t, pairs.eps):
             torch.distributed.broadcast(x, src=0)
-    pairs.index = run.local(pairs.index)                # harness: torchrun's share; (Nl,)
+    pairs.index = run.local(pairs.index)  # harness: torchrun's share; (Nl,)
     return pairs
 
 
 def minibatches(run: Run, it: int) -> list:
-    """The μ optimizer steps' disjoint, equal minibatches of local rows: μ index tensors. Drawn
-    before Alg. step 4, so S_old is computed in θ's very micro-batches [ours C14]."""
-    perm = torch.arange(run.Nl)                         # μ = 1: every sample, in order
+    """μ disjoint equal minibatches of local rows, drawn before step 4 [ours C14]: (μ, ...)."""
+    perm = torch.arange(run.Nl)  # μ = 1: every sample, in order
     if run.args.mu > 1:
         perm = torch.randperm(run.Nl, generator=generator(run.args.seed, it, Stream.MINIBATCHES))
     return list(perm.to(run.dev).tensor_split(run.args.mu))
@@ -634,11 +609,11 @@ def old_surrogates(run: Run, ro: Rollouts, pairs: Pairs, mbs: list,
     s_old = OldSurrogates(torch.empty(run.Nl, a.n_mc, device=run.dev), x0_hat)
     for k, mb in enumerate(mbs):
         if k == 0 and not skipped:
-            continue                                    # step 5's first step computes these
+            continue  # step 5's first step computes these
         for rows in mb.split(a.micro_batch):
-            run.poll()                  # harness: no step has run yet, so a SIGTERM may stop
+            run.poll()  # harness: no step has run yet, so a SIGTERM may stop
             s_old.write(rows, *surrogate_pass(run, ro, pairs, rows))
-            s_old.n_old_pass += len(rows)               # harness: for the logged nfe_old
+            s_old.n_old_pass += len(rows)  # harness: for the logged nfe_old
     return s_old
 
 
@@ -653,22 +628,22 @@ def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list,
     the clip and the KL to θ_old act only at μ > 1 (FLUX's preset: μ = 4).
     Returns the log [(step k, samples, stats)] and the μ pre-clip gradient norms."""
     a, log, grad_norms = run.args, [], []
-    for k, mb in enumerate(mbs):                        # one optimizer step per minibatch
+    for k, mb in enumerate(mbs):  # one optimizer step per minibatch
         micro = mb.split(a.micro_batch)
-        for i, rows in enumerate(micro):                # its micro-batches, gradients summed
+        for i, rows in enumerate(micro):  # its micro-batches, gradients summed
             if k == 0:
-                run.poll()              # harness: until the first step, a SIGTERM may stop
-            s_new, x0h = surrogate_pass(run, ro, pairs, rows)     # (m, J), (m, J, *D)
-            if k == 0:                  # θ = θ_old: these rows' S_old is this forward's
+                run.poll()                                     # harness: a SIGTERM before any step
+            s_new, x0h = surrogate_pass(run, ro, pairs, rows)  # (m, J), (m, J, *D)
+            if k == 0:                                         # θ = θ_old: S_old is this forward's
                 s_old.write(rows, s_new, x0h)
             kl = None
             if a.kl_coef:
-                kl = xspace_kl(x0h, s_old.x0_hat[rows])                     # (m, J)
+                kl = xspace_kl(x0h, s_old.x0_hat[rows])  # (m, J)
             loss, st = vgrpo_loss(s_new, s_old.s[rows], sc.adv[rows], clip_eps=a.clip_eps,
                                   kl=kl, kl_coef=a.kl_coef)
-            loss = loss * len(rows) / len(mb)           # the minibatch's mean [ours C16]
+            loss = loss * len(rows) / len(mb)             # the minibatch's mean [ours C16]
             run.backward(loss, last=i == len(micro) - 1)  # harness: fp16 scale, FSDP sync
-            log.append((k, len(rows), st))  # harness: the statistics, for iteration_metrics
+            log.append((k, len(rows), st))                # harness: for iteration_metrics
         grad_norms.append(optimizer_step(run))
     return log, grad_norms
 
@@ -685,13 +660,13 @@ def surrogate_pass(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
 
 def optimizer_step(run: Run) -> torch.Tensor:
     """Unscale (fp16), clip, step unless the norm is non-finite; returns the pre-clip norm."""
-    run.scaler.unscale_(run.opt)                      # fp16: the true gradients before the clip
+    run.scaler.unscale_(run.opt)  # fp16: the true gradients before the clip
     gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
-    if hasattr(gn, "full_tensor"):                    # a DTensor under FSDP
+    if hasattr(gn, "full_tensor"):  # a DTensor under FSDP
         gn = gn.full_tensor()
-    if torch.isfinite(gn):                            # host sync: step, or skip a bad step
+    if torch.isfinite(gn):  # host sync: step, or skip a bad step
         run.scaler.step(run.opt)
-    run.scaler.update()                               # fp16: halve the scale after an overflow
+    run.scaler.update()  # fp16: halve the scale after an overflow
     run.opt.zero_grad(set_to_none=True)
     return gn.detach().float()
 
@@ -700,19 +675,20 @@ def iteration_metrics(run: Run, it: int, sc: Scored, s_old: OldSurrogates, log: 
                       grad_norms: list, times: dict) -> dict:
     """Everything logged, in one host sync: means over samples and processes, and S_old's CV."""
     a, stats = run.args, {}
-    for k, n, st in log:                                # each micro-batch weighted by its samples
+    for k, n, st in log:  # each micro-batch weighted by its samples
         if k == 0:
             st = {**st, "abs_log_ratio_first": st["abs_log_ratio"]}
         for name, v in st.items():
             stats.setdefault(name, []).append((v * n, n))
-    scal = {k: torch.stack([x for x, _ in v]).sum() / sum(n for _, n in v) for k, v in stats.items()}
+    scal = {k: torch.stack([x for x, _ in v]).sum() / sum(n for _, n in v)
+            for k, v in stats.items()}
     gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
     scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
     vec = torch.stack([v.float().to(run.dev) for v in scal.values()])
-    if run.world > 1:                                   # the mean over processes
+    if run.world > 1:  # the mean over processes
         torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM)
         vec /= run.world
-    S_all = _all_gather_cat(s_old.s.mean(dim=1), run.world)                 # (N,)
+    S_all = _all_gather_cat(s_old.s.mean(dim=1), run.world)  # (N,)
     cv = surrogate_cv(S_all.view(a.prompts_per_iter, a.group_size))
     scal = {**dict(zip(scal, vec)), **sc.adv_stats, **cv}
     host = dict(zip(scal, torch.stack([v.float().to(run.dev) for v in scal.values()]).tolist()))
@@ -720,41 +696,37 @@ def iteration_metrics(run: Run, it: int, sc: Scored, s_old: OldSurrogates, log: 
     m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
          "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
-         "grad_scale": run.scaler.get_scale(),     # 1.0 when disabled
+         "grad_scale": run.scaler.get_scale(),  # 1.0 when disabled
          "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * s_old.n_old_pass / run.Nl,
          "nfe_theta": a.n_mc}
-    if len(sc.raw) > 1:                                   # several rewards: each one's too
+    if len(sc.raw) > 1:  # several rewards: each one's too
         for n, r in sc.raw.items():
             m[f"reward_{n}_mean"], m[f"reward_{n}_std"] = _finite_mean_std(r)
     for k in ("ratio", "abs_log_ratio", "abs_log_ratio_first", "clip_frac", "approx_kl", "kl_x"):
-        m.setdefault(k, math.nan)                       # skipped: no update, no ratio statistics
+        m.setdefault(k, math.nan)  # skipped: no update, no ratio statistics
     if bad and run.rank == 0:
-        plural = "s" if bad > 1 else ""
-        note = f"iteration {it}: {bad} non-finite reward{plural} dropped (advantage 0)"
-        if sc.skipped:
-            note += "; update skipped"
-        _warn(note)
+        _warn(f"iteration {it}: {bad} non-finite reward(s) dropped (advantage 0)"
+              + "; update skipped" * sc.skipped)
     return m
 
 
 def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
-    f = r[torch.isfinite(r)]                   # mean and population std of the finite entries
+    f = r[torch.isfinite(r)]  # mean and population std of the finite entries
     return (f.mean().item(), f.std(unbiased=False).item()) if len(f) else (math.nan, math.nan)
 
 
 def _warn(msg: str, prefix: str = "warning: ") -> None:
-    from tqdm.auto import tqdm                            # tqdm.write: not overwritten by the bar
+    from tqdm.auto import tqdm  # tqdm.write: not overwritten by the bar
     tqdm.write(prefix + msg, file=sys.stderr)
 
 
 @torch.no_grad()
 def rollout(adapter, x1: torch.Tensor, cond, prompt_idx: torch.Tensor, sigmas: torch.Tensor,
-            solver: str, chunk: int, ctx, poll: Optional[Callable] = None) -> torch.Tensor:
+            solver: str, chunk: int, ctx, poll: Callable = lambda: None) -> torch.Tensor:
     """ODE-solve x1 (N, *D), `chunk` rows at a time, poll() before each: o (N, *D) fp32."""
     out = []
     for rows in torch.arange(len(x1)).split(chunk):
-        if poll is not None:
-            poll()
+        poll()
         with ctx:
             x0 = SOLVERS[solver](adapter.velocity, x1[rows], sigmas, select(cond, prompt_idx[rows]))
         out.append(x0.float())
@@ -775,7 +747,7 @@ def decode_and_reward(adapter, rewards, names: list[str], latents: torch.Tensor,
     return {n: torch.cat(v) for n, v in raw.items()}, (torch.cat(imgs) if keep_images else None)
 
 
-def select(cond, rows: torch.Tensor):           # rows of every tensor in a (dict of) batch-first
+def select(cond, rows: torch.Tensor):  # rows of every tensor in a (dict of) batch-first
     return {k: v[rows] for k, v in cond.items()} if isinstance(cond, dict) else cond[rows]
 
 
@@ -786,9 +758,9 @@ def timed(times: dict, key: str, dev: Optional[torch.device] = None):
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
-        e.vgrpo_phase = getattr(e, "vgrpo_phase", key)        # the innermost phase names it
+        e.vgrpo_phase = getattr(e, "vgrpo_phase", key)  # the innermost phase names it
         raise
-    if dev is not None and dev.type == "cuda":              # wait for the GPU before the clock
+    if dev is not None and dev.type == "cuda":  # wait for the GPU before the clock
         torch.cuda.synchronize(dev)
     times[key] = time.perf_counter() - t
 
@@ -798,49 +770,42 @@ def timed(times: dict, key: str, dev: Optional[torch.device] = None):
 #     CPU fp32. The pure math sees only the rewards (P, G), and masks non-finite ones (§4).
 # ------------------------------------------------------------------------------------------------
 # Bad input and runs that cannot go on: main() (§11) prints them as one line, no traceback.
-class ConfigError(ValueError):
-    """Bad input (a flag, a file, a model location, a plug-in): main() prints it as one line and
-    exits with `status`, having written nothing. Anything else is a bug and tracebacks."""
+class ConfigError(ValueError):  # bad input (a flag, file, model, plug-in): one line, no writes
     status, label = 2, "error"
 
 
-class RunError(Exception):
-    """A run that cannot go on: main() prints it as one line, which says what the run folder
-    holds and the command that continues, and exits with `status`."""
+class RunError(Exception):  # a run that cannot go on: where it stands, how to go on
     status, label = 2, "error"
 
 
-# `raw` always means {reward name: (N,) raw values}. REWARD_UNITS: name → (logged unit,
-# train_scale), ("raw", 1) for a plug-in; advantages see raw · train_scale (only sums of rewards
-# and std_eps notice), e.g. PickScore's raw/26 [ours C17].
+# `raw` is {reward name: (N,) raw values}; REWARD_UNITS: name → (logged unit, train_scale); the
+# advantages see raw · train_scale (only sums and std_eps notice): PickScore's /26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
                 "jpeg": ("-kB", 1.0), "geneval": ("score", 1.0), "ocr": ("score", 1.0),
-                "aesthetic": ("raw", 1.0), "imagereward": ("raw", 1.0), "unifiedreward": ("of 5", 1.0)}
+                "aesthetic": ("raw", 1.0), "imagereward": ("raw", 1.0),
+                "unifiedreward": ("of 5", 1.0)}
 BUILTIN_REWARDS = tuple(REWARD_UNITS)
-REWARD_PLUGINS = {n: f"examples.rewards.{n}:score" for n in BUILTIN_REWARDS[1:]    # examples/rewards/
+REWARD_PLUGINS = {n: f"examples.rewards.{n}:score" for n in BUILTIN_REWARDS[1:]  # examples/rewards/
                   if n != "clipscore"}
-REMOTE = ("http://", "https://")           # a reward served elsewhere: examples/rewards/remote_reward.py
+REMOTE = ("http://", "https://")  # a reward served elsewhere: examples/rewards/remote_reward.py
 
 
-class Prompt(str):
-    """A prompt from a .jsonl file: a str whose `.metadata` is its line's JSON object (GenEval's
-    tag and objects, OCR's text...); rewards read getattr(p, "metadata", None)."""
+class Prompt(str):  # from a .jsonl: .metadata is its line (GenEval's tag...)
     metadata: dict
 
 
 def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
-    """A CLIPImageProcessor in torch, with its sizes and mean/std: shortest edge resized (bicubic,
-    antialiased), centre crop, normalise. (N, 3, H, W) in [0, 1] → (N, 3, crop_h, crop_w) fp32."""
+    """A CLIPImageProcessor in torch: shortest edge (bicubic), centre crop, normalise; fp32."""
     ip, x, (h, w) = image_processor, images.float(), images.shape[-2:]
     # sizes are dicts in transformers 4.x and SizeDicts in 5.x (both .get); crop_size may be an int
     get = lambda d, k: d if isinstance(d, int) else d.get(k)
     size = int(get(ip.size, "shortest_edge") or get(ip.size, "height"))
     ch, cw = int(get(ip.crop_size, "height")), int(get(ip.crop_size, "width"))
     scale = size / min(h, w)
-    nh, nw = max(size, int(h * scale)), max(size, int(w * scale))            # HF floors
+    nh, nw = max(size, int(h * scale)), max(size, int(w * scale))  # HF floors
     x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
     top, left = (nh - ch) // 2, (nw - cw) // 2
-    x = x[..., top:top + ch, left:left + cw]                                 # (N, 3, ch, cw)
+    x = x[..., top:top + ch, left:left + cw]  # (N, 3, ch, cw)
     mean, std = (x.new_tensor(v).view(1, 3, 1, 1) for v in (ip.image_mean, ip.image_std))
     return (x - mean) / std
 
@@ -855,7 +820,7 @@ def clip_reward(model, processor, device: torch.device, dtype: torch.dtype, *,
         text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77,
                                    return_tensors="pt").to(device)
         out = model(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=px)
-        cos = F.cosine_similarity(out.image_embeds.float(), out.text_embeds.float())   # (N,)
+        cos = F.cosine_similarity(out.image_embeds.float(), out.text_embeds.float())  # (N,)
         return (model.logit_scale.exp().float() * cos if logit_scale else cos).cpu()
     return score
 
@@ -866,12 +831,11 @@ class RewardError(RunError, ValueError):
 
 
 def plugin_reward(spec: str) -> Callable:
-    """A user's `module.path:function` (or a reward server's URL) under the contract above; a call
-    that fails or breaks it is a one-line RewardError. check_prompts: see probe_reward."""
+    """`module.path:function` or a reward server's URL; a call that breaks the contract raises."""
     module, _, fn_name = ("examples.rewards.remote_reward:client" if spec.startswith(REMOTE)
                           else spec).partition(":")
-    for where in (str(Path(__file__).resolve().parent), os.getcwd()):   # examples/ beside this
-        if where not in sys.path:                     # file, and the user's modules beside the run
+    for where in (str(Path(__file__).resolve().parent), os.getcwd()):  # examples/, the user's
+        if where not in sys.path:                                       # modules beside the run
             sys.path.insert(0, where)
     try:
         mod = importlib.import_module(module)
@@ -882,15 +846,15 @@ def plugin_reward(spec: str) -> Callable:
         raise ConfigError(f"reward {spec!r}: module {module!r} has no callable {fn_name!r}")
     if spec.startswith(REMOTE):
         try:
-            fn = fn(spec)                             # the client of that URL
-        except (RuntimeError, ValueError) as e:       # a malformed URL or client setting
+            fn = fn(spec)                        # the client of that URL
+        except (RuntimeError, ValueError) as e:  # a malformed URL or client setting
             raise ConfigError(f"reward {spec!r}: {e}") from None
 
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         try:
             out = fn(images, prompts)
         except torch.cuda.OutOfMemoryError:
-            raise                                 # not the plug-in's fault: the run's
+            raise               # not the plug-in's fault: the run's
         except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
             raise RewardError(f"reward {spec!r} failed: {type(e).__name__}: {e}") from e
         try:
@@ -930,11 +894,11 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         if item.startswith(REMOTE) and "/" not in item.split("//", 1)[1]:
             raise ConfigError(f"reward URL {item!r} needs a path: http://HOST:PORT/NAME")
         if item.startswith(REMOTE) and item.rfind(":") < item.rfind("/"):
-            head, sep, tail = item, "", ""              # a URL without a weight (its port's ':')
+            head, sep, tail = item, "", ""  # a URL without a weight (its port's ':')
         try:
             name, weight = (head, float(tail)) if sep else (item, 1.0)
-        except ValueError:                      # 'module:function' without a weight, unless the
-            if head in BUILTIN_REWARDS or ":" in head:      # head is already a complete name
+        except ValueError:                          # 'module:function' without a weight,
+            if head in BUILTIN_REWARDS or ":" in head:  # unless it is a whole name
                 raise ConfigError(f"--reward {spec!r}: the weight of {head!r} must be a number "
                                   f"(got {tail!r}), e.g. {head}:1") from None
             name, weight = item, 1.0
@@ -992,7 +956,7 @@ class Rewards:
         """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
         if len(terms) == 1:
             return raw[terms[0][0]]
-        w = torch.tensor([wt for _, wt in terms])[:, None]                  # (R, 1)
+        w = torch.tensor([wt for _, wt in terms])[:, None]  # (R, 1)
         return (self.training_values(raw, terms) * w).sum(0)
 
 
@@ -1009,9 +973,9 @@ SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
 def model_family(name: str) -> str:
     """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
-    named = MODEL_ALIASES.get(name, name)                   # a hub id: FLUX's name says "flux"
+    named = MODEL_ALIASES.get(name, name)  # a hub id: FLUX's name says "flux"
     if name in TINY_MODELS or Path(name).is_dir():
-        named = TINY_MODELS.get(name) or check_local_pipeline(name)[0]      # one-line errors
+        named = TINY_MODELS.get(name) or check_local_pipeline(name)[0]  # one-line errors
     return "flux" if "flux" in named.lower() else "sd3"
 
 
@@ -1044,10 +1008,9 @@ def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
                           f"/path/to/dir` where there is access, then `{flag} /path/to/dir`") from e
 
 
-@functools.cache                     # once per folder: for the model family, then for loading
+@functools.cache  # once per folder: for the model family, then for loading
 def check_local_pipeline(location: str) -> tuple[str, dict]:
-    """Cheap checks of a local diffusers folder before anything loads. Returns its pipeline class
-    and {component: None} for those saved as null (SD3 without T5), which loading must pass on."""
+    """A local folder checked before loading: (its class, {part: None} for null parts, e.g. T5)."""
     index, where = Path(location, "model_index.json"), f"--model {location!r}"
     if not index.is_file():
         raise ConfigError(f"{where} has no model_index.json: pass a diffusers pipeline folder")
@@ -1078,8 +1041,8 @@ def load_pipeline(name: str, dtype: torch.dtype):
         pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
         return freeze_and_cast(pipe, dtype)
     cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
-    with warnings.catch_warnings():           # `torch_dtype` works on diffusers 0.3x–0.4x;
-        warnings.simplefilter("ignore", FutureWarning)          # 0.42 prefers `dtype`
+    with warnings.catch_warnings():                     # diffusers 0.3x–0.4x: `torch_dtype`;
+        warnings.simplefilter("ignore", FutureWarning)  # 0.42 prefers `dtype`
         pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
                                 "the model", "--model", torch_dtype=dtype, **null)
     if type(pipe).__name__ not in SUPPORTED_PIPELINES:
@@ -1088,8 +1051,7 @@ def load_pipeline(name: str, dtype: torch.dtype):
 
 
 def freeze_and_cast(pipe, dtype: torch.dtype):
-    """Every part frozen, in eval mode, in the compute dtype; the VAE stays fp32 (decoding is cheap;
-    fp16/bf16 VAEs band). The casts also undo a diffusers bug that can keep fp32 [peer X11]."""
+    """Every part frozen, eval, in the compute dtype; the VAE fp32 (bf16 ones band) [peer X11]."""
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if (m := getattr(pipe, part, None)) is not None:
             m.requires_grad_(False).eval().to(torch.float32 if part == "vae" else dtype)
@@ -1098,7 +1060,7 @@ def freeze_and_cast(pipe, dtype: torch.dtype):
 
 
 def tiny_models():
-    """examples/tools/tiny_models.py (scaffolding: the offline --model tiny / tiny-flux), by path."""
+    """examples/tools/tiny_models.py, by path: the offline --model tiny and tiny-flux."""
     if "vgrpo_tiny_models" in sys.modules:
         return sys.modules["vgrpo_tiny_models"]
     path = Path(__file__).resolve().parent / "examples" / "tools" / "tiny_models.py"
@@ -1123,12 +1085,12 @@ class SD3Adapter:
     def __init__(self, pipe, device: torch.device, max_sequence_length: int):
         self.pipe, self.device, self.L = pipe, device, max_sequence_length
         self.transformer, self.vae = pipe.transformer, pipe.vae
-        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)          # 8 for SD3
+        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)  # 8 for SD3
         self._cache: Optional[dict] = None                   # prompt → embeddings (cache_prompts)
 
     def latent_shape(self, resolution: int) -> tuple:
         r = resolution // self.vae_scale
-        return (self.transformer.config.in_channels, r, r)                           # (C, H, W)
+        return (self.transformer.config.in_channels, r, r)  # (C, H, W)
 
     def encode(self, prompts: list[str]) -> dict:
         """Text conditioning of B prompts: from the cache (cache_prompts) or the text encoders."""
@@ -1151,7 +1113,7 @@ class SD3Adapter:
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             if getattr(self.pipe, name, None) is not None:
                 getattr(self.pipe, name).to("cpu")
-        torch.cuda.empty_cache()                              # a no-op when CUDA is unused
+        torch.cuda.empty_cache()  # a no-op when CUDA is unused
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
@@ -1197,8 +1159,8 @@ class FluxAdapter(SD3Adapter):
         self.txt_ids = torch.zeros(max_sequence_length, 3, device=device)
 
     def latent_shape(self, resolution: int) -> tuple:
-        r = resolution // self.vae_scale                                    # latent side (even)
-        return ((r // 2) ** 2, self.transformer.config.in_channels)                  # (seq, 64)
+        r = resolution // self.vae_scale                             # latent side (even)
+        return ((r // 2) ** 2, self.transformer.config.in_channels)  # (seq, 64)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
@@ -1239,16 +1201,15 @@ def make_adapter(pipe, args: "Args", device: torch.device):
 
 
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
-    """Attach a peft LoRA through diffusers (trainable params fp32) [ours C17]; returns its config.
-    targets: module suffixes, matched inside the numbered blocks only (never the final proj_out)."""
+    """A peft LoRA on `targets` inside the numbered blocks, fp32 params [ours C17]; its config."""
     import re
     from peft import LoraConfig
     alts = "|".join(re.escape(t.strip()) for t in targets if t.strip())
-    pattern = rf"(?:.*\.)?\d+\.(?:.*\.)?(?:{alts})"             # <blocks>.<i>.[...].<target>
+    pattern = rf"(?:.*\.)?\d+\.(?:.*\.)?(?:{alts})"  # <blocks>.<i>.[...].<target>
     cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=pattern)
     transformer.add_adapter(cfg)
     for n, p in transformer.named_parameters():
-        if "lora_" in n:                        # fp32 master weights; compute runs under autocast
+        if "lora_" in n:  # fp32 master weights; compute runs under autocast
             p.data, p.requires_grad = p.data.float(), True
     return cfg
 
@@ -1259,27 +1220,36 @@ def transformer_blocks(transformer) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-# §10  The run around the iteration: setup, the loop and its record, evaluation; then what a
-#      reader of the method can skip: prompts, the run folder, checkpoints, torchrun.
-#      examples/cluster.py runs the same loop with the hooks of `Run` filled in (preemption,
-#      requeue, one trainer per folder, one-line out-of-memory and write failures).
+# §10  The run around the iteration: setup, the loop, evaluation; then the run folder,
+#      checkpoints, torchrun. examples/cluster.py fills in Run's hooks (preemption, requeue,
+#      one trainer per folder, one-line out-of-memory and write failures).
 # ------------------------------------------------------------------------------------------------
-class Interrupted(RunError):
-    """Ctrl-C: main() prints where the run stands and exits 130, without a traceback."""
+class Interrupted(RunError):  # Ctrl-C: where the run stands; exit 130, no traceback
     status, label = 130, "interrupted"
 
 
 def train(args: Args, resumed: Optional[tuple] = None, fresh_ok: bool = False) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also in run_dir/metrics.jsonl)."""
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; nothing created yet
-    return run_iterations(setup(args, resumed=resumed), run_dir)   # bad input fails in setup
+    return run_iterations(setup(args, resumed=resumed), run_dir)  # bad input fails in setup
 
 
 def run_iterations(run: Run, run_dir: Path) -> list[dict]:
-    """`iterate` with the run's record; a stop says where the run stands and how to go on."""
-    log = RunLog(run, run_dir)
+    """The iterations from run.start, evaluations and checkpoints; a stop says how to go on."""
+    a, history, log = run.args, [], RunLog(run, run_dir)
     try:
-        return iterate(run, log)
+        for it in log.bar:
+            with run.guard(it):  # examples/cluster.py: a stop saves and says so
+                if a.eval_every and it % a.eval_every == 0:
+                    log.evaluation(it)
+                m = iteration(run, it)
+                history.append(m)
+                log.iteration(m)
+            if (it + 1) % a.save_every == 0 or it + 1 == a.iterations:
+                save_checkpoint(run, it + 1)
+        if a.eval_every and run.start < a.iterations:
+            with run.guard(a.iterations):
+                log.evaluation(a.iterations)
     except KeyboardInterrupt:
         raise Interrupted(how_to_go_on(run_dir)) from None
     except RewardError as e:
@@ -1288,23 +1258,6 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
         log.close()
         if run.world > 1:
             torch.distributed.destroy_process_group()
-
-
-def iterate(run: Run, log: RunLog) -> list[dict]:
-    """The iterations from run.start, with evaluations, records and checkpoints when due."""
-    a, history = run.args, []
-    for it in log.bar:
-        with run.guard(it):             # examples/cluster.py: a stop saves and says so
-            if a.eval_every and it % a.eval_every == 0:
-                log.evaluation(it)
-            m = iteration(run, it)
-            history.append(m)
-            log.iteration(m)
-        if (it + 1) % a.save_every == 0 or it + 1 == a.iterations:
-            save_checkpoint(run, it + 1)
-    if a.eval_every and run.start < a.iterations:
-        with run.guard(a.iterations):
-            log.evaluation(a.iterations)
     return history
 
 
@@ -1323,6 +1276,58 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
           resumed: Optional[tuple] = None) -> Run:
     """Load the model and rewards, add LoRA, shard, make the optimizer, resume; writes nothing."""
     train_prompts, eval_prompts = load_prompts(args)
+    ckpt, state, init = read_starts(args, resumed)
+    rank, world, _ = dist_info()
+    dev, dtype, ctx = setup_device(args)  # under torchrun: joins the processes
+    if rewards is None:
+        rewards = Rewards.load(args, dev, dtype)
+    for name, fn in rewards.models.items():  # plug-ins fail here, in one line
+        scored = train_prompts if name in dict(args.train_terms) else []
+        if name in dict(args.eval_terms):
+            scored = scored + eval_prompts[:args.n_eval]
+        if name not in BUILTIN_REWARDS or name in REWARD_PLUGINS:
+            probe_reward(name, fn, min(args.resolution, 256), dev, scored)
+    pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
+    adapter = make_adapter(pipe.to(dev), args, dev)
+    if args.offload_text_encoders:  # embed every prompt once, free the encoders
+        adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
+    tr, lora_cfg = adapter.transformer, None
+    torch.manual_seed(args.seed)  # the LoRA init from the seed alone, on every rank: rewards
+    random.seed(args.seed)        # and pipelines that initialise randomly drew before this
+    if args.full_finetune:
+        tr.to(torch.float32).requires_grad_(True)  # fp32 master weights, bf16 autocast compute
+    else:
+        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+    if ckpt or init:  # resumed, or a new run's start
+        load_trainable(adapter, ckpt or init, args.full_finetune)
+    if args.gradient_checkpointing:
+        tr.enable_gradient_checkpointing()
+    if world > 1:
+        shard_transformer(tr, dtype)  # replaces the parameters: before AdamW
+    params = [p for p in tr.parameters() if p.requires_grad]
+    compiled, time_compile = args.compile, 0.0
+    if compiled is None:  # the default: on with CUDA, in one process
+        compiled = dev.type == "cuda" and world == 1
+    if compiled:  # one line if it fails; nothing written yet
+        time_compile = compile_blocks(adapter, args, ctx, train_prompts[:1], params)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    # fp16 gradients underflow without loss scaling; bf16 and fp32 get a no-op scaler
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    scaler = (ShardedGradScaler if world > 1 else torch.amp.GradScaler)(
+        dev.type, enabled=dtype == torch.float16)
+    if ckpt is not None:  # optimizer, loss scale, RNG states
+        restore_state(tr, opt, scaler, ckpt, state)
+    return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
+               lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
+               dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
+               eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
+               D=adapter.latent_shape(args.resolution), scaler=scaler, compiled=compiled,
+               time_compile=time_compile, start=state["iteration"] if state else 0,
+               resumed_from=ckpt, rank=rank, world=world)
+
+
+def read_starts(args: Args, resumed: Optional[tuple]) -> tuple:
+    """(checkpoint, its state, --init's checkpoint), read once, checked against RESUME_FIXED."""
     if resumed is None and args.resume:
         resumed = read_checkpoint(args.resume)
     ckpt, state = resumed or (None, None)
@@ -1333,50 +1338,37 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
         if bad:
             k = bad[0]
             raise ConfigError(f"--{k} {getattr(args, k)!r} differs from the checkpoint's "
-                              f"{st['config'][k]!r} ({where}); drop --{k} to use it, "
-                              "or pick another checkpoint")
-    rank, world, _ = dist_info()
-    dev, dtype, ctx = setup_device(args)                   # under torchrun: joins the processes
-    if rewards is None:
-        rewards = Rewards.load(args, dev, dtype)
-    for name, fn in rewards.models.items():                # plug-ins fail here, in one line
-        scored = train_prompts if name in dict(args.train_terms) else []
-        if name in dict(args.eval_terms):
-            scored = scored + eval_prompts[:args.n_eval]
-        if name not in BUILTIN_REWARDS or name in REWARD_PLUGINS:
-            probe_reward(name, fn, min(args.resolution, 256), dev, scored)
-    pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
-    adapter = make_adapter(pipe.to(dev), args, dev)
-    if args.offload_text_encoders:                   # embed every prompt once, free the encoders
-        adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
-    tr, lora_cfg = adapter.transformer, None
-    torch.manual_seed(args.seed)      # the LoRA init from the seed alone, on every rank: rewards
-    random.seed(args.seed)            # and pipelines that initialise randomly drew before this
-    if args.full_finetune:
-        tr.to(torch.float32).requires_grad_(True)   # fp32 master weights, bf16 autocast compute
-    else:
-        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
-    if ckpt or init[0]:                                    # resumed, or a new run's start
-        load_trainable(adapter, ckpt or init[0], args.full_finetune)
-    if args.gradient_checkpointing:
-        tr.enable_gradient_checkpointing()
-    if world > 1:
-        shard_transformer(tr, dtype)                 # replaces the parameters: before AdamW
-    params = [p for p in tr.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    # fp16 gradients underflow without loss scaling; bf16 and fp32 get a no-op scaler
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-    scaler = (ShardedGradScaler if world > 1 else torch.amp.GradScaler)(
-        dev.type, enabled=dtype == torch.float16)
-    if ckpt is not None:                                   # optimizer, loss scale, RNG states
-        restore_state(tr, opt, scaler, ckpt, state)
-    return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
-               lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
-               dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
-               eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
-               D=adapter.latent_shape(args.resolution), scaler=scaler,
-               start=state["iteration"] if state else 0, resumed_from=ckpt, rank=rank, world=world)
+                              f"{saved[k]!r} ({where}); drop --{k} to use it, or pick another")
+    return ckpt, state, init[0]
 
+
+def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list) -> float:
+    """Regional torch.compile [ours C19]: each block in place (same modules and state-dict keys),
+    one graph per block class and pass kind, compiled here on stand-ins at the run's shapes so
+    a failure is one line before anything is written. Returns its seconds (gains: docs/gpu.md)."""
+    import torch._dynamo  # SD3.5's 3 block variants × 2 pass kinds × static and dynamic
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for blk in transformer_blocks(adapter.transformer):
+        blk.compile()
+    t0, N, J = time.perf_counter(), args.prompts_per_iter * args.group_size, args.n_mc
+    rows = min(args.micro_batch, N // args.mu) * J  # rows of a θ_old or θ pass
+    shapes = [(False, min(args.rollout_batch, N)), (False, min(args.rollout_batch, args.n_eval)),
+              (False, rows), (True, rows)]  # rollout, eval, θ_old, θ
+    g, cond = generator(0, 0, Stream.PROBE), adapter.encode(prompts)
+    try:
+        for grad, n in shapes:                          # the blocks compile here
+            x = torch.randn((n,) + adapter.latent_shape(args.resolution), generator=g)
+            x, t = x.to(adapter.device), torch.full((n,), 0.5, device=adapter.device)
+            with torch.set_grad_enabled(grad), ctx:
+                v = adapter.velocity(x, t, select(cond, torch.zeros(n, dtype=torch.long)))
+            if grad:
+                v.float().mean().backward()
+    except Exception as e:  # noqa: BLE001 — a missing compiler, an unsupported operation, ...
+        raise ConfigError(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]!r}); run "
+                          "with --no-compile") from None
+    for p in params:
+        p.grad = None
+    return time.perf_counter() - t0
 
 def setup_device(args: Args) -> tuple:
     """Device, compute dtype, the one autocast context; under torchrun, this process's GPU."""
@@ -1385,7 +1377,7 @@ def setup_device(args: Args) -> tuple:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:          # this process's GPU (torchrun)
+    if dev.type == "cuda" and dev.index is None:  # this process's GPU (torchrun)
         dev = torch.device(f"cuda:{local_rank}")
     if precision == "auto":
         precision = "bf16" if dev.type == "cuda" else "fp32"
@@ -1455,16 +1447,16 @@ def evaluate(run: Run, it: int) -> dict:
     """Held-out prompts, one image each from fixed noise, on every process (FSDP needs them all)."""
     args, ad, rw = run.args, run.adapter, run.rewards
     prompts = run.eval_prompts[:args.n_eval]
-    noise = generator(args.seed, 0, Stream.EVAL_NOISE)          # the same at every evaluation
+    noise = generator(args.seed, 0, Stream.EVAL_NOISE)  # the same at every evaluation
     x1 = torch.randn((len(prompts),) + run.D, generator=noise).to(run.dev)
     lat = rollout(ad, x1, ad.encode(prompts), torch.arange(len(prompts), device=run.dev),
                   run.eval_sigmas, args.solver, args.rollout_batch, run.ctx,
-                  poll=run.poll)             # the cluster companion's poll
+                  poll=run.poll)  # the cluster companion's poll
     raw, imgs = decode_and_reward(ad, rw, [n for n, _ in rw.eval_terms], lat, prompts,
                                   args.reward_batch, keep_images=True)
     if run.run_dir is not None and run.rank == 0:
         from PIL import Image
-        from torchvision.utils import make_grid          # ⌈√n⌉ per row, black where none is
+        from torchvision.utils import make_grid  # ⌈√n⌉ per row, black where none is
         grid = make_grid(imgs, nrow=math.ceil(math.sqrt(len(imgs))), padding=0).permute(1, 2, 0)
         path = run.run_dir / "eval" / f"iter_{it:06d}.png"
         with run.writing(path):
@@ -1473,12 +1465,10 @@ def evaluate(run: Run, it: int) -> dict:
     head = rw.headline(raw, rw.eval_terms)
     ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms),
           "eval_nfe": len(run.eval_sigmas) - 1, "eval_n_nonfinite": int((~head.isfinite()).sum())}
-    for n, r in {"reward": head, **raw}.items():       # non-finite rewards dropped, counted above
+    for n, r in {"reward": head, **raw}.items():  # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
-    bad = ev["eval_n_nonfinite"]
-    if bad and run.rank == 0:
-        plural = "s" if bad > 1 else ""
-        _warn(f"evaluation at iteration {it}: {bad} non-finite reward{plural} dropped")
+    if ev["eval_n_nonfinite"] and run.rank == 0:
+        _warn(f"evaluation at iteration {it}: {ev['eval_n_nonfinite']} non-finite rewards dropped")
     return ev
 
 
@@ -1499,8 +1489,9 @@ class RunLog:
             self.record(m, f"eval at iteration {it}: reward {m['eval_reward_mean']:.4f}")
 
     def iteration(self, m: dict) -> None:
-        self.record(m, f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} "
-                       f"({m['reward_unit']})  grad {m['grad_norm']:.3g}  cv {m['surrogate_cv']:.3f}"
+        self.record(m, f"iter {m['iter']:4d}  reward {m['reward_mean']:.4f} ± "
+                       f"{m['reward_std']:.4f} ({m['reward_unit']})  grad {m['grad_norm']:.3g}  "
+                       f"cv {m['surrogate_cv']:.3f}"
                        f"/{m['surrogate_cv_group']:.3f}  {m['time_iter']:.1f}s")
         self.bar.set_postfix(reward=f"{m['reward_mean']:.4g}", logrho=f"{m['abs_log_ratio']:.1e}")
 
@@ -1520,8 +1511,7 @@ class RunLog:
 
 # ---- the run folder: planned before anything loads, one run per folder -------------------------
 def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
-    """The run folder, checked writable; nothing is created. One that holds another run is
-    refused unless this is that run resumed, or fresh_ok (examples/cluster.py's --resume auto)."""
+    """The run folder, checked writable, not holding another run (unless fresh_ok); none made."""
     resumed = find_checkpoint(args.resume).parent.parent if args.resume else None
     if resumed is not None and args.run_dir is None:
         run_dir = resumed
@@ -1537,8 +1527,7 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     except OSError as e:
         raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot write in {str(top)!r} "
                           f"({e.strerror}); pass a writable --run_dir") from None
-    held = [f for f in ("config.json", "metrics.jsonl", "checkpoints/latest")
-            if (run_dir / f).exists()]
+    held = any((run_dir / f).exists() for f in ("config.json", "metrics.jsonl", "checkpoints"))
     same = resumed is not None and resumed.resolve() == run_dir.resolve()
     if held and not (fresh_ok or same):
         raise ConfigError(f"--run_dir {str(run_dir)!r} already holds a run: "
@@ -1546,10 +1535,10 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     return run_dir
 
 
+
 def open_run_dir(run: Run, run_dir: Path):
-    """Every rank learns rank 0's run folder; rank 0 creates and prepares it (for a resume:
-    `latest` and metrics.jsonl). Returns metrics.jsonl to append; None off rank 0."""
-    if run.world > 1:                                      # rank 0's time stamp names the folder
+    """Rank 0's run folder for all; rank 0 prepares it and returns metrics.jsonl to append."""
+    if run.world > 1:  # rank 0's time stamp names the folder
         box = [str(run_dir)]
         torch.distributed.broadcast_object_list(box, src=0)
         run_dir = Path(box[0])
@@ -1558,18 +1547,17 @@ def open_run_dir(run: Run, run_dir: Path):
         return None
     with run.writing(run_dir):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        for stale in (run_dir / "checkpoints").glob(".tmp-*"):        # left by a killed save
+        for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
-        config = json.dumps(dataclasses.asdict(run.args), indent=2)
-        (run_dir / "config.json").write_text(config)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
         if run.resumed_from and run.resumed_from.parent == run_dir / "checkpoints":
-            _point_latest(run.resumed_from)            # `latest` names the resumed checkpoint
+            _point_latest(run.resumed_from)  # `latest` names the resumed checkpoint
         keep, lines = [], mpath.read_text().splitlines() if mpath.exists() else []
         for line in lines:
             try:
                 m = json.loads(line)
             except ValueError:
-                continue                                   # a line cut short by a kill
+                continue  # a line cut short by a kill
             if m["iter"] < run.start:
                 keep.append(line)
         mpath.with_suffix(".tmp").write_text("".join(l + "\n" for l in keep))
@@ -1610,7 +1598,7 @@ def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
         if need:
             raise ValueError(f"missing {', '.join(need)}")
         from safetensors import safe_open
-        with safe_open(str(ckpt / weights), framework="pt") as f:   # checks the layout too
+        with safe_open(str(ckpt / weights), framework="pt") as f:  # checks the layout too
             if not list(f.keys()):
                 raise ValueError(f"{weights} holds no tensors")
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
@@ -1620,61 +1608,52 @@ def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
 
 
 def save_checkpoint(run: Run, it: int) -> Path:
-    """checkpoints/iter_XXXXXX after `it` iterations, by every process (FSDP gathers): rank 0 writes
-    a temporary folder, renames it, then switches `latest`; a failed write leaves nothing."""
+    """checkpoints/iter_X by every process (FSDP gathers); rank 0 renames a full temporary one."""
     tr, ckdir = run.adapter.transformer, run.run_dir / "checkpoints"
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
     if (ckdir / "latest").is_file() and (ckdir / "latest").read_text().strip() == final.name:
-        return final                          # saved already: a stop right after a save
-    if run.rank > 0:                          # the collectives of rank 0's write, then wait
+        return final  # saved already: a stop right after a save
+    if run.rank > 0:  # the collectives of rank 0's save, then wait
         full_state(tr), full_state(tr, run.opt)
         torch.distributed.barrier()
         return final
     try:
         with run.writing(ckdir):
             shutil.rmtree(tmp, ignore_errors=True)
-            write_checkpoint(run, tmp, it)
-            shutil.rmtree(final, ignore_errors=True)   # never `latest`'s: saves move on from it
+            tmp.mkdir(parents=True)                           # umask applies (not 0700)
+            weights, cfg = full_state(tr), dataclasses.asdict(run.args)   # optimizer's: later
+            if run.args.full_finetune:
+                from safetensors.torch import save_file
+                tr.save_config(tmp / "transformer")
+                conf = tmp / "transformer" / "config.json"  # FSDP2's class is FSDP<model class>
+                conf.write_text(conf.read_text().replace('": "FSDP', '": "', 1))
+                save_file(weights, str(tmp / FULL_FILE))
+            else:
+                from peft.utils import get_peft_model_state_dict
+                lora = get_peft_model_state_dict(tr, state_dict=weights)
+                run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
+            del weights  # host memory: never the weights and AdamW's at once
+            optim = full_state(tr, run.opt)
+            if optim:
+                torch.save(optim, tmp / OPTIM_FILE)
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate()}  # all draws: CPU
+            torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim),
+                        "rng": rng, "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            mode = (tmp / "config.json").stat().st_mode & 0o777  # a file's mode (umask)
+            for f in tmp.rglob("*.safetensors"):                 # safetensors writes 0600
+                f.chmod(mode)
+            shutil.rmtree(final, ignore_errors=True)  # never `latest`'s: saves move on from it
             os.replace(tmp, final)
             _point_latest(final)
-    finally:                                  # after a failed write nothing half-written stays
+    finally:  # after a failed write nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         (ckdir / ".latest.tmp").unlink(missing_ok=True)
     if run.world > 1:
         torch.distributed.barrier()
     return final
 
-
-def write_checkpoint(run: Run, tmp: Path, it: int) -> None:
-    """The files of a checkpoint in folder `tmp` (rank 0): weights, optimizer, trainer state."""
-    tr, cfg = run.adapter.transformer, dataclasses.asdict(run.args)
-    weights = full_state(tr)              # the optimizer state follows, once these are written
-    tmp.mkdir(parents=True)                            # umask applies (not mkdtemp's 0700)
-    if run.args.full_finetune:
-        from safetensors.torch import save_file
-        tr.save_config(tmp / "transformer")
-        conf = tmp / "transformer" / "config.json"       # FSDP2's class is FSDP<model class>
-        conf.write_text(conf.read_text().replace('"_class_name": "FSDP', '"_class_name": "'))
-        save_file(weights, str(tmp / FULL_FILE))
-    else:
-        from peft.utils import get_peft_model_state_dict
-        lora = get_peft_model_state_dict(tr, state_dict=weights)
-        run.adapter.save_lora(str(tmp), lora, run.lora_cfg)
-    del weights                         # host memory: never the weights and AdamW's at once
-    optim = full_state(tr, run.opt)
-    if optim:
-        torch.save(optim, tmp / OPTIM_FILE)
-    # no CUDA state: every draw comes from CPU generators, and a resume may see fewer GPUs
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    torch.save({"iteration": it, "config": cfg, "optimizer_saved": bool(optim), "rng": rng,
-                "scaler": run.scaler.state_dict()}, tmp / CKPT_STATE)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    mode = (tmp / "config.json").stat().st_mode & 0o777   # a file's mode under the umask
-    for f in tmp.rglob("*.safetensors"):                  # safetensors writes its files 0600
-        f.chmod(mode)
-
-
-def _point_latest(ckpt: Path) -> None:          # checkpoints/latest ← ckpt's name, atomically
+def _point_latest(ckpt: Path) -> None:  # checkpoints/latest ← ckpt's name, atomically
     (ckpt.parent / ".latest.tmp").write_text(ckpt.name)
     os.replace(ckpt.parent / ".latest.tmp", ckpt.parent / "latest")
 
@@ -1696,26 +1675,26 @@ def load_trainable(adapter, ckpt: Path, full: bool) -> None:
 def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
     """Optimizer (memory-mapped: processes share its pages), loss scale and RNG of a checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    if state["optimizer_saved"]:                 # False when saved before the first step
+    if state["optimizer_saved"]:  # False when saved before the first step
         optim = torch.load(ckpt / OPTIM_FILE, map_location="cpu", mmap=True, weights_only=False)
         set_optimizer_state_dict(tr, opt, optim, options=StateDictOptions(full_state_dict=True))
-    if state["scaler"]:                          # {} from a disabled (non-fp16) scaler
+    if state["scaler"]:  # {} from a disabled (non-fp16) scaler
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])       # an older checkpoint's "cuda" entry is ignored
+    random.setstate(state["rng"]["python"])  # an older checkpoint's "cuda" entry is ignored
 
 
 # ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` (docs/scaling.md) ---------------------
 # WORLD_SIZE > 1 ⇒ torch.distributed and FSDP2. Every process draws the same prompts, noise and
 # pairs and keeps its whole groups (Run.local); collectives wait 1 h, for rank 0's longest saves.
-def dist_info() -> tuple[int, int, int]:        # (rank, world, local rank); (0, 1, 0) alone
+def dist_info() -> tuple[int, int, int]:  # (rank, world, local rank); (0, 1, 0) alone
     return tuple(int(os.getenv(k, v)) for k, v in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0).items())
 
 
 def exit_process(status: int) -> None:
     """sys.exit; os._exit under torchrun, where gloo threads can abort an exit (docs/tests.md)."""
     if dist_info()[1] > 1:
-        sys.stdout.flush()           # stderr is line-buffered; stdout may sit in a pipe buffer
+        sys.stdout.flush()  # stderr is line-buffered; stdout may sit in a pipe buffer
         os._exit(status)
     sys.exit(status)
 
@@ -1737,15 +1716,15 @@ def full_state(tr, opt=None) -> dict:
     An optimizer that never stepped gives {}: torch's DCP would first take a hidden lr-0 step."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
-    if hasattr(tr, "reshard"):       # FSDP leaves the root unsharded after forwards without a
-        tr.reshard()                 # backward (a skipped update): AdamW's state would not map
+    if hasattr(tr, "reshard"):  # FSDP leaves the root unsharded after forwards without a
+        tr.reshard()            # backward (a skipped update): AdamW's state would not map
     o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     if opt is None:
         return get_model_state_dict(tr, options=o)
     return get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
 
 
-def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:   # ranks' x along the last dim
+def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x along the last dim
     if world == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world)]
@@ -1754,65 +1733,63 @@ def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:   # ranks' x a
 
 
 # ------------------------------------------------------------------------------------------------
-# §11  Configuration and command line: one dataclass, every field a flag of the same name whose
-#      `src` says where its default comes from; then presets, resolve_args, the banner and main().
+# §11  Configuration: Args (each field a --flag; `src`: its default's source), presets, main().
 # ------------------------------------------------------------------------------------------------
+SD3_LORA_TARGETS = "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out"  # attn
+FLUX_LORA_TARGETS = (SD3_LORA_TARGETS + ",ff.net.0.proj,ff.net.2,ff_context.net.0.proj,"
+                     "ff_context.net.2,proj_mlp,proj_out")  # + FF; single blocks (blocks only)
+
+
 def _f(default, help: str, src: str = "our choice", choices=None):
     return field(default=default, metadata=dict(help=help, src=src, choices=choices))
 
 
 @dataclass
 class Args:
-    # --- io --------------------------------------------------------------------------------------
+    # --- io ---
     run_dir: Optional[str] = _f(None, "output folder (default runs/<model>-<reward>-<date>)")
     prompts: Optional[str] = _f(None, "training prompts file (default: examples/prompts.txt)")
     eval_prompts: Optional[str] = _f(None, "held-out prompts (default: split off --prompts)")
-    eval_holdout: float = _f(0.1, "fraction of --prompts never trained on (the evaluation's "
-                             "prompts unless --eval_prompts is given)")
-    resume: Optional[str] = _f(None, "checkpoint folder, or a run folder (its latest "
-                               "checkpoint), whose config overrides the values shown here; "
-                               "examples/cluster.py also takes auto")
-    init: Optional[str] = _f(None, "a new run starting from a checkpoint's trained weights (a "
-                             "checkpoint or run folder): fresh optimizer, iteration 0")
+    eval_holdout: float = _f(0.1, "fraction of --prompts held out for evaluation, never trained on")
+    resume: Optional[str] = _f(None, "checkpoint or run folder; its config overrides these values")
+    init: Optional[str] = _f(None, "a new run from a checkpoint's (or run folder's) weights")
     save_every: int = _f(10, "checkpoint every k iterations (and at the end / on Ctrl-C)")
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
-    # --- model -----------------------------------------------------------------------------------
-    model: str = _f("sd3.5-medium", f"an alias ({', '.join([*TINY_MODELS, *MODEL_ALIASES])}), a "
-                    "hub id or a local diffusers folder")
+    # --- model ---
+    model: str = _f("sd3.5-medium", f"{', '.join([*TINY_MODELS, *MODEL_ALIASES])}, hub id, folder")
     resolution: int = _f(512, "image side in pixels", "[ours C7] DiffusionNFT's 512")
     max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
     guidance: float = _f(3.5, "FLUX: distilled guidance (no true CFG)", "[ours C1] [peer X9]")
     flux_shift: float = _f(3.0, "FLUX: time shift of the rollout grid", "[ours C8] MixGRPO")
     lora_rank: int = _f(32, "LoRA rank r", "[paper P11] SD3.5-M Stage 1")
     lora_alpha: int = _f(64, "LoRA alpha", "[paper P11] SD3.5-M Stage 1")
-    lora_targets: str = _f("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out",
-                           "module names inside the blocks that get LoRA", "[ours C17]")
+    lora_targets: str = _f(SD3_LORA_TARGETS, "module names given LoRA (in blocks)", "[ours C17]")
     full_finetune: bool = _f(False, "train all transformer weights instead of LoRA")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (less memory)")
     offload_text_encoders: bool = _f(False, "embed all prompts once, text encoders to the CPU")
-    dtype: str = _f("auto", "compute dtype; auto = bf16 on CUDA, fp32 on CPU", "[ours C10]",
+    compile: Optional[bool] = _f(None, "torch.compile the blocks; default: on with CUDA, in one "
+                                 "process; off on the CPU", "[ours C19] docs/gpu.md")
+    dtype: str = _f("auto", "auto: bf16 on CUDA, fp32 on CPU", "[ours C10]",
                     choices=("auto", "bf16", "fp16", "fp32"))
-    # --- sampler ---------------------------------------------------------------------------------
+    # --- sampler ---
     num_steps: int = _f(40, "ODE steps per rollout (K)", "[paper P11] 40-step ODE rollouts")
     solver: str = _f("euler", "deterministic ODE solver", "[paper P1; ours C17]",
                      choices=("euler", "dpmpp2m"))
-    eval_steps: Optional[int] = _f(None, "ODE steps for evaluation (None: num_steps)",
-                                   "[paper P11] the peers evaluate SD3.5-M at 40")
+    eval_steps: Optional[int] = _f(None, "ODE steps of evaluations (None: num_steps)")
     rollout_batch: int = _f(16, "samples per batched ODE solve (memory knob, same results)")
-    # --- reward ----------------------------------------------------------------------------------
-    reward: str = _f("pickscore", f"rewards with weights, e.g. pickscore:1,hpsv2:1; each one of "
-                     f"{', '.join(BUILTIN_REWARDS)} or module.path:function (examples/rewards/: "
-                     "examples.rewards.imagereward:score)")
+    # --- reward ---
+    reward: str = _f("pickscore", f"weighted rewards, e.g. pickscore:1,hpsv2:1: "
+                     f"{', '.join(BUILTIN_REWARDS)}, module.path:function or a reward server's URL")
     reward_aggregation: str = _f("sum", "several rewards: sum then normalise, or the reverse",
                                  "[ours C3]", choices=("sum", "per_reward"))
     eval_rewards: Optional[str] = _f(None, "rewards scored at evaluation (default: training's)")
-    pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore: hub id or dir", "[peer X10]")
-    pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-                                  "PickScore processor: hub id or dir", "[peer X10]")
+    pickscore_model: str = _f("yuvalkirstain/PickScore_v1", "PickScore: id or dir", "[peer X10]")
+    pickscore_processor: str = _f("laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "its processor",
+                                  "[peer X10]")
     clip_model: str = _f("openai/clip-vit-large-patch14", "CLIP of clipscore", "[peer X10]")
     reward_batch: int = _f(32, "images per decode and reward-model call (memory knob)")
-    # --- objective -------------------------------------------------------------------------------
+    # --- objective ---
     prompts_per_iter: int = _f(6, "P: prompts per iteration (paper: 48; 6 = one GPU's share of 8)")
     group_size: int = _f(24, "G: images per prompt", "[paper P11] group 24")
     n_mc: int = _f(4, "N_MC: (t, eps) pairs per sample", "[paper P11] N_MC = 4")
@@ -1832,29 +1809,26 @@ class Args:
     kl_coef: float = _f(0.0, "β of the x-space KL to θ_old; 0 = off", "[paper P9] Stage 1: no KL")
     mu: int = _f(1, "optimizer steps per iteration (disjoint minibatches)", "[paper P11] 1 step")
     micro_batch: int = _f(4, "samples per forward/backward (× n_mc rows; memory knob)")
-    # --- optimisation ----------------------------------------------------------------------------
+    # --- optimisation ---
     iterations: int = _f(150, "rollout-and-update iterations", "[paper P11] Stage 1: 150")
     lr: float = _f(3e-4, "AdamW learning rate", "[paper P11]")
     weight_decay: float = _f(1e-4, "AdamW weight decay", "[ours C10]")
     max_grad_norm: float = _f(1.0, "gradient-norm clip", "[ours C10]")
-    # --- system ----------------------------------------------------------------------------------
+    # --- system ---
     seed: int = _f(0, "seed of every random stream (prompts, noise, pairs, LoRA init)")
     device: str = _f("auto", "cuda, cpu, or auto")
-    preset: Optional[str] = _f(None, "bundle of overrides (docs/training.md \"Presets\")",
+    preset: Optional[str] = _f(None, "bundle of overrides (docs/training.md)",
                                choices=("paper", "geneval-stage", "ocr-stage", "smoke"))
 
     @functools.cached_property
-    def train_terms(self) -> list[tuple[str, float]]:   # --reward parsed once: [(name, w), ...]
+    def train_terms(self) -> list[tuple[str, float]]:  # --reward parsed once: [(name, w), ...]
         return parse_reward_spec(self.reward)
 
     @functools.cached_property
-    def eval_terms(self) -> list[tuple[str, float]]:    # --eval_rewards, or the training terms
+    def eval_terms(self) -> list[tuple[str, float]]:  # --eval_rewards, or the training terms
         return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
 
-FLUX_LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"  # attn
-                     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"  # double FF
-                     "proj_mlp,proj_out")              # single blocks (add_lora: blocks only)
 # Per family, under the per-model presets; FLUX with LoRA (MixGRPO's: --full_finetune --lr 1e-5).
 FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation",
                      "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
@@ -1867,14 +1841,14 @@ FAMILY_PRESETS: dict[str, dict] = {
                  lora_targets=FLUX_LORA_TARGETS, iterations=300)}
 # --preset NAME, per family: "paper" is SD3.5-M Stage 1's 48 × 24 [paper P11], FLUX MixGRPO's
 # 32 × 12 [ours C1–C3]; the stages' take their controls [ours C9] (docs/training.md "Presets").
-_BOTH = lambda d: {"sd3": d, "flux": d}                         # noqa: E731
+_BOTH = lambda d: {"sd3": d, "flux": d}  # noqa: E731
 PRESETS: dict[str, dict] = {
     "paper": {"sd3": dict(prompts_per_iter=48, group_size=24),
               "flux": dict(prompts_per_iter=32, group_size=12)},
     "geneval-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
-                                soft_clip_eta=0.0, iterations=200)),   # Stages 2 / 4 (4: 50 its)
+                                soft_clip_eta=0.0, iterations=200)),  # Stages 2 / 4 (4: 50 its)
     "ocr-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3,
-                            clip_eps=0.0, iterations=30)),             # Stage 5
+                            clip_eps=0.0, iterations=30)),  # Stage 5
     "smoke": _BOTH(dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1,
                         save_every=1, n_eval=2))}
 
@@ -1883,21 +1857,18 @@ def given_flags(argv: Optional[list[str]] = None) -> dict:
     """The flags given, and only those (flag name == field name); --help as its epilog says."""
     p = argparse.ArgumentParser(
         description="V-GRPO for flow-matching image models (arXiv 2604.23380)",
-        epilog="In brackets: the value a run of --model gets (without --model: SD3.5-medium's, and "
-               "FLUX.1-dev's where it differs) and its source, overridden by --preset, a resumed "
-               "checkpoint's config, then the flags given. Sources are items of METHOD.md: [paper "
-               "Pk] stated by the paper, [peer Xk] another codebase's, [ours Ck] this project's.")
+        epilog="In brackets: what a run of --model gets (SD3.5-M's, and FLUX's where it differs) "
+               "and its source (METHOD.md: [paper Pk], [peer Xk] a peer's, [ours Ck]).")
     p.error = lambda message: p.exit(2, f"error: {message} (--help lists every flag)\n")  # one line
     peek = argparse.ArgumentParser(add_help=False)        # --help, and the --model it is for
     peek.add_argument("--model")
     peek.add_argument("-h", "--help", action="store_true")
     peek.error = p.error
     asked = peek.parse_known_args(argv)[0]
-    views = []                                            # (label, the Args a run gets) to show
-    if asked.help and asked.model is None:
-        views = [("SD3 ", resolve_args({})), ("FLUX ", resolve_args({"model": "flux.1-dev"}))]
-    elif asked.help:
-        views = [("", resolve_args({"model": asked.model}))]
+    wants = [("SD3 ", {}), ("FLUX ", {"model": "flux.1-dev"})]   # (label, a run's flags)
+    if asked.model is not None:
+        wants = [("", {"model": asked.model})]
+    views = [(label, resolve_args(given)) for label, given in wants if asked.help]
     # --help's groups are the sections of Args, each named here by its first field
     sections = {"run_dir": "io", "model": "model", "num_steps": "sampler", "reward": "reward",
                 "prompts_per_iter": "objective", "iterations": "optimisation", "seed": "system"}
@@ -1906,11 +1877,11 @@ def given_flags(argv: Optional[list[str]] = None) -> dict:
         if f.name in sections:
             group = p.add_argument_group(sections[f.name])
         shown = [(label, getattr(a, f.name), a.origin[f.name]) for label, a in views]
-        if shown and shown[-1][1] == shown[0][1]:       # what every view gets: one bracket
+        if shown and shown[-1][1] == shown[0][1]:  # what every view gets: one bracket
             shown = [("", *shown[0][1:])]
         kw = dict(default=argparse.SUPPRESS, help=" ".join(
             [f.metadata["help"]] + [f"[{label}{v!r}; {src}]" for label, v, src in shown]))
-        if f.type in ("bool", bool):
+        if "bool" in str(f.type):
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = types[str(f.type).replace("Optional[", "").rstrip("]")]
@@ -1929,7 +1900,7 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     model = given.get("model", (resumed or {}).get("model", Args.model))
     family, preset = model_family(model), given.get("preset")
     fields = {f.name: f for f in dataclasses.fields(Args)}
-    resumed = {k: v for k, v in (resumed or {}).items()       # options removed since: dropped
+    resumed = {k: v for k, v in (resumed or {}).items()  # options removed since: dropped
                if k in fields and v in (fields[k].metadata["choices"] or [v])}
     layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
               (f"{model} preset (examples/tools/tiny_models.py)",
@@ -1950,13 +1921,14 @@ def check_args(args: Args) -> None:
     """Every bad value or combination, in one message, before anything is loaded or written."""
     v, P, G, world = vars(args), args.prompts_per_iter, args.group_size, dist_info()[1]
     counts = ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
-              "iterations", "reward_batch", "resolution", "eval_steps", "save_every", "n_eval",
+              "n_eval", "iterations", "reward_batch", "resolution", "eval_steps", "save_every",
               "max_sequence_length", "lora_rank", "lora_alpha")
     rates = ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta")
     problems = [f"--{k} must be ≥ 1 (got {v[k]})" for k in counts
                 if v[k] is not None and v[k] < 1]
     problems += [f"--{k} must be a finite number > 0 (got {v[k]})"
-                 for k in ("lr", "max_grad_norm", "flux_shift") if not (math.isfinite(v[k]) and v[k] > 0)]
+                 for k in ("lr", "max_grad_norm", "flux_shift")
+                 if not (math.isfinite(v[k]) and v[k] > 0)]
     problems += [f"--{k} must be a finite number ≥ 0 (got {v[k]})" for k in rates
                  if not (math.isfinite(v[k]) and v[k] >= 0)]
     checks = [
@@ -1964,7 +1936,7 @@ def check_args(args: Args) -> None:
          "group-relative advantage needs at least two images per prompt"),
         (not args.adv_clamp >= 0, f"--adv_clamp must be ≥ 0 or inf (got {args.adv_clamp})"),
         (args.eval_every < 0, f"--eval_every must be ≥ 0, 0 = never (got {args.eval_every})"),
-        (not math.isfinite(args.guidance), f"--guidance must be a finite number (got {args.guidance})"),
+        (not math.isfinite(args.guidance), f"--guidance must be finite (got {args.guidance})"),
         (args.stratified and args.n_mc > args.num_steps, f"--n_mc {args.n_mc} > --num_steps "
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
@@ -1977,30 +1949,22 @@ def check_args(args: Args) -> None:
     problems += [msg for failed, msg in checks if failed]
     for terms in ("train_terms", "eval_terms"):
         try:
-            getattr(args, terms)                          # parsed here, once, and kept
+            getattr(args, terms)  # parsed here, once, and kept
         except ConfigError as e:
             problems.append(str(e))
     if problems:
-        raise ConfigError("; ".join(dict.fromkeys(problems)))      # each once (eval = train terms)
+        raise ConfigError("; ".join(dict.fromkeys(problems)))  # each once (eval = train terms)
 
 
 def banner(run: Run) -> str:
-    """The start-up summary, and every value a preset or a flag changed with where it came from."""
+    """The start-up summary, and each value a preset or a flag changed, with its source."""
     a, N = run.args, run.N
-    grid = [round(float(s), 4) for s in run.sigmas[:3]]
-    lines = [f"V-GRPO  model={a.model}  reward={a.reward}  device={run.dev}  dtype={run.dtype}  "
-             f"processes={run.world}  run_dir={run.run_dir}",
-             f"  batch: {a.prompts_per_iter} prompts × {a.group_size} images = {N} rollouts/"
-             f"iteration ({N // run.world} per process); optimizer steps: {a.mu} of "
-             f"{N // a.mu} samples; micro-batch {a.micro_batch} × {a.n_mc} pairs",
-             f"  rollout: {a.num_steps}-step {a.solver} ODE, grid {grid}…; NFE/sample: rollout "
-             f"{a.num_steps}, θ_old {a.n_mc * (a.mu - 1) / a.mu:g} (minibatches after the first), "
-             f"θ {a.n_mc}",
-             f"  surrogate: {a.parameterization}-pred, adaptive={a.adaptive_weighting}, "
-             f"stratified={a.stratified}, sharing={a.pair_sharing}",
-             f"  controls: clip ε={a.clip_eps or 'off'}, KL β={a.kl_coef or 'off'}, soft-clip "
-             f"η={a.soft_clip_eta or 'off'}; prompts {len(run.train_prompts)} train / "
-             f"{len(run.eval_prompts)} eval"]
+    lines = [f"V-GRPO  model={a.model}  reward={a.reward}  device={run.dev}  dtype={run.dtype}"
+             f"  processes={run.world}  compiled={run.compiled} ({run.time_compile:.1f} s)",
+             f"  {a.prompts_per_iter} prompts × {a.group_size} images = {N} rollouts "
+             f"({N // run.world} per process), {a.mu} optimizer step(s) of {N // a.mu}; NFE per "
+             f"sample: rollout {a.num_steps}, θ_old {a.n_mc * (a.mu - 1) / a.mu:g}, θ {a.n_mc}",
+             f"  run_dir {run.run_dir}"]
     origin = getattr(a, "origin", {})
     changed = [f.name for f in dataclasses.fields(Args)
                if getattr(a, f.name) != f.default and f.name in origin]
@@ -2011,15 +1975,14 @@ def banner(run: Run) -> str:
 
 
 def main(argv: Optional[list[str]] = None, command: Optional[Callable] = None) -> int:
-    """The command line. Every end but a bug is one line and an exit status: 0 done, 1 a bug
-    (its traceback), 2 bad input (nothing written), 69 a reward failed mid-run, 130 Ctrl-C.
-    examples/cluster.py passes its own `command` (and adds 75, preempted and saved)."""
+    """The command line; every end but a bug (1, a traceback) is one line: 0 done, 2 bad input
+    (nothing written), 69 a reward failed, 130 Ctrl-C; examples/cluster.py's command adds 75."""
     try:
         (command or start)(given_flags(argv))
     except (ConfigError, RunError) as e:
         print(f"{e.label}: {e}", file=sys.stderr)
         return e.status
-    except KeyboardInterrupt:                     # while loading: nothing was written yet
+    except KeyboardInterrupt:  # while loading: nothing was written yet
         print("interrupted before the first iteration: nothing written", file=sys.stderr)
         return 130
     return 0
@@ -2027,7 +1990,7 @@ def main(argv: Optional[list[str]] = None, command: Optional[Callable] = None) -
 
 def start(given: dict, trainer: Optional[Callable] = None, fresh_ok: bool = False) -> list:
     """The flags given → `train`. A resumed run keeps its checkpoint's config; flags override."""
-    resumed, config = None, None          # read once: the config here, the state in setup
+    resumed, config = None, None  # read once: the config here, the state in setup
     if given.get("resume"):
         resumed = read_checkpoint(given["resume"])
         config = resumed[1]["config"]
