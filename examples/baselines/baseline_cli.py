@@ -5,6 +5,7 @@ there), and `parse`, which each script's parse() calls: one return shape, (optio
 vgrpo.Args)."""
 from __future__ import annotations
 
+import enum
 import sys
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 import vgrpo as V
+
+
+class Stream(enum.IntEnum):
+    """The baselines' own random streams: vgrpo.generator(seed, it, stream) with values that
+    vgrpo.Stream leaves to the examples, so no baseline draw repeats one of vgrpo.py's."""
+    TIMES = 4              # diffusion_nft_sd3.py: its training times t
+    STEP_NOISE = 5         # the SDE steps' noise (Flow-GRPO, MixGRPO), DiffusionNFT's ε
+    SDE_WINDOW = 6         # flow_grpo_sd3.py: where the nocfg recipe's SDE window sits
+
+
+# distinct by construction: the generator's seed is (seed·1000003 + it)·16 + stream, so streams
+# that differ modulo 16 never share a seed
+assert {int(s) % 16 for s in Stream}.isdisjoint({int(s) % 16 for s in V.Stream})
 
 # The flags a baseline script passes to vgrpo's parser when given (None: vgrpo's per-model preset)
 PASSED = ("prompts", "eval_prompts", "prompts_per_iter", "group_size", "lr")

@@ -73,7 +73,7 @@ Deviations from upstream, each with its reason (also in examples/baselines/diffu
      DistributedKRepeatSampler draws 48 distinct prompts per sampling round and may repeat a
      prompt across the 16 rounds of an epoch (the stat tracker then pools those groups: so does
      the one used here, which groups by prompt text). The shuffles, training times and noises use
-     their own streams (MINIBATCHES, TIMES, STEP_NOISE) instead of the global RNG.
+     their own streams (vgrpo's MINIBATCHES; baseline_cli.Stream.TIMES, STEP_NOISE), not the global RNG.
   D3 Rollout precision: the latent stays fp32 between solver steps and the timestep is the
      float σ·1000. Upstream casts the latent to the fp16 of its text embeddings after every step
      and truncates σ·1000 to an integer (torch.long) in the rollout and evaluation, but not in
@@ -463,8 +463,8 @@ def _train(run, state: dict, x0: torch.Tensor, cond, prompt_idx: torch.Tensor, a
     tr, N, T = ad.transformer, len(x0), state["T"]
     times = state["sigmas"][:-1].float()                                   # (K,) the rollout's
     perm = torch.randperm(N, generator=V.generator(args.seed, it, V.Stream.MINIBATCHES))  # shuffle
-    g_t = V.generator(args.seed, it, V.Stream.TIMES)
-    g_eps = V.generator(args.seed, it, V.Stream.STEP_NOISE)
+    g_t = V.generator(args.seed, it, baseline_cli.Stream.TIMES)
+    g_eps = V.generator(args.seed, it, baseline_cli.Stream.STEP_NOISE)
     t_all = torch.stack([times[torch.randperm(len(times), generator=g_t)[:T]]
                          for _ in range(N)])                               # (N, T) per sample
     stats, grad_norms = {}, []

@@ -361,9 +361,9 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     sig = [float(s) for s in sigmas]
     times = {}
     t0 = time.perf_counter()
-    S = V.Stream
+    S, B = V.Stream, baseline_cli.Stream                  # vgrpo's streams, the baselines' own
     g_prompt, g_noise, g_perm, g_sde, g_win = (V.generator(args.seed, it, s) for s in (
-        S.PROMPTS, S.ROLLOUT_NOISE, S.MINIBATCHES, S.STEP_NOISE, S.SDE_WINDOW))
+        S.PROMPTS, S.ROLLOUT_NOISE, S.MINIBATCHES, B.STEP_NOISE, B.SDE_WINDOW))
     sde, trained = step_plan(K, rec, g_win)
     T = len(trained)
 

@@ -87,8 +87,8 @@ DEVIATIONS from upstream, each with its reason:
      undefined ratio); the published 300 iterations never get there (starts ≤ 11 of 23).
   7. Random streams: prompts and initial noise as vgrpo's collect_rollouts (V.Stream.PROMPTS
      and ROLLOUT_NOISE); the group's shared noise is the group's first row of that draw; the SDE
-     noise comes from STEP_NOISE; all fp32 (upstream: global RNG seeded seed + rank, bf16
-     initial noise).
+     noise comes from baseline_cli.Stream.STEP_NOISE; all fp32 (upstream: global RNG seeded
+     seed + rank, bf16 initial noise).
   8. Robustness from vgrpo: a non-finite reward gets A = 0 (upstream has no such path), an
      optimizer step with a non-finite gradient norm is skipped, fp16 runs use vgrpo's loss scaler.
   9. Logged grad_norm is the mean over the iteration's steps (upstream logs the last one);
@@ -425,7 +425,7 @@ def mix_iteration(run: V.Run, it: int, state: dict) -> dict:
     if rec["init_same_noise"]:
         x1 = x1[(torch.arange(N) // G) * G]                                   # group's first row
     x1 = x1.to(run.dev)
-    g = V.generator(args.seed, it, V.Stream.STEP_NOISE)
+    g = V.generator(args.seed, it, baseline_cli.Stream.STEP_NOISE)
     noise = torch.randn((N, T) + run.D, generator=g).to(run.dev)             # (N, T, *D)
     mbs = micro_batches(run, rec)
     x0, traj, logp_old = window_rollout(run, x1, cond, prompt_idx, sig, window, rec, mbs, noise)
