@@ -1,4 +1,4 @@
-"""The V-GRPO paper's SD3.5-Medium curriculum: five vgrpo.py runs in a row, each starting from the
+"""The V-GRPO paper's SD3.5-Medium curriculum: five training runs in a row, each starting from the
 final weights of the one before (paper P11, which follows DiffusionNFT's five-stage curriculum).
 
     python examples/sd35_curriculum.py --model sd3.5-medium --dry_run    # print the five commands
@@ -21,14 +21,14 @@ gives Stage 1's 48 prompts × 24 images; the stage presets add the controls of M
 (docs/training.md "Presets"). The prompt files are examples/prompts/make_prompts.py's
 (--prompt_dir); the paper's preference prompts (Pick-a-Pic) are not shipped, so stages 1 and 3 use
 vgrpo's default prompts unless --preference_prompts is given. Stage k runs in
-RUN_ROOT/stage<k>-<kind> as
+RUN_ROOT/stage<k>-<kind> through examples/cluster.py (vgrpo.py with requeue and preemption) as
 
-    python vgrpo.py --model M --reward R --preset P --iterations N
+    python examples/cluster.py --model M --reward R --preset P --iterations N
         --run_dir RUN_ROOT/stage<k>-<kind> --resume auto --init <stage k-1's final checkpoint>
         [--prompts F --eval_prompts E] [flags after --]
 
 With `--resume auto` one command both starts and continues a stage: with a checkpoint in the
-stage's folder vgrpo resumes it (and ignores --init); without one it starts afresh, also in a
+stage's folder it resumes it (and ignores --init); without one it starts afresh, also in a
 folder a killed start left behind. A stage is finished when its folder's latest checkpoint has done
 the stage's iterations (vgrpo saves one after the last iteration); finished stages are skipped.
 So after any interruption (Ctrl-C, SIGTERM, a crash, a kill) the same command continues where it
@@ -36,10 +36,10 @@ stopped. Before anything runs, every stage's command is checked by vgrpo's own p
 configuration pass, its prompt files must exist, and a stage already started must have started
 from the final checkpoint of the stage before it; otherwise one line names the folder to remove.
 
-By default the stages run in this process (vgrpo.main): vgrpo's signal handling applies unchanged
-(first Ctrl-C: finish the iteration, save, stop; SIGTERM: save and exit 75, passed on for a
-requeue). With --launcher each stage is a new process, `LAUNCHER vgrpo.py ...`: a terminal's Ctrl-C
-reaches it directly, SIGTERM sent to this script is passed on, and the exit status is the
+By default the stages run in this process (cluster.main): its signal handling applies unchanged
+(first Ctrl-C: finish the iteration, save, exit 130; SIGTERM: save and exit 75, passed on for a
+requeue). With --launcher each stage is a new process, `LAUNCHER examples/cluster.py ...`: a
+terminal's Ctrl-C reaches it directly, SIGTERM sent to this script is passed on, and the exit status is the
 launcher's. Multi-GPU needs --launcher: this script refuses to run under torchrun itself, because
 vgrpo ends each run by destroying its process group, and a second one made in the same job can
 connect to the first one's stale addresses (seen here with gloo at stage 3).
@@ -67,6 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent           # the repository: vgrpo.
 sys.path.insert(0, str(ROOT))
 import torch                                             # noqa: E402
 import vgrpo as V                                        # noqa: E402
+from examples import cluster                             # noqa: E402
 
 PREFERENCE = "hpsv2:1,pickscore:1,clipscore:1"
 
@@ -217,7 +218,7 @@ def commands(args: argparse.Namespace, stages: list, extra: list, root: Path) ->
 
 
 def launch(launcher: str, argv: list) -> int:
-    """Run one stage as `LAUNCHER vgrpo.py ARGV` and return its exit status. A terminal's Ctrl-C
+    """Run one stage as `LAUNCHER examples/cluster.py ARGV` and return its exit status. A terminal's Ctrl-C
     reaches the launched processes directly (one process group), so it is ignored here; SIGTERM
     sent to this process is passed on; the child gets SIGTERM if this process dies (Linux)."""
     def die_with_parent():                               # no orphan writing into the stage folder
@@ -225,7 +226,8 @@ def launch(launcher: str, argv: list) -> int:
             ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    child = subprocess.Popen(shlex.split(launcher) + [str(ROOT / "vgrpo.py")] + argv,
+    script = str(ROOT / "examples" / "cluster.py")
+    child = subprocess.Popen(shlex.split(launcher) + [script] + argv,
                              preexec_fn=die_with_parent if sys.platform == "linux" else None)
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
                 signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: child.terminate())}
@@ -253,7 +255,8 @@ def main(argv: Optional[list] = None) -> int:
     except (CurriculumError, V.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prefix = shlex.join([*shlex.split(args.launcher or "python"), str(ROOT / "vgrpo.py")])
+    script = str(ROOT / "examples" / "cluster.py")
+    prefix = shlex.join([*shlex.split(args.launcher or "python"), script])
     for k, ((d, cmd, state), s) in enumerate(zip(todo, stages), 1):
         what = {"done": "finished, skipped",
                 "resume": "started: resumes from its latest checkpoint",
@@ -269,7 +272,7 @@ def main(argv: Optional[list] = None) -> int:
             if args.launcher:
                 status = launch(args.launcher, cmd)
             else:
-                status = V.main(cmd)
+                status = cluster.main(cmd)
                 gc.collect()                             # the stage's model and optimizer
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -282,7 +285,7 @@ def main(argv: Optional[list] = None) -> int:
         if not finished:
             print(f"curriculum stopped in stage {k} ({d}); run the same command to continue",
                   file=sys.stderr)
-            return 128 - status if status < 0 else status or 130   # 0: Ctrl-C stop, saved
+            return 128 - status if status < 0 else status or 130   # unfinished is never 0
     if not args.dry_run:
         print(f"curriculum finished: final weights in {todo[-1][0]}/checkpoints/latest")
     return 0
