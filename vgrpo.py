@@ -1343,7 +1343,7 @@ def read_starts(args: Args, resumed: Optional[tuple]) -> tuple:
 
 
 def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list) -> float:
-    """Regional torch.compile [ours C19]: each block in place (same modules and state-dict keys),
+    """Regional torch.compile [ours C20]: each block in place (same modules and state-dict keys),
     one graph per block class and pass kind, compiled here on stand-ins at the run's shapes so
     a failure is one line before anything is written. Returns its seconds (gains: docs/gpu.md)."""
     import torch._dynamo  # SD3.5's 3 block variants × 2 pass kinds × static and dynamic
@@ -1753,7 +1753,7 @@ class Args:
     eval_holdout: float = _f(0.1, "fraction of --prompts held out for evaluation, never trained on")
     resume: Optional[str] = _f(None, "checkpoint or run folder; its config overrides these values")
     init: Optional[str] = _f(None, "a new run from a checkpoint's (or run folder's) weights")
-    save_every: int = _f(10, "checkpoint every k iterations (and at the end / on Ctrl-C)")
+    save_every: int = _f(10, "checkpoint every k iterations, and after the last")
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
     # --- model ---
@@ -1769,7 +1769,7 @@ class Args:
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (less memory)")
     offload_text_encoders: bool = _f(False, "embed all prompts once, text encoders to the CPU")
     compile: Optional[bool] = _f(None, "torch.compile the blocks; default: on with CUDA, in one "
-                                 "process; off on the CPU", "[ours C19] docs/gpu.md")
+                                 "process; off on the CPU", "[ours C20] docs/gpu.md")
     dtype: str = _f("auto", "auto: bf16 on CUDA, fp32 on CPU", "[ours C10]",
                     choices=("auto", "bf16", "fp16", "fp32"))
     # --- sampler ---
