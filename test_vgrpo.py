@@ -658,14 +658,14 @@ def test_mu_two_first_step_equals_a_separate_no_grad_pass(tmp_path, monkeypatch)
     monkeypatch.setattr(V, "update_steps", update)
     assert V.main(TINY + ["--iterations", "1", "--mu", "2", "--micro_batch", "2", "--kl_coef", "0.1",
                           "--group_size", "4", "--run_dir", str(tmp_path)]) == 0
-    first = torch.cat([rows for k, rows in seen["mbs"] if k == 0])
-    later = torch.cat([rows for k, rows in seen["mbs"] if k == 1])
+    first, later = seen["mbs"]                                            # the μ = 2 minibatches
     own = calls[:seen["n_step4"]]                                         # step 4's pass
     assert not any(grad for grad, _ in own)
     assert sorted(torch.cat([r for _, r in own]).tolist()) == sorted(later.tolist())  # k = 1 only
-    assert torch.equal(seen["s_old"][first], seen["s_sep"][first])        # written by iteration
-    assert len(kl_old) == len(seen["mbs"])
-    for (k, rows), x_old in zip(seen["mbs"], kl_old):                     # what each KL used
+    assert torch.equal(seen["s_old"][first], seen["s_sep"][first])        # written by step 5
+    micro = [(k, rows) for k, mb in enumerate(seen["mbs"]) for rows in mb.split(2)]
+    assert len(kl_old) == len(micro)
+    for (k, rows), x_old in zip(micro, kl_old):                           # what each KL used
         assert torch.equal(x_old, seen["x_sep"][rows]), k
     m = _metrics(tmp_path)[0]
     assert m["abs_log_ratio_first"] == 0.0 and m["abs_log_ratio"] > 0     # step 2 is off-policy
@@ -711,7 +711,7 @@ def tiny_run():
                 p.copy_(p0)
                 p.grad = None
         run.opt.load_state_dict(copy.deepcopy(opt0))
-        run.stepped, run.stop, run.run_dir, run.start = False, [], None, 0
+        run.run_dir, run.start = None, 0
         return run
     return types.SimpleNamespace(run=run, theta0=theta0, ro=ro, sc=sc, reset=reset)
 
@@ -786,7 +786,7 @@ def test_micro_batches_change_memory_not_the_update(tiny_run, monkeypatch):
             rows.clear()
             with _optimizer_steps(run) as norms:
                 m = V.iteration(run, 0)
-            mbs = mbs_seen[-1]
+            mbs = [(k, r) for k, step in enumerate(mbs_seen[-1]) for r in step.split(mb)]
             N, J = run.N, run.args.n_mc
             assert sum(n for grad, n in rows if grad) == m["nfe_theta"] * N == J * N
             assert (sum(n for grad, n in rows if not grad) == m["nfe_old"] * N
@@ -989,6 +989,20 @@ def test_advantages_reach_their_own_samples(tiny_run, monkeypatch):
 
 
 @pytest.mark.trainer
+def test_as_many_prompts_as_there_are_draws_each_exactly_once(tiny_run, monkeypatch):
+    """--prompts_per_iter equal to the number of training prompts: every prompt exactly once per
+    iteration (without replacement, as for any P up to that number), in a new order each time.
+    (The ODE solve is replaced by the identity here.)"""
+    monkeypatch.setattr(V, "rollout", lambda adapter, x1, *a, **k: x1.float())
+    train = tiny_run.run.train_prompts
+    run = tiny_run.reset("--prompts_per_iter", len(train), "--group_size", 2)
+    orders = [V.collect_rollouts(run, it).prompts for it in (0, 1)]
+    for prompts in orders:
+        assert sorted(prompts) == sorted(train)                  # each one, once
+    assert orders[0] != orders[1]
+
+
+@pytest.mark.trainer
 def test_rollout_draws_prompts_and_independent_noise(tiny_run, monkeypatch):
     """Step 1: P distinct training prompts (without replacement; with replacement when P exceeds
     them), redrawn each iteration and the same for the same iteration; G samples per prompt in
@@ -1028,14 +1042,15 @@ def test_minibatches_partition_the_samples_each_iteration(tiny_run):
     run = tiny_run.reset("--prompts_per_iter", 4, "--mu", 3, "--micro_batch", 3)
     parts = []
     for it in (0, 1, 2, 3, 0):
-        mbs = V.minibatches(run, it)
-        assert [k for k, _ in mbs] == [0, 0, 1, 1, 2, 2] and [len(r) for _, r in mbs] == [3, 1] * 3
-        steps = [sorted(torch.cat([r for k, r in mbs if k == j]).tolist()) for j in range(3)]
+        mbs = V.minibatches(run, it)                    # one index tensor per optimizer step
+        assert [len(r) for r in mbs] == [4, 4, 4]
+        assert [len(r) for step in mbs for r in step.split(3)] == [3, 1] * 3   # update_steps's
+        steps = [sorted(step.tolist()) for step in mbs]
         assert sorted(sum(steps, [])) == list(range(12))
         parts.append(steps)
     assert parts[0] == parts[-1] and len({str(p) for p in parts[:4]}) == 4
     run = tiny_run.reset("--micro_batch", 4)
-    assert [r.tolist() for _, r in V.minibatches(run, 5)] == [[0, 1, 2, 3], [4, 5]]
+    assert [r.tolist() for r in V.minibatches(run, 5)] == [[0, 1, 2, 3, 4, 5]]
 
 
 @pytest.mark.trainer
@@ -1857,27 +1872,32 @@ def test_kill_and_resume_logs_each_iteration_once(tmp_path, monkeypatch):
 
 
 @pytest.mark.trainer
-def test_ctrl_c_finishes_the_iteration_then_saves_and_resume_is_exact(tmp_path, monkeypatch,
-                                                                      capsys):
-    """The first Ctrl-C (a real SIGINT) lets the iteration in flight finish, saves it and stops;
-    --resume then continues exactly as the uninterrupted run (same process: same float ops)."""
+def test_ctrl_c_is_one_line_naming_the_last_checkpoint_and_resume_is_exact(tmp_path, monkeypatch,
+                                                                          capsys):
+    """Ctrl-C (a real SIGINT) in iteration 2 stops `python vgrpo.py` at once: one line naming
+    the last complete checkpoint and the command that continues, no traceback, exit 130; that
+    command, run as printed, ends exactly as the uninterrupted run (same process, same float
+    operations). examples/cluster.py's gentler Ctrl-C is tested beside it."""
     import signal
     run, ref = tmp_path / "run", tmp_path / "ref"
-    assert V.main(TINY + ["--iterations", "4", "--save_every", "10", "--run_dir", str(ref)]) == 0
+    argv = TINY + ["--iterations", "4", "--save_every", "1"]
+    assert V.main(argv + ["--run_dir", str(ref)]) == 0
     real = V.iteration
 
-    def ctrl_c_in_1(r, it):
-        if it == 1:
+    def ctrl_c_in_2(r, it):
+        if it == 2:
             os.kill(os.getpid(), signal.SIGINT)              # arrives mid-iteration
         return real(r, it)
 
-    monkeypatch.setattr(V, "iteration", ctrl_c_in_1)
-    assert V.main(TINY + ["--iterations", "4", "--save_every", "10", "--run_dir", str(run)]) == 0
-    assert "stopped after iteration 1" in capsys.readouterr().err
-    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
-    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+    monkeypatch.setattr(V, "iteration", ctrl_c_in_2)
+    capsys.readouterr()
+    assert V.main(argv + ["--run_dir", str(run)]) == 130
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith(("interrupted", "error", "Traceback"))]
+    assert lines == [f"interrupted: checkpoints/latest (iter_000002) is the last complete one; "
+                     f"continue with --resume {run}"], err
     monkeypatch.setattr(V, "iteration", real)
-    assert V.main(["--resume", str(run)]) == 0
+    assert V.main(lines[0].rsplit("continue with ", 1)[1].split()) == 0
     assert _strip_times(_metrics(run)) == _strip_times(_metrics(ref))
 
 
@@ -1961,495 +1981,34 @@ def test_a_resume_reads_each_checkpoint_file_once(tmp_path, monkeypatch, full):
 
 
 # ------------------------------------------------------------------------------------------------
-# 12. What a cluster does to a run: preemption, requeue, a full disk, out of GPU memory
-# ------------------------------------------------------------------------------------------------
-def _trained(run_dir, it, full=False) -> dict:
-    """The trained weights saved after `it` iterations: the LoRA file, or the full transformer."""
-    from safetensors.torch import load_file
-    ck = Path(run_dir, "checkpoints", f"iter_{it:06d}")
-    return load_file(str(ck / ("transformer/diffusion_pytorch_model.safetensors" if full
-                               else "pytorch_lora_weights.safetensors")))
-
-
-def _same_run(a_dir, b_dir, it):
-    """Identical metrics (times aside) and identical trained weights after `it` iterations: the
-    same process and thread count, so the same float operations."""
-    assert _strip_times(_metrics(a_dir)) == _strip_times(_metrics(b_dir))
-    a, b = _trained(a_dir, it), _trained(b_dir, it)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.parametrize("where", ["rollout", "update"])
-@pytest.mark.trainer
-def test_sigterm_saves_and_the_requeued_command_continues_exactly(tmp_path, monkeypatch, capsys,
-                                                                  where):
-    """SIGTERM in iteration 1's rollout abandons it (its first optimizer step has not run: the
-    parameters are iteration 0's) and saves after 1 iteration; SIGTERM inside iteration 1's
-    first optimizer step (μ = 2, one step still to go) finishes the iteration and saves after 2.
-    Either exits with PREEMPTED, and the same command with --resume auto then ends exactly
-    where an uninterrupted run does."""
-    import signal
-    argv = TINY + ["--iterations", "4", "--save_every", "10", "--mu", "2", "--eval_every", "2"]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    assert V.main(argv + ["--run_dir", str(ref)]) == 0
-    real_rollout, real_step = V.collect_rollouts, V.optimizer_step
-
-    def rollout(r, it):
-        if it == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_rollout(r, it)
-
-    def step(r):
-        if r.stop == [] and len(_metrics(run)) == 2:           # iteration 1's first step
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_step(r)
-    monkeypatch.setattr(V, *(("collect_rollouts", rollout) if where == "rollout"
-                             else ("optimizer_step", step)))
-    again = argv + ["--run_dir", str(run), "--resume", "auto"]
-    assert V.main(again) == V.PREEMPTED
-    err = capsys.readouterr().err
-    saved = 1 if where == "rollout" else 2
-    assert f"saved {run / 'checkpoints' / f'iter_{saved:06d}'}" in err and "--resume auto" in err
-    assert (run / "checkpoints" / "latest").read_text() == f"iter_{saved:06d}"
-    monkeypatch.undo()
-    assert V.main(again) == 0                                  # the requeued job, same command
-    _same_run(run, ref, 4)
-
-
-@pytest.mark.trainer
-def test_ctrl_c_under_torchrun_saves_at_once_like_sigterm(tmp_path, monkeypatch):
-    """torchrun's agent forwards Ctrl-C and SIGKILLs its workers after --shutdown_timeout (30 s),
-    so under torchrun SIGINT takes the preemption path: saved at once, exit PREEMPTED."""
-    import signal
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    real = V.collect_rollouts
-
-    def rollout(r, it):
-        if it == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(r, it)
-    monkeypatch.setattr(V, "collect_rollouts", rollout)
-    run = tmp_path / "run"
-    assert V.main(TINY + ["--iterations", "3", "--save_every", "10", "--run_dir", str(run)]) == V.PREEMPTED
-    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
-
-
-@pytest.mark.trainer
-def test_sigterm_twice_still_exits_75(tmp_path):
-    """Schedulers repeat SIGTERM. A second one 0.3 s after the first, and more every 50 ms until
-    the process is gone, still end the run with PREEMPTED (not 143, SIGTERM's own status) and one
-    "preempted" line, with `latest` on the checkpoint that line names."""
-    import signal
-    import subprocess
-    import time
-    run, log = tmp_path / "run", tmp_path / "stderr.txt"
-    argv = [sys.executable, str(ROOT / "vgrpo.py"), *TINY, "--iterations", "1000", "--save_every",
-            "1000", "--run_dir", str(run)]
-    with open(log, "w") as err:
-        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        deadline = time.time() + 600
-        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text():
-            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)                                   # iteration 0 is logged
-        p.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        while p.poll() is None:                                # Popen ignores a finished process
-            p.send_signal(signal.SIGTERM)
-            time.sleep(0.05)
-    text = log.read_text()
-    assert p.returncode == V.PREEMPTED, (p.returncode, text[-3000:])
-    said = re.findall(r"preempted (?:at|after) iteration \d+: saved (\S+);", text)
-    assert len(said) == 1 and "Traceback" not in text, text[-3000:]
-    assert (run / "checkpoints" / "latest").read_text() == Path(said[0]).name
-
-
-@pytest.mark.trainer
-def test_every_resume_hint_works_as_printed(tmp_path, monkeypatch, capsys):
-    """A run started without --run_dir (so in runs/<model>-<reward>-<time>) gets SIGTERM in
-    iteration 1. Its line names `--resume RUN` and, for a requeued job, the same command with
-    `--resume auto --run_dir RUN`: each, run exactly as printed (on its own copy of the folder),
-    ends where an uninterrupted run does."""
-    import shutil
-    import signal
-    argv = TINY + ["--iterations", "3", "--save_every", "10"]
-    assert V.main(argv + ["--run_dir", str(tmp_path / "ref")]) == 0
-    monkeypatch.chdir(tmp_path)
-    real = V.collect_rollouts
-
-    def rollout(r, it):
-        if it == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(r, it)
-    monkeypatch.setattr(V, "collect_rollouts", rollout)
-    capsys.readouterr()
-    assert V.main(argv) == V.PREEMPTED
-    err = capsys.readouterr().err
-    monkeypatch.setattr(V, "collect_rollouts", real)
-    resume = re.search(r"continue with (--resume \S+); a requeued job", err)
-    requeue = re.search(r"the same command and (--resume auto --run_dir \S+)", err)
-    assert resume and requeue, err
-    run = Path(resume.group(1).split()[1])
-    assert run.parent.name == "runs" and requeue.group(1).split()[-1] == str(run)
-    shutil.copytree(run, tmp_path / "copy")
-    assert V.main(resume.group(1).split()) == 0
-    _same_run(run, tmp_path / "ref", 3)
-    shutil.rmtree(run)
-    shutil.move(tmp_path / "copy", run)
-    assert V.main(argv + requeue.group(1).split()) == 0
-    _same_run(run, tmp_path / "ref", 3)
-
-
-FLAKY_REWARD = """\
-import os
-from examples.rewards.jpeg import score as jpeg
-calls = []
-
-
-def score(images, prompts):              # the JPEG reward, served by a server that may go away
-    calls.append(len(images))
-    if len(calls) == int(os.environ.get("FLAKY_FAIL_AT", "0")):
-        raise ConnectionError("reward server at 10.0.0.7:8000 went away")
-    return jpeg(images, prompts)
-"""
-
-
-@pytest.mark.trainer
-def test_a_reward_that_fails_mid_run_ends_in_one_line_and_loses_nothing(tmp_path, monkeypatch,
-                                                                        capsys):
-    """A plug-in reward that passes the start-up probe and raises in iteration 2 (a reward server
-    gone): one line naming the reward, its error, the iteration, what was saved and the command
-    that continues, and exit status REWARD_FAILED. Iteration 2 had taken no optimizer step, so the
-    state after 2 iterations is saved, and the printed command, once the reward is back, ends
-    where an uninterrupted run does."""
-    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    argv = TINY + ["--reward", "flaky:score", "--iterations", "4", "--save_every", "10"]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    assert V.main(argv + ["--run_dir", str(ref)]) == 0
-    monkeypatch.delitem(sys.modules, "flaky")                  # a fresh import, a fresh count
-    monkeypatch.setenv("FLAKY_FAIL_AT", "4")                   # the probe, iterations 0, 1, 2
-    capsys.readouterr()
-    assert V.main(argv + ["--run_dir", str(run)]) == V.REWARD_FAILED
-    err = capsys.readouterr().err
-    lines = [l for l in err.splitlines() if l.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert re.search(r"reward 'flaky:score' failed: ConnectionError: reward server .* went away, "
-                     r"in iteration 2; saved \S*iter_000002; continue with --resume (\S+)$",
-                     lines[0]), lines[0]
-    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
-    assert [m["iter"] for m in _metrics(run)] == [0, 1]
-    monkeypatch.delenv("FLAKY_FAIL_AT")                         # the server is back
-    assert V.main(lines[0].rsplit("continue with ", 1)[1].split()) == 0
-    _same_run(run, ref, 4)
-
-
-def _tmpfs(path: Path, size: str):
-    """A real small filesystem (root on Linux), or None where it cannot be mounted."""
-    import subprocess
-    path.mkdir(parents=True)
-    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                        capture_output=True).returncode == 0
-    return path if ok else None
-
-
-@pytest.mark.trainer
-def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iteration_once(
-        tmp_path, monkeypatch, capsys):
-    """The run folder on a 2 MB filesystem, filled up after the first checkpoint: the second
-    checkpoint fails (safetensors' own error type, not OSError) with one line naming it, a
-    clean-up step in `finally` fails too and masks nothing, no temporary file is left,
-    `latest` still names the first checkpoint, and --resume after freeing space logs every
-    iteration once. Where no filesystem can be mounted, writers that raise stand in for it."""
-    import subprocess
-    mnt = _tmpfs(tmp_path / "small", "2m")
-    run = (mnt or tmp_path) / "run"
-    argv = TINY + ["--iterations", "2", "--save_every", "1", "--eval_every", "1", "--run_dir", str(run)]
-    real_ckpt, real_steps, full = V.save_checkpoint, V.RunLog.close_steps, []
-    filler = (mnt or tmp_path) / "filler"
-
-    def fill_then_checkpoint(r, it):
-        if it == 2:
-            full.append(True)
-            if mnt is not None:                                 # take every free byte
-                subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
-            else:
-                from safetensors import SafetensorError
-                def boom(*a, **k):
-                    raise SafetensorError("Error while serializing: I/O error: No space left on device")
-                monkeypatch.setattr("safetensors.torch.save_file", boom)
-                monkeypatch.setattr(r.adapter, "save_lora", boom)
-        return real_ckpt(r, it)
-
-    def close_fails():                               # a clean-up step that meets the full disk
-        if full:
-            raise OSError(28, "No space left on device")
-    monkeypatch.setattr(V, "save_checkpoint", fill_then_checkpoint)
-    monkeypatch.setattr(V.RunLog, "close_steps", lambda self: real_steps(self) + [close_fails])
-    try:
-        capsys.readouterr()
-        assert V.main(argv) == 2
-        err = capsys.readouterr().err
-        lines = [l for l in err.splitlines() if l.strip() and not l.startswith("V-GRPO")
-                 and "it/s" not in l and "s/it" not in l]
-        assert len(lines) == 1 and "Traceback" not in err, err
-        assert re.search(r"error: could not write .*(space|Space).*--resume", lines[0]), err
-        ck = run / "checkpoints"
-        assert (ck / "latest").read_text() == "iter_000001"
-        assert sorted(p.name for p in ck.iterdir()) == ["iter_000001", "latest"]   # no .tmp-*
-        monkeypatch.undo()
-        filler.unlink(missing_ok=True)                          # space freed
-        assert V.main(["--resume", str(run)]) == 0
-        assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
-        assert [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m] == [0, 1, 2]
-    finally:
-        if mnt is not None:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-@pytest.mark.parametrize("writer", ["png", "metrics", "torch.save"])
-@pytest.mark.trainer
-def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
-        tmp_path, monkeypatch, capsys, writer):
-    """The disk fills up right after the first checkpoint, seen by each writer of the run folder in
-    turn: the evaluation grid (PIL), the metrics line, torch.save (whose error is a RuntimeError,
-    not an OSError). One line names what failed and --resume; `latest` still names
-    the complete first checkpoint, no temporary folder is left, and --resume then logs every
-    iteration and evaluation once."""
-    import errno
-    named = {"png": r"eval/iter_000001\.png \(OSError", "metrics": r"metrics\.jsonl \(OSError",
-             "torch.save": r"a checkpoint in .*inline_container"}[writer]
-    run = tmp_path / "run"
-    latest = run / "checkpoints" / "latest"
-    full = lambda: OSError(errno.ENOSPC, "No space left on device")
-    if writer == "png":
-        from PIL import Image
-        real_png = Image.Image.save
-        monkeypatch.setattr(Image.Image, "save", lambda self, fp, *a, **k: (_ for _ in ()).throw(
-            full()) if latest.exists() and isinstance(fp, (str, Path)) else real_png(self, fp, *a, **k))
-    elif writer == "metrics":
-        real_open = V.open_run_dir
-
-        class Full:                                  # metrics.jsonl, full once a save exists
-            def __init__(self, f):
-                self.f = f
-
-            def write(self, text):
-                if latest.exists():
-                    raise full()
-                return self.f.write(text)
-
-            def flush(self):
-                self.f.flush()
-
-            def close(self):
-                self.f.close()
-        def opened(r, d):                            # (metrics.jsonl, the run folder's lock)
-            metrics, lock = real_open(r, d)
-            return Full(metrics), lock
-        monkeypatch.setattr(V, "open_run_dir", opened)
-    else:
-        real_save = torch.save
-
-        def save(obj, f, *a, **k):
-            if latest.exists() and str(f).endswith(V.OPTIM_FILE):
-                raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter "
-                                   "failed writing file data/0: file write failed")
-            return real_save(obj, f, *a, **k)
-        monkeypatch.setattr(torch, "save", save)
-    argv = TINY + ["--save_every", "1", "--eval_every", "1", "--run_dir", str(run)]      # 2 iterations
-    capsys.readouterr()
-    assert V.main(argv) == 2
-    err = capsys.readouterr().err
-    lines = [l for l in err.splitlines() if l.strip() and not l.startswith(("V-GRPO", "eval at"))
-             and "it/s" not in l and "s/it" not in l]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert re.search(r"^error: could not write .*" + named + r".*continue with --resume ", lines[0]), err
-    assert latest.read_text() == "iter_000001"
-    assert sorted(p.name for p in latest.parent.iterdir()) == ["iter_000001", "latest"]
-    V.read_checkpoint(str(run))
-    monkeypatch.undo()                                          # space freed
-    assert V.main(["--resume", str(run)]) == 0
-    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
-    assert [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m] == [0, 1, 2]
-
-
-@pytest.mark.parametrize("phase, knob", [("rollout", "--rollout_batch"),
-                                         ("reward", "--reward_batch"),
-                                         ("old", "--micro_batch"),
-                                         ("update", "--micro_batch")])
-@pytest.mark.trainer
-def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_path, monkeypatch,
-                                                                          capsys, phase, knob):
-    """torch.cuda.OutOfMemoryError (raised here from a patched call on the CPU) in iteration 1:
-    one line naming the phase and the knob that lowers its memory; the parameters are still
-    iteration 0's (the step had not run), so they are saved and --resume continues exactly as
-    an uninterrupted run. The θ_old pass ("old") runs at μ = 2 only, before the first step."""
-    argv = TINY + ["--iterations", "3", "--save_every", "10"] + ["--mu", "2"] * (phase == "old")
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    assert V.main(argv + ["--run_dir", str(ref)]) == 0
-    target = {"rollout": "rollout", "reward": "decode_and_reward", "old": "surrogate_pass",
-              "update": "vgrpo_loss"}[phase]
-    real, calls = getattr(V, target), []
-
-    def oom(*a, **k):
-        if len(_metrics(run)) == 1 and not calls:               # in iteration 1
-            calls.append(1)
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(*a, **k)
-    monkeypatch.setattr(V, target, oom)
-    capsys.readouterr()
-    assert V.main(argv + ["--run_dir", str(run)]) == 2
-    err = capsys.readouterr().err
-    line = [l for l in err.splitlines() if l.startswith("error:")]
-    assert len(line) == 1 and "Traceback" not in err, err
-    said = {"rollout": "the rollout", "reward": "decoding and rewards", "old": "the θ_old pass",
-            "update": "the update"}
-    assert f"out of GPU memory in {said[phase]}" in line[0]
-    assert knob in line[0] and "saved" in line[0] and "--resume" in line[0]
-    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
-    monkeypatch.undo()
-    assert V.main(["--resume", str(run)]) == 0
-    _same_run(run, ref, 3)
-
-
-@pytest.mark.parametrize("save_every", [1, 10])
-@pytest.mark.trainer
-def test_out_of_gpu_memory_after_the_first_step_saves_nothing_and_the_run_continues(
-        tmp_path, monkeypatch, capsys, save_every):
-    """μ = 2, out of memory in iteration 1's second optimizer step: the first step has changed the
-    weights, so no consistent state is in memory and nothing is saved. The line names the last
-    complete checkpoint (or says there is none) and the command that goes on from there:
-    --resume RUN, or --resume auto, which starts over; either ends where an uninterrupted run
-    does."""
-    argv = TINY + ["--iterations", "3", "--save_every", str(save_every), "--mu", "2"]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    assert V.main(argv + ["--run_dir", str(ref)]) == 0
-    real, calls = V.vgrpo_loss, []
-
-    def oom(*a, **k):
-        if len(_metrics(run)) == 1:                             # iteration 1: one per step
-            calls.append(1)
-            if len(calls) == 2:
-                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(*a, **k)
-    monkeypatch.setattr(V, "vgrpo_loss", oom)
-    capsys.readouterr()
-    assert V.main(argv + ["--run_dir", str(run)]) == 2
-    err = capsys.readouterr().err
-    line = [l for l in err.splitlines() if l.startswith("error:")]
-    assert len(line) == 1 and "Traceback" not in err, err
-    assert "out of GPU memory in the update" in line[0] and "--micro_batch" in line[0]
-    assert "saved" not in line[0]
-    monkeypatch.undo()
-    if save_every == 1:
-        assert f"checkpoints/latest (iter_000001) is the last complete one; continue with " \
-               f"--resume {run}" in line[0], line[0]
-        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "latest"]
-        assert V.main(["--resume", str(run)]) == 0
-    else:
-        assert f"no checkpoint yet; continue with --resume auto --run_dir {run}" in line[0], line[0]
-        assert list((run / "checkpoints").iterdir()) == []
-        assert V.main(argv + ["--run_dir", str(run), "--resume", "auto"]) == 0
-    _same_run(run, ref, 3)
-
-
-# ------------------------------------------------------------------------------------------------
-# 13. One trainer per run folder
+# 12. One run per run folder
+#     What a cluster does to a run (preemption, requeue, a full disk, out of GPU memory, one
+#     trainer per folder) is examples/cluster.py's, tested in examples/test_cluster.py.
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.trainer
 def test_the_same_command_twice_never_mixes_two_runs(tmp_path, capsys):
-    """A folder that holds a run is refused in one line naming its latest checkpoint and the two
-    ways on, and nothing in it changes; --resume auto continues it (each iteration logged once),
-    and on an empty folder starts one. A run killed before its first checkpoint starts over."""
+    """A folder that holds a run is refused in one line naming its latest checkpoint and the
+    command that continues it, and nothing in it changes; that command continues it, each
+    iteration logged once."""
     run = tmp_path / "run"
     argv = TINY + ["--iterations", "3", "--run_dir", str(run)]
     assert V.main(argv) == 0
-    before = {f: (run / f).read_bytes() for f in ("metrics.jsonl", "config.json", "checkpoints/latest")}
+    before = {f: (run / f).read_bytes() for f in ("metrics.jsonl", "config.json",
+                                                   "checkpoints/latest")}
     capsys.readouterr()
     assert V.main(argv[:-4] + ["--iterations", "2", "--run_dir", str(run)]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"already holds a run: checkpoints/latest \(iter_000003\) is the last complete "
-                     r"one; continue with --resume .*another --run_dir", err), err
-    assert len([l for l in err.splitlines() if l.strip()]) == 1
+    said = re.fullmatch(r"error: --run_dir .* already holds a run: checkpoints/latest "
+                        r"\(iter_000003\) is the last complete one; continue with (--resume \S+)\n",
+                        err)
+    assert said, err
     assert {f: (run / f).read_bytes() for f in before} == before
-    assert V.main(argv + ["--resume", "auto", "--iterations", "4"]) == 0
+    assert V.main(said.group(1).split() + ["--iterations", "4"]) == 0
     assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2, 3]
-    fresh = tmp_path / "fresh"
-    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(fresh), "--resume", "auto"]) == 0
-    (fresh / "checkpoints" / "latest").unlink()                 # as if killed before a save
-    shutil_rm = __import__("shutil").rmtree
-    shutil_rm(fresh / "checkpoints" / "iter_000001")
-    assert V.main(TINY + ["--iterations", "2", "--run_dir", str(fresh), "--resume", "auto"]) == 0
-    assert [m["iter"] for m in _metrics(fresh) if "reward_mean" in m] == [0, 1]
-    assert V.main(TINY + ["--resume", "auto"]) == 2                # needs --run_dir
-    assert "--resume auto needs --run_dir" in capsys.readouterr().err
-
-
-GATED_REWARD = """\
-import os
-import time
-from pathlib import Path
-calls = []
-
-
-def score(images, prompts):          # the mean colour; the call of iteration 1 waits for a file
-    calls.append(len(images))
-    if len(calls) == 3:              # 1: the start-up probe, 2: iteration 0, 3: iteration 1
-        Path(os.environ["GATE"] + ".waiting").write_text("")
-        for _ in range(3000):
-            if Path(os.environ["GATE"]).exists():
-                break
-            time.sleep(0.1)
-    return images.float().mean(dim=(1, 2, 3)).cpu()
-"""
-
-
-@pytest.mark.trainer
-def test_a_second_trainer_on_a_live_run_folder_is_refused_and_the_first_finishes(tmp_path, capsys,
-                                                                                  monkeypatch):
-    """One trainer per run folder: while a trainer runs (here held inside iteration 1, after the
-    checkpoint of iteration 0), a second on its folder, by `--resume RUN` or by the same
-    `--run_dir`, exits with status 2 and one line naming the first's pid, and changes no file;
-    the first then finishes: status 0, every iteration logged once, `latest` on its last save."""
-    import subprocess
-    import time
-    (tmp_path / "gated.py").write_text(GATED_REWARD)
-    run, gate = tmp_path / "run", tmp_path / "go"
-    with open(tmp_path / "first.err", "w") as err:
-        first = subprocess.Popen([sys.executable, str(ROOT / "vgrpo.py")] + TINY +
-                                 ["--reward", "gated:score", "--iterations", "3", "--run_dir", str(run)],
-                                 cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1", GATE=str(gate)),
-                                 stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        for _ in range(1200):                       # until iteration 1 waits at the gate
-            if Path(str(gate) + ".waiting").exists() or first.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert first.poll() is None, (tmp_path / "first.err").read_text()
-        assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
-        assert (run / ".lock").read_text().strip() == str(first.pid)
-        files = {f: f.read_bytes() for f in run.rglob("*") if f.is_file()}
-        for argv in (["--resume", str(run)], TINY + ["--run_dir", str(run)]):
-            assert V.main(argv) == 2
-            err = capsys.readouterr().err
-            assert re.fullmatch(rf"error: --run_dir .* is in use by a running trainer \(pid {first.pid}\); "
-                                r"wait for it to end, or pass another --run_dir\n", err), err
-        assert {f: f.read_bytes() for f in run.rglob("*") if f.is_file()} == files
-        gate.write_text("")
-        assert first.wait(timeout=300) == 0, (tmp_path / "first.err").read_text()
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2]
-    assert (run / "checkpoints" / "latest").read_text() == "iter_000003"
-    monkeypatch.chdir(tmp_path)                                          # where gated.py is
-    assert V.main(["--resume", str(run), "--iterations", "4"]) == 0      # the folder is free again
 
 
 # ------------------------------------------------------------------------------------------------
-# 14. --help: the sections of Args and the values each model gets
+# 13. --help: the sections of Args and the values each model gets
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.trainer
 def test_help_shows_what_each_family_gets_in_the_sections_of_args(capsys):
@@ -2470,7 +2029,7 @@ def test_help_shows_what_each_family_gets_in_the_sections_of_args(capsys):
     assert f"image side in pixels [SD3 512; [ours C7] DiffusionNFT's 512] [FLUX 720; {flux}]" in flat
     assert f"(disjoint minibatches) [SD3 1; [paper P11] 1 step] [FLUX 4; {flux}]" in flat
     assert "(less memory) [True; sd3 preset" in flat             # both families' presets turn it on
-    assert "else a new one; its config overrides the values shown here [None;" in flat
+    assert "checkpoint or run folder; its config overrides these values [None;" in flat
     for name in [*V.TINY_MODELS, *V.MODEL_ALIASES, *V.BUILTIN_REWARDS]:
         assert re.search(rf"[( ]{re.escape(name)}[,) ]", flat), name
     with pytest.raises(SystemExit):
@@ -2496,7 +2055,7 @@ def test_help_with_a_tiny_model_prints_what_its_run_gets(model, capsys):
 
 
 # ------------------------------------------------------------------------------------------------
-# 15. Conventions against their sources: presets, LoRA init and targets, SD3 without T5, fp16
+# 14. Conventions against their sources: presets, LoRA init and targets, SD3 without T5, fp16
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.trainer
 def test_paper_and_stage_presets_follow_the_family():
@@ -2579,8 +2138,30 @@ def test_fp16_trains_with_loss_scaling(tmp_path):
     assert _metrics(tmp_path / "fp32")[0]["grad_scale"] == 1.0          # fp32: no scaling
 
 
+@pytest.mark.trainer
+def test_fp16_resume_keeps_the_saved_loss_scale(tmp_path, monkeypatch):
+    """A run resumed under fp16 continues with the loss scale its checkpoint holds, not the
+    initial 2^16: a scale brought down to 1,024 before the save (as overflows do) scales the
+    resumed run's first step, whose gradients would otherwise overflow again."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--dtype", "fp16", "--device", "cpu",
+                          "--run_dir", str(run)]) == 0
+    ckpt, state = V.read_checkpoint(str(run))
+    assert state["scaler"]["scale"] == 2.0 ** 16                 # one step: no overflow yet
+    state["scaler"]["scale"] = 1024.0
+    torch.save(state, ckpt / V.CKPT_STATE)
+    scales, real = [], V.optimizer_step
+
+    def step(r):
+        scales.append(r.scaler.get_scale())                       # the scale of this backward
+        return real(r)
+    monkeypatch.setattr(V, "optimizer_step", step)
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    assert scales == [1024.0] and _metrics(run)[-1]["grad_scale"] == 1024.0
+
+
 # ------------------------------------------------------------------------------------------------
-# 16. FLUX: packing, the tiny pipeline end to end, the local loading path
+# 15. FLUX: packing, the tiny pipeline end to end, the local loading path
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.math
 def test_flux_unpacking_inverts_diffusers_packing():
@@ -2638,7 +2219,7 @@ def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# 17. Data parallelism: 2 processes under torchrun (gloo, CPU) = 1 process
+# 16. Data parallelism: 2 processes under torchrun (gloo, CPU) = 1 process
 #    The same global batch on each side.
 # ------------------------------------------------------------------------------------------------
 DDP = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--group_size", "3", "--num_steps", "4",
@@ -2664,6 +2245,9 @@ def _close_runs(a_dir, b_dir, it, full=False):
     diff = math.sqrt(sum((a[k].double() - b[k].double()).square().sum().item() for k in a))
     norm = math.sqrt(sum(a[k].double().square().sum().item() for k in a))
     assert diff / norm < 1e-4 and max((a[k] - b[k]).abs().max().item() for k in a) < 2e-2
+
+
+CLUSTER = ROOT / "examples" / "cluster.py"          # vgrpo.py with preemption and requeue
 
 
 def _launch(args, cwd, script=ROOT / "vgrpo.py", timeout=600, **env_extra):
@@ -2867,7 +2451,7 @@ def test_sigkill_during_a_sharded_checkpoint_write_leaves_latest_loadable(tmp_pa
 def test_sigterm_to_torchrun_saves_on_every_process_and_the_run_continues(tmp_path):
     """SIGTERM to the torchrun agent (what SLURM and Kubernetes send) is forwarded to both
     workers, which agree at the next preemption point, save within the agent's shutdown window
-    and exit with PREEMPTED; the same command with --resume auto then continues, and the two
+    and exit with 75 (examples/cluster.py); the same command with --resume auto then continues, and the two
     2-process runs end with the same metrics (same processes, same float operations)."""
     (tmp_path / "term_reward.py").write_text(
         "import os, signal\nfrom pathlib import Path\n"
@@ -2880,7 +2464,7 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_run_continues(tmp_pa
         "    return images.float().mean(dim=(1, 2, 3))\n")
     args = DDP + ["--reward", "term_reward:score", "--iterations", "4", "--save_every", "10"]
     launch = lambda run, **e: _launch(args + ["--run_dir", str(run), "--resume", "auto"], tmp_path,
-                                      PYTHONPATH=str(tmp_path), **e)
+                                      script=CLUSTER, PYTHONPATH=str(tmp_path), **e)
     ref = launch(tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr[-3000:]
     for f in tmp_path.glob("calls*"):
@@ -2890,7 +2474,7 @@ def test_sigterm_to_torchrun_saves_on_every_process_and_the_run_continues(tmp_pa
     # the workers stop at the first preemption point both reach after the agent forwards the
     # signal: inside iteration 1 (saving 1 iteration), or after its step when the forwarding is
     # slow, as on a loaded machine (saving 2); either way the resumed run must end as `ref` does
-    when = re.search(r"preempted (at|after) iteration 1\b", cut.stderr)
+    when = re.search(r"preempted: (at|after) iteration 1\b", cut.stderr)
     assert when, cut.stderr[-3000:]
     assert cut.returncode != 0                      # the agent itself dies of its SIGTERM
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == \
@@ -2929,8 +2513,8 @@ def test_torchrun_processes_exit_cleanly_while_gloo_still_holds_tensors(tmp_path
 
 @pytest.mark.multiprocess
 def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path, monkeypatch):
-    """Out of memory in one process of two (rank 1's reward of iteration 3, after the save of
-    iteration 2): that process ends in one line and saves nothing (a save is a collective that
+    """Out of memory in one process of two under examples/cluster.py (rank 1's reward of
+    iteration 3, after the save of iteration 2): that process ends in one line and saves nothing (a save is a collective that
     the other process, waiting in its own, would never join: NCCL would hang for the 1-h
     timeout), torchrun stops the other, `latest` names the last complete checkpoint, and
     --resume (here by one process) continues, logging each iteration once."""
@@ -2943,7 +2527,7 @@ def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path, 
         "    return images.float().mean(dim=(1, 2, 3))\n")
     args = DDP + ["--reward", "oom_reward:score", "--iterations", "4", "--save_every", "2"]
     cut = _launch(args + ["--run_dir", str(tmp_path / "run")], tmp_path, timeout=180,  # ~15 s;
-                  PYTHONPATH=str(tmp_path), OOM="1")                              # a hang fails
+                  script=CLUSTER, PYTHONPATH=str(tmp_path), OOM="1")              # a hang fails
     assert cut.returncode != 0
     said = [l for l in cut.stderr.splitlines() if "out of GPU memory" in l]
     assert len(said) == 1 and "error: out of GPU memory in decoding and rewards" in said[0]
@@ -2960,6 +2544,102 @@ def test_prompts_must_split_evenly_across_processes(tmp_path, capsys, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     _fails(TINY + ["--prompts_per_iter", "3"], tmp_path, capsys, r"must be divisible by the 2 processes")
+
+
+# ------------------------------------------------------------------------------------------------
+# 17. Compilation: --compile keeps ρ ≡ 1, the eager run's numbers, and compiles once
+# ------------------------------------------------------------------------------------------------
+# Every pass of these runs has 8 rows (rollout and evaluation chunks of 8, micro-batches of 2
+# samples × 4 pairs), so each block kind compiles one no-grad graph and one graph with its
+# backward, during setup; nothing may compile after that.
+COMPILED = ["--iterations", "2", "--mu", "1", "--prompts_per_iter", "2", "--group_size", "4", "--num_steps", "4",
+            "--rollout_batch", "8", "--micro_batch", "2", "--n_mc", "4", "--n_eval", "8",
+            "--eval_every", "1", "--save_every", "1"]
+
+
+def _graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    import torch._dynamo.utils
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _cache_entries() -> int:
+    """Compiled variants of nn.Module._call_impl, the code every compiled block runs: what torch's
+    recompile limit counts (beyond it dynamo silently falls back to eager)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    return len(_debug_get_cache_entry_list(torch.nn.Module._call_impl.__code__))
+
+
+@pytest.mark.trainer
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux"])
+def test_compiled_run_equals_the_eager_run_and_compiles_once(model, tmp_path, monkeypatch):
+    """--compile on the CPU (inductor, gcc): the same rewards, surrogate CV and gradient norms as
+    the eager run, the first step's |log ρ| exactly 0, and after setup's compilation nothing
+    compiles again: not in later iterations, not in an evaluation, not in a resume."""
+    flags = ["--model", model, "--reward", _smooth_reward(tmp_path, monkeypatch)] + COMPILED
+    assert V.main(flags + ["--no-compile", "--run_dir", str(tmp_path / "eager")]) == 0
+    after_setup, real = [], V.compile_blocks
+
+    def compile_blocks(*a, **k):
+        out = real(*a, **k)
+        after_setup.append(_graphs())
+        return out
+    monkeypatch.setattr(V, "compile_blocks", compile_blocks)
+    assert V.main(flags + ["--compile", "--run_dir", str(tmp_path / "compiled")]) == 0
+    assert _graphs() == after_setup[0]                  # iterations 0–1, evaluations 0–2: none
+    eager, compiled = _metrics(tmp_path / "eager"), _metrics(tmp_path / "compiled")
+    # inductor fuses the blocks' elementwise ops and reorders some fp32 reductions: each result
+    # moves by rounding (~1e-6 relative), carried through 4 ODE steps and two Adam steps at lr
+    # 1e-2 into the images; the smooth reward (mean colour ≈ 0.5) moves ≲ 1e-5: 1e-4 absolute;
+    # gradient norms and the surrogate CV, smooth in the same numbers, 1e-3 relative
+    assert [m["iter"] for m in eager] == [m["iter"] for m in compiled]
+    for a, b in zip(eager, compiled):
+        for k in ("reward_mean", "eval_reward_mean"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], abs=1e-4), (a["iter"], k)
+        for k in ("grad_norm", "surrogate_cv"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-3), (a["iter"], k)
+        if "abs_log_ratio_first" in b:
+            assert b["abs_log_ratio_first"] == 0.0 and b["abs_log_ratio"] == 0.0     # μ = 1
+    n = _graphs()
+    assert V.main(["--resume", str(tmp_path / "compiled"), "--iterations", "3"]) == 0
+    assert _graphs() == n                               # a resume: setup's passes hit the cache
+    assert _metrics(tmp_path / "compiled")[-1]["iter"] == 3
+    import torch._dynamo
+    assert _cache_entries() < torch._dynamo.config.recompile_limit
+
+
+@pytest.mark.trainer
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux"])
+def test_compiled_grad_and_no_grad_passes_agree_at_the_same_weights(model, tmp_path, monkeypatch):
+    """At μ = 4 the θ_old pass (no grad) and θ's pass (with grad) run different compiled graphs;
+    at the same weights they must give the same surrogate, or every later step's ratio is biased.
+    Also the first step of a compiled μ = 4 iteration has ρ ≡ 1 exactly."""
+    flags = ["--model", model, "--reward", _smooth_reward(tmp_path, monkeypatch)]
+    run = V.setup(V.parse_args(flags + COMPILED + ["--mu", "4", "--compile"]))
+    ro = V.collect_rollouts(run, 0)
+    pairs = V.draw_iteration_pairs(run, 0)
+    rows = torch.arange(2)
+    s_grad, x_grad = V.surrogate_pass(run, ro, pairs, rows)
+    with torch.no_grad():
+        s_old, x_old = V.surrogate_pass(run, ro, pairs, rows)
+    # the same operations on the same numbers in two fused graphs: fp32 rounding of their
+    # reductions only, |s| ≈ 0.1–1: 1e-5 absolute on each pair, 1e-6 on the ratio's log
+    torch.testing.assert_close(s_grad.detach(), s_old, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x_grad.detach(), x_old, atol=1e-5, rtol=1e-5)
+    log_ratio = (s_grad.detach().mean(dim=1) - s_old.mean(dim=1)).abs().max().item()
+    assert log_ratio < 1e-6
+    blocks = V.transformer_blocks(run.adapter.transformer)
+    for blk in blocks:                                  # the same pass, eager: S itself agrees
+        blk._compiled_call_impl = None
+    with torch.no_grad():
+        s_eager, _ = V.surrogate_pass(run, ro, pairs, rows)
+    torch.testing.assert_close(s_old, s_eager, atol=1e-5, rtol=1e-5)
+    for blk in blocks:
+        blk.compile()
+    m = V.iteration(run, 0)
+    assert m["abs_log_ratio_first"] == 0.0 and m["nfe_old"] == 3.0      # N_MC · (μ − 1)/μ
 
 
 # ------------------------------------------------------------------------------------------------
@@ -3749,7 +3429,8 @@ def test_the_algorithm_box_is_quoted_word_for_word():
     doc = V.__doc__.splitlines()
     start = next(i for i, line in enumerate(doc) if line.startswith("ALGORITHM"))
     box = [line[4:] for line in doc[start + 1:doc.index("", start)]]
-    assert len(box) >= 9 and box[0].startswith("0. θ_old ← θ") and box[-1].startswith("Rollouts")
+    assert len(box) >= 9 and box[0].startswith("0. θ_old ← θ")
+    assert any(l.startswith("Rollouts") for l in box) and box[-1].endswith("act only at μ > 1 (FLUX's μ = 4).")
     for name, heading in (("METHOD.md", "\n## Algorithm (one iteration)\n"),
                           ("README.md", "\n### One iteration\n")):
         section = (ROOT / name).read_text().split(heading, 1)[1]
@@ -3787,7 +3468,7 @@ def test_vgrpo_reads_plainly():
 
 
 HARNESS = re.compile(r"run\.local|_all_gather_cat|torch\.distributed|run\.world|run\.rank|scaler"
-                     r"|preemption_point|run\.backward|n_old_pass|log\.append")
+                     r"|run\.poll|run\.backward|n_old_pass|log\.append")
 
 
 @pytest.mark.docs
