@@ -293,7 +293,7 @@ def test_evaluate_reward_failing_mid_evaluation_is_one_line(ev, tmp_path, capsys
     prompts.write_text("a red cube\na blue sphere\n")
     capsys.readouterr()
     assert ev.main(EVAL_TINY + ["--num_steps", "4", "--rewards", "jpeg,evalflaky:fn", "--prompts",
-                                str(prompts), "--out", str(tmp_path / "out")]) == V.REWARD_FAILED
+                                str(prompts), "--out", str(tmp_path / "out")]) == V.RewardError.status
     err = capsys.readouterr().err                         # beside the progress bar, one line
     assert "Traceback" not in err and re.findall(r"error: [^\r\n]*", err) == [
         "error: reward 'evalflaky:fn' failed: RuntimeError: server gone"], err
