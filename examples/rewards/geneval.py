@@ -38,11 +38,17 @@ same weights need the name `ViT-L-14-quickgelu` here.
 
 Per image (constants as in evaluate_images.py's defaults [peer X10]):
   1. uint8 by round-and-clamp of the [0, 1] image (flow_grpo `rewards.py`, `geneval_score`).
-  2. Detections: Mask2Former, `post_process_instance_segmentation` (on the CPU) → per instance a
-     class, a score (class probability × mean mask probability, as mmdet), a binary mask; its
-     box is the mask's tight box [x0, y0, x1 + 1, y1 + 1] (mmdet's mask2bbox).
-  3. Kept per class: score > 0.3 (> 0.9 if the tag is "counting"), best first, at most 16; the
-     IoU suppression is off (max_overlap 1.0).
+  2. Detections: Mask2Former, then its instance post-processing (transformers'
+     `post_process_instance_segmentation`, redone on the CPU by `instances`) → per instance a
+     class, a float32 score (class probability × mean mask probability, as mmdet), a binary mask;
+     its box is the mask's tight box [x0, y0, x1 + 1, y1 + 1] (mmdet's mask2bbox). The scores are
+     kept as computed: transformers rounds them to 6 decimals, which moves a score within
+     5e-7 of 0.3 across the cut below.
+  3. Kept per class: score > 0.3 (> 0.9 if the tag is "counting"), compared in float32 as GenEval
+     compares mmdet's float32 scores with its threshold (numpy casts the threshold to float32,
+     so the cut is float32(0.3) = 0.300000012: a score of exactly float32(0.3) is dropped, and
+     0.9's cut is float32(0.9) = 0.899999976); best first, at most 16; the IoU suppression is
+     off (max_overlap 1.0).
   4. Colour of an object: its box cropped from the image with everything outside its mask set to
      #999, open_clip's eval transform, argmax over GenEval's 10 colours of the zero-shot
      classifier built from "a photo of a {c} {class}", "a photo of a {c}-colored {class}",
@@ -216,9 +222,10 @@ def keep_detections(raw: dict, tag: str) -> dict:
     threshold = COUNTING_THRESHOLD if tag == "counting" else THRESHOLD
     kept = {}
     for cls, dets in _as_dets(raw).items():
-        scores = np.array([d.score for d in dets], dtype=np.float64)
+        scores = np.array([d.score for d in dets], dtype=np.float32)     # mmdet's scores: float32
         order = np.argsort(scores)[::-1]              # GenEval's own sort: the same order on ties
-        order = [dets[k] for k in order if scores[k] > threshold][:MAX_OBJECTS]
+        keep = above(scores, threshold)
+        order = [dets[k] for k in order if keep[k]][:MAX_OBJECTS]
         out = []
         while order:
             best = order.pop(0)
@@ -228,6 +235,13 @@ def keep_detections(raw: dict, tag: str) -> dict:
         if out:
             kept[cls] = out
     return kept
+
+
+def above(scores, threshold: float) -> np.ndarray:
+    """GenEval's cut, score > threshold, compared in float32: evaluate_images.py compares mmdet's
+    float32 score array with a Python float, and numpy casts that float to float32 (NumPy 1's
+    value-based casting and NumPy 2's weak scalars alike). scores: floats → bool array."""
+    return np.asarray(scores, dtype=np.float32) > np.float32(threshold)
 
 
 def relative_position(box_a, box_b) -> set:
@@ -439,20 +453,45 @@ def mask_boxes(masks: torch.Tensor) -> torch.Tensor:
     return boxes
 
 
-class _Logits(NamedTuple):
-    """The two fields of the model output post_process_instance_segmentation reads."""
-    class_queries_logits: torch.Tensor                                  # (B, queries, 81)
-    masks_queries_logits: torch.Tensor                                  # (B, queries, h, w)
+MASK_GRID = 384             # transformers' post-processing bins every mask's logits on this grid
+
+
+def instances(class_logits: torch.Tensor, mask_logits: torch.Tensor) -> list:
+    """Mask2Former's instance post-processing, the steps of transformers'
+    post_process_instance_segmentation (itself mmdet's Mask2Former test-time steps) without its
+    rounding of the scores to 6 decimals. class_logits (B, Q, C + 1), the last class "no object";
+    mask_logits (B, Q, h, w); fp32 on the CPU. Per image: the class probabilities without
+    "no object", their top Q over queries × classes; each its query's mask logits bilinearly
+    resized to MASK_GRID², the mask where they are > 0, its mean sigmoid over the mask; score =
+    class probability × that mean. → per image (labels (k,), scores (k,) float32, masks
+    (k, MASK_GRID, MASK_GRID) bool) of the non-empty masks with score above THRESHOLD (`above`),
+    in top-k order."""
+    n_queries, n_classes = class_logits.shape[1], class_logits.shape[2] - 1
+    grids = F.interpolate(mask_logits, size=(MASK_GRID, MASK_GRID), mode="bilinear",
+                          align_corners=False)
+    out = []
+    for logits, grid in zip(class_logits, grids):
+        probs = F.softmax(logits, dim=-1)[:, :-1]                       # (Q, C)
+        top, index = probs.flatten(0, 1).topk(n_queries, sorted=False)
+        labels, query = index % n_classes, torch.div(index, n_classes, rounding_mode="floor")
+        m = grid[query]                                                 # (Q, grid, grid)
+        binary = (m > 0).float()
+        mean_prob = (m.sigmoid().flatten(1) * binary.flatten(1)).sum(1) / (
+            binary.flatten(1).sum(1) + 1e-6)
+        scores = top * mean_prob
+        keep = binary.flatten(1).any(1) & torch.from_numpy(above(scores.numpy(), THRESHOLD))
+        out.append((labels[keep], scores[keep], binary[keep].bool()))
+    return out
 
 
 @torch.no_grad()
 def detect(models: dict, u8: torch.Tensor) -> list:
-    """(N, 3, H, W) uint8 → per image {class: [Det]} of every instance the processor keeps at
-    score ≥ THRESHOLD (unsorted, no colours; keep_detections applies GenEval's selection).
+    """(N, 3, H, W) uint8 → per image {class: [Det]} of every instance `instances` keeps (score
+    above THRESHOLD; unsorted, no colours; keep_detections applies GenEval's selection).
 
-    The processor's post-processing runs on CPU fp32 logits (it builds its output maps on the CPU)
-    without target_sizes; the kept masks are then resized to (H, W) nearest-neighbour and empty
-    ones dropped, which is what its target_sizes path does to every query's mask."""
+    The post-processing runs on CPU fp32 logits; the kept masks are then resized from the
+    MASK_GRID² grid to (H, W) nearest-neighbour and empty ones dropped, which is what
+    transformers' target_sizes path does to every query's mask."""
     processor, detector = models["processor"], models["detector"]
     n, _, h, w = u8.shape
     out = []
@@ -461,18 +500,17 @@ def detect(models: dict, u8: torch.Tensor) -> list:
         inputs = processor(images=chunk, return_tensors="pt")
         pred = detector(pixel_values=inputs["pixel_values"].to(models["device"], models["dtype"]),
                         pixel_mask=inputs["pixel_mask"].to(models["device"]))
-        logits = _Logits(pred.class_queries_logits.float().cpu(),
-                         pred.masks_queries_logits.float().cpu())
-        for r in processor.post_process_instance_segmentation(logits, threshold=THRESHOLD,
-                                                              return_binary_maps=True):
+        for labels, scores, masks in instances(pred.class_queries_logits.float().cpu(),
+                                               pred.masks_queries_logits.float().cpu()):
             dets = {}
-            if r["segments_info"]:
-                masks = F.interpolate(r["segmentation"][None], size=(h, w), mode="nearest")[0]
+            if len(labels):
+                masks = F.interpolate(masks[None].float(), size=(h, w), mode="nearest")[0]
                 masks = masks.bool()                                    # (n_inst, H, W)
-                for seg, box, mask in zip(r["segments_info"], mask_boxes(masks).tolist(), masks):
+                for label, score, box, mask in zip(labels.tolist(), scores.tolist(),
+                                                   mask_boxes(masks).tolist(), masks):
                     if mask.any():
-                        dets.setdefault(CLASSNAMES[seg["label_id"]], []).append(
-                            Det(tuple(box), float(seg["score"]), mask.numpy()))
+                        dets.setdefault(CLASSNAMES[label], []).append(
+                            Det(tuple(box), score, mask.numpy()))
             out.append(dets)
     return out
 

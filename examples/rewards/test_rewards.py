@@ -449,9 +449,10 @@ def test_geneval_scores_jsonl_prompts_on_tiny_random_models(tmp_path, monkeypatc
 
 @pytest.mark.examples
 def test_geneval_detections_equal_the_processors_own_post_processing(tmp_path, monkeypatch):
-    """detect() (post-processing without target_sizes, then the kept masks resized) gives the
-    labels, scores and masks of post_process_instance_segmentation with target_sizes, on
-    non-square images; boxes are the masks' tight boxes."""
+    """detect() (its own post-processing on the MASK_GRID grid, then the kept masks resized) gives
+    the labels, scores and masks of post_process_instance_segmentation with target_sizes, on
+    non-square images; its scores are float32 values, transformers' the same rounded to 6
+    decimals; boxes are the masks' tight boxes."""
     from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
     _ge_tiny_models(tmp_path, monkeypatch)
     u8 = (torch.rand(3, 3, 40, 56, generator=torch.Generator().manual_seed(1)) * 255).to(torch.uint8)
@@ -463,12 +464,118 @@ def test_geneval_detections_equal_the_processors_own_post_processing(tmp_path, m
     ref = proc.post_process_instance_segmentation(out, threshold=GE.THRESHOLD, return_binary_maps=True,
                                                   target_sizes=[(40, 56)] * 3)
     for dets, r in zip(mine, ref):
-        assert [d.score for d in dets["cat"]] == [s["score"] for s in r["segments_info"]]
+        assert [round(d.score, 6) for d in dets["cat"]] == [
+            s["score"] for s in r["segments_info"]]
+        assert all(float(np.float32(d.score)) == d.score for d in dets["cat"])
         assert {s["label_id"] for s in r["segments_info"]} == {GE.CLASSNAMES.index("cat")}
         for d, m in zip(dets["cat"], r["segmentation"].bool()):
             assert (torch.from_numpy(d.mask) == m).all()
             ys, xs = torch.where(m)
             assert d.box == (xs.min().item(), ys.min().item(), xs.max().item() + 1, ys.max().item() + 1)
+
+
+@pytest.mark.examples
+def test_geneval_thresholds_compare_in_float32_as_geneval():
+    """GenEval keeps a detection if its float32 score (mmdet's) is above the threshold as numpy
+    compares them, in float32: float32(0.3) = 0.300000012 is dropped, the next float32 up is
+    kept; so is float32(0.3000002) (transformers would have rounded it to 0.3). The counting cut
+    is float32(0.9). The kept classes equal numpy's own `scores > 0.3`, GenEval's expression."""
+    f32 = np.float32
+
+    def geneval(scores: dict, threshold: float) -> set:
+        """The classes GenEval keeps: its float32 score array compared with a Python float."""
+        return {cls for cls, v in scores.items() if (np.array([v], np.float32) > threshold)[0]}
+
+    def kept(scores: dict, tag: str) -> set:
+        return set(GE.keep_detections({cls: [GE.Det(_ge_box(0, 0), float(v))]
+                                       for cls, v in scores.items()}, tag))
+
+    near = {"cat": f32(0.3), "dog": np.nextafter(f32(0.3), f32(1)),
+            "cow": np.nextafter(f32(0.3), f32(0)), "bird": 0.3, "sheep": f32(0.3000002),
+            "horse": 0.30000001}                       # a float between 0.3 and float32(0.3)
+    assert kept(near, "single_object") == geneval(near, 0.3) == {"dog", "sheep"}
+    at = GE.keep_detections({"cat": [GE.Det(_ge_box(0, 0), float(f32(0.3)))]}, "single_object")
+    assert _ge_verdicts(at, _SINGLE) == (False, False, 0.0)
+    near9 = {"cat": f32(0.9), "dog": np.nextafter(f32(0.9), f32(1)), "cow": 0.9,
+             "bird": 0.900000003}                      # above 0.9, float32 rounds it to f32(0.9)
+    assert kept(near9, "counting") == geneval(near9, 0.9) == {"dog"}
+
+
+@pytest.mark.examples
+def test_geneval_detect_keeps_scores_unrounded_so_the_cut_falls_where_genevals_does():
+    """A stub detector whose cat query scores float32 0.30000016 (class probability × a mask
+    probability of exactly 1) and whose dog query scores 0.29999977: detect() carries the cat's
+    score as computed, not rounded to 6 decimals (0.3, which the cut would drop), so the cat is
+    kept and single_object passes, as GenEval does on the same float32 score; the dog is not."""
+    import math
+    import types
+    from transformers import Mask2FormerImageProcessor
+    cat, dog = GE.CLASSNAMES.index("cat"), GE.CLASSNAMES.index("dog")
+    logits = torch.zeros(1, 2, 81)                  # 2 queries × (80 classes + "no object")
+    for q, (cls, target) in enumerate(((cat, 0.3000002), (dog, 0.2999998))):
+        logits[0, q, cls] = math.log(80 * target / (1 - target))    # p = e^a / (e^a + 80)
+    probs = logits.softmax(-1)[0, [0, 1], [cat, dog]].tolist()
+    assert np.float32(probs[0]) > np.float32(0.3) and round(probs[0], 6) == 0.3   # the case
+    assert probs[1] < 0.3
+    masks = torch.full((1, 2, 24, 24), 20.0)        # every pixel in, sigmoid 1.0 in float32
+    pred = types.SimpleNamespace(class_queries_logits=logits, masks_queries_logits=masks)
+    models = dict(processor=Mask2FormerImageProcessor(size={"height": 32, "width": 32}),
+                  detector=lambda **inputs: pred, device=torch.device("cpu"), dtype=torch.float32)
+    (dets,) = GE.detect(models, torch.zeros(1, 3, 40, 48, dtype=torch.uint8))
+    assert list(dets) == ["cat"] and dets["cat"][0].score == probs[0]
+    assert dets["cat"][0].box == (0.0, 0.0, 48.0, 40.0)
+    kept = GE.keep_detections(dets, "single_object")
+    assert list(kept) == ["cat"] and _ge_verdicts(kept, _SINGLE) == (True, True, 1.0)
+
+
+_RGB = {"red": (1, 0, 0), "orange": (1, 0.5, 0), "yellow": (1, 1, 0), "green": (0, 1, 0),
+        "blue": (0, 0, 1), "purple": (0.5, 0, 0.5), "pink": (1, 0.75, 0.8),
+        "brown": (0.6, 0.3, 0.1), "black": (0, 0, 0), "white": (1, 1, 1)}
+
+
+@pytest.mark.examples
+def test_geneval_colour_of_each_object_is_read_from_its_own_crop(monkeypatch):
+    """Two images on a green ground, each with a red and a blue square, a cat on one and a dog on
+    the other (swapped in the second image). A stub colour classifier names the colour nearest the
+    crop's mean RGB. Read on each object's own masked crop, every colour prompt passes; read on
+    the whole image every object would be green, and on another object's crop the colours would
+    be swapped: each fails."""
+    import types
+    from PIL import Image
+    protos = torch.nn.functional.normalize(torch.tensor([_RGB[c] for c in GE.COLORS]), dim=1)
+
+    def mean_rgb(im):                                   # the stub transform: PIL → (3,)
+        return torch.from_numpy(np.asarray(im, np.float32).mean((0, 1)) / 255)
+
+    models = dict(transform=mean_rgb, clip=types.SimpleNamespace(encode_image=lambda x: x),
+                  classifiers={"cat": protos.T, "dog": protos.T},
+                  device=torch.device("cpu"), dtype=torch.float32)
+    assert GE.COLORS[int((torch.tensor([0.17, 0.67, 0.17]) @ protos.T).argmax())] == "green"
+    images = torch.zeros(2, 3, 64, 96)
+    images[:, 1] = 1.0                                               # green ground
+    left, right = (8, 8, 40, 40), (56, 8, 88, 40)                    # x0, y0, x1, y1
+    colours = [("red", "blue"), ("blue", "red")]                     # (left, right) per image
+    dets = []
+    for i, pair in enumerate(colours):
+        objs = {}
+        for (x0, y0, x1, y1), colour, cls in zip((left, right), pair, ("cat", "dog")):
+            images[i, :, y0:y1, x0:x1] = torch.tensor(_RGB[colour]).view(3, 1, 1)
+            mask = np.zeros((64, 96), bool)
+            mask[y0:y1, x0:x1] = True
+            objs[cls] = [GE.Det((float(x0), float(y0), float(x1), float(y1)), 0.9, mask)]
+        dets.append(objs)
+    metas = [dict(_ATTR, include=[{"class": "cat", "count": 1, "color": cat},
+                                  {"class": "dog", "count": 1, "color": dog}],
+                  prompt=f"a photo of a {cat} cat and a {dog} dog") for cat, dog in colours]
+    monkeypatch.setattr(GE, "_load", lambda device: models)
+    monkeypatch.setattr(GE, "detect", lambda m, u8: dets)
+    res = GE.evaluate(images, [_ge_prompt(m) for m in metas])
+    assert [(r["accuracy"], r["strict"], r["score"]) for r in res] == [(1.0, 1.0, 1.0)] * 2, res
+    u8 = (images * 255).round().to(torch.uint8)
+    got = GE.add_colours(models, u8, dets, metas)
+    assert [(d["cat"][0].colour, d["dog"][0].colour) for d in got] == colours
+    whole = [Image.fromarray(u8[i].permute(1, 2, 0).numpy()) for i in range(2)]
+    assert {GE.COLORS[int((mean_rgb(im) @ protos.T).argmax())] for im in whole} == {"green"}
 
 
 @pytest.mark.examples
