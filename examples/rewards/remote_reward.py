@@ -13,7 +13,9 @@ The protocol [peer X10] (server: yifan123/reward-server `app_geneval.py`, `app_d
 client: yifan123/flow_grpo `flow_grpo/rewards.py`, `geneval_score`, `deqa_score_remote`,
 `unifiedreward_score_remote`):
   * request: POST to the server's root path "/" (the URL without NAME). The body is
-    `pickle.dumps(dict)` with no content type: "images" is a list of JPEG bytes (the images as
+    `pickle.dumps(dict)`, sent with "Content-Type: application/octet-stream" (flow_grpo's
+    requests call sends none; the apps read the raw body, `request.get_data()`, whatever the
+    type says): "images" is a list of JPEG bytes (the images as
     uint8, saved by PIL with format="JPEG" at its default quality, as flow_grpo does; the
     server opens them with `formats=["jpeg"]`, so PNG is refused), "meta_datas" is a list of
     each prompt's `.metadata` dict (None for a prompt without one), "only_strict" is a bool, and
@@ -41,11 +43,15 @@ REMOTE URLs only at servers you run: this client pickles your prompts and metada
 Failures: each is one line naming the URL (vgrpo.py shows it as the reward's error), raised as
 RemoteRewardError. A connection that fails or an HTTP 5xx is retried, REMOTE_REWARD_TRIES times in
 all (default 3; flow_grpo retries HTTP 500 up to 1000 times), waiting REMOTE_REWARD_BACKOFF ·
-2^k seconds between tries (default 1 → 1 s, 2 s). A read timeout is not retried (the server is up
-and busy; a second request would queue behind the first). Environment:
+2^k seconds between tries (default 1 → 1 s, 2 s). Each request (each try) also has a deadline
+for the whole of it, connecting, sending, waiting and reading, so a server that keeps sending a
+byte now and then is cut off too. A read timeout or a passed deadline is not retried (the
+server is up and busy; a second request would queue behind the first). Environment:
     REMOTE_REWARD_CONNECT_TIMEOUT  seconds to open the connection (default 10)
     REMOTE_REWARD_READ_TIMEOUT     seconds the server may stay silent while scoring (default 120,
                                    flow_grpo's timeout and gunicorn.conf.py's worker timeout)
+    REMOTE_REWARD_DEADLINE         seconds one request may take in all (default
+                                   CONNECT_TIMEOUT + 2 × READ_TIMEOUT: 250 s)
     REMOTE_REWARD_TRIES, REMOTE_REWARD_BACKOFF, REMOTE_REWARD_BATCH  as above
 """
 import http.client
@@ -57,6 +63,7 @@ import pickle
 import socket
 import ssl
 import sys
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -81,6 +88,10 @@ _SAFE_GLOBALS |= {(f"numpy.{core}.{mod}", fn) for core in ("core", "_core") for 
 
 class RemoteRewardError(RuntimeError):
     """A reward server that is down, too slow, or answered something that is not scores."""
+
+
+class _PastDeadline(Exception):
+    """A request that was still under way when its deadline passed (cut off by post_once)."""
 
 
 class _AnswerUnpickler(pickle.Unpickler):
@@ -131,6 +142,9 @@ def client(url: str):
     field, needs_metadata, only_strict = FIELDS.get(name, DEFAULT_FIELD)
     connect_s = _env("REMOTE_REWARD_CONNECT_TIMEOUT", 10.0)
     read_s = _env("REMOTE_REWARD_READ_TIMEOUT", 120.0)
+    deadline_s = _env("REMOTE_REWARD_DEADLINE", connect_s + 2 * read_s)
+    if not deadline_s > 0:
+        raise RemoteRewardError(f"REMOTE_REWARD_DEADLINE={deadline_s:g}: give seconds > 0")
     tries = max(1, int(_env("REMOTE_REWARD_TRIES", 3)))
     backoff = _env("REMOTE_REWARD_BACKOFF", 1.0)
     batch = max(1, int(_env("REMOTE_REWARD_BATCH", 64)))
@@ -139,26 +153,57 @@ def client(url: str):
         return RemoteRewardError(f"reward server {url}: " + " ".join(what.splitlines()))
 
     def post_once(body: bytes) -> tuple[int, bytes]:
-        """One POST; (status, body). Raises OSError or HTTPException for a connection that failed;
-        a socket.timeout (an OSError) while waiting for the answer is tagged .phase = "read"."""
+        """One POST, all of it within deadline_s; (status, body). Raises _PastDeadline once the
+        deadline has passed, else OSError or HTTPException for a connection that failed; a
+        socket.timeout (an OSError) while waiting for the answer is tagged .phase = "read"."""
+        timeout = min(connect_s, deadline_s)
         if parts.scheme == "https":
-            conn = http.client.HTTPSConnection(parts.hostname, port, timeout=connect_s,
+            conn = http.client.HTTPSConnection(parts.hostname, port, timeout=timeout,
                                                context=ssl.create_default_context())
         else:
-            conn = http.client.HTTPConnection(parts.hostname, port, timeout=connect_s)
+            conn = http.client.HTTPConnection(parts.hostname, port, timeout=timeout)
+        lock, state = threading.Lock(), {"over": False, "passed": False}
+
+        def cut_off():                        # the timer's thread, at the deadline: a blocked
+            with lock:                        # send or receive returns at once
+                if state["over"]:
+                    return
+                state["passed"] = True
+                if conn.sock is not None:
+                    try:
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        timer = threading.Timer(deadline_s, cut_off)
+        timer.daemon = True
+        timer.start()
         try:
             conn.connect()                                    # bounded by connect_s
             conn.sock.settimeout(read_s)                      # then each read by read_s
             try:
+                with lock:
+                    if state["passed"]:                       # during the connection
+                        raise _PastDeadline
                 conn.request("POST", path, body=body,
                              headers={"Content-Type": "application/octet-stream"})
                 resp = conn.getresponse()
-                return resp.status, resp.read()
+                status, data = resp.status, resp.read()
             except socket.timeout as e:
                 e.phase = "read"
                 raise
+        except (OSError, http.client.HTTPException):
+            if state["passed"]:
+                raise _PastDeadline from None
+            raise
         finally:
+            with lock:
+                state["over"] = True
+            timer.cancel()
             conn.close()
+        if state["passed"]:                   # an answer without a length, cut short
+            raise _PastDeadline
+        return status, data
 
     def post(body: bytes) -> bytes:
         """POST with bounded retries on a failed connection and on HTTP 5xx; the answer's bytes."""
@@ -168,6 +213,10 @@ def client(url: str):
                 time.sleep(backoff * 2 ** (k - 1))
             try:
                 status, data = post_once(body)
+            except _PastDeadline:
+                raise fail(f"no complete answer within REMOTE_REWARD_DEADLINE={deadline_s:g} s "
+                           "(the whole request: connecting, sending, waiting and reading); raise "
+                           "it if the server is only slow") from None
             except (OSError, http.client.HTTPException) as e:   # refused, reset, DNS, TLS,
                 if getattr(e, "phase", "") == "read":              # timeouts, not HTTP at all
                     raise fail(f"no answer within REMOTE_REWARD_READ_TIMEOUT={read_s:g} s; raise "

@@ -6,6 +6,7 @@ The other plug-ins here (hpsv2, aesthetic, imagereward, jpeg) run through the tr
 test_vgrpo.py, "Rewards: every code path on tiny models built offline". Every test carries one
 tier marker (pytest.ini); shared helpers are in the repository's conftest.py.
 """
+import contextlib
 import http.server
 import io
 import json
@@ -610,6 +611,7 @@ class _RuHandler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 — http.server's name
         srv = self.server
         srv.paths.append(self.path)
+        srv.types.append(self.headers.get("Content-Type"))
         body = self.rfile.read(int(self.headers["Content-Length"]))
         if srv.mode == "500":
             return self._send(500, b"Traceback (most recent call last):\n  ...\n"
@@ -657,7 +659,7 @@ class _RuHandler(http.server.BaseHTTPRequestHandler):
 def _ru_server(monkeypatch):
     """A reward server on 127.0.0.1 (an ephemeral port) in a thread, and short client timeouts."""
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RuHandler)
-    srv.mode, srv.route, srv.paths, srv.received = "ok", "/", [], []
+    srv.mode, srv.route, srv.paths, srv.received, srv.types = "ok", "/", [], [], []
     thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     for name, value in (("CONNECT_TIMEOUT", "1"), ("READ_TIMEOUT", "2"), ("TRIES", "3"),
@@ -698,7 +700,8 @@ def test_remote_reward_round_trips_scores_and_metadata(_ru_server, monkeypatch):
     """examples/rewards/remote_reward.py speaks reward-server's protocol: POST "/" (the URL without NAME,
     a PREFIX kept) with a pickled dict of JPEG "images", "meta_datas" (each prompt's .metadata, None
     without), "only_strict" and plain-str "prompts"; the NAME's field of the pickled answer comes
-    back as (N,) fp32 in the images' order, across batches; numpy answers are accepted."""
+    back as (N,) fp32 in the images' order, across batches; numpy answers are accepted. The
+    content type sent is the one the module's docstring names."""
     monkeypatch.setenv("REMOTE_REWARD_BATCH", "2")
     levels = [0.1, 0.3, 0.5, 0.7, 0.9]
     prompts = _ru_geneval_prompts(5)
@@ -713,6 +716,8 @@ def test_remote_reward_round_trips_scores_and_metadata(_ru_server, monkeypatch):
     assert [p for d in sent for p in d["prompts"]] == [str(p) for p in prompts]
     assert all(type(p) is str for d in sent for p in d["prompts"])              # not _RuPrompt
     assert all(d["only_strict"] is True for d in sent)
+    assert set(_ru_server.types) == {"application/octet-stream"}
+    assert '"Content-Type: application/octet-stream"' in RR.__doc__
     # geneval_accuracy reads "rewards" and asks for the non-strict rule; deqa reads "outputs",
     # needs no metadata (None is sent); a PREFIX before NAME stays in the path
     _ru_server.received.clear()
@@ -740,9 +745,11 @@ def _ru_one_line_error(fn, *args):
 def test_remote_reward_dead_or_silent_server_is_one_line_within_the_timeout(monkeypatch):
     """A closed port: one line naming the URL after REMOTE_REWARD_TRIES quick tries, through
     vgrpo.py's plug-in wrapper too. A server that accepts but never answers: one line naming the
-    read timeout, after about REMOTE_REWARD_READ_TIMEOUT seconds and without a retry."""
-    for name, value in (("CONNECT_TIMEOUT", "1"), ("READ_TIMEOUT", "0.5"), ("TRIES", "3"),
-                        ("BACKOFF", "0.01")):
+    read timeout, after about REMOTE_REWARD_READ_TIMEOUT seconds (1, longer than the connect
+    timeout's 0.3, so the two differ) and without a retry; with a whole-request deadline shorter
+    than the read timeout, one line naming REMOTE_REWARD_DEADLINE after about that long."""
+    for name, value in (("CONNECT_TIMEOUT", "0.3"), ("READ_TIMEOUT", "1"), ("DEADLINE", "10"),
+                        ("TRIES", "3"), ("BACKOFF", "0.01")):
         monkeypatch.setenv(f"REMOTE_REWARD_{name}", value)
     with socket.socket() as s:                        # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -763,8 +770,79 @@ def test_remote_reward_dead_or_silent_server_is_one_line_within_the_timeout(monk
         start = time.monotonic()
         msg = _ru_one_line_error(RR.client(url), _ru_images([0.5]), ["a"])
         took = time.monotonic() - start
-    assert 0.4 < took < 1.5                           # one read timeout, no second try
-    assert url in msg and "REMOTE_REWARD_READ_TIMEOUT=0.5" in msg
+        assert 0.9 < took < 1.6, took                 # one read timeout, no second try
+        assert url in msg and "REMOTE_REWARD_READ_TIMEOUT=1 s" in msg
+        monkeypatch.setenv("REMOTE_REWARD_DEADLINE", "0.6")
+        monkeypatch.setenv("REMOTE_REWARD_READ_TIMEOUT", "5")
+        start = time.monotonic()
+        msg = _ru_one_line_error(RR.client(url), _ru_images([0.5]), ["a"])
+        took = time.monotonic() - start
+    assert 0.5 < took < 1.2, took                     # the deadline, before the read timeout
+    assert url in msg and "REMOTE_REWARD_DEADLINE=0.6 s" in msg
+
+
+@contextlib.contextmanager
+def _ru_trickler(seconds: float, every: float = 0.2):
+    """A server on 127.0.0.1 that reads each request, answers "200 OK" with a Content-Length of
+    1000 and then sends one byte every `every` seconds; it serves for `seconds` in all, then
+    closes. Yields (its URL without NAME, the times it accepted a connection)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.05)
+    end, accepted, stop = time.monotonic() + seconds, [], threading.Event()
+
+    def read_request(conn):
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536) or b"\r\n\r\n"
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head + b"\ncontent-length: 0")[1])
+        while len(body) < length:
+            body += conn.recv(65536) or b"\0" * length
+
+    def serve():
+        while not stop.is_set() and time.monotonic() < end:
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            accepted.append(time.monotonic())
+            with conn:
+                try:
+                    conn.settimeout(1)
+                    read_request(conn)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+                    while not stop.wait(every) and time.monotonic() < end:
+                        conn.sendall(b"x")
+                except OSError:                         # the client hung up
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()
+
+
+@pytest.mark.examples
+def test_remote_reward_a_trickling_server_is_cut_off_by_the_deadline(monkeypatch):
+    """A server that sends its answer one byte every 0.2 s never lets the 1-second read timeout
+    fire; the whole-request deadline (1.5 s) cuts it off: one line naming the URL and
+    REMOTE_REWARD_DEADLINE after about 1.5 s, from one request (not retried)."""
+    for name, value in (("CONNECT_TIMEOUT", "1"), ("READ_TIMEOUT", "1"), ("DEADLINE", "1.5"),
+                        ("TRIES", "3"), ("BACKOFF", "0.01")):
+        monkeypatch.setenv(f"REMOTE_REWARD_{name}", value)
+    with _ru_trickler(seconds=6) as (root, accepted):
+        url = f"{root}/deqa"
+        start = time.monotonic()
+        msg = _ru_one_line_error(RR.client(url), _ru_images([0.5]), ["a"])
+        took = time.monotonic() - start
+    assert 1.4 < took < 2.5, (took, msg)
+    assert url in msg and "REMOTE_REWARD_DEADLINE=1.5 s" in msg and len(accepted) == 1
 
 
 @pytest.mark.examples
