@@ -2,9 +2,10 @@
 pytest loads this file before any of them, so the offline switch below holds for every import.
 
 Kept to what more than one file needs: ROOT, the tiny pipelines (TM), the tiny run's flags (TINY),
-`_load_example` for the scripts in examples/, the `ev` fixture (examples/evaluate.py), and two
-autouse fixtures that undo what a test leaves process-wide. A test file imports the plain names
-(`from conftest import ROOT, TINY`); pytest finds the fixtures by name.
+`_load_example` for the scripts in examples/, `_trained` (a checkpoint's trained weights), the `ev`
+fixture (examples/evaluate.py), and two autouse fixtures that undo what a test leaves
+process-wide. A test file imports the plain names (`from conftest import ROOT, TINY`); pytest
+finds the fixtures by name.
 """
 import importlib.util
 import os
@@ -33,6 +34,13 @@ def _load_example(rel):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _trained(run_dir, it, full=False) -> dict:
+    """The trained weights saved after `it` iterations: the LoRA file, or the full transformer."""
+    from safetensors.torch import load_file
+    ck = Path(run_dir, "checkpoints", f"iter_{it:06d}")
+    return load_file(str(ck / (V.FULL_FILE if full else V.LORA_FILE)))
 
 
 @pytest.fixture(scope="module")

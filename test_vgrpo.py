@@ -13,8 +13,8 @@ The tests of the scripts in examples/ sit beside them, in the same tiers: exampl
 (toy_2d.py, evaluate.py, the prompt sets, the curriculum), examples/rewards/test_rewards.py,
 examples/baselines/test_baselines.py, examples/gpu/test_gpu.py and examples/tools/test_tools.py
 (docs/tests.md, "Tests beside the examples"); `python -m pytest -q` runs them all. What the files
-share (ROOT, TM, TINY, _load_example, the `ev` fixture, the autouse fixtures, HF_HUB_OFFLINE) is
-in conftest.py.
+share (ROOT, TM, TINY, _load_example, _trained, the `ev` fixture, the autouse fixtures,
+HF_HUB_OFFLINE) is in conftest.py.
 """
 import ast
 import builtins
@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import vgrpo as V
-from conftest import ROOT, TINY, TM, _load_example
+from conftest import ROOT, TINY, TM, _load_example, _trained
 
 
 # ------------------------------------------------------------------------------------------------
