@@ -157,6 +157,41 @@ def test_ocr_reward_with_the_real_pp_ocr_models_ranks_exact_misspelt_blank():
     assert engine.use_cls is False and engine.text_score == 0.5    # as the peers' PaddleOCR
 
 
+def _paddle_det_size(h: int, w: int, limit: int = 960) -> tuple:
+    """PaddleOCR's detector input size (DetResizeForTest, limit_type "max"): the longest side
+    shrunk to `limit` if longer (never enlarged), then each side rounded to a multiple of 32."""
+    ratio = min(1.0, limit / max(h, w))
+    return tuple(max(int(round(int(n * ratio) / 32) * 32), 32) for n in (h, w))
+
+
+@pytest.mark.examples
+def test_ocr_a_1024_px_image_reaches_the_detector_at_most_960_px_and_is_read(monkeypatch):
+    """SD3.5's 1024 × 1024 and 1344 × 768 images (larger than the other tests' 512 × 128) reach
+    the real PP-OCRv4 detector as PaddleOCR's rule makes them (longest side 960, sides multiples
+    of 32: 960 × 960 and 544 × 960), normalised with PaddleOCR's mean and std; the text is read
+    (reward 1) and the boxes come back in the image's own pixels, centred on the drawn text. A
+    512 × 128 image goes in unresized."""
+    pytest.importorskip("rapidocr_onnxruntime")
+    engine = OCR._load(torch.device("cpu"))
+    seen, infer = [], engine.text_det.infer
+    monkeypatch.setattr(engine.text_det, "infer", lambda x: seen.append(x) or infer(x))
+    prompt = 'a shop sign that says "hello world"'
+    white = (1 - np.array(OCR.PADDLE_DET["det_mean"])) / np.array(OCR.PADDLE_DET["det_std"])
+    for (w, h), font_size in (((1024, 1024), 96), ((1344, 768), 80), ((512, 128), 64)):
+        img = _ocr_render("hello world", size=(w, h), font_size=font_size)
+        seen.clear()
+        assert OCR.score(img[None], [prompt]).tolist() == [1.0], (w, h)
+        assert [x.shape for x in seen] == [(1, 3, *_paddle_det_size(h, w))], (w, h)
+        np.testing.assert_allclose(seen[0][0, :, 0, 0], white, rtol=1e-5)
+        result, _ = engine(OCR.to_uint8_hwc(img[None])[0])
+        boxes = np.array([box for box, _text, _conf in result])          # (k, 4, 2) x, y
+        ys, xs = np.where(img[0].numpy() < 0.5)                          # the drawn text
+        centre = (boxes[..., 0].min() + boxes[..., 0].max()) / 2, \
+            (boxes[..., 1].min() + boxes[..., 1].max()) / 2
+        assert abs(centre[0] - (xs.min() + xs.max()) / 2) < 8, (w, h, centre)
+        assert abs(centre[1] - (ys.min() + ys.max()) / 2) < 8, (w, h, centre)
+
+
 @pytest.mark.examples
 def test_ocr_model_files_come_from_the_environment(monkeypatch, tmp_path):
     """OCR_DET_MODEL / OCR_REC_MODEL / OCR_REC_KEYS name the ONNX files (and character list)
