@@ -36,6 +36,17 @@ def _load_example(rel):
     return mod
 
 
+def _metrics(run_dir) -> list:
+    """A run's metrics.jsonl, one dict per line."""
+    import json
+    return [json.loads(l) for l in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+def _strip_times(ms) -> list:
+    """The iterations' metrics without their wall times: what two equal runs share exactly."""
+    return [{k: v for k, v in m.items() if not k.startswith("time")} for m in ms if "reward_mean" in m]
+
+
 def _trained(run_dir, it, full=False) -> dict:
     """The trained weights saved after `it` iterations: the LoRA file, or the full transformer."""
     from safetensors.torch import load_file

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import vgrpo as V
-from conftest import ROOT, TINY, TM, _load_example, _trained
+from conftest import ROOT, TINY, TM, _load_example, _metrics, _strip_times, _trained
 
 
 # ------------------------------------------------------------------------------------------------
@@ -526,10 +526,6 @@ def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     assert not torch.allclose(v_f, v_0)                              # the LoRA does something
 
 
-def _metrics(run_dir):
-    return [json.loads(l) for l in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.trainer
 def test_metrics_line_has_every_documented_field(tmp_path):
     assert V.main(TINY + ["--iterations", "1", "--eval_every", "1", "--run_dir", str(tmp_path)]) == 0
@@ -606,10 +602,6 @@ def test_outputs_follow_the_umask(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # 6. The first step: ρ ≡ 1 at θ = θ_old, S_old completed from its forward
 # ------------------------------------------------------------------------------------------------
-def _strip_times(ms):
-    return [{k: v for k, v in m.items() if not k.startswith("time")} for m in ms if "reward_mean" in m]
-
-
 def _count_surrogate_passes(monkeypatch):
     """Wrap V.surrogate_pass: every call's (grad enabled?, rows) in order."""
     calls, real = [], V.surrogate_pass

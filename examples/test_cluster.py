@@ -19,26 +19,10 @@ import pytest
 import torch
 
 import vgrpo as V
-from conftest import ROOT, TINY, _load_example
+from conftest import ROOT, TINY, _load_example, _metrics, _strip_times, _trained
 
 C = _load_example("cluster")
 SCRIPT = str(ROOT / "examples" / "cluster.py")
-
-
-def _metrics(run_dir):
-    import json
-    return [json.loads(l) for l in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-
-
-def _strip_times(ms):
-    return [{k: v for k, v in m.items() if not k.startswith("time")} for m in ms if "reward_mean" in m]
-
-
-def _trained(run_dir, it, full=False) -> dict:
-    """The trained weights saved after `it` iterations: the LoRA file, or the full transformer."""
-    from safetensors.torch import load_file
-    ck = Path(run_dir, "checkpoints", f"iter_{it:06d}")
-    return load_file(str(ck / (V.FULL_FILE if full else V.LORA_FILE)))
 
 
 def _same_run(a_dir, b_dir, it):
