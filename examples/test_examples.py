@@ -829,9 +829,10 @@ _CUR_ARGS = ["--model", "tiny", "--run_root", "root", "--stage_iterations",
 
 
 def _cur_spy(mp):
-    """Replace vgrpo.main by a recorder of the argv of every stage it runs."""
+    """Replace vgrpo.main by a recorder of the argv of every stage it runs (examples/cluster.py's
+    main calls it with its own command)."""
     calls, real = [], V.main
-    mp.setattr(V, "main", lambda argv: calls.append(argv) or real(argv))
+    mp.setattr(V, "main", lambda argv, **kw: calls.append(argv) or real(argv, **kw))
     return calls
 
 
@@ -910,15 +911,16 @@ def test_curriculum_rerun_continues_where_it_stopped(_cur_run, tmp_path, monkeyp
 
 @pytest.mark.examples
 def test_curriculum_dry_run_prints_every_stage_command(_cur_run, tmp_path, monkeypatch, capsys):
-    """--dry_run prints each stage's full vgrpo command (reward, preset, length, its folder,
-    --resume auto, --init from the previous stage's final checkpoint, the prompt files, the flags
-    after --) and runs and creates nothing; on a finished curriculum it reports every stage done."""
+    """--dry_run prints each stage's full command, examples/cluster.py with vgrpo's flags (reward,
+    preset, length, its folder, --resume auto, --init from the previous stage's final checkpoint,
+    the prompt files, the flags after --) and runs and creates nothing; on a finished curriculum
+    it reports every stage done."""
     monkeypatch.chdir(tmp_path)
     calls = _cur_spy(monkeypatch)
     assert CUR.main(["--model", "sd3.5-medium", "--run_root", "cur", "--dry_run", "--",
                      "--seed", "3"]) == 0
     out = capsys.readouterr().out
-    cmds = [l.split("vgrpo.py ", 1)[1] for l in out.splitlines() if l.startswith("python ")]
+    cmds = [l.split("cluster.py ", 1)[1] for l in out.splitlines() if l.startswith("python ")]
     assert len(cmds) == 5 and calls == [] and not (tmp_path / "cur").exists()
     want = [("hpsv2:1,pickscore:1,clipscore:1", "paper", 150), ("geneval", "geneval-stage", 200),
             ("hpsv2:1,pickscore:1,clipscore:1", "paper", 150), ("geneval", "geneval-stage", 50),
@@ -965,16 +967,18 @@ def test_curriculum_bad_input_is_one_line(argv, msg, tmp_path, monkeypatch, caps
 @pytest.mark.examples
 def test_curriculum_launcher_runs_a_stage_in_a_new_process(_cur_run, tmp_path, monkeypatch,
                                                           capsys):
-    """--launcher runs each unfinished stage as `LAUNCHER vgrpo.py ...` in a new process (here
-    stage 5, with the Python running the tests), from stage 4's final weights; --dry_run prints
-    that command; and under torchrun the script itself refuses in one line, pointing to it."""
+    """--launcher runs each unfinished stage as `LAUNCHER examples/cluster.py ...` in a new
+    process (here stage 5, with the Python running the tests), from stage 4's final weights;
+    --dry_run prints that command; and under torchrun the script itself refuses in one line,
+    pointing to it."""
     shutil.copytree(_cur_run[0], tmp_path / "w")
     monkeypatch.chdir(tmp_path / "w")
     shutil.rmtree("root/stage5-ocr")
     calls = _cur_spy(monkeypatch)
     argv = ["--launcher", shlex.quote(sys.executable)] + _CUR_ARGS
     assert CUR.main(["--dry_run"] + argv) == 0
-    assert f"{sys.executable} {ROOT / 'vgrpo.py'} --model tiny" in capsys.readouterr().out
+    assert f"{sys.executable} {ROOT / 'examples' / 'cluster.py'} --model tiny" in \
+        capsys.readouterr().out
     assert CUR.main(argv) == 0 and calls == []                       # not in this process
     finals = [_cur_final(Path("root"), k)[1] for k in (4, 5)]
     assert _cur_same(finals[1], finals[0])
