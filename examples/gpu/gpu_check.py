@@ -7,40 +7,77 @@ are those of the real models while the images and rewards are meaningless. Token
 offline ones (token ids differ, sequence lengths are the real ones).
 
     python examples/gpu/gpu_check.py                  # every stage below, ~10 min on one H100/H200
+    python examples/gpu/gpu_check.py --stages levers,flux --levers compile,cudagraphs \
+        --budget_s 520 --out results/gpu/gpu_check_compile.json    # --compile against eager
     python examples/gpu/gpu_check.py --stages levers  # some stages: levers,memory,flow,flux,configs
     python examples/gpu/gpu_check.py --cpu_smoke      # the whole script on the tiny models, CPU
     python examples/gpu/gpu_check.py --stages configs --configs default,rb48_mb8   # single named rows
     python examples/gpu/gpu_check.py --stages configs --family flux --configs flux_default
 
-Stages, in this order, each skipped when the time guard (--budget_s, default 570 s after the model
-build) says it would not finish; every row is written to --out (JSON, and a markdown twin) as soon
-as it is measured, so a run cut short keeps what it measured:
+Stages, in this order, each skipped when the time guard (--budget_s, default 570 s from the start,
+model build included; on a GPU the stages before flux leave it 150 s) says it would not finish;
+every row is written to --out (JSON, and a markdown twin) as soon as it is measured, so a run cut
+short keeps what it measured:
   levers  SD3.5-M single-GPU defaults (40 Euler steps, N_MC 4, μ 1, micro-batch 4, rollout
           batch 16, checkpointing) at P×G = 1×16 — the default's per-forward shapes (rollout 16
-          rows, training micro-batch 4 × N_MC 4 = 16 rows), a ninth of its samples — once per
-          lever on/off (merged-LoRA rollouts, the flash / efficient / cuDNN attention kernel, a
-          bf16 VAE decode, regional torch.compile: experiments applied here from outside the
-          trainer, see LEVERS), then every lever that paid at once. Per row: rollout-phase
-          MFU, whole-iteration MFU, peak memory, |log ρ| (0 at μ = 1 must hold with every lever);
-          the first iteration (compile, autotuning) is reported apart from the steady-state one.
+          rows, training micro-batch 4 × N_MC 4 = 16 rows), a ninth of its samples. The baseline
+          runs the trainer with --no-compile (eager), then one row per lever:
+            compile     the trainer's own --compile: vgrpo.setup calls vgrpo.compile_blocks, which
+                        compiles each transformer block in place and warms it up at the run's
+                        shapes; those seconds (run.time_compile) are reported apart from the
+                        iterations (time_compile), and the first iteration apart from the steady one.
+            cudagraphs  (only when named in --levers) --compile, and the no-grad rollout's velocity
+                        calls replayed from CUDA graphs: one graph per input shape, captured at its
+                        first call after two warm-up calls, with static input buffers, autocast's
+                        weight-cast cache off during capture (so every replay reads the LoRA's
+                        current weights) and the output cloned (DPM-Solver++(2M) keeps the previous
+                        prediction). Surrogate passes never replay a graph. At each capture the
+                        replay is compared with a plain call (cudagraph_rel_diff); the lever pays
+                        only if that is within bf16 rounding (CUDAGRAPH_TOL), |log ρ| stays 0, and
+                        the iteration is ≥ 2 % faster than the compile row's. Off by default: it
+                        holds one graph memory pool per shape, and a graph replays the kernels and
+                        addresses of its capture, so a later change of code path (a merged LoRA:
+                        never combined with it) or a replaced weight tensor would replay stale.
+                        CUDA only; --cpu_smoke runs its bookkeeping with a stand-in that replays
+                        through the same buffers without a graph.
+            merge_lora_rollout, attn_flash / attn_efficient / attn_cudnn, vae_autocast:
+                        experiments applied here from outside the trainer (see LEVERS), eager.
+          Then every lever that paid, at once. Per row: MFU per phase (rollout; update = θ_old
+          pass + θ forward/backward) and per iteration, peak memory, |log ρ| (0 at μ = 1 must hold
+          with every lever) and |log ρ| of the first optimizer step.
   memory  which settings train SD3.5-M LoRA on a 24, 48 and 80 GB card, emulated with
           torch.cuda.set_per_process_memory_fraction (card size − 0.75 GiB for the CUDA context):
-          candidates from fastest to leanest, stopping at the first that fits.
+          candidates from fastest to leanest, stopping at the first that fits (eager).
   flow    Flow-GRPO at its published SD3.5-M settings (examples/baselines/flow_grpo_sd3.py
           --recipe cfg4.5: 10 SDE steps, CFG 4.5, 9 trained steps, 2 optimizer steps, fp16)
           against V-GRPO at the paper's (40 ODE steps, CFG-free, N_MC 4, μ 1, bf16), same P×G and
-          initial noise: seconds and GPU-seconds per iteration and per 1,000 images.
-  flux    FLUX.1-dev defaults (720 px, 16-step DPM-Solver++(2M), μ 4) at MixGRPO's per-GPU batch
-          1×12: whole-iteration MFU, with and without the levers that paid on SD3.5-M.
+          initial noise: seconds and GPU-seconds per iteration and per 1,000 images (eager).
+  flux    FLUX.1-dev defaults (720 px, 16-step DPM-Solver++(2M), μ 4, clip 1e-2) at MixGRPO's
+          per-GPU batch 1×12: eager, then with --compile (the trainer's default on one GPU) and the
+          other levers that paid on SD3.5-M, then with cudagraphs if it paid. At μ 4 the first
+          optimizer step has ρ ≡ 1 by construction (abs_log_ratio_first 0) and the later three
+          are off-policy (abs_log_ratio > 0).
+Every row runs the trainer with an explicit --compile or --no-compile (--extra or a CONFIGS entry
+may name one). On the CPU (--cpu_smoke) compilation uses the cheap "eager" dynamo backend
+(--compile_backend; inductor takes minutes there): the code path is the trainer's, the speed is not.
 
 FLOP counting: `fwd` = model FLOPs of ONE transformer forward on ONE sample, counted by
 torch.utils.flop_counter (matmuls 2·m·n·k, attention's two matmuls; elementwise ops not counted).
-V-GRPO useful FLOPs per iteration = N · fwd · (K + J + 3·J): K rollout forwards, J θ_old
-surrogate forwards, J θ forwards with backward (backward = 2 forwards); gradient-checkpointing
-recompute and LoRA's own (rank-32) matmuls are not counted as useful. Rollout MFU =
-N·K·fwd / rollout seconds / peak; iteration MFU = useful FLOPs / iteration seconds / peak
-(peak: --peak, 989 TFLOP/s dense bf16, H100/H200 SXM). Flow-GRPO: fwd · (N · rollout NFE +
-trained samples · (3 · trained NFE + reference NFE)), NFE counting a CFG step (2 rows) as 2.
+Only the passes that ran are counted, per sample, from the measured iteration's own metrics:
+    rollout  K = nfe_rollout forwards (no grad)
+    update   nfe_old θ_old forwards (no grad; N_MC·(μ−1)/μ, 0 at μ = 1, where S_old comes from the
+             first step's own forward) + 3·J, J = nfe_theta = N_MC θ forwards with their backward
+             (backward = 2 forwards; 0 when the iteration skipped its update)
+    FLOPs_rollout = N·fwd·K      FLOPs_update = N·fwd·(nfe_old + 3·J)      FLOPs_iter = the sum
+    rollout MFU = FLOPs_rollout / time_rollout / peak
+    update MFU  = FLOPs_update / (time_old + time_update) / peak
+    MFU         = FLOPs_iter / iteration seconds / peak   (reward seconds included, its FLOPs not)
+Not counted as useful: gradient-checkpointing recompute, LoRA's own (rank-32) matmuls, the text
+encoders, VAE and reward. peak: --peak, 989 TFLOP/s dense bf16 (H100/H200 SXM). Flow stage:
+fwd · (N · (nfe_rollout + nfe_old) + trained samples · (3 · nfe_theta + nfe_ref)), NFE counting a
+CFG step (2 rows) as 2. Rows measured before this count (results/gpu/gpu_check_h200*.json) counted
+N_MC θ_old forwards per sample whether they ran or not, and the flow stage left out the rollout;
+examples/gpu/mfu_restate.py recomputes their MFU from their stored times.
 """
 import argparse
 import contextlib
@@ -82,11 +119,16 @@ WARMUP = {"sd3": ["--prompts_per_iter", "1", "--group_size", "4", "--num_steps",
                    "--mu", "1", "--no-gradient_checkpointing", "--micro_batch", "1"]}
 # levers stage: the SD3.5-M defaults at 1 × 16 images (the default's per-forward shapes)
 LEVER_BASE = ["--prompts_per_iter", "1", "--group_size", "16"]
-# The throughput levers are experiments, not trainer flags: each is applied to a live Run from
-# outside vgrpo.py (a patched function, a wrapped adapter method, torch's process-wide switches)
-# and undone before the next row. One comes back into vgrpo.py only with a measured speed-up.
-LEVERS = ("merge_lora_rollout", "attn_flash", "attn_efficient", "attn_cudnn", "vae_autocast",
-          "compile")
+# The levers. `compile` is the trainer's own flag (--compile, vgrpo.compile_blocks in setup); the
+# others are experiments, not trainer flags: each is applied to a live Run from outside vgrpo.py
+# (a patched function, a wrapped adapter method, torch's process-wide switches) and undone before
+# the next row. One comes back into vgrpo.py only with a measured speed-up. `cudagraphs` runs only
+# when --levers names it (see the docstring).
+LEVERS = ("compile", "merge_lora_rollout", "attn_flash", "attn_efficient", "attn_cudnn",
+          "vae_autocast", "cudagraphs")
+DEFAULT_LEVERS = tuple(n for n in LEVERS if n != "cudagraphs")
+COMPILED_LEVERS = ("compile", "cudagraphs")       # rows that run the trainer with --compile
+CUDAGRAPH_TOL = 1e-2    # max |replay − plain| / max |plain| at a capture: bf16 rounding is ~4e-3
 
 
 @contextlib.contextmanager
@@ -115,30 +157,121 @@ def lora_merged(transformer):
                 m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
 
 
-def compile_blocks(transformer, backend: str = "inductor", enabled: bool = True) -> None:
-    """Regional torch.compile: each block compiled in place (nn.Module.compile, state-dict keys
-    unchanged), so blocks of one class share one graph and compile time stays in seconds; works
-    under LoRA, gradient checkpointing and no-grad rollouts. enabled=False undoes it."""
-    import torch._dynamo
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+def uncompile_blocks(transformer) -> None:
+    """Undo the trainer's regional compile (vgrpo.compile_blocks: nn.Module.compile on each block)."""
     for blk in V.transformer_blocks(transformer):
-        if enabled:
-            blk.compile(backend=backend)
-        else:
-            blk._compiled_call_impl = None        # nn.Module.compile's slot
+        blk._compiled_call_impl = None            # nn.Module.compile's slot
 
 
 @contextlib.contextmanager
-def levers(run, names, compile_backend="inductor"):
-    """Apply the named levers to `run` for the body, then undo them."""
+def compile_backend(backend):
+    """vgrpo.compile_blocks calls blk.compile() with torch's default backend (inductor); inside this
+    block that call uses `backend` instead (the CPU smoke's cheap "eager"). None or "inductor":
+    nothing changes."""
+    if backend in (None, "inductor"):
+        yield
+        return
+    real = torch.nn.Module.compile
+
+    def compile(self, *a, **k):
+        k.setdefault("backend", backend)
+        return real(self, *a, **k)
+    torch.nn.Module.compile = compile
+    try:
+        yield
+    finally:
+        torch.nn.Module.compile = real
+
+
+def autocast_without_cache(device_type: str):
+    """The current autocast (same dtype) with its weight-cast cache off, or nothing without one:
+    a captured graph must cast the LoRA's fp32 weights itself, at every replay."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                          cache_enabled=False)
+
+
+def cuda_graph_capture(fn, static):
+    """Two warm-up calls on a side stream (compiled blocks settle their guards, cuBLAS its
+    workspace), then one CUDA graph of fn(*static). Returns (replay, static output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static)
+    return graph.replay, out                       # the bound method keeps the graph alive
+
+
+def standin_capture(fn, static):
+    """The CPU stand-in for cuda_graph_capture: a 'replay' that recomputes fn(*static) into the same
+    output buffer, so the static-buffer bookkeeping is what runs (no graph)."""
+    out = fn(*static)
+
+    def replay():
+        out.copy_(fn(*static))
+    return replay, out
+
+
+class GraphedVelocity:
+    """adapter.velocity with its no-grad calls replayed from one graph per input signature (shapes,
+    dtypes, autocast): inputs copied into the graph's static buffers, the static output cloned.
+    Calls with grad enabled go to the plain velocity. At each capture the replay is compared with
+    a plain call on the same inputs: max_rel_diff = max |replay − plain| / max |plain|."""
+
+    def __init__(self, velocity, capture):
+        self.velocity, self.capture = velocity, capture
+        self.graphs = {}               # signature → (replay, (x, t, cond) static, static output)
+        self.max_rel_diff, self.replays = 0.0, 0
+
+    def __call__(self, x, t, cond):
+        if torch.is_grad_enabled() or not isinstance(cond, dict):
+            return self.velocity(x, t, cond)
+        dev = x.device.type
+        key = (tuple(x.shape), x.dtype, tuple(t.shape), t.dtype,
+               tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(cond.items())),
+               torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        if key not in self.graphs:
+            static = (x.clone(), t.clone(), {k: v.clone() for k, v in cond.items()})
+            with autocast_without_cache(dev):
+                replay, out = self.capture(self.velocity, static)
+                replay()
+                ref = self.velocity(*static).float()
+            diff = (out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+            self.max_rel_diff = max(self.max_rel_diff, float(diff))
+            self.graphs[key] = (replay, static, out)
+        replay, (sx, st, sc), out = self.graphs[key]
+        sx.copy_(x)
+        st.copy_(t)
+        for k, v in sc.items():
+            v.copy_(cond[k])
+        replay()
+        self.replays += 1
+        return out.clone()
+
+
+@contextlib.contextmanager
+def levers(run, names, stats=None, capture=None):
+    """Apply the named levers that act on a live Run (all but `compile`, which is the trainer's
+    --compile, given at setup) for the body, then undo them. `stats` receives the cudagraphs
+    lever's counts; `capture` overrides its graph capture (default: CUDA graphs on CUDA, the
+    stand-in elsewhere)."""
     sw = torch.backends.cuda
     switches = (sw.enable_flash_sdp, sw.enable_mem_efficient_sdp, sw.enable_math_sdp,
                 sw.enable_cudnn_sdp)
     saved = (sw.flash_sdp_enabled(), sw.mem_efficient_sdp_enabled(), sw.math_sdp_enabled(),
              sw.cudnn_sdp_enabled())
     ad, real_rollout, real_decode = run.adapter, V.rollout, run.adapter.decode
+    gv = None
     try:
         if "merge_lora_rollout" in names:             # rollouts and evaluation, not surrogates
+            if "cudagraphs" in names:                 # the merge replaces what a graph reads
+                raise ValueError("cudagraphs and merge_lora_rollout do not combine")
+
             def merged_rollout(adapter, *a, **k):
                 with lora_merged(adapter.transformer):
                     return real_rollout(adapter, *a, **k)
@@ -154,16 +287,30 @@ def levers(run, names, compile_backend="inductor"):
                 with run.ctx:
                     return real_decode(latents)
             ad.decode = decode
-        if "compile" in names:
-            compile_blocks(ad.transformer, compile_backend)
+        if "cudagraphs" in names:                     # the no-grad rollout only
+            gv = GraphedVelocity(ad.velocity, capture or (
+                cuda_graph_capture if run.dev.type == "cuda" else standin_capture))
+            inner = V.rollout
+
+            def graphed_rollout(adapter, *a, **k):
+                adapter.velocity = gv                 # shadows the method for this call only
+                try:
+                    return inner(adapter, *a, **k)
+                finally:
+                    adapter.__dict__.pop("velocity", None)
+            V.rollout = graphed_rollout
         yield
     finally:
         V.rollout = real_rollout
         ad.__dict__.pop("decode", None)
+        ad.__dict__.pop("velocity", None)
         for enable, on in zip(switches, saved):
             enable(on)
-        if "compile" in names:
-            compile_blocks(ad.transformer, enabled=False)
+        if gv is not None:
+            if stats is not None:
+                stats.update(cudagraph_graphs=len(gv.graphs), cudagraph_replays=gv.replays,
+                             cudagraph_rel_diff=gv.max_rel_diff)
+            gv.graphs.clear()                         # the graphs' memory pools
 
 
 # memory stage: SD3.5-M LoRA settings from fastest to leanest; peak memory does not depend on the
@@ -278,13 +425,21 @@ def build_pickscore_random(device, dtype):
 # Measuring one configuration
 # ------------------------------------------------------------------------------------------------
 def forward_flops(adapter, D, cond, ctx):
-    """Model FLOPs of one transformer forward on one sample (matmuls + attention)."""
+    """Model FLOPs of one transformer forward on one sample (matmuls + attention), counted on the
+    eager blocks (compiled ones are set aside for the count and put back)."""
     from torch.utils.flop_counter import FlopCounterMode
     x = torch.randn((1,) + D, device=adapter.device)
     t = torch.full((1,), 0.5, device=adapter.device)
     c = V.select(cond, torch.zeros(1, dtype=torch.long, device=adapter.device))
-    with torch.no_grad(), ctx, FlopCounterMode(display=False) as fc:
-        adapter.velocity(x, t, c)
+    blocks = V.transformer_blocks(adapter.transformer)
+    compiled = [b._compiled_call_impl for b in blocks]
+    try:
+        uncompile_blocks(adapter.transformer)
+        with torch.no_grad(), ctx, FlopCounterMode(display=False) as fc:
+            adapter.velocity(x, t, c)
+    finally:
+        for b, impl in zip(blocks, compiled):
+            b._compiled_call_impl = impl
     return fc.get_total_flops()
 
 
@@ -299,6 +454,7 @@ class Env:
         self.model = "sd3.5-medium"
         self.small = []               # CPU smoke: tiny sizes appended to every configuration
         self.fwd = {}                 # (model, resolution) → FLOPs of one forward on one sample
+        self.later_s = 0.0            # seconds kept for a later stage (flux) by the time guard
 
     def left(self) -> float:
         """Seconds of the time budget left."""
@@ -315,15 +471,38 @@ def fresh_transformer(pipe) -> None:
     tr = pipe.transformer
     if getattr(tr, "peft_config", None):
         tr.delete_adapters(list(tr.peft_config))
-    compile_blocks(tr, enabled=False)
+    uncompile_blocks(tr)
+
+
+def flop_forwards(m: dict) -> tuple:
+    """(rollout, update) forwards per sample that ran in the iteration whose metrics are `m`:
+    K = nfe_rollout; nfe_old (θ_old's no-grad pass, 0 at μ = 1) + 3 · nfe_theta (θ's forward and
+    backward; none when the update was skipped)."""
+    theta = 0.0 if m.get("skipped") else 3.0 * m["nfe_theta"]
+    return float(m["nfe_rollout"]), float(m["nfe_old"]) + theta
+
+
+def mfu_fields(fwd: float, N: int, m: dict, wall: float, peak_tflops: float) -> dict:
+    """The FLOP count and MFU per phase and per iteration of one measured iteration (docstring)."""
+    f_roll, f_upd = flop_forwards(m)
+    roll, upd, peak = N * fwd * f_roll, N * fwd * f_upd, peak_tflops * 1e12
+    upd_s = m["time_old"] + m["time_update"]
+    return {"nfe_rollout": m["nfe_rollout"], "nfe_old": m["nfe_old"], "nfe_theta": m["nfe_theta"],
+            "forwards_per_sample": f_roll + f_upd, "TFLOP_iter": (roll + upd) / 1e12,
+            "TFLOP/s": (roll + upd) / wall / 1e12, "MFU_%": 100 * (roll + upd) / wall / peak,
+            "rollout_MFU_%": 100 * roll / m["time_rollout"] / peak,
+            "update_MFU_%": 100 * upd / upd_s / peak if upd_s > 0 else float("nan")}
 
 
 def measure(env, stage, name, extra, iters=1, lever_names=()):
-    """setup() + `iters` iterations of one configuration, with the named levers applied. Returns a
-    row (also on failure: with 'error'). Time and phases are those of the LAST iteration (steady
-    state when iters ≥ 2)."""
+    """setup() + `iters` iterations of one configuration, with the named levers applied: `compile`
+    and `cudagraphs` as the trainer's --compile (every other row --no-compile, unless the flags
+    name one), the others around the iterations. Returns a row (also on failure: with 'error').
+    Time and phases are those of the LAST iteration (steady state when iters ≥ 2)."""
     argv = ["--model", env.model, "--reward", "pickscore", "--eval_rewards", "pickscore"] + extra
     argv += env.small + env.a.extra.split()
+    if "--compile" not in argv and "--no-compile" not in argv:
+        argv.append("--compile" if set(lever_names) & set(COMPILED_LEVERS) else "--no-compile")
     row = {"stage": stage, "config": name, "flags": " ".join(extra), "levers": ",".join(lever_names)}
     try:
         args = V.parse_args(argv)
@@ -333,39 +512,39 @@ def measure(env, stage, name, extra, iters=1, lever_names=()):
         env.free()
         if env.cuda:
             torch.cuda.reset_peak_memory_stats()
-        run = V.setup(args, pipe=env.pipe, rewards=env.reward)
+        t0 = time.perf_counter()
+        with compile_backend(env.a.compile_backend):
+            run = V.setup(args, pipe=env.pipe, rewards=env.reward)
+        row.update(compiled=run.compiled, time_compile=run.time_compile,
+                   time_setup=time.perf_counter() - t0)
         key = (args.model, args.resolution)
-        if key not in env.fwd:                         # counted on the eager model
+        if key not in env.fwd:
             c1 = run.adapter.encode(run.train_prompts[:1])
             env.fwd[key] = forward_flops(run.adapter, run.D, c1, run.ctx)
         fwd = env.fwd[key]
-        walls, ms = [], []
-        with levers(run, lever_names, env.a.compile_backend or "inductor"):
+        walls, ms, stats = [], [], {}
+        with levers(run, lever_names, stats):
             for it in range(iters):
                 t0 = time.perf_counter()
                 ms.append(V.iteration(run, it))
                 walls.append(time.perf_counter() - t0)
-        P, G, J, K = args.prompts_per_iter, args.group_size, args.n_mc, args.num_steps
+        P, G, K = args.prompts_per_iter, args.group_size, args.num_steps
         N, m, wall = P * G, ms[-1], walls[-1]
-        flops_iter = N * fwd * (K + J + 3 * J)
-        flops_roll = N * fwd * K
-        peak = env.a.peak * 1e12
         row.update({
-            "P×G": f"{P}×{G}", "K": K, "micro_batch": args.micro_batch,
-            "rollout_batch": args.rollout_batch, "grad_ckpt": args.gradient_checkpointing,
-            "iterations": iters,
+            "P×G": f"{P}×{G}", "K": K, "n_mc": args.n_mc, "mu": args.mu,
+            "micro_batch": args.micro_batch, "rollout_batch": args.rollout_batch,
+            "grad_ckpt": args.gradient_checkpointing, "iterations": iters,
             "time_first_iter": walls[0], "time_iter": wall,
             **{k: m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update")},
             "peak_mem_GiB": (torch.cuda.max_memory_allocated() / 2 ** 30 if env.cuda
                              else float("nan")),
-            "fwd_TFLOP_per_sample": fwd / 1e12, "TFLOP/s": flops_iter / wall / 1e12,
-            "MFU_%": 100 * flops_iter / wall / peak,
-            "rollout_MFU_%": 100 * flops_roll / m["time_rollout"] / peak,
+            "fwd_TFLOP_per_sample": fwd / 1e12, **mfu_fields(fwd, N, m, wall, env.a.peak),
             "abs_log_ratio": max(x["abs_log_ratio"] for x in ms),
+            "abs_log_ratio_first": max(x["abs_log_ratio_first"] for x in ms),
             "reward_finite": all(x["n_nonfinite_reward"] == 0 for x in ms),
-            "grad_norm": m["grad_norm"]})
+            "grad_norm": m["grad_norm"], **stats})
         if iters >= 2:
-            row["first_minus_steady_s"] = walls[0] - wall  # compile, autotuning, allocator
+            row["first_minus_steady_s"] = walls[0] - wall  # recompiles, autotuning, allocator
         del run
     except torch.OutOfMemoryError as e:
         row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
@@ -396,44 +575,71 @@ def skip(env, stage, name, why):
 # ------------------------------------------------------------------------------------------------
 # Stages
 # ------------------------------------------------------------------------------------------------
-COMPILE_EST_S = 240          # first-iteration compile allowance (inductor, every graph variant)
+# compile allowances for the time guard: setup's compilation, measured 65 s for SD3.5-M on an
+# H200 (inductor, cold), ×2 for margin; FLUX.1-dev's (two block kinds) is not measured
+COMPILE_EST_S = {"sd3": 130, "flux": 120}
+FLUX_STAGE_S = 150           # FLUX build + warm-up + one eager 1×12 iteration (49 s on an H200)
+
+
+def effective(names) -> frozenset:
+    """The levers a row really runs: cudagraphs runs on the compiled blocks."""
+    names = set(names)
+    return frozenset(names | ({"compile"} if "cudagraphs" in names else set()))
 
 
 def stage_levers(env) -> list[str]:
-    """Each lever on/off at the SD3.5-M defaults (1 × 16). Returns the names of those that paid."""
+    """The eager baseline and each lever at the SD3.5-M defaults (1 × 16); cudagraphs against the
+    compile row. Returns the names of the levers that paid."""
     base = measure(env, "levers", "baseline", LEVER_BASE, iters=2)
     if not ok(base):
         return []
     step = base["time_iter"]
-    paid = {}
-    for name in LEVERS:
-        if env.a.levers and name not in env.a.levers.split(","):
-            continue
-        if env.a.cpu_smoke and name in ("attn_efficient", "attn_cudnn"):
+    chosen = env.a.levers.split(",") if env.a.levers else DEFAULT_LEVERS
+    if "cudagraphs" in chosen and "compile" not in chosen:
+        chosen = ["compile", *chosen]                 # its reference row
+    paid, rows = {}, {}
+    for name in (n for n in LEVERS if n in chosen):
+        if not env.cuda and name in ("attn_efficient", "attn_cudnn"):
             skip(env, "levers", name, "CUDA-only SDPA kernel")
             continue
-        iters = 2 if name == "compile" else 1
-        need = iters * step * 1.5 + (COMPILE_EST_S if name == "compile" and env.cuda else 0)
-        if env.left() < need + env.a.reserve_s:
-            skip(env, "levers", name, f"time guard: {env.left():.0f} s left, ~{need:.0f} s needed")
+        compiled = name in COMPILED_LEVERS
+        iters = 2 if compiled else 1
+        need = iters * step * 1.5 + (COMPILE_EST_S["sd3"] if compiled and env.cuda else 0)
+        if env.left() < need + env.a.reserve_s + env.later_s:
+            skip(env, "levers", name, f"time guard: {env.left():.0f} s left, ~{need:.0f} s needed"
+                 + (f" and {env.later_s:.0f} s kept for the flux stage" if env.later_s else ""))
             continue
-        r = measure(env, "levers", name, LEVER_BASE, iters=iters, lever_names=[name])
-        if ok(r):
-            r["speedup_iter"] = step / r["time_iter"]
-            r["speedup_rollout"] = base["time_rollout"] / r["time_rollout"]
-            r["peak_mem_vs_baseline"] = (r["peak_mem_GiB"] / base["peak_mem_GiB"] if env.cuda
-                                         else float("nan"))
-            env.report.write()
-            # kept only where it pays: ≥ 2% faster per iteration (timing noise is ~1% on a GPU)
-            if r["speedup_iter"] >= 1.02 and r["abs_log_ratio"] == 0.0:
-                paid[name] = r["speedup_iter"]
+        r = rows[name] = measure(env, "levers", name, LEVER_BASE, iters=iters, lever_names=[name])
+        if not ok(r):
+            continue
+        r["speedup_iter"] = step / r["time_iter"]
+        r["speedup_rollout"] = base["time_rollout"] / r["time_rollout"]
+        r["peak_mem_vs_baseline"] = (r["peak_mem_GiB"] / base["peak_mem_GiB"] if env.cuda
+                                     else float("nan"))
+        gain = r["speedup_iter"]
+        if name == "cudagraphs":                      # what the graphs add to the compiled run
+            ref = rows.get("compile", {})
+            gain = ref["time_iter"] / r["time_iter"] if ok(ref) else float("nan")
+            r["speedup_vs_compile"] = gain
+            if ok(ref):
+                r["rollout_speedup_vs_compile"] = ref["time_rollout"] / r["time_rollout"]
+        correct = (r["abs_log_ratio"] == 0.0
+                   and r.get("cudagraph_rel_diff", 0.0) <= CUDAGRAPH_TOL)
+        # kept only where it pays: ≥ 2% faster per iteration (timing noise is ~1% on a GPU)
+        r["pays"] = bool(gain >= 1.02 and correct)
+        env.report.write()
+        if r["pays"]:
+            paid[name] = gain
     attn = sorted((v, k) for k, v in paid.items() if k.startswith("attn_"))
     kept = [k for k in paid if not k.startswith("attn_")] + ([attn[-1][1]] if attn else [])
+    if "cudagraphs" in kept and "merge_lora_rollout" in kept:
+        kept.remove("merge_lora_rollout")             # the merge rewrites what a graph reads
     env.report.info["levers_kept"] = kept
-    if len(kept) >= 2:
-        iters = 2 if "compile" in kept else 1
-        need = iters * step * 1.5 + (COMPILE_EST_S if "compile" in kept and env.cuda else 0)
-        if env.left() < need + env.a.reserve_s:
+    if len(effective(kept)) >= 2 and effective(kept) not in {effective([k]) for k in rows}:
+        compiled = bool(effective(kept) & set(COMPILED_LEVERS))
+        iters = 2 if compiled else 1
+        need = iters * step * 1.5 + (COMPILE_EST_S["sd3"] if compiled and env.cuda else 0)
+        if env.left() < need + env.a.reserve_s + env.later_s:
             skip(env, "levers", "combined", "time guard")
         else:
             r = measure(env, "levers", "combined: " + ",".join(kept), LEVER_BASE, iters=iters,
@@ -442,6 +648,7 @@ def stage_levers(env) -> list[str]:
                 r["speedup_iter"] = step / r["time_iter"]
                 r["speedup_rollout"] = base["time_rollout"] / r["time_rollout"]
                 env.report.write()
+    env.report.info["compile_failed"] = "compile" in rows and not ok(rows["compile"])
     return kept
 
 
@@ -459,7 +666,7 @@ def stage_memory(env) -> None:
             if name in too_big:
                 skip(env, "memory", label, "did not fit a larger card")
                 continue
-            if env.left() < 30 + env.a.reserve_s:
+            if env.left() < 30 + env.a.reserve_s + env.later_s:
                 skip(env, "memory", label, "time guard")
                 return
             if env.cuda:
@@ -528,7 +735,9 @@ def stage_flow(env) -> None:
             continue
         m, N = its[-1], P * G
         n_tr = m.get("n_trained_samples", N)
-        flops = fwd * (N * m["nfe_old"] + n_tr * (3 * m["nfe_theta"] + m.get("nfe_ref", 0)))
+        roll = fwd * N * m["nfe_rollout"]                 # the rollout, CFG rows counted
+        upd = fwd * (N * m["nfe_old"] + n_tr * (3 * m["nfe_theta"] + m.get("nfe_ref", 0)))
+        flops, upd_s, peak = roll + upd, m["time_old"] + m["time_update"], env.a.peak * 1e12
         desc = next((r["rollout"] for r in rows if r["method"] == label), "")
         row = {"stage": "flow", "config": label, "settings": desc, "images_per_iter": N,
                "nfe_rollout": m["nfe_rollout"], "nfe_pi_old": m["nfe_old"],
@@ -538,8 +747,10 @@ def stage_flow(env) -> None:
                "gpu_s_iter": m["time_iter"] * 1, "s_per_1000_images": 1000 * m["time_iter"] / N,
                "gpu_s_per_1000_images": 1000 * m["time_iter"] / N * 1,
                **{k: m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update")},
-               "TFLOP/s": flops / m["time_iter"] / 1e12,
-               "MFU_%": 100 * flops / m["time_iter"] / (env.a.peak * 1e12),
+               "TFLOP_iter": flops / 1e12, "TFLOP/s": flops / m["time_iter"] / 1e12,
+               "MFU_%": 100 * flops / m["time_iter"] / peak,
+               "rollout_MFU_%": 100 * roll / m["time_rollout"] / peak,
+               "update_MFU_%": 100 * upd / upd_s / peak if upd_s > 0 else float("nan"),
                "abs_log_ratio_first": its[0].get("abs_log_ratio_first",
                                                  its[0].get("abs_log_ratio"))}
         env.report.add("flow", row)
@@ -548,8 +759,8 @@ def stage_flow(env) -> None:
 
 
 def stage_flux(env, kept) -> None:
-    """FLUX.1-dev defaults at 1 × 12: whole-iteration MFU, with and without the levers that paid
-    on SD3.5-M."""
+    """FLUX.1-dev defaults (μ 4) at 1 × 12: eager; with --compile (the trainer's default on one GPU)
+    and the other levers that paid on SD3.5-M; then with cudagraphs too if it paid there."""
     env.pipe = None
     import torch._dynamo
     torch._dynamo.reset()                                # compiled SD3 blocks
@@ -561,17 +772,28 @@ def stage_flux(env, kept) -> None:
     print(f"built FLUX.1-dev-shaped pipeline in {time.perf_counter() - t0:.0f}s", flush=True)
     measure(env, "flux", "warmup", WARMUP["flux"])
     base = measure(env, "flux", "flux_default", CONFIGS["flux_default"])
-    if kept and ok(base):
-        compile_extra = COMPILE_EST_S if "compile" in kept and env.cuda else 0
-        iters = 2 if "compile" in kept else 1
-        if env.left() < iters * base["time_iter"] * 1.3 + compile_extra:
-            skip(env, "flux", "flux_default + levers", "time guard")
-        else:
-            r = measure(env, "flux", "flux_default + levers", CONFIGS["flux_default"], iters=iters,
-                        lever_names=kept)
-            if ok(r):
-                r["speedup_iter"] = base["time_iter"] / r["time_iter"]
-                env.report.write()
+    if not ok(base):
+        return
+    lev = [k for k in kept if k != "cudagraphs"]
+    if "compile" not in lev and not env.report.info.get("compile_failed"):
+        lev = ["compile", *lev]
+    todo = [lev] if lev else []
+    if "cudagraphs" in kept:
+        todo.append([*lev, "cudagraphs"])
+    for names in todo:
+        compiled = bool(effective(names) & set(COMPILED_LEVERS))
+        extra_s = COMPILE_EST_S["flux"] if compiled and env.cuda else 0
+        one = base["time_iter"] * 1.3 + extra_s
+        if env.left() < one + env.a.reserve_s:
+            skip(env, "flux", "flux_default + " + ",".join(names), "time guard")
+            continue
+        # a second iteration, when there is time, shows that nothing compiles after setup
+        iters = 2 if env.left() > one + base["time_iter"] + env.a.reserve_s else 1
+        r = measure(env, "flux", "flux_default + " + ",".join(names), CONFIGS["flux_default"],
+                    iters=iters, lever_names=names)
+        if ok(r):
+            r["speedup_iter"] = base["time_iter"] / r["time_iter"]
+            env.report.write()
 
 
 def stage_configs(env) -> None:
@@ -589,19 +811,23 @@ def stage_configs(env) -> None:
 # ------------------------------------------------------------------------------------------------
 class Report:
     COLS = {
-        "levers": ["config", "P×G", "time_first_iter", "time_iter", "time_rollout", "time_reward",
-                   "time_old", "time_update", "rollout_MFU_%", "MFU_%", "peak_mem_GiB",
-                   "speedup_iter", "speedup_rollout", "abs_log_ratio"],
+        "levers": ["config", "P×G", "time_compile", "time_first_iter", "time_iter", "time_rollout",
+                   "time_reward", "time_old", "time_update", "rollout_MFU_%", "update_MFU_%",
+                   "MFU_%", "peak_mem_GiB", "speedup_iter", "speedup_rollout",
+                   "speedup_vs_compile", "pays", "abs_log_ratio", "abs_log_ratio_first",
+                   "cudagraph_rel_diff"],
         "memory": ["config", "limit_GiB", "fits", "peak_mem_GiB", "micro_batch", "rollout_batch",
                    "time_iter"],
-        "flow": ["config", "settings", "images_per_iter", "nfe_pi_old", "nfe_theta", "nfe_ref",
-                 "time_first_iter", "time_iter", "gpu_s_iter", "s_per_1000_images",
-                 "gpu_s_per_1000_images", "time_rollout", "time_update", "MFU_%",
-                 "abs_log_ratio_first"],
-        "flux": ["config", "P×G", "time_first_iter", "time_iter", "time_rollout", "time_update",
-                 "rollout_MFU_%", "MFU_%", "peak_mem_GiB", "speedup_iter", "abs_log_ratio"],
-        "configs": ["config", "P×G", "micro_batch", "grad_ckpt", "time_rollout", "time_reward",
-                    "time_old", "time_update", "time_iter", "peak_mem_GiB", "TFLOP/s", "MFU_%"],
+        "flow": ["config", "settings", "images_per_iter", "nfe_rollout", "nfe_pi_old", "nfe_theta",
+                 "nfe_ref", "time_first_iter", "time_iter", "gpu_s_iter", "s_per_1000_images",
+                 "gpu_s_per_1000_images", "time_rollout", "time_update", "rollout_MFU_%",
+                 "update_MFU_%", "MFU_%", "abs_log_ratio_first"],
+        "flux": ["config", "P×G", "mu", "time_compile", "time_first_iter", "time_iter",
+                 "time_rollout", "time_old", "time_update", "rollout_MFU_%", "update_MFU_%",
+                 "MFU_%", "peak_mem_GiB", "speedup_iter", "abs_log_ratio", "abs_log_ratio_first"],
+        "configs": ["config", "P×G", "micro_batch", "grad_ckpt", "compiled", "time_compile",
+                    "time_rollout", "time_reward", "time_old", "time_update", "time_iter",
+                    "peak_mem_GiB", "TFLOP/s", "rollout_MFU_%", "update_MFU_%", "MFU_%"],
     }
 
     def __init__(self, path, info):
@@ -656,9 +882,11 @@ def main(argv=None):
                          "after the start (model build included) are skipped")
     ap.add_argument("--reserve_s", type=float, default=20.0, help="seconds kept free at the end")
     ap.add_argument("--compile_backend", default=None,
-                    help="backend for the compile lever (default inductor; the CPU smoke uses "
-                    "eager)")
-    ap.add_argument("--levers", default=None, help=f"levers stage: a subset of {','.join(LEVERS)}")
+                    help="torch.compile backend of the trainer's --compile rows (default: its "
+                    "own, inductor; the CPU smoke uses eager, inductor takes minutes there)")
+    ap.add_argument("--levers", default=None,
+                    help=f"levers stage: a subset of {','.join(LEVERS)} (default: all but "
+                    "cudagraphs, which runs only when named)")
     ap.add_argument("--flow_iterations", type=int, default=2,
                     help="flow stage: iterations of each method")
     ap.add_argument("--out", default=None, help="JSON output (a .md twin beside it); default "
@@ -671,6 +899,9 @@ def main(argv=None):
     bad = set(stages) - {"levers", "memory", "flow", "flux", "configs"}
     if bad:
         ap.error(f"unknown stage(s) {sorted(bad)}")
+    bad = set((a.levers or "").split(",")) - set(LEVERS) - {""}
+    if bad:
+        ap.error(f"unknown lever(s) {sorted(bad)}; choose from {','.join(LEVERS)}")
     if a.cpu_smoke:
         dev, dtype, ctx = torch.device("cpu"), torch.float32, torch.autocast("cpu", enabled=False)
         a.compile_backend = a.compile_backend or "eager"
@@ -718,6 +949,8 @@ def main(argv=None):
         env.model = "flux.1-dev"
     print(f"built in {info['build_s']:.0f}s", flush=True)
     kept_levers = []
+    if "flux" in stages and env.cuda:       # the stages before it leave the flux stage its time
+        env.later_s = FLUX_STAGE_S
     if "configs" in stages:
         if a.family == "flux" and not env.model.startswith("flux"):
             stage_flux_build(env)
@@ -728,18 +961,18 @@ def main(argv=None):
         if "levers" in stages:
             kept_levers = stage_levers(env)
         if "memory" in stages:
-            if env.left() > 60:
+            if env.left() > 60 + env.later_s:
                 stage_memory(env)
             else:
                 skip(env, "memory", "all", "time guard")
         if "flow" in stages:
-            if env.left() > 90:
+            if env.left() > 90 + env.later_s:
                 stage_flow(env)
             else:
                 skip(env, "flow", "all", "time guard")
     if "flux" in stages:
-        need = 20 if a.cpu_smoke else 150                  # build + warm-up + one 1×12 iteration
-        if env.left() > need:
+        env.later_s = 0.0
+        if env.left() > (20 if a.cpu_smoke else FLUX_STAGE_S):
             stage_flux(env, kept_levers)
         else:
             skip(env, "flux", "all", "time guard")

@@ -1,6 +1,9 @@
 """Tests of the GPU measurement scripts in examples/gpu/, on the CPU with the tiny models: the SD3
-variance diagnostics (sd3_diagnostics.py), and gpu_check.py's throughput levers and its CPU smoke
-run of every stage. CPU only, offline: `python -m pytest -q examples/gpu`.
+variance diagnostics (sd3_diagnostics.py); gpu_check.py's throughput levers (the trainer's
+--compile, with the cheap dynamo backends the CPU allows; the CUDA-graph lever's bookkeeping with
+its CPU stand-in), its FLOP count of the passes that ran, its CPU smoke run of every stage; and
+mfu_restate.py's recomputed MFU of the stored GPU rows. CPU only, offline:
+`python -m pytest -q examples/gpu`.
 
 Every test carries one tier marker (pytest.ini); shared helpers (TM, _load_example) and the
 autouse fixture that restores torch's SDPA switches after each test are in the repository's
@@ -59,24 +62,28 @@ def test_sd3_diagnostics_variance_reduction(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# examples/gpu/gpu_check.py: the throughput levers and the CPU smoke run
-#    Each lever changes how the same numbers are computed, not what is computed: experiments
-#    applied to a live Run from outside.
+# examples/gpu/gpu_check.py: the throughput levers, the FLOP count and the CPU smoke run
+#    Each lever changes how the same numbers are computed, not what is computed. `compile` is the
+#    trainer's own --compile (here with a cheap dynamo backend: inductor takes minutes on a CPU);
+#    the others are experiments applied to a live Run from outside.
 # ------------------------------------------------------------------------------------------------
 LEVER = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--group_size", "3",
          "--num_steps", "4", "--eval_every", "0", "--device", "cpu"]
 
 
-def _lever_run(names=(), its=2, extra=(), backend="aot_eager"):
+def _lever_run(names=(), its=2, extra=(), backend="aot_eager", stats=None):
     """setup() on a fresh tiny pipeline with LoRA B ≠ 0 (the default init B = 0 would make a merge
-    a no-op), then `its` iterations with gpu_check's levers `names`. Returns (run, metrics)."""
+    a no-op), then `its` iterations with gpu_check's levers `names`; `compile` becomes the
+    trainer's --compile (compiled in setup, with `backend`). Returns (run, metrics)."""
     gc = _load_example("gpu/gpu_check")
-    run = V.setup(V.parse_args(LEVER + list(extra)), pipe=TM.build_tiny_sd3_pipeline())
+    flags = LEVER + list(extra) + (["--compile"] if "compile" in names else ["--no-compile"])
+    with gc.compile_backend(backend):
+        run = V.setup(V.parse_args(flags), pipe=TM.build_tiny_sd3_pipeline())
     g = torch.Generator().manual_seed(1)
     for n, p in run.adapter.transformer.named_parameters():
         if "lora_B" in n:
             p.data = 0.05 * torch.randn(p.shape, generator=g)
-    with gc.levers(run, names, backend):
+    with gc.levers(run, [n for n in names if n != "compile"], stats):
         return run, [V.iteration(run, it) for it in range(its)]
 
 
@@ -110,46 +117,147 @@ def test_lora_merge_restores_every_weight_bit_for_bit():
 
 @pytest.mark.examples
 def test_levers_keep_ratio_one_and_the_same_run():
-    """Every CPU lever (merged-LoRA rollouts, the math / flash SDPA kernel, a bf16 VAE decode,
-    regional compile with the aot_eager backend) keeps ρ ≡ 1 at μ = 1, leaves the frozen weights
-    and torch's switches as they were, and gives the same gradient norm as the plain run up to
-    fp32 summation order (1e-4 relative is ~1000× the rounding seen); the JPEG reward is a step
-    function of the pixels, so it is compared loosely."""
+    """Every CPU lever (merged-LoRA rollouts, the math / flash SDPA kernel, a bf16 VAE decode, the
+    CUDA-graph lever's CPU stand-in, and the trainer's own --compile with the aot_eager backend)
+    keeps ρ ≡ 1 at μ = 1, leaves the frozen weights and torch's switches as they were, and gives
+    the same gradient norm as the plain run up to fp32 summation order (1e-4 relative is ~1000×
+    the rounding seen); the JPEG reward is a step function of the pixels, so it is compared
+    loosely. --compile compiles every block in setup (run.time_compile), the others none."""
     import torch._dynamo
     sw = torch.backends.cuda
     switches = (sw.flash_sdp_enabled(), sw.math_sdp_enabled())
     ref, m_ref = _lever_run(its=1)
     frozen = {n: p for n, p in ref.adapter.transformer.named_parameters() if "lora_" not in n}
-    for names in (["merge_lora_rollout"], ["attn_flash"], ["vae_autocast"], ["compile"]):
+    for names in (["merge_lora_rollout"], ["attn_flash"], ["vae_autocast"], ["cudagraphs"],
+                  ["compile"]):
         torch._dynamo.reset()
-        run, m = _lever_run(names, its=1)
+        stats = {}
+        run, m = _lever_run(names, its=1, stats=stats)
         assert m[0]["abs_log_ratio"] == 0.0 and m[0]["ratio"] == 1.0, names
+        assert m[0]["abs_log_ratio_first"] == 0.0, names
         assert m[0]["grad_norm"] == pytest.approx(m_ref[0]["grad_norm"], rel=1e-4), names
         assert m[0]["reward_mean"] == pytest.approx(m_ref[0]["reward_mean"], abs=0.05), names
         for n, p in run.adapter.transformer.named_parameters():
             assert "lora_" in n or torch.equal(p, frozen[n]), f"{names}: {n} changed"
         assert (sw.flash_sdp_enabled(), sw.math_sdp_enabled()) == switches
-        assert all(b._compiled_call_impl is None for b in V.transformer_blocks(run.adapter.transformer))
-        assert "decode" not in run.adapter.__dict__ and V.rollout.__name__ == "rollout"
+        blocks = V.transformer_blocks(run.adapter.transformer)
+        compiled = names == ["compile"]
+        assert run.compiled is compiled and (run.time_compile > 0) is compiled, names
+        assert all((b._compiled_call_impl is not None) is compiled for b in blocks), names
+        assert "decode" not in run.adapter.__dict__ and "velocity" not in run.adapter.__dict__
+        assert V.rollout.__name__ == "rollout"
+        if names == ["cudagraphs"]:          # 6 samples in one rollout chunk: one shape, 4 steps
+            assert stats == {"cudagraph_graphs": 1, "cudagraph_replays": 4,
+                             "cudagraph_rel_diff": 0.0}
     torch._dynamo.reset()
+
+
+@pytest.mark.examples
+def test_cudagraph_lever_replays_the_plain_rollout():
+    """gpu_check.GraphedVelocity, with the CPU stand-in for a CUDA graph (static input buffers, one
+    static output): a DPM-Solver++(2M) rollout of the tiny FLUX model (it keeps the previous
+    prediction, so an uncloned static output would corrupt it) is bit-identical to the plain one,
+    one graph serves every step of one shape, a second shape gets its own, and calls with grad
+    enabled never replay."""
+    gc = _load_example("gpu/gpu_check")
+    args = V.parse_args(["--model", "tiny-flux", "--reward", "jpeg", "--device", "cpu",
+                         "--num_steps", "4"])
+    ad = V.make_adapter(TM.build_tiny_flux_pipeline(), args, torch.device("cpu"))
+    assert args.solver == "dpmpp2m"
+    cond, sig = ad.encode(["a cat", "a dog"]), ad.sigmas(4)
+    x1 = torch.randn((5,) + ad.latent_shape(64), generator=torch.Generator().manual_seed(3))
+    idx = torch.tensor([0, 1, 0, 1, 1])
+    ctx = torch.autocast("cpu", enabled=False)
+    with torch.no_grad():
+        plain = V.rollout(ad, x1, cond, idx, sig, "dpmpp2m", 3, ctx)   # chunks of 3 and 2 rows
+        gv = gc.GraphedVelocity(ad.velocity, gc.standin_capture)
+        ad.velocity = gv
+        try:
+            graphed = V.rollout(ad, x1, cond, idx, sig, "dpmpp2m", 3, ctx)
+            again = V.rollout(ad, x1, cond, idx, sig, "dpmpp2m", 3, ctx)
+        finally:
+            del ad.velocity
+    assert torch.equal(graphed, plain) and torch.equal(again, plain)
+    assert len(gv.graphs) == 2 and gv.replays == 2 * 2 * 4 and gv.max_rel_diff == 0.0
+    x, t, c = x1[:3], torch.full((3,), 0.5), V.select(cond, idx[:3])
+    with torch.no_grad():
+        a = gv(x, t, c)
+        b = gv(x + 1, t, c)                    # a second replay must not overwrite the first
+    assert not torch.equal(a, b) and torch.equal(a, ad.velocity(x, t, c).detach())
+    with torch.enable_grad():
+        gv(x, t, c)
+    assert gv.replays == 2 * 2 * 4 + 2
+
+
+@pytest.mark.examples
+def test_flop_count_counts_only_the_passes_that_ran():
+    """gpu_check's FLOP count takes θ_old's forwards from the iteration's nfe_old: none at μ = 1
+    (S_old comes from the first step's own forward), N_MC·(μ−1)/μ at μ > 1. At μ = 1 the count per
+    sample is K + 3·N_MC, below the K + 4·N_MC that counting the θ_old pass would give; the update
+    phase's MFU divides by θ_old's and the update's seconds."""
+    gc = _load_example("gpu/gpu_check")
+    K, J, N = 4, 4, 6
+    for mu, nfe_old in ((1, 0.0), (2, J * (2 - 1) / 2)):
+        run = V.setup(V.parse_args(LEVER + ["--mu", str(mu), "--no-compile"]),
+                      pipe=TM.build_tiny_sd3_pipeline())
+        m = V.iteration(run, 0)
+        assert m["nfe_old"] == nfe_old and m["nfe_theta"] == J and m["nfe_rollout"] == K
+        assert gc.flop_forwards(m) == (K, nfe_old + 3 * J)
+        f = gc.mfu_fields(1e9, N, m, wall=2.0, peak_tflops=1.0)
+        assert f["forwards_per_sample"] == K + nfe_old + 3 * J
+        assert f["TFLOP_iter"] * 1e12 == pytest.approx(1e9 * N * (K + nfe_old + 3 * J))
+        assert f["update_MFU_%"] == pytest.approx(
+            100 * 1e9 * N * (nfe_old + 3 * J) / (m["time_old"] + m["time_update"]) / 1e12)
+        assert f["rollout_MFU_%"] == pytest.approx(100 * 1e9 * N * K / m["time_rollout"] / 1e12)
+        if mu == 1:                                     # the θ_old pass did not run: not counted
+            assert f["forwards_per_sample"] < K + J + 3 * J
+    assert gc.flop_forwards({**m, "skipped": True}) == (K, nfe_old)    # no update, no θ passes
+
+
+@pytest.mark.examples
+def test_mfu_restate_recomputes_the_stored_rows():
+    """examples/gpu/mfu_restate.py: the stored rows' MFU with only the passes that ran (the numbers
+    docs/gpu.md quotes). Rows measured before θ_old's pass was folded into the first step keep
+    their MFU (the pass ran then); the μ = 1 rows after it lose the N_MC θ_old forwards; the flow
+    rows gain the rollout they had left out."""
+    mr = _load_example("gpu/mfu_restate")
+    rows = {(f, s, r["config"]): r for f, s, r in mr.main()}
+    lf, old = "gpu_check_h200_levers_flow.json", "gpu_check_h200.json"
+    base, comp = rows[(lf, "levers", "baseline")], rows[(lf, "levers", "compile")]
+    assert base["MFU_%"] == pytest.approx(base["stored_MFU_%"] * 52 / 56)       # K + 3J of K + 4J
+    assert (round(base["MFU_%"], 2), round(comp["MFU_%"], 2)) == (18.16, 35.53)
+    assert (round(comp["rollout_MFU_%"], 2), round(comp["update_MFU_%"], 2)) == (39.56, 33.28)
+    d = rows[(old, "configs", "default")]
+    assert d["nfe_old"] == 4 and d["MFU_%"] == pytest.approx(d["stored_MFU_%"])
+    fx = rows[("gpu_check_h200_flux.json", "configs", "flux_default")]
+    assert fx["MFU_%"] == pytest.approx(fx["stored_MFU_%"])
+    v = rows[(lf, "flow", "V-GRPO")]
+    assert v["stored_MFU_%"] < 4 and round(v["MFU_%"], 2) == 16.73
 
 
 @pytest.mark.examples
 def test_gpu_check_smoke_runs_every_stage(tmp_path):
     """examples/gpu/gpu_check.py --cpu_smoke: the one-run GPU measurement, on the tiny models, writes
-    its JSON and markdown with a row per lever, memory candidate, method and FLUX configuration;
-    every lever keeps ρ = 1 at μ = 1. (The compile lever is covered above; left out for time.)"""
+    its JSON and markdown with a row per lever, memory candidate, method and FLUX configuration.
+    The baseline runs with --no-compile and the compile row with the trainer's --compile (its
+    seconds in time_compile); every lever keeps ρ = 1 at μ = 1; the FLOP count per sample is
+    K + 3·N_MC at μ = 1 and K + N_MC·3/4 + 3·N_MC at FLUX's μ = 4, where the first optimizer
+    step's |log ρ| is 0. (merge_lora_rollout and attn_flash are covered above; left out for time.)"""
     gc = _load_example("gpu/gpu_check")
     out = tmp_path / "gc.json"
-    gc.main(["--cpu_smoke", "--levers", "merge_lora_rollout,attn_flash,attn_cudnn,vae_autocast",
+    gc.main(["--cpu_smoke", "--levers", "compile,attn_cudnn,vae_autocast,cudagraphs",
              "--flow_iterations", "1", "--out", str(out)])
     data = json.loads(out.read_text())
     lev = {r["config"]: r for r in data["levers"]}
-    assert {"baseline", "merge_lora_rollout", "attn_flash", "vae_autocast"} <= set(lev)
-    for name in ("baseline", "merge_lora_rollout", "attn_flash", "vae_autocast"):
+    assert {"baseline", "compile", "vae_autocast", "cudagraphs"} <= set(lev)
+    for name in ("baseline", "compile", "vae_autocast", "cudagraphs"):
         r = lev[name]
         assert "error" not in r and r["abs_log_ratio"] == 0.0 and r["reward_finite"]
-        assert r["fwd_TFLOP_per_sample"] > 0 and r["MFU_%"] > 0 and r["rollout_MFU_%"] > 0
+        assert r["fwd_TFLOP_per_sample"] > 0 and r["forwards_per_sample"] == 4 + 3 * 4
+        assert r["MFU_%"] > 0 and r["rollout_MFU_%"] > 0 and r["update_MFU_%"] > 0
+        assert r["compiled"] is (name in ("compile", "cudagraphs"))
+    assert lev["compile"]["time_compile"] > 0 and lev["baseline"]["time_compile"] == 0
+    assert lev["cudagraphs"]["cudagraph_graphs"] == 1 and "speedup_vs_compile" in lev["cudagraphs"]
     assert lev["baseline"]["iterations"] == 2 and "first_minus_steady_s" in lev["baseline"]
     assert "CUDA-only" in lev["attn_cudnn"]["skipped"]
     mem = data["memory"]
@@ -163,9 +271,15 @@ def test_gpu_check_smoke_runs_every_stage(tmp_path):
         for r in (v, f):
             assert r["s_per_1000_images"] == pytest.approx(1000 * r["time_iter"] / 4)
             assert r["abs_log_ratio_first"] < 1e-5
+            assert r["rollout_MFU_%"] > 0                 # the rollout is counted
     else:
         assert "older version" in flow["Flow-GRPO vs V-GRPO"]["skipped"]
     flux = {r["config"]: r for r in data["flux"]}
-    assert "error" not in flux["flux_default"] and flux["flux_default"]["P×G"] == "1×4"
+    fd = flux["flux_default"]
+    assert "error" not in fd and fd["P×G"] == "1×4" and fd["mu"] == 4 and not fd["compiled"]
+    assert fd["abs_log_ratio_first"] == 0.0 and fd["nfe_old"] == 3          # 4 · (4 − 1) / 4
+    assert fd["forwards_per_sample"] == 4 + 3 + 3 * 4
+    fc = next(r for n, r in flux.items() if n.startswith("flux_default + compile"))
+    assert "error" not in fc and fc["compiled"] and fc["abs_log_ratio_first"] == 0.0
     md = out.with_suffix(".md").read_text()
     assert "## levers" in md and "## memory" in md and "## flux" in md
