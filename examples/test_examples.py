@@ -7,7 +7,9 @@ Every test carries one tier marker (pytest.ini); the helpers and fixtures shared
 test files (ROOT, TINY, _load_example, the `ev` fixture) are in the repository's conftest.py.
 docs/tests.md, "Tests beside the examples", says what each file guarantees.
 """
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -188,6 +190,37 @@ def test_evaluate_statistics_and_noise_by_hand(ev):
     assert torch.equal(a, ev.initial_noise(0, 3, 1, (4, 2, 2)))
     assert not torch.equal(a, ev.initial_noise(0, 1, 3, (4, 2, 2)))
     assert not torch.equal(a, ev.initial_noise(1, 3, 1, (4, 2, 2)))
+
+
+@pytest.mark.examples
+def test_evaluate_results_md_marks_a_significant_loss_as_well_as_a_gain(ev):
+    """results.md bolds a paired difference whose interval excludes 0 on either side: a model
+    better than the base on every prompt and one worse on every prompt are both bold; one better
+    on some prompts and worse on others (an interval across 0), and the base's twin (exactly 0,
+    [0, 0]), are not."""
+    import numpy as np
+    base = np.array([[0.5, 0.5], [0.4, 0.6], [0.5, 0.7], [0.6, 0.4]])      # (P, I) = (4, 2)
+    shift = {"base": 0.0, "gain": 0.1, "loss": -0.1, "twin": 0.0,
+             "mixed": np.array([[0.2], [-0.2], [0.1], [-0.1]])}           # per prompt
+    stats = ev.summarize({m: {"r": base + d} for m, d in shift.items()}, "base", draws=500)
+    assert stats["loss"]["r"]["diff_ci"] == pytest.approx([-0.1, -0.1])
+    lo, hi = stats["mixed"]["r"]["diff_ci"]
+    assert lo < 0 < hi
+    results = {"settings": {"model": "tiny", "prompts": "p.txt", "n_prompts": 4,
+                            "images_per_prompt": 2, "num_steps": 4, "solver": "euler",
+                            "resolution": 64, "dtype": "fp32", "seed": 0},
+               "baseline": "base", "bootstrap": {"draws": 500, "seed": 0, "level": 0.95},
+               "prompt_sets": {"prompts": {"prompts": "p.txt", "n_prompts": 4,
+                                           "rewards": {"r": "r"}}},
+               "models": {m: {"rewards": stats[m]} for m in shift}}
+    md = ev.markdown(results)
+    diffs = md.split("bold: the interval excludes 0.")[1]
+    rows = {l.split("|")[1].strip(): l.split("|")[2].strip() for l in diffs.splitlines()
+            if l.startswith("| ") and not l.startswith("| model")}
+    assert rows["gain"] == "**+0.1000 [+0.1000, +0.1000]**"
+    assert rows["loss"] == "**-0.1000 [-0.1000, -0.1000]**"
+    assert not rows["mixed"].startswith("**") and rows["twin"] == "+0.0000 [+0.0000, +0.0000]"
+    assert set(rows) == {"gain", "loss", "mixed", "twin"}
 
 
 @pytest.mark.examples
@@ -1009,3 +1042,102 @@ def test_curriculum_refuses_a_stage_started_from_other_weights(_cur_run, tmp_pat
                         r"checkpoint root/stage3-preference/checkpoints/iter_000001: remove "
                         r"root/stage4-geneval .*", capsys.readouterr().err.strip())
     assert calls == []
+
+
+# Stand-ins for the held-out and Ctrl-C tests. `train` (stages 1 and 3) and `heldout` (every
+# stage's --eval_rewards) record the prompts they score; `train` sends this process a first Ctrl-C
+# from inside a stage's iteration when CUR_CTRL_C is set (once, and only while examples/cluster.py's
+# handler is the one installed, never during the start-up probe).
+_CUR_PREF = '''
+import os
+import signal
+import torch
+SEEN = {"train": [], "heldout": []}
+SENT = []
+def train(images, prompts):
+    SEEN["train"].extend(map(str, prompts))
+    handler = getattr(signal.getsignal(signal.SIGINT), "__name__", "")
+    if os.environ.get("CUR_CTRL_C") and not SENT and handler == "on_int":
+        SENT.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+    return torch.zeros(len(prompts))
+def heldout(images, prompts):
+    SEEN["heldout"].extend(map(str, prompts))
+    return torch.zeros(len(prompts))
+def zero(images, prompts):
+    return torch.zeros(len(prompts))
+'''
+_CUR_PREF_TRAIN = [f"a training scene number {k}" for k in range(1, 7)]
+_CUR_PREF_EVAL = [f"a held-out scene number {k}" for k in range(1, 4)]
+
+
+@pytest.fixture(scope="module")
+def _cur_pref_runs(_cur_run, tmp_path_factory):
+    """Two curricula with --preference_prompts and --preference_eval_prompts, every stage
+    evaluating with `heldout` (--eval_every 1): (1) a fresh one, stage 1 of 2 iterations, whose
+    stage 1 gets a first Ctrl-C during its first iteration; (2) the finished curriculum of
+    _cur_run with stages 3-5 removed, so stage 3 runs. → dict: each run's exit status, stderr,
+    folder, and the prompts `train` and `heldout` saw during it."""
+    work = tmp_path_factory.mktemp("curriculum_pref")
+    (work / "cur_pref.py").write_text(_CUR_PREF)
+    (work / "train.txt").write_text("\n".join(_CUR_PREF_TRAIN) + "\n")
+    (work / "eval.txt").write_text("\n".join(_CUR_PREF_EVAL) + "\n")
+    shutil.copytree(_cur_run[0] / "root", work / "root")      # its checkpoints name "root/..."
+    for k in (3, 4, 5):
+        shutil.rmtree(work / "root" / f"stage{k}-{_CUR_KINDS[k - 1]}")
+    flags = ["--model", "tiny", "--stage_rewards",
+             "cur_pref:train;cur_pref:zero;cur_pref:train;cur_pref:zero;cur_pref:zero",
+             "--preference_prompts", "train.txt", "--preference_eval_prompts", "eval.txt", "--",
+             "--device", "cpu", "--prompts_per_iter", "2", "--group_size", "2", "--n_mc", "2",
+             "--num_steps", "4", "--eval_every", "1", "--eval_rewards", "cur_pref:heldout",
+             "--save_every", "1"]
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work)
+        mp.syspath_prepend(str(work))
+        mp.delitem(sys.modules, "cur_pref", raising=False)
+        runs = (("first", "first", "2,1,2,1,1", True),
+                ("second", "root", ",".join(map(str, _CUR_ITERS)), False))
+        for name, root, iters, ctrl_c in runs:
+            if ctrl_c:
+                mp.setenv("CUR_CTRL_C", "1")
+            else:
+                mp.delenv("CUR_CTRL_C", raising=False)
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                status = CUR.main(["--run_root", root, "--stage_iterations", iters] + flags)
+            seen = sys.modules["cur_pref"].SEEN
+            out[name] = dict(status=status, err=err.getvalue(), root=work / root,
+                             train=list(seen["train"]), heldout=list(seen["heldout"]))
+            seen["train"].clear()
+            seen["heldout"].clear()
+    return out
+
+
+@pytest.mark.examples
+def test_curriculum_preference_stages_evaluate_on_their_held_out_prompts(_cur_pref_runs):
+    """With --preference_prompts and --preference_eval_prompts, stages 1 and 3 evaluate on every
+    held-out prompt and never on a training prompt, and train on training prompts only."""
+    first, second = _cur_pref_runs["first"], _cur_pref_runs["second"]
+    for run, stage in ((first, "stage1-preference"), (second, "stage3-preference")):
+        assert (run["root"] / stage / "eval" / "iter_000000.png").is_file(), stage   # evaluated
+        pref = [p for p in run["heldout"] if p in _CUR_PREF_TRAIN + _CUR_PREF_EVAL]
+        assert set(pref) == set(_CUR_PREF_EVAL), (stage, sorted(set(pref)))
+        assert run["train"] and set(run["train"]) <= set(_CUR_PREF_TRAIN), stage
+    assert not set(second["heldout"]) & set(_CUR_PREF_TRAIN)       # stages 3-5 together
+
+
+@pytest.mark.examples
+def test_curriculum_stage_stopped_by_a_first_ctrl_c_ends_it_with_130(_cur_pref_runs):
+    """A first Ctrl-C inside stage 1 (of 2 iterations) finishes the iteration and saves it
+    (examples/cluster.py); the stage is unfinished, so the curriculum stops there with exit status
+    130, never 0, says how to continue, and starts no later stage."""
+    first = _cur_pref_runs["first"]
+    assert first["status"] == 130, first["err"]
+    assert "curriculum stopped in stage 1 (first/stage1-preference); run the same command to " \
+           "continue" in first["err"]
+    state = torch.load(V.find_checkpoint(str(first["root"] / "stage1-preference")) / V.CKPT_STATE,
+                       weights_only=False)
+    assert state["iteration"] == 1                                  # saved, 1 of 2 iterations
+    assert sorted(p.name for p in first["root"].iterdir()) == ["stage1-preference"]
+    assert _cur_pref_runs["second"]["status"] == 0, _cur_pref_runs["second"]["err"]
