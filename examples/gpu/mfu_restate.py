@@ -3,6 +3,7 @@ and settings with gpu_check.py's FLOP count, which counts only the passes that r
 re-measured: the seconds are the stored ones, only the FLOP count changes.
 
     python examples/gpu/mfu_restate.py             # one markdown table per file
+    python examples/gpu/mfu_restate.py > results/gpu/mfu_restated.md           # the stored copy
 
 Per sample, with fwd the stored FLOPs of one forward (fwd_TFLOP_per_sample):
     rollout FLOPs = N·fwd·K,  update FLOPs = N·fwd·(nfe_old + 3·J),  J = N_MC = 4
@@ -107,6 +108,11 @@ def main(argv=None) -> list:
     cols = ["config", "P×G", "K", "nfe_old", "time_iter", "stored_MFU_%", "rollout_MFU_%",
             "update_MFU_%", "MFU_%"]
     everything = []
+    print("# MFU of the stored GPU rows, recomputed\n\n`python examples/gpu/mfu_restate.py`: the "
+          "stored times and settings, only the passes that ran counted (the formula in the "
+          "script's docstring); nothing re-measured. stored_MFU_% is the stored count's "
+          "(K + J + 3·J forwards per sample; the flow rows without the rollout). Percent of "
+          f"{BF16_PEAK_TFLOPS:g} TFLOP/s.\n")
     for f in files:
         rows = restate_file(f)
         everything += [(f.name, s, r) for s, r in rows]
