@@ -101,7 +101,7 @@ PLANS = {
         iterations=2, lrs=[3e-3], selection_seeds=[0], confirmation_seeds=[1],
         eval_every=2, n_heldout=4, n_val=2, methods=["V-GRPO", "DiffusionNFT", "MixGRPO"],
         claims_vgrpo="V-GRPO", variants={"MixGRPO (old scaled schedule)": "MixGRPO"},
-        timing_rounds=1,
+        timing_rounds=1, extra_flags=["--prompts_per_iter", "1", "--group_size", "4"],
         swap=dict(iterations=2, lr=3e-3, seeds=[0], eval_every=2, configs=["V-GRPO"]),
         nmc=dict(iterations=2, lrs=["chosen"], seeds=[0], eval_every=2, values=[2])),
 }

@@ -416,15 +416,12 @@ def _save_pipeline(pipe, cache: Path) -> None:
     (cache / "eval_prompts.txt").write_text("\n".join(prompts_of(EVAL_TEMPLATES)) + "\n")
 
 
-# The test suite's fast version (test_vgrpo.py): small budgets, a few iterations.
-# A 2-layer × 2-head transformer (0.29M parameters) with trainable text encoders learns the
-# prompt in a few hundred steps. Measured with this recipe on 300 held-out images: base 30–34 %,
-# 57–63 % after these 30 V-GRPO iterations (seeds 0–2; 1 and 2 threads, and torch's AVX2 and
-# scalar kernels), 67–78 % after 40; chance is 10 %. The test's body took 147 s with 2 threads on
-# a 2-core machine that was also running two 1-thread benchmark workers.
-FAST_BUILD = dict(clf_steps=100, vae_steps=80, pretrain_steps=500, pretrain_lr=3e-3, layers=2,
-                  heads=2, train_text=True)
-FAST_RL = dict(iterations=30, flags=["--lr", "2e-3", "--prompts_per_iter", "8"])
+# The tests' V-GRPO run on the committed model (test_digits.py): the shipped recipe at lr 3e-3
+# for 12 iterations. Held-out prompt accuracy on 200 images (n_per=20), 1 thread: 0.715 before;
+# 0.86 (seed 0) and 0.84 (seed 2) after 12 iterations, 0.81 (seed 1) after 10; chance is 0.10.
+FAST_RL = dict(iterations=12, flags=["--lr", "3e-3"])
+# A build in seconds, for the tests of the build path only: it learns next to nothing.
+TINY_BUILD = dict(clf_steps=4, vae_steps=2, pretrain_steps=4, layers=1, heads=2)
 
 
 def load_pipe(folder):
