@@ -1046,8 +1046,8 @@ def test_curriculum_refuses_a_stage_started_from_other_weights(_cur_run, tmp_pat
 
 # Stand-ins for the held-out and Ctrl-C tests. `train` (stages 1 and 3) and `heldout` (every
 # stage's --eval_rewards) record the prompts they score; `train` sends this process a first Ctrl-C
-# from inside a stage's iteration when CUR_CTRL_C is set (once, and only while examples/cluster.py's
-# handler is the one installed, never during the start-up probe).
+# from inside a stage's first iteration (once per curriculum run, and only while
+# examples/cluster.py's handler is the one installed, never during the start-up probe).
 _CUR_PREF = '''
 import os
 import signal
@@ -1057,7 +1057,7 @@ SENT = []
 def train(images, prompts):
     SEEN["train"].extend(map(str, prompts))
     handler = getattr(signal.getsignal(signal.SIGINT), "__name__", "")
-    if os.environ.get("CUR_CTRL_C") and not SENT and handler == "on_int":
+    if not SENT and handler == "on_int":
         SENT.append(True)
         os.kill(os.getpid(), signal.SIGINT)
     return torch.zeros(len(prompts))
@@ -1074,10 +1074,10 @@ _CUR_PREF_EVAL = [f"a held-out scene number {k}" for k in range(1, 4)]
 @pytest.fixture(scope="module")
 def _cur_pref_runs(_cur_run, tmp_path_factory):
     """Two curricula with --preference_prompts and --preference_eval_prompts, every stage
-    evaluating with `heldout` (--eval_every 1): (1) a fresh one, stage 1 of 2 iterations, whose
-    stage 1 gets a first Ctrl-C during its first iteration; (2) the finished curriculum of
-    _cur_run with stages 3-5 removed, so stage 3 runs. → dict: each run's exit status, stderr,
-    folder, and the prompts `train` and `heldout` saw during it."""
+    evaluating with `heldout` (--eval_every 1), each stopped by a first Ctrl-C in the first
+    iteration of a preference stage of 2 iterations: (1) a fresh one, in stage 1; (2) the
+    finished curriculum of _cur_run with stages 3-5 removed, in stage 3. → dict: each run's exit
+    status, stderr, folder, and the prompts `train` and `heldout` saw during it."""
     work = tmp_path_factory.mktemp("curriculum_pref")
     (work / "cur_pref.py").write_text(_CUR_PREF)
     (work / "train.txt").write_text("\n".join(_CUR_PREF_TRAIN) + "\n")
@@ -1096,13 +1096,8 @@ def _cur_pref_runs(_cur_run, tmp_path_factory):
         mp.chdir(work)
         mp.syspath_prepend(str(work))
         mp.delitem(sys.modules, "cur_pref", raising=False)
-        runs = (("first", "first", "2,1,2,1,1", True),
-                ("second", "root", ",".join(map(str, _CUR_ITERS)), False))
-        for name, root, iters, ctrl_c in runs:
-            if ctrl_c:
-                mp.setenv("CUR_CTRL_C", "1")
-            else:
-                mp.delenv("CUR_CTRL_C", raising=False)
+        for name, root, iters in (("first", "first", "2,1,2,1,1"),
+                                  ("second", "root", ",".join(map(str, _CUR_ITERS)))):
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
                 status = CUR.main(["--run_root", root, "--stage_iterations", iters] + flags)
@@ -1111,6 +1106,7 @@ def _cur_pref_runs(_cur_run, tmp_path_factory):
                              train=list(seen["train"]), heldout=list(seen["heldout"]))
             seen["train"].clear()
             seen["heldout"].clear()
+            sys.modules["cur_pref"].SENT.clear()
     return out
 
 
@@ -1124,20 +1120,20 @@ def test_curriculum_preference_stages_evaluate_on_their_held_out_prompts(_cur_pr
         pref = [p for p in run["heldout"] if p in _CUR_PREF_TRAIN + _CUR_PREF_EVAL]
         assert set(pref) == set(_CUR_PREF_EVAL), (stage, sorted(set(pref)))
         assert run["train"] and set(run["train"]) <= set(_CUR_PREF_TRAIN), stage
-    assert not set(second["heldout"]) & set(_CUR_PREF_TRAIN)       # stages 3-5 together
 
 
 @pytest.mark.examples
 def test_curriculum_stage_stopped_by_a_first_ctrl_c_ends_it_with_130(_cur_pref_runs):
-    """A first Ctrl-C inside stage 1 (of 2 iterations) finishes the iteration and saves it
-    (examples/cluster.py); the stage is unfinished, so the curriculum stops there with exit status
-    130, never 0, says how to continue, and starts no later stage."""
-    first = _cur_pref_runs["first"]
-    assert first["status"] == 130, first["err"]
-    assert "curriculum stopped in stage 1 (first/stage1-preference); run the same command to " \
-           "continue" in first["err"]
-    state = torch.load(V.find_checkpoint(str(first["root"] / "stage1-preference")) / V.CKPT_STATE,
-                       weights_only=False)
-    assert state["iteration"] == 1                                  # saved, 1 of 2 iterations
-    assert sorted(p.name for p in first["root"].iterdir()) == ["stage1-preference"]
-    assert _cur_pref_runs["second"]["status"] == 0, _cur_pref_runs["second"]["err"]
+    """A first Ctrl-C inside stage 1, or inside stage 3 after stages 1 and 2 have finished (each
+    of 2 iterations), finishes the iteration and saves it (examples/cluster.py); the stage is
+    unfinished, so the curriculum stops there with exit status 130, never 0, says how to
+    continue, and starts no later stage."""
+    for name, k, done in (("first", 1, []), ("second", 3, ["stage1-preference", "stage2-geneval"])):
+        run, stage = _cur_pref_runs[name], f"stage{k}-preference"
+        assert run["status"] == 130, run["err"]
+        assert f"curriculum stopped in stage {k} ({run['root'].name}/{stage}); run the same " \
+               "command to continue" in run["err"]
+        state = torch.load(V.find_checkpoint(str(run["root"] / stage)) / V.CKPT_STATE,
+                           weights_only=False)
+        assert state["iteration"] == 1                              # saved, 1 of 2 iterations
+        assert sorted(p.name for p in run["root"].iterdir()) == done + [stage]
