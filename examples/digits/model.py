@@ -333,8 +333,7 @@ def build(cache: Path | None = None, pretrain_steps: int = 1500, vae_steps: int 
     info_path = cache / "build.json"
     if not force and info_path.is_file() \
             and json.loads(info_path.read_text()).get("recipe") == recipe:
-        log(f"reusing the pretrained digits model in {cache} (delete it, or pass --force, "
-            "to rebuild)")
+        log(f"reusing the pretrained digits model in {cache}")
         return cache / "pipeline"
     if cache.resolve() == MODEL.resolve():
         raise ValueError(f"{MODEL} is the committed build every benchmark run shares; set "
