@@ -18,7 +18,7 @@ SD3.5 diffusers pipeline with vgrpo's LoRA, AdamW, rewards and prompts):
     python examples/baselines/mix_grpo_sd3.py --model sd3.5-medium --reward pickscore --num_steps 25 \\
         --iterations 300                                              # the published schedule
 
-From Python (the shape examples/digits.py calls):
+From Python (the shape examples/digits/bench.py calls):
     run = vgrpo.setup(vgrpo.parse_args([...]))
     state = init_state(run, scaled_recipe(num_steps=10, iterations=30))
     for it in range(30): metrics = mix_iteration(run, it, state)

@@ -439,7 +439,7 @@ def classifier() -> DigitClassifier:
     if _CLF is None:
         path = CACHE / "classifier.pt"
         if not path.is_file():
-            raise RuntimeError(f"{path} not found: run `python examples/digits.py build` first "
+            raise RuntimeError(f"{path} not found: run `python -m examples.digits build` first "
                                "(or set VGRPO_DIGITS_CACHE to the folder that holds it)")
         clf = DigitClassifier()
         clf.load_state_dict(torch.load(path, map_location="cpu"))
