@@ -379,9 +379,9 @@ def write_report(R: dict, F: dict | None, B32: dict | None, fig: str | None) -> 
         "Diversity: the mean distance between images of the same digit in the classifier's "
         "features, relative to real handwriting (1.00 = as varied as real handwriting; lower "
         "= the samples of a digit look more alike). The V-GRPO rows differ only in their "
-        "recipe: the GenEval-stage recipe is the paper's for correctness rewards such as this "
-        "one (N_MC 10, μ 2, ratio clip 1e-2, no soft clip); the shipped defaults are vgrpo.py's "
-        "(N_MC 4, μ 1, soft clip 3).",
+        "recipe: `--preset geneval-stage`, this project's reading of the paper's GenEval "
+        "stages for correctness rewards such as this one (N_MC 10, μ 2, ratio clip 1e-2, no soft "
+        "clip; METHOD.md C6, C9); the shipped defaults are vgrpo.py's (N_MC 4, μ 1, soft clip 3).",
         "## The paper's claims",
         claims_text(R, F),
         "## V-GRPO against DiffusionNFT at the same lr",
