@@ -2603,6 +2603,27 @@ def test_compiled_run_equals_the_eager_run_and_compiles_once(model, tmp_path, mo
 
 
 @pytest.mark.trainer
+def test_a_compile_failure_is_one_line_naming_no_compile_and_nothing_is_written(tmp_path, capsys,
+                                                                                 monkeypatch):
+    """A backend that cannot compile (here every compiled block raises as a missing C compiler
+    would) fails in setup, before the first iteration: one line naming --no-compile, status 2,
+    no run folder; --no-compile then runs."""
+    def broken(self, *a, **k):
+        def call(*args, **kwargs):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+        self._compiled_call_impl = call
+    monkeypatch.setattr(torch.nn.Module, "compile", broken)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert V.main(TINY + ["--compile", "--run_dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: torch\.compile failed \(RuntimeError: .*No working C\+\+ compiler"
+                        r".*\); run with --no-compile\n", err), err
+    assert not run.exists()
+    assert V.main(TINY + ["--no-compile", "--iterations", "1", "--run_dir", str(run)]) == 0
+
+
+@pytest.mark.trainer
 @pytest.mark.parametrize("model", ["tiny", "tiny-flux"])
 def test_compiled_grad_and_no_grad_passes_agree_at_the_same_weights(model, tmp_path, monkeypatch):
     """At μ = 4 the θ_old pass (no grad) and θ's pass (with grad) run different compiled graphs;
