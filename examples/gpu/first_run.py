@@ -74,6 +74,11 @@ SMOKE = ["--device", "cpu", "--compile", "--resolution", "64", "--num_steps", "4
 # vgrpo.timed's keys → the phase names of the report; "eval" is recorded by the evaluate wrapper
 PHASES = {"time_rollout": "rollout", "time_reward": "reward decode", "time_old": "θ_old pass",
           "time_update": "update"}
+# the flag that lowers each phase's peak (vgrpo's memory knobs; docs/gpu.md), for an out-of-memory
+KNOBS = {"setup": "--offload_text_encoders", "compile": "--micro_batch 2 --rollout_batch 8",
+         "evaluation": "--rollout_batch 8 --reward_batch 8", "rollout": "--rollout_batch 8",
+         "reward decode": "--reward_batch 8", "θ_old pass": "--micro_batch 2",
+         "update": "--micro_batch 2"}
 ITER_EST_S = 150.0      # first-iteration allowance on a GPU: the eager default took 99.7 s on an
                         # H200 (docs/gpu.md), × 1.5; compiled it should take less
 GUARD_MARGIN = 1.15     # a later iteration: the last one's wall time × this
@@ -98,7 +103,9 @@ def stopped_line(s) -> str:
     return (s["reason"] + (f" at {s['phase']}" if s.get("phase") else "")
             + (f", iteration {s['iter']}" if s.get("iter") is not None else "")
             + (f" ({s['detail']})" if s.get("detail") else "")
-            + (f"; the trainer said: {s['trainer_said']}" if s.get("trainer_said") else ""))
+            + (f"; the trainer said: {s['trainer_said']}" if s.get("trainer_said") else "")
+            + (f"; the flags that lower it: `--extra=\"{s['lower_with']}\"`"
+               if s.get("lower_with") else ""))
 
 
 def one_line(e: BaseException) -> str:
@@ -471,6 +478,8 @@ def main(argv=None) -> int:
                               "trainer_exit": code}
             if caught is not None and caught is not e:     # how the trainer reported it
                 report.stopped["trainer_said"] = one_line(caught)
+            if e is not None and is_oom(e) and where in KNOBS:
+                report.stopped["lower_with"] = KNOBS[where]
     except BaseException as e:  # noqa: BLE001 — recorded, one line
         report.stopped = report.stopped or {"reason": "error", "detail": one_line(e)}
     finally:

@@ -362,6 +362,7 @@ def test_first_run_records_out_of_memory_and_time_guard(tmp_path, monkeypatch):
     assert last["error"].startswith("out of memory: OutOfMemoryError: CUDA out of memory")
     assert data["setup"]["compiled"] is False and data["iterations"] == []
     assert data["info"]["defaults"] is False and "--no-compile" in data["info"]["trainer_command"]
+    assert data["stopped"]["lower_with"] == "--reward_batch 8"
     assert "out of memory at reward decode, iteration 0" in out.with_suffix(".md").read_text()
     monkeypatch.undo()
 
