@@ -4,7 +4,7 @@ one 10-minute call.
 
     python examples/gpu/first_run.py                  # one H100/H200: 2 iterations, evaluation 0
     python examples/gpu/first_run.py --cpu_smoke      # the whole script, tiny models, on the CPU
-    python examples/gpu/first_run.py --iterations 1 --n_eval 8 --extra "--reward_batch 16"
+    python examples/gpu/first_run.py --iterations 1 --n_eval 8 --extra="--reward_batch 16"
 
 What runs: vgrpo.main with the headline command's flags and nothing else (plus --run_dir, a
 temporary folder unless given). Every default stays: --compile on (one CUDA GPU), P × G = 6 × 24,
