@@ -41,9 +41,14 @@ def test_rollout_equals_the_pipeline_call(pipe):
     x1 = _noise(2, 1)
     call = dict(height=RES, width=RES, num_inference_steps=K, true_cfg_scale=1.0,
                 max_sequence_length=L)
-    ref_lat = pipe(PROMPTS, latents=x1.clone(), output_type="latent", **call).images
-    grid_used = pipe.scheduler.sigmas.double()             # the grid that call stepped on
-    ref_img = pipe(PROMPTS, latents=x1.clone(), output_type="pt", **call).images
+    seen = {}
+
+    def last_latents(pipeline, i, t, kw):                   # the latents after each step
+        seen["x0"] = kw["latents"].clone()
+        return kw
+    ref_img = pipe(PROMPTS, latents=x1.clone(), output_type="pt", callback_on_step_end=last_latents,
+                   **call).images
+    ref_lat, grid_used = seen["x0"], pipe.scheduler.sigmas.double()  # the grid it stepped on
     sig = ad.sigmas(K)
     assert sig[0] == 1.0 and sig[-1] == 0.0 and sig[-2] == pytest.approx(0.02)  # shift_terminal
     assert torch.equal(sig, grid_used)
