@@ -2323,6 +2323,56 @@ def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
+# 15b. Model plug-ins (examples/models/): --model resolves them as --reward resolves its plug-ins
+# ------------------------------------------------------------------------------------------------
+PLUGINS = sorted(V.model_plugins())
+
+
+@pytest.mark.trainer
+def test_model_plugins_are_found_and_their_names_resolve():
+    assert "qwen_image" in PLUGINS                          # the plug-ins in examples/models/
+    for name in PLUGINS:
+        mod = V.model_plugins()[name]
+        for alias, hub_id in mod.ALIASES.items():           # an alias: the real model's hub id
+            assert V.resolve_model(alias) == hub_id and V.model_family(alias) == name
+            assert V.model_family(hub_id) == name and V.is_real_model(alias)
+        for tiny in mod.TINY:                                # a tiny alias: built offline
+            assert V.resolve_model(tiny) == tiny and not V.is_real_model(tiny)
+            a = V.parse_args(["--model", tiny])              # each default says where it is from
+            for k, (value, src) in mod.DEFAULTS.items():
+                if k not in mod.TINY_PRESET:
+                    assert getattr(a, k) == value and src in a.origin[k], k
+    with pytest.raises(V.ConfigError, match="unknown model 'tiny-qwen-imag'.*tiny-qwen-image"):
+        V.resolve_model("tiny-qwen-imag")
+
+
+@pytest.mark.trainer
+@pytest.mark.parametrize("name", PLUGINS)
+def test_a_model_plugin_trains_from_its_tiny_alias_and_its_saved_folder(name, tmp_path, capsys):
+    """`--model tiny-…` trains through main; the same pipeline saved to a folder loads through
+    load_pipeline (the hub ids' path) as that family; its LoRA loads in the stock pipeline; a
+    folder missing a part is one line before anything loads."""
+    mod = V.model_plugins()[name]
+    tiny = next(iter(mod.TINY))
+    small = ["--reward", "jpeg", "--iterations", "2", "--save_every", "1", "--eval_every", "2"]
+    assert V.main(["--model", tiny, "--run_dir", str(tmp_path / "a")] + small) == 0
+    ms = [m for m in _metrics(tmp_path / "a") if "reward_mean" in m]
+    assert len(ms) == 2 and all(math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0 for m in ms)
+    assert ms[0]["abs_log_ratio"] == 0.0                  # the first step: θ = θ_old
+    folder = tmp_path / "pipe"
+    getattr(mod, mod.TINY[tiny])().save_pretrained(folder)
+    assert V.model_family(str(folder)) == name
+    pipe = V.load_pipeline(str(folder), torch.float32)
+    assert type(pipe).__name__ in mod.PIPELINES
+    pipe.load_lora_weights(str(tmp_path / "a" / "checkpoints" / "iter_000002"))  # diffusers' own
+    (folder / "vae" / "config.json").unlink()
+    capsys.readouterr()
+    assert V.main(["--model", str(folder), "--run_dir", str(tmp_path / "b")] + small) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vae" in err[0] and not (tmp_path / "b").exists(), err
+
+
+# ------------------------------------------------------------------------------------------------
 # 16. Data parallelism: 2 processes under torchrun (gloo, CPU) = 1 process
 #    The same global batch on each side.
 # ------------------------------------------------------------------------------------------------

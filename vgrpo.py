@@ -71,7 +71,7 @@ import argparse, contextlib, dataclasses, datetime, enum, errno, functools, impo
 import math, os, random, shutil, sys, tempfile, time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -435,11 +435,42 @@ def generator(seed: int, it: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
 
 
+class Model(Protocol):
+    """What the iteration asks of a model family: SD3Adapter (§9) is the worked example, FLUX's
+    and examples/models/'s plug-ins implement the same. Time t = 1 noise → 0 data, v = ε − x0;
+    D is one ODE latent's shape (SD3: (C, H, W); packed families: (seq, channels))."""
+    transformer: torch.nn.Module  # the trained network: LoRA goes here (its numbered blocks)
+
+    def latent_shape(self, resolution: int) -> tuple:
+        """D, the shape of one latent the ODE solves in, at this image side."""
+
+    def encode(self, prompts: list[str]) -> dict:
+        """CFG-free conditioning of B prompts: a dict of batch-first tensors, B rows each."""
+
+    def cache_prompts(self, prompts: list[str]) -> None:
+        """--offload_text_encoders: embed each prompt once, then move the encoders off the GPU."""
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """v_θ(x, t, c): x (M, *D), t (M,) in [0, 1], cond's rows of the M samples → (M, *D)."""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (M, *D) → images (M, 3, H, W), fp32 in [0, 1]."""
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The rollout grid (K + 1,) float64 on the CPU, 1 → exactly 0: the pipeline's own."""
+
+    def blocks(self) -> list:
+        """The transformer's repeated blocks (compiled one by one; FSDP units)."""
+
+    def save_lora(self, folder: str, state: dict, lora_config) -> None:
+        """Write the LoRA so that the stock pipeline's load_lora_weights(folder) reads it."""
+
+
 @dataclass
 class Run:
     """Everything an iteration needs, built by `setup` (§10); `local`: a process's groups."""
     args: Args
-    adapter: object   # SD3Adapter or FluxAdapter (§9)
+    adapter: Model    # SD3Adapter, FluxAdapter (§9) or a plug-in's (examples/models/)
     rewards: Rewards  # §8
     opt: torch.optim.Optimizer
     params: list      # the trainable parameters (LoRA, or the whole transformer)
@@ -975,8 +1006,42 @@ TINY_MODELS = {"tiny": "StableDiffusion3Pipeline", "tiny-flux": "FluxPipeline"}
 SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
 
+# Model plug-ins beside the reward plug-ins: examples/models/<name>.py, each a module with
+# PIPELINES, ALIASES, TINY, TINY_PRESET, DEFAULTS and an Adapter class (examples/models/README.md).
+@functools.cache
+def model_plugins() -> dict:
+    """{name: module} of examples/models/*.py (not its tests), each imported by path once."""
+    found = {}
+    for path in sorted(Path(__file__).resolve().parent.glob("examples/models/*.py")):
+        if not path.name.startswith(("test_", "_")):
+            spec = importlib.util.spec_from_file_location(f"vgrpo_models_{path.stem}", path)
+            found[path.stem] = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = found[path.stem]
+            spec.loader.exec_module(found[path.stem])
+    return found
+
+
+def model_plugin(name: str):
+    """The plug-in module that --model NAME names (an alias, tiny alias or pipeline folder)."""
+    if name in TINY_MODELS or name in MODEL_ALIASES:
+        return None
+    for mod in model_plugins().values():
+        if name in mod.ALIASES or name in mod.TINY or name in mod.ALIASES.values():
+            return mod
+    if os.path.isdir(name):
+        return pipeline_plugin(check_local_pipeline(name)[0])
+    return None
+
+
+def pipeline_plugin(cls_name: str):  # the plug-in that drives a diffusers pipeline class
+    return next((m for m in model_plugins().values() if cls_name in m.PIPELINES), None)
+
+
 def model_family(name: str) -> str:
-    """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
+    """'sd3', 'flux' or a plug-in's name, from the alias, the folder's model_index.json or the id."""
+    plugin = model_plugin(name)
+    if plugin is not None:
+        return plugin.__name__.removeprefix("vgrpo_models_")
     named = MODEL_ALIASES.get(name, name)  # a hub id: FLUX's name says "flux"
     if name in TINY_MODELS or Path(name).is_dir():
         named = TINY_MODELS.get(name) or check_local_pipeline(name)[0]  # one-line errors
@@ -1115,7 +1180,11 @@ def resolve_model(name: str) -> str:
         return name
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
-    aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES])
+    plugin = model_plugin(name)
+    if plugin is not None:  # a plug-in's tiny alias is itself; its alias, a hub id
+        return plugin.ALIASES.get(name, name)
+    aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES, *(a for m in model_plugins().values()
+                                                        for a in (*m.ALIASES, *m.TINY))])
     raise ConfigError(f"unknown model {name!r}: pass an alias ({aliases}), hub id or local folder")
 
 
@@ -1129,8 +1198,10 @@ def check_local_pipeline(location: str) -> tuple[str, dict]:
         spec = json.loads(index.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: model_index.json is unreadable ({e})") from None
-    if spec.get("_class_name") not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"{where} holds a {spec.get('_class_name')}, not an SD3 or FLUX pipeline")
+    cls_name = spec.get("_class_name")
+    if cls_name not in SUPPORTED_PIPELINES and pipeline_plugin(str(cls_name)) is None:
+        raise ConfigError(f"{where} holds a {cls_name}, not an SD3 or FLUX pipeline nor one of "
+                          "examples/models/")
     parts = [k for k, v in spec.items() if not k.startswith("_") and (v is None or type(v) is list)]
     null = {k: None for k in parts if spec[k] is None or None in spec[k]}
     for k in parts:
@@ -1146,7 +1217,9 @@ def load_pipeline(name: str, dtype: torch.dtype):
     """Load a diffusers SD3 or FLUX pipeline: the same code path for hub ids and local folders."""
     import diffusers
     _quiet_hf()
-    location = resolve_model(name)
+    location, plugin = resolve_model(name), model_plugin(name)
+    if plugin is not None and location in plugin.TINY:  # its offline builder
+        return freeze_and_cast(getattr(plugin, plugin.TINY[location])(), dtype)
     if location in TINY_MODELS:
         tm = tiny_models()
         pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
@@ -1157,8 +1230,10 @@ def load_pipeline(name: str, dtype: torch.dtype):
     kw = {**null, {True: "dtype", False: "torch_dtype"}[version >= (0, 42)]: dtype}
     pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
                             "the model", "--model", **kw)
-    if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"{location!r} is a {type(pipe).__name__}, not an SD3 or FLUX pipeline")
+    cls_name = type(pipe).__name__
+    if cls_name not in SUPPORTED_PIPELINES and pipeline_plugin(cls_name) is None:
+        raise ConfigError(f"{location!r} is a {cls_name}, not an SD3 or FLUX pipeline nor one of "
+                          "examples/models/")
     return freeze_and_cast(pipe, dtype)
 
 
@@ -1255,6 +1330,9 @@ class SD3Adapter:
         sched.set_timesteps(num_steps)
         return sched.sigmas.detach().double().cpu()
 
+    def blocks(self) -> list:
+        return transformer_blocks(self.transformer)
+
     def save_lora(self, folder: str, state: dict, lora_config) -> None:
         """Write the LoRA in diffusers' format (StableDiffusion3Pipeline.load_lora_weights)."""
         type(self.pipe).save_lora_weights(folder, transformer_lora_layers=state,
@@ -1306,7 +1384,14 @@ class FluxAdapter(SD3Adapter):
         return sigma_grid(num_steps, self.shift)
 
 
-def make_adapter(pipe, args: "Args", device: torch.device):
+def make_adapter(pipe, args: "Args", device: torch.device) -> Model:
+    """The adapter of the pipeline's family: SD3's, FLUX's, or a plug-in's (examples/models/)."""
+    plugin = pipeline_plugin(type(pipe).__name__)
+    if plugin is not None:
+        try:
+            return plugin.Adapter(pipe, device, args)
+        except ValueError as e:  # the plug-in's refusal of this pipeline or these flags
+            raise ConfigError(f"--model {args.model}: {e}") from None
     if type(pipe).__name__ == "FluxPipeline":
         return FluxAdapter(pipe, device, args.max_sequence_length, args.guidance, args.flux_shift)
     return SD3Adapter(pipe, device, args.max_sequence_length)
@@ -1507,7 +1592,7 @@ def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list, n_eval
     try:
         import torch._dynamo  # SD3.5's 3 block variants × 2 pass kinds × static and dynamic
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        for blk in transformer_blocks(adapter.transformer):
+        for blk in adapter.blocks():
             blk.compile()
         for grad, n in shapes:                          # the blocks compile here
             x = torch.randn((n,) + adapter.latent_shape(args.resolution), generator=g)
@@ -1574,7 +1659,9 @@ def cuda_problem() -> Optional[str]:
 
 def is_real_model(name: str) -> bool:
     """A hub model, or a local folder with more than 1 GiB of weights (not a tiny test model)."""
-    location = resolve_model(name)
+    location, plugin = resolve_model(name), model_plugin(name)
+    if plugin is not None and location in plugin.TINY:
+        return False
     if not os.path.isdir(location):
         return location not in TINY_MODELS
     files = [*Path(location).rglob("*.safetensors"), *Path(location).rglob("*.bin")]
@@ -2103,11 +2190,9 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     fields = {f.name: f for f in dataclasses.fields(Args)}
     resumed = {k: v for k, v in (resumed or {}).items()  # options removed since: dropped
                if k in fields and v in (fields[k].metadata["choices"] or [v])}
-    layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
-              (f"{model} preset (examples/tools/tiny_models.py)",
-               tiny_models().PRESETS[model] if model in TINY_MODELS else {}),
-              (f"--preset {preset}", PRESETS[preset][family] if preset else {}),
-              ("the resumed run's config", resumed), ("command line", given)]
+    layers = family_layers(model, family) + [
+        (f"--preset {preset}", PRESETS[preset].get(family, PRESETS[preset]["sd3"]) if preset
+         else {}), ("the resumed run's config", resumed), ("command line", given)]
     values, origin = {}, {}
     for where, layer in layers:
         values.update(layer)
@@ -2116,6 +2201,20 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     check_args(args)
     args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in fields.values()}
     return args
+
+
+def family_layers(model: str, family: str) -> list:
+    """[(source, {field: value})] of the model's family and of its tiny alias, in that order."""
+    plugin = model_plugin(model)
+    if plugin is None:
+        tiny = tiny_models().PRESETS[model] if model in TINY_MODELS else {}
+        return [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
+                (f"{model} preset (examples/tools/tiny_models.py)", tiny)]
+    where = f"examples/models/{family}.py"  # each default with its own source
+    layers = [(f"{where}: {src}", {k: v}) for k, (v, src) in plugin.DEFAULTS.items()]
+    if model in plugin.TINY:
+        layers.append((f"{model} preset ({where})", plugin.TINY_PRESET))
+    return layers
 
 
 def check_args(args: Args) -> None:
