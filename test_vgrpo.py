@@ -598,6 +598,21 @@ def test_outputs_follow_the_umask(tmp_path):
     for f in ck.iterdir():
         assert f.stat().st_mode & 0o777 == 0o644, f
 
+@pytest.mark.trainer
+def test_the_last_line_names_the_run_folder_and_the_final_checkpoint(tmp_path, capsys):
+    """A finished run ends with its folder, its final checkpoint and the diffusers call that loads it;
+    --keep_checkpoints 2 keeps the two newest, and the run goes on from the newest."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "4", "--keep_checkpoints", "2", "--run_dir", str(run)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    ckpt = run / "checkpoints" / "iter_000004"
+    assert last == (f"done: run folder {run}, final checkpoint {ckpt}; in diffusers: "
+                    f"pipe.load_lora_weights({str(ckpt)!r}) (docs/training.md, \"Using the trained model\")")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000003", "iter_000004", "latest"]
+    assert V.main(["--resume", str(run), "--iterations", "5"]) == 0
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000004", "iter_000005", "latest"]
+
 
 # ------------------------------------------------------------------------------------------------
 # 6. The first step: ρ ≡ 1 at θ = θ_old, S_old completed from its forward
@@ -1587,9 +1602,9 @@ def test_unknown_alias(tmp_path, capsys):
 
 @pytest.mark.trainer
 def test_hub_id_offline_says_how_to_use_local_files(tmp_path, capsys):
-    err = _fails(["--model", "stabilityai/stable-diffusion-3.5-medium", "--reward", "jpeg"], tmp_path, capsys,
-                 r"could not load the model")
-    assert "--model /path/to/dir" in err and "huggingface-cli download" in err
+    err = _fails(["--model", "stabilityai/stable-diffusion-3.5-medium", "--reward", "jpeg", "--device", "cpu"],
+                 tmp_path, capsys, r"the model '.*' is not in the local cache .* HF_HUB_OFFLINE is set")
+    assert "--model /path/to/dir" in err and "`hf download stabilityai/stable-diffusion-3.5-medium`" in err
 
 
 @pytest.mark.trainer
@@ -1798,6 +1813,68 @@ def test_resume_with_changed_lora_rank_is_one_line(tmp_path, capsys, monkeypatch
     assert len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in run.rglob("*")) == before
 
+@pytest.mark.trainer
+def test_a_real_model_without_usable_cuda_is_refused_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """--device auto and a hub model with no usable CUDA: one line naming what torch sees and --device cpu,
+    before the Hub is asked or a reward loads. A GPU that the torch build cannot run (a V100 under a CUDA 13
+    build) is named by its compute capability; one it can run (same major, or PTX) is used."""
+    monkeypatch.setattr(V, "check_hub_access", lambda ids: pytest.fail("the Hub was asked"))
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: pytest.fail("a reward loaded"))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _fails(["--model", "sd3.5-medium", "--reward", "pickscore"], tmp_path, capsys,
+                 r"^error: --device auto: torch \S+ \(built for CUDA 13\.0\) sees no usable GPU.*--device cpu")
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90", "sm_100", "sm_120"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
+    _fails(["--model", "sd3.5-medium", "--reward", "pickscore"], tmp_path, capsys,
+           r"the GPU Tesla V100-SXM2-32GB \(compute capability 7\.0\) is not among .*sm_80.*--device cpu")
+    for cap, archs in (((8, 6), ["sm_80"]), ((12, 1), ["sm_120"]), ((9, 0), ["sm_80", "compute_80"])):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=cap: c)
+        monkeypatch.setattr(torch.cuda, "get_arch_list", lambda a=archs: a)
+        assert V.cuda_problem() is None, cap
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_90"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "compute capability 8.0" in V.cuda_problem()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = V.resolve_args({"model": "tiny", "reward": "jpeg"})
+    assert V.setup_device(args)[0].type == "cpu"                  # a tiny model runs on the CPU
+
+
+@pytest.mark.trainer
+def test_a_mistyped_alias_is_refused_before_any_reward_or_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: pytest.fail("a reward loaded"))
+    monkeypatch.setattr(V, "setup", lambda *a, **k: pytest.fail("setup ran"))
+    _fails(["--model", "sd3.5-medum", "--reward", "pickscore", "--device", "cpu"], tmp_path, capsys,
+           r"^error: unknown model 'sd3\.5-medum': pass an alias")
+    with pytest.raises(V.ConfigError, match="unknown model"):
+        V.resolve_args({"model": "sd3.5-medum"})
+
+
+@pytest.mark.trainer
+def test_offline_the_model_missing_from_the_cache_is_named_before_the_rewards(tmp_path, capsys, monkeypatch):
+    """HF_HUB_OFFLINE=1 (conftest) and nothing cached: the model is named, not PickScore's processor."""
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: pytest.fail("a reward loaded"))
+    err = _fails(["--model", "sd3.5-medium", "--reward", "pickscore", "--device", "cpu"], tmp_path, capsys,
+                 r"^error: the model 'stabilityai/stable-diffusion-3\.5-medium' is not in the local cache")
+    assert "HF_HUB_OFFLINE is set" in err and "huggingface-cli" not in err
+
+
+@pytest.mark.trainer
+def test_a_reward_checkpoint_missing_weights_is_one_line(tmp_path):
+    """A PickScore folder whose projection weights are missing would load them random: refused instead."""
+    from safetensors.torch import load_file, save_file
+    _tiny_pickscore(tmp_path / "ps")
+    f = tmp_path / "ps" / "model.safetensors"
+    sd = load_file(str(f))
+    save_file({k: v for k, v in sd.items() if "projection" not in k}, str(f), metadata={"format": "pt"})
+    ps = str(tmp_path / "ps")
+    with pytest.raises(V.ConfigError, match=r"the pickscore model .* lacks weights \[.*projection"):
+        V.build_reward("pickscore", V.Args(pickscore_model=ps, pickscore_processor=ps),
+                       torch.device("cpu"), torch.float32)
+
 
 # ------------------------------------------------------------------------------------------------
 # 11. Interruptions: Ctrl-C, a kill and resume lose and double nothing
@@ -1971,6 +2048,40 @@ def test_a_resume_reads_each_checkpoint_file_once(tmp_path, monkeypatch, full):
     assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
     weights = V.FULL_FILE if full else V.LORA_FILE
     assert sorted(reads) == sorted([weights, V.CKPT_STATE, V.OPTIM_FILE]), reads
+
+@pytest.mark.trainer
+def test_out_of_gpu_memory_is_one_line_naming_the_phase_and_the_flag(tmp_path, capsys, monkeypatch):
+    """Plain vgrpo.py: out of memory in iteration 1's decode is one line with the phase, its flag, the last
+    complete checkpoint and the command that continues (exit 2); the continued run equals an unbroken one.
+    Out of memory while loading says that nothing was written."""
+    run, calls, real = tmp_path / "run", [], V.decode_and_reward
+
+    def decode_and_reward(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB")
+        return real(*a, **k)
+    monkeypatch.setattr(V, "decode_and_reward", decode_and_reward)
+    assert V.main(TINY + ["--iterations", "3", "--run_dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: out of GPU memory in decoding and rewards: lower --reward_batch (or "
+                       "--offload_text_encoders), iteration 1; checkpoints/latest (iter_000001) is the last "
+                       f"complete one; continue with --resume {run}")
+    assert not any("Traceback" in line for line in err)
+    monkeypatch.setattr(V, "decode_and_reward", real)
+    assert V.main(["--resume", str(run)]) == 0
+    assert V.main(TINY + ["--iterations", "3", "--run_dir", str(tmp_path / "plain")]) == 0
+    assert _strip_times(_metrics(run)) == _strip_times(_metrics(tmp_path / "plain"))
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(V, "load_pipeline", oom)
+    capsys.readouterr()
+    assert V.main(TINY + ["--run_dir", str(tmp_path / "never")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: out of GPU memory in loading and setup: fewer --reward "
+                                               "models, or --no-compile (or --offload_text_encoders); nothing "
+                                               "written yet")
+    assert not (tmp_path / "never").exists()
 
 
 # ------------------------------------------------------------------------------------------------
