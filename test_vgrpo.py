@@ -1200,6 +1200,26 @@ def test_loop_schedule_of_evaluations_checkpoints_and_metrics_lines(tiny_run, mo
     assert (tmp_path / "checkpoints" / "latest").read_text() == "iter_000005"
 
 
+@pytest.mark.math
+def test_no_two_random_streams_share_a_seed_at_any_iteration():
+    """Every stream of vgrpo.py and of the baselines, at every iteration a run may reach (the
+    first 3000 and the last below MAX_ITERATIONS) for three seeds, plus the once-per-run ones:
+    all seeds distinct. The held-out split (HOLDOUT) once was iteration 77's pairs at --seed 0."""
+    BC = _load_example("baselines/baseline_cli")
+    per_iter = [int(s) for S in (V.Stream, BC.Stream) for s in S if s < 16]
+    once = [int(s) for S in (V.Stream, BC.Stream) for s in S if s >= 16]
+    assert once and len(per_iter) >= 9
+    its = [*range(3000), *range(V.MAX_ITERATIONS - 1000, V.MAX_ITERATIONS)]
+    seeds = [V.stream_seed(sd, it, s) for sd in (0, 1, 2**31 - 1) for it in its for s in per_iter]
+    seeds += [V.stream_seed(0, 0, s) for s in once]
+    assert len(set(seeds)) == len(seeds)
+    assert V.stream_seed(0, 77, V.Stream.PAIRS) != V.stream_seed(0, 0, V.Stream.HOLDOUT)
+    with pytest.raises(V.ConfigError, match="--iterations must be below 1000003"):
+        V.parse_args(["--model", "tiny", "--iterations", str(V.MAX_ITERATIONS)])
+    with pytest.raises(V.ConfigError, match=r"--seed must lie in \[0, 2\^31\)"):
+        V.parse_args(["--model", "tiny", "--seed", "-1"])
+
+
 # ------------------------------------------------------------------------------------------------
 # 8. Rewards: every code path on tiny models built offline
 # ------------------------------------------------------------------------------------------------

@@ -77,6 +77,15 @@ import torch
 import torch.nn.functional as F
 
 
+class ConfigError(ValueError):  # bad input (a flag, file, model, plug-in, prompt): one line, 2
+    status, label = 2, "error"  # found before anything is written, but for a prompt missing
+                                # from the --offload_text_encoders cache (SD3Adapter.encode)
+
+
+class RunError(Exception):  # a run that cannot go on: where it stands, how to go on
+    status, label = 2, "error"
+
+
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
 # ------------------------------------------------------------------------------------------------
 # §2  Flow-matching math (pure).                                          [peer X8]
@@ -412,19 +421,29 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # ------------------------------------------------------------------------------------------------
 class Stream(enum.IntEnum):
     """Each a CPU generator(seed, it, stream) of its own: a resume redraws what the run drew.
-    PROBE, HOLDOUT: generator(0, 0, ·). 4–8 and 11–15 are the examples' (examples/baselines/)."""
+    Below 16, one per iteration (4–8 and 11–15 are examples/baselines/'); 16 and up, once per
+    run whatever --seed (generator(0, 0, ·)). No two streams share a seed (`stream_seed`)."""
     PROMPTS = 0        # step 1: which P training prompts
     ROLLOUT_NOISE = 1  # step 1: the initial noise x1 of the N rollouts
     PAIRS = 2          # step 3: the (t, ε) pairs
     MINIBATCHES = 3    # step 5: the μ minibatches
     EVAL_NOISE = 9     # evaluate: one fixed noise per held-out prompt
     PROBE = 10         # probe_reward: the two random images of a reward's start-up probe
-    HOLDOUT = 1234     # load_prompts: which lines of --prompts are held out
+    HOLDOUT = 16       # load_prompts: which lines of --prompts are held out
+
+
+MAX_ITERATIONS = 1_000_003  # check_args: --iterations below it keeps the seeds apart
+
+
+def stream_seed(seed: int, it: int, stream: int) -> int:
+    """(seed·1_000_003 + it)·16 + stream ≥ 0 for stream < 16: distinct for 0 ≤ it < 1_000_003;
+    a once-per-run stream's is −stream, below them all."""
+    return (seed * MAX_ITERATIONS + it) * 16 + stream if stream < 16 else -stream
 
 
 def generator(seed: int, it: int, stream: int) -> torch.Generator:
-    """The CPU generator of (seed, iteration, stream); stream < 16 keeps them apart."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
+    """The CPU generator of (seed, iteration, stream), apart from every other (`stream_seed`)."""
+    return torch.Generator().manual_seed(stream_seed(seed, it, stream))
 
 
 class Model(Protocol):
@@ -501,6 +520,14 @@ class Run:
         if self.world > 1:
             self.adapter.transformer.set_requires_gradient_sync(last or self.args.full_finetune)
         self.scaler.scale(loss).backward()
+
+
+def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x along the last dim
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
 
 
 @dataclass
@@ -586,7 +613,7 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
     mine = torch.stack([mine[n] for n in names]).to(run.dev)  # (R, Nl)
     every = _all_gather_cat(mine, run.world)                  # harness: every process's; (R, N)
     raw = dict(zip(names, every.cpu()))                       # {name: (N,)}
-    values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)
+    values = training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)
     aggregate = {"sum": weighted_sum_advantages,
                  "per_reward": per_reward_advantages}[args.reward_aggregation]
     adv, stats = aggregate(values, torch.tensor([w for _, w in rw.train_terms]),  # (R,P,G), (R,)
@@ -594,8 +621,29 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
                            clamp=args.adv_clamp, eta=args.soft_clip_eta)  # (P, G)
     # adv.flatten() is prompt-major (sample n belongs to prompt n // G), as the rollouts are
     mine = run.local(adv.flatten()).to(run.dev)  # harness: torchrun's share; (Nl,)
-    return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms), adv=mine,
+    return Scored(raw=raw, headline=headline(raw, rw.train_terms), adv=mine,
                   adv_stats=stats, skipped=bool((adv == 0).all()))
+
+
+# Step 2's arithmetic of rewards: `raw` is {reward name: (N,) raw values}; the advantages see
+# raw · train_scale (§8's REWARD_UNITS: name → (logged unit, train_scale)).
+def training_values(raw: dict, terms) -> torch.Tensor:
+    """raw {name: (N,)} → (R, N) values the advantages see: raw[name] · train_scale."""
+    return torch.stack([raw[n] * REWARD_UNITS.get(n, ("raw", 1.0))[1] for n, _ in terms])
+
+
+def headline(raw: dict, terms) -> torch.Tensor:
+    """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
+    if len(terms) == 1:
+        return raw[terms[0][0]]
+    w = torch.tensor([wt for _, wt in terms])[:, None]  # (R, 1)
+    return (training_values(raw, terms) * w).sum(0)
+
+
+def reward_unit(terms) -> str:
+    """The unit of headline(raw, terms)."""
+    return (REWARD_UNITS.get(terms[0][0], ("raw",))[0] if len(terms) == 1
+            else "weighted sum of training-scaled rewards")
 
 
 def draw_iteration_pairs(run: Run, it: int) -> Pairs:
@@ -717,7 +765,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, s_old: OldSurrogates, log: 
     host = dict(zip(scal, torch.stack([v.float().to(run.dev) for v in scal.values()]).tolist()))
     bad = int((~torch.isfinite(sc.headline)).sum())
     m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
-         "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
+         "reward_unit": reward_unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
          "grad_scale": run.scaler.get_scale(),  # 1.0 when disabled
          "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * s_old.n_old_pass / run.Nl,
@@ -793,14 +841,6 @@ def timed(times: dict, key: str, dev: Optional[torch.device] = None):
 #     CPU fp32. The pure math sees only the rewards (P, G), and masks non-finite ones (§4).
 # ------------------------------------------------------------------------------------------------
 # Bad input and runs that cannot go on: main() (§11) prints them as one line, no traceback.
-class ConfigError(ValueError):  # bad input (a flag, file, model, plug-in): one line, no writes
-    status, label = 2, "error"
-
-
-class RunError(Exception):  # a run that cannot go on: where it stands, how to go on
-    status, label = 2, "error"
-
-
 # `raw` is {reward name: (N,) raw values}; REWARD_UNITS: name → (logged unit, train_scale); the
 # advantages see raw · train_scale (only sums and std_eps notice): PickScore's /26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
@@ -811,10 +851,6 @@ BUILTIN_REWARDS = tuple(REWARD_UNITS)
 REWARD_PLUGINS = {n: f"examples.rewards.{n}:score" for n in BUILTIN_REWARDS[1:]  # examples/rewards/
                   if n != "clipscore"}
 REMOTE = ("http://", "https://")  # a reward served elsewhere: examples/rewards/remote_reward.py
-
-
-class Prompt(str):  # from a .jsonl: .metadata is its line (GenEval's tag...)
-    metadata: dict
 
 
 def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
@@ -974,22 +1010,6 @@ class Rewards:
         names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)
         return cls({n: build_reward(n, args, device, dtype) for n in names},
                    args.train_terms, args.eval_terms)
-
-    def unit(self, terms) -> str:
-        """The unit of headline(raw, terms)."""
-        return (REWARD_UNITS.get(terms[0][0], ("raw",))[0] if len(terms) == 1
-                else "weighted sum of training-scaled rewards")
-
-    def training_values(self, raw: dict, terms) -> torch.Tensor:
-        """raw {name: (N,)} → (R, N) values the advantages see: raw[name] · train_scale."""
-        return torch.stack([raw[n] * REWARD_UNITS.get(n, ("raw", 1.0))[1] for n, _ in terms])
-
-    def headline(self, raw: dict, terms) -> torch.Tensor:
-        """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
-        if len(terms) == 1:
-            return raw[terms[0][0]]
-        w = torch.tensor([wt for _, wt in terms])[:, None]  # (R, 1)
-        return (self.training_values(raw, terms) * w).sum(0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1642,6 +1662,10 @@ def is_real_model(name: str) -> bool:
     return sum(f.stat().st_size for f in files) > 2 ** 30
 
 
+class Prompt(str):  # from a .jsonl: .metadata is its line (GenEval's tag...)
+    metadata: dict
+
+
 def read_prompt_file(path: str, flag: str) -> list[str]:
     """The prompts of a text file, one per line, or of a .jsonl file (Prompts with .metadata)."""
     if os.path.isdir(path):
@@ -1711,8 +1735,8 @@ def evaluate(run: Run, it: int) -> dict:
         with run.writing(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(grid.numpy()).save(path)
-    head = rw.headline(raw, rw.eval_terms)
-    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms),
+    head = headline(raw, rw.eval_terms)
+    ev = {"iter": it, "eval_reward_unit": reward_unit(rw.eval_terms),
           "eval_nfe": len(run.eval_sigmas) - 1, "eval_n_nonfinite": int((~head.isfinite()).sum())}
     for n, r in {"reward": head, **raw}.items():  # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
@@ -1984,14 +2008,6 @@ def full_state(tr, opt=None) -> dict:
     return get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
 
 
-def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x along the last dim
-    if world == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
-
-
 # ------------------------------------------------------------------------------------------------
 # §11  Configuration: Args (each field a --flag; `src`: its default's source), presets, main().
 # ------------------------------------------------------------------------------------------------
@@ -2118,10 +2134,12 @@ def given_flags(argv: Optional[list[str]] = None) -> dict:
     peek.add_argument("-h", "--help", action="store_true")
     peek.error = p.error
     asked = peek.parse_known_args(argv)[0]
-    wants = [("SD3 ", {}), ("FLUX ", {"model": "flux.1-dev"})]   # (label, a run's flags)
-    if asked.model is not None:
+    wants = [("SD3 ", {}), ("FLUX ", {"model": "flux.1-dev"})][:1 + ("flux" in model_plugins())]
+    if asked.model is not None:                                   # (label, a run's flags)
         wants = [("", {"model": asked.model})]
     views = [(label, resolve_args(given)) for label, given in wants if asked.help]
+    for _, a in views[1:]:  # the second view's model is --help's, not the command line's
+        a.origin["model"] = "--help's FLUX.1 view (examples/models/flux.py)"
     # --help's groups are the sections of Args, each named here by its first field
     sections = {"run_dir": "io", "model": "model", "num_steps": "sampler", "reward": "reward",
                 "prompts_per_iter": "objective", "iterations": "optimisation", "seed": "system"}
@@ -2210,6 +2228,9 @@ def check_args(args: Args) -> None:
         (args.stratified and args.n_mc > args.num_steps, f"--n_mc {args.n_mc} > --num_steps "
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
+        (not 0 <= args.seed < 2**31, f"--seed must lie in [0, 2^31) (got {args.seed})"),
+        (args.iterations >= MAX_ITERATIONS, f"--iterations must be below {MAX_ITERATIONS} "
+         f"(got {args.iterations}): the random streams' seeds stay apart below it"),
         (not 0 <= args.eval_holdout < 1,
          f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})"),
         # each process holds whole groups, split into μ equal minibatches (one rule for any count)
