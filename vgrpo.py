@@ -1508,32 +1508,12 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     rank, world, _ = dist_info()
     dev, dtype, ctx = setup_device(args)  # under torchrun: joins the processes
     check_hub_access(hub_ids(args, model=pipe is None, rewards=rewards is None))  # before any
-    if rewards is None:                                                         # download
-        rewards = Rewards.load(args, dev, dtype)
-    for name, fn in rewards.models.items():  # plug-ins fail here, in one line
-        scored = train_prompts if name in dict(args.train_terms) else []
-        if name in dict(args.eval_terms):
-            scored = scored + eval_prompts[:args.n_eval]
-        if name not in BUILTIN_REWARDS or name in REWARD_PLUGINS:
-            probe_reward(name, fn, min(args.resolution, 256), dev, scored)
+    rewards = setup_rewards(args, rewards, dev, dtype, train_prompts, eval_prompts)  # download
     pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
     adapter = make_adapter(pipe.to(dev), args, dev)
     if args.offload_text_encoders:  # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
-    tr, lora_cfg = adapter.transformer, None
-    torch.manual_seed(args.seed)  # the LoRA init from the seed alone, on every rank: rewards
-    random.seed(args.seed)        # and pipelines that initialise randomly drew before this
-    if args.full_finetune:
-        tr.to(torch.float32).requires_grad_(True)  # fp32 master weights, bf16 autocast compute
-    else:
-        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
-    if ckpt or init:  # resumed, or a new run's start
-        load_trainable(adapter, ckpt or init, args.full_finetune)
-    if args.gradient_checkpointing:
-        tr.enable_gradient_checkpointing()
-    if world > 1:
-        shard_transformer(tr, dtype)  # replaces the parameters: before AdamW
-    params = [p for p in tr.parameters() if p.requires_grad]
+    params, lora_cfg = setup_trainable(adapter, args, ckpt or init, dtype, world)
     compiled, time_compile = args.compile, 0.0
     if compiled is None:  # the default: on with CUDA, in one process
         compiled = dev.type == "cuda" and world == 1
@@ -1546,7 +1526,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     scaler = (ShardedGradScaler if world > 1 else torch.amp.GradScaler)(
         dev.type, enabled=dtype == torch.float16)
     if ckpt is not None:  # optimizer, loss scale, RNG states
-        restore_state(tr, opt, scaler, ckpt, state)
+        restore_state(adapter.transformer, opt, scaler, ckpt, state)
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
                lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
                dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
@@ -1554,6 +1534,39 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
                D=adapter.latent_shape(args.resolution), scaler=scaler, compiled=compiled,
                time_compile=time_compile, start=state["iteration"] if state else 0,
                resumed_from=ckpt, rank=rank, world=world)
+
+
+def setup_rewards(args: Args, rewards: Optional[Rewards], dev, dtype, train_prompts: list,
+                  eval_prompts: list) -> Rewards:
+    """The run's rewards, loaded once (unless given), each plug-in probed: fails in one line."""
+    if rewards is None:
+        rewards = Rewards.load(args, dev, dtype)
+    for name, fn in rewards.models.items():
+        scored = train_prompts if name in dict(args.train_terms) else []
+        if name in dict(args.eval_terms):
+            scored = scored + eval_prompts[:args.n_eval]
+        if name not in BUILTIN_REWARDS or name in REWARD_PLUGINS:
+            probe_reward(name, fn, min(args.resolution, 256), dev, scored)
+    return rewards
+
+
+def setup_trainable(adapter: Model, args: Args, start: Optional[Path], dtype, world: int):
+    """LoRA (or the whole transformer) from the seed, a start's weights, sharding: (params, the
+    LoRA config or None). `start`: the checkpoint resumed or --init's."""
+    tr, lora_cfg = adapter.transformer, None
+    torch.manual_seed(args.seed)  # the LoRA init from the seed alone, on every rank: rewards
+    random.seed(args.seed)        # and pipelines that initialise randomly drew before this
+    if args.full_finetune:
+        tr.to(torch.float32).requires_grad_(True)  # fp32 master weights, bf16 autocast compute
+    else:
+        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+    if start:  # resumed, or a new run's start
+        load_trainable(adapter, start, args.full_finetune)
+    if args.gradient_checkpointing:
+        tr.enable_gradient_checkpointing()
+    if world > 1:
+        shard_transformer(tr, dtype)  # replaces the parameters: before AdamW
+    return [p for p in tr.parameters() if p.requires_grad], lora_cfg
 
 
 def read_starts(args: Args, resumed: Optional[tuple]) -> tuple:
