@@ -249,3 +249,22 @@ def test_tiny_pipeline_round_trips_through_save_and_from_pretrained(zi, tmp_path
     x1 = _noise(2, 7)
     assert torch.equal(_call(loaded, PROMPTS[:2], x1, 4, "pt"),
                        _call(pipe, PROMPTS[:2], x1, 4, "pt"))
+
+
+@pytest.mark.examples
+def test_real_size_pipeline_on_meta_has_the_published_sizes():
+    """build_real_size_pipeline() on the meta device (nothing allocated, nothing downloaded):
+    the transformer's parameter count is the published 6.15B to within 1% (the configs give
+    6,154,908,736), the text encoder Qwen3-4B's 4.0B to within 1% (4,022,468,096); every weight
+    is bf16 on meta, the default dtype is restored, and the adapter sees the real model's
+    34 blocks (2 noise + 2 context refiners + 30 layers) and its 1024 px latent (16, 128, 128)."""
+    pipe = Z.build_real_size_pipeline()
+    assert torch.get_default_dtype() == torch.float32
+    for part, published in Z.PUBLISHED_PARAMS.items():
+        params = list(getattr(pipe, part).parameters())
+        assert all(p.is_meta and p.dtype == torch.bfloat16 for p in params), part
+        n = sum(p.numel() for p in params)
+        assert abs(n / published - 1) < 0.01, (part, n)
+    assert pipe.transformer.config.dim == 3840 and pipe.vae_scale_factor == 8
+    ad = Z.Adapter(pipe, torch.device("meta"), _Args(resolution=1024, max_sequence_length=512))
+    assert len(ad.blocks()) == 34 and ad.latent_shape(1024) == (16, 128, 128)

@@ -26,10 +26,12 @@ How its conventions map to vgrpo.py's (t = σ ∈ [0, 1], 1 noise → 0 data, v 
   LoRA           vgrpo.add_lora on DEFAULTS targets    attention.to_q/k/v/to_out.0, feed_forward.
                                                        w1/w2/w3 of every ZImageTransformerBlock
 
-What the contract lacked (kept in this file): the rollout grid depends on the resolution (dynamic
-shift uses the image sequence length), but sigmas(num_steps) gets none, so the adapter takes
-args.resolution at construction; the caption features are ragged, so encode returns them padded
-with their lengths (cap_len) and velocity cuts each row back before the call.
+Beyond the contract (kept in this file): the rollout grid depends on the resolution (a dynamic
+shift uses the image sequence length) but sigmas(num_steps) gets none, so the adapter keeps
+args.resolution; the caption features are ragged, so encode returns them zero-padded to
+max_sequence_length with their lengths (cap_len) and velocity cuts each row back before the call.
+build_real_size_pipeline() is the real architecture (the Hub's configs, below) with random
+weights: on the meta device for counting, on a GPU for the real model's memory and time.
 
 Verified (examples/models/test_z_image.py, on the tiny pipeline, CPU, fp32): the Euler rollout on
 sigmas(K) decoded equals ZImagePipeline.__call__ for the same latents and steps with no guidance;
@@ -37,9 +39,10 @@ velocity and x̂0 equal the transformer called the pipeline's way; sigmas equal 
 two resolutions with static and dynamic shift; |log ρ| = 0 at the first step; a V-GRPO update
 raises S of the positive samples and lowers the negatives'; save_lora loads in the stock pipeline
 (load_lora_weights) with the trained velocity; the tiny pipeline survives save_pretrained /
-from_pretrained. Not verified: the real 6B weights (no download here), bf16/GPU numerics beyond a
-CPU autocast smoke check, FSDP and torch.compile over blocks(), and the Z-Image (base) variant,
-which needs CFG.
+from_pretrained; the real-size pipeline, built on meta, has the published parameter counts
+(transformer 6.15B, text encoder 4.0B, within 1%). Not verified: the real 6B weights (no
+download here), bf16/GPU numerics beyond a CPU autocast smoke check, FSDP and torch.compile over
+blocks(), and the Z-Image (base) variant (the same pipeline class, but made for CFG).
 """
 from __future__ import annotations
 
@@ -183,7 +186,8 @@ class Adapter:
 
 
 # ------------------------------------------------------------------------------------------------
-# The tiny offline pipeline (--model tiny-z-image): random weights, real classes, real loaders.
+# Random pipelines, built offline: the real architecture (a GPU's memory and time at real size)
+# and the tiny one (--model tiny-z-image). Real classes, real loaders, random weights.
 # ------------------------------------------------------------------------------------------------
 # Tongyi-MAI/Z-Image-Turbo's published configs, the Hub's {transformer,vae,text_encoder,scheduler}/
 # config.json (text_encoder/ is Qwen3-4B's; model_index.json loads it as a Qwen3Model, no LM head).
@@ -203,6 +207,9 @@ REAL_TEXT_ENCODER = dict(vocab_size=151936, hidden_size=2560, intermediate_size=
                          rope_theta=1e6, attention_bias=False, hidden_act="silu",
                          tie_word_embeddings=True)
 REAL_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+# The published sizes (parameters): the transformer 6B (arXiv 2511.22699, the model card), 6.15B
+# to three digits as quoted for the released weights; the text encoder Qwen3-4B, 4.0B (its card).
+PUBLISHED_PARAMS = {"transformer": 6.15e9, "text_encoder": 4.0e9}
 
 
 # Qwen3's chat template, reduced to what encode_prompt uses: one user turn, then the assistant
@@ -267,5 +274,33 @@ def build_tiny_pipeline(seed: int = 0):
                           text_encoder=text, tokenizer=tok, transformer=transformer)
     for m in (transformer, vae, text):
         m.eval()                            # built from configs, modules start in train mode
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def build_real_size_pipeline(dtype: torch.dtype = torch.bfloat16, device="meta"):
+    """ZImagePipeline with Z-Image-Turbo's architecture (the REAL_* configs above) and random
+    weights, without a download: on the meta device (the default) nothing is allocated, so a
+    CPU can count its parameters; on a GPU its memory and time are the real model's. The
+    tokenizer is the tiny one (the real vocabulary is not offline); its ids are valid rows of
+    the real 151936-token embedding, so prompts encode, though not as the real text would."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline,
+                           ZImageTransformer2DModel)
+    from transformers import Qwen3Config, Qwen3Model
+    tok = tiny_qwen_tokenizer()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)          # initialised in dtype: 10B fp32 weights never exist
+    try:
+        with torch.device(device):
+            transformer = ZImageTransformer2DModel(**REAL_TRANSFORMER)
+            vae = AutoencoderKL(**REAL_VAE)
+            text = Qwen3Model(Qwen3Config(**REAL_TEXT_ENCODER, pad_token_id=tok.pad_token_id,
+                                          eos_token_id=tok.eos_token_id))
+    finally:
+        torch.set_default_dtype(default)
+    pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**REAL_SCHEDULER), vae=vae,
+                          text_encoder=text, tokenizer=tok, transformer=transformer)
+    for m in (transformer, vae, text):
+        m.eval()
     pipe.set_progress_bar_config(disable=True)
     return pipe
