@@ -65,20 +65,20 @@ TINY_PRESET = dict(resolution=64, num_steps=8, eval_steps=16, max_sequence_lengt
                    lora_alpha=16, lr=1e-2, iterations=30, micro_batch=32, rollout_batch=32,
                    eval_every=10, save_every=10, n_eval=8, reward="jpeg")
 
-_FF_LORA = "Flow-Factory examples/grpo/lora/z_image/default.yaml (Z-Image base, LoRA)"
-_FF_TURBO = "Flow-Factory examples/grpo/full/z_image_turbo/default.yaml"
-# The family's Args overrides, field -> (value, source). Steps, group and resolution are the
-# Turbo recipe; LoRA rank/alpha and lr come from the peer's LoRA recipe for the base model (its
-# Turbo recipe trains every weight at lr 1e-5); the trainer's own V-GRPO settings stay.
+# The family's Args overrides, field -> (value, source): the peer's LoRA GRPO recipe for this
+# very model, Flow-Factory (X-GenGroup/Flow-Factory) examples/grpo/lora/z_image_turbo/default.yaml
+# (its full fine-tuning recipe beside it has the same sampling, at lr 1e-5). It samples with an
+# SDE; vgrpo.py keeps its deterministic rollouts and its own V-GRPO settings.
+_FF = "Flow-Factory examples/grpo/lora/z_image_turbo/default.yaml"
 DEFAULTS = {
-    "resolution": (512, f"{_FF_TURBO}: train.resolution"),
-    "num_steps": (6, f"{_FF_TURBO}: train.num_inference_steps"),
-    "eval_steps": (10, f"{_FF_TURBO}: eval.num_inference_steps"),
-    "group_size": (16, f"{_FF_TURBO}: train.group_size"),
+    "resolution": (512, f"{_FF}: train.resolution"),
+    "num_steps": (6, f"{_FF}: train.num_inference_steps"),
+    "eval_steps": (10, f"{_FF}: eval.num_inference_steps"),
+    "group_size": (16, f"{_FF}: train.group_size"),
     "max_sequence_length": (512, "diffusers ZImagePipeline.__call__ max_sequence_length"),
-    "lora_rank": (64, f"{_FF_LORA}: model.lora_rank"),
-    "lora_alpha": (128, f"{_FF_LORA}: model.lora_alpha"),
-    "lr": (3e-4, f"{_FF_LORA}: optimizers learning_rate"),
+    "lora_rank": (64, f"{_FF}: model.lora_rank"),
+    "lora_alpha": (128, f"{_FF}: model.lora_alpha"),
+    "lr": (3e-4, f"{_FF}: optimizers learning_rate"),
     "lora_targets": ("attention.to_q,attention.to_k,attention.to_v,attention.to_out.0,"
                      "feed_forward.w1,feed_forward.w2,feed_forward.w3",
                      "Flow-Factory src/flow_factory/models/z_image/z_image.py "
