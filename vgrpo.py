@@ -67,11 +67,11 @@ CONTENTS: §2–§6 the pure math (flow matching, samplers, advantages, pairs an
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse, contextlib, dataclasses, datetime, enum, functools, importlib.util, json, math
-import os, random, shutil, sys, tempfile, time, warnings
+import argparse, contextlib, dataclasses, datetime, enum, errno, functools, importlib.util, json
+import math, os, random, shutil, sys, tempfile, time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -435,11 +435,42 @@ def generator(seed: int, it: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
 
 
+class Model(Protocol):
+    """What the iteration asks of a model family: SD3Adapter (§9) is the worked example, FLUX's
+    and examples/models/'s plug-ins implement the same. Time t = 1 noise → 0 data, v = ε − x0;
+    D is one ODE latent's shape (SD3: (C, H, W); packed families: (seq, channels))."""
+    transformer: torch.nn.Module  # the trained network: LoRA goes here (its numbered blocks)
+
+    def latent_shape(self, resolution: int) -> tuple:
+        """D, the shape of one latent the ODE solves in, at this image side."""
+
+    def encode(self, prompts: list[str]) -> dict:
+        """CFG-free conditioning of B prompts: a dict of batch-first tensors, B rows each."""
+
+    def cache_prompts(self, prompts: list[str]) -> None:
+        """--offload_text_encoders: embed each prompt once, then move the encoders off the GPU."""
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """v_θ(x, t, c): x (M, *D), t (M,) in [0, 1], cond's rows of the M samples → (M, *D)."""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (M, *D) → images (M, 3, H, W), fp32 in [0, 1]."""
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The rollout grid (K + 1,) float64 on the CPU, 1 → exactly 0: the pipeline's own."""
+
+    def blocks(self) -> list:
+        """The transformer's repeated blocks (compiled one by one; FSDP units)."""
+
+    def save_lora(self, folder: str, state: dict, lora_config) -> None:
+        """Write the LoRA so that the stock pipeline's load_lora_weights(folder) reads it."""
+
+
 @dataclass
 class Run:
     """Everything an iteration needs, built by `setup` (§10); `local`: a process's groups."""
     args: Args
-    adapter: object   # SD3Adapter or FluxAdapter (§9)
+    adapter: Model    # SD3Adapter, FluxAdapter (§9) or a plug-in's (examples/models/)
     rewards: Rewards  # §8
     opt: torch.optim.Optimizer
     params: list      # the trainable parameters (LoRA, or the whole transformer)
@@ -924,7 +955,11 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
                   "clipscore": ("clip_model", "clip_model")}[name]
         proc = _from_pretrained(AutoProcessor, getattr(args, pf), f"the {name} processor",
                                 f"--{pf}")
-        model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
+        model, info = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model",
+                                       f"--{mf}", output_loading_info=True)
+        if info["missing_keys"]:  # random weights in their place would score nonsense
+            raise ConfigError(f"the {name} model {getattr(args, mf)!r} lacks weights "
+                              f"{sorted(info['missing_keys'])[:3]}; check --{mf}")
         return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore")
     return plugin_reward(REWARD_PLUGINS.get(name, name))
 
@@ -971,8 +1006,42 @@ TINY_MODELS = {"tiny": "StableDiffusion3Pipeline", "tiny-flux": "FluxPipeline"}
 SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
 
+# Model plug-ins beside the reward plug-ins: examples/models/<name>.py, each a module with
+# PIPELINES, ALIASES, TINY, TINY_PRESET, DEFAULTS and an Adapter class (examples/models/README.md).
+@functools.cache
+def model_plugins() -> dict:
+    """{name: module} of examples/models/*.py (not its tests), each imported by path once."""
+    found = {}
+    for path in sorted(Path(__file__).resolve().parent.glob("examples/models/*.py")):
+        if not path.name.startswith(("test_", "_")):
+            spec = importlib.util.spec_from_file_location(f"vgrpo_models_{path.stem}", path)
+            found[path.stem] = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = found[path.stem]
+            spec.loader.exec_module(found[path.stem])
+    return found
+
+
+def model_plugin(name: str):
+    """The plug-in module that --model NAME names (an alias, tiny alias or pipeline folder)."""
+    if name in TINY_MODELS or name in MODEL_ALIASES:
+        return None
+    for mod in model_plugins().values():
+        if name in mod.ALIASES or name in mod.TINY or name in mod.ALIASES.values():
+            return mod
+    if os.path.isdir(name):
+        return pipeline_plugin(check_local_pipeline(name)[0])
+    return None
+
+
+def pipeline_plugin(cls_name: str):  # the plug-in that drives a diffusers pipeline class
+    return next((m for m in model_plugins().values() if cls_name in m.PIPELINES), None)
+
+
 def model_family(name: str) -> str:
-    """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
+    """'sd3', 'flux' or a plug-in's name, from the alias, the folder's model_index.json or the id."""
+    plugin = model_plugin(name)
+    if plugin is not None:
+        return plugin.__name__.removeprefix("vgrpo_models_")
     named = MODEL_ALIASES.get(name, name)  # a hub id: FLUX's name says "flux"
     if name in TINY_MODELS or Path(name).is_dir():
         named = TINY_MODELS.get(name) or check_local_pipeline(name)[0]  # one-line errors
@@ -980,10 +1049,127 @@ def model_family(name: str) -> str:
 
 
 def _quiet_hf():
-    """Silence the libraries' per-load progress bars (ours is the one to read) and warnings."""
+    """Silence the libraries' per-load bars and chatter, but keep the Hub's download bars."""
     for lib in map(importlib.import_module, ("diffusers", "transformers")):
-        lib.utils.logging.disable_progress_bar()
+        lib.utils.logging.disable_progress_bar()  # transformers' also turns off the Hub's bars:
         lib.utils.logging.set_verbosity_error()
+    from huggingface_hub.utils import enable_progress_bars
+    enable_progress_bars()                        # a first run's download is minutes of them
+
+
+# ---- the Hub: every id checked before anything downloads; each failure one line with its fix ---
+HUB_TIMEOUT = 10  # seconds for the access check: no network is said at once, not after retries
+HUB_STATE = {"unreachable": False}  # set by check_hub_access: the cache only, and why
+HUB_SIZES = {"stabilityai/stable-diffusion-3.5-medium": "about 16 GB",  # what the loaders read
+             "yuvalkirstain/PickScore_v1": "about 4 GB"}
+
+
+def is_hub_id(location: str) -> bool:
+    return location not in TINY_MODELS and not os.path.exists(location) and "/" in location
+
+
+def check_hub_access(ids: list[tuple[str, str, str]]) -> None:
+    """Before any download: may this machine read each (hub id, what, flag)? A gated, unknown
+    or token failure is one ConfigError; an unreachable Hub leaves the local cache, checked."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    for repo, what, flag in ids:
+        if constants.HF_HUB_OFFLINE:
+            break
+        url = f"{constants.ENDPOINT}/api/models/{repo}/auth-check"
+        try:
+            hf_raise_for_status(get_session().get(url, headers=build_hf_headers(),
+                                                  timeout=HUB_TIMEOUT))
+        except Exception as e:  # noqa: BLE001 — classified below; a bug would still show
+            if not _hub_unreachable(e):
+                raise ConfigError(hub_failure(e, repo, what, flag) or
+                                  f"{what} {repo!r}: the Hub's access check failed ({e})") from None
+            _warn(f"cannot reach the Hub at {constants.ENDPOINT} ({type(e).__name__}); "
+                  "loading from the local cache only")  # at once: no minutes of retries
+            constants.HF_HUB_OFFLINE = HUB_STATE["unreachable"] = True
+    for repo, what, flag in ids:  # offline: each in the cache, the model's first
+        if not constants.HF_HUB_OFFLINE:
+            break
+        try:
+            snapshot_download(repo, local_files_only=True)
+        except OSError as e:
+            raise ConfigError(hub_failure(e, repo, what, flag) or str(e)) from None
+
+
+def hub_ids(args: Args, model: bool = True, rewards: bool = True) -> list:
+    """(hub id, what, flag) of each weight the run reads from the Hub, the model's first."""
+    ids = [(resolve_model(args.model), "the model", "--model")] if model else []
+    names = {n for n, _ in args.train_terms + args.eval_terms} if rewards else set()
+    for name, flags in (("pickscore", ("pickscore_processor", "pickscore_model")),
+                        ("clipscore", ("clip_model",))):
+        if name in names:
+            ids += [(getattr(args, f), f"the {name} {f.split('_')[-1]}", f"--{f}") for f in flags]
+    return [i for i in dict.fromkeys(ids) if is_hub_id(i[0])]
+
+
+def _chain(e: BaseException):  # e and every exception it was raised from, innermost last
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _hub_unreachable(e: BaseException) -> bool:
+    from huggingface_hub.utils import httpx
+    return any(isinstance(x, (httpx.ConnectError, httpx.ConnectTimeout)) for x in _chain(e))
+
+
+def hub_failure(e: BaseException, repo: str, what: str, flag: str) -> Optional[str]:
+    """The one line for a failure to fetch `repo` from the Hub, from the exception chain; None
+    when nothing in the chain is the Hub's (a bug or a damaged local folder)."""
+    from huggingface_hub import constants, errors
+    from huggingface_hub.utils import httpx
+    page, login = f"https://huggingface.co/{repo}", "`hf auth login` (or set HF_TOKEN)"
+    local = f"or `hf download {repo}` where there is access, then `{flag} /path/to/dir`"
+    for x in _chain(e):
+        status = getattr(getattr(x, "response", None), "status_code", None)
+        if isinstance(x, errors.GatedRepoError) and status == 403:
+            return (f"your token has no access to the gated {what} {repo!r}: accept its licence "
+                    f"at {page} (logged in as the token's user), then run the same command")
+        if isinstance(x, errors.GatedRepoError):
+            return (f"{what} {repo!r} is gated: accept its licence at {page} while logged in, "
+                    f"then {login}")
+        if isinstance(x, errors.HfHubHTTPError) and "Invalid credentials" in str(x):
+            return (f"the Hub rejected your token (invalid credentials) for {what} {repo!r}: "
+                    f"{login} with a valid one, or unset HF_TOKEN")
+        if isinstance(x, errors.RepositoryNotFoundError):
+            return (f"{what} {repo!r} was not found on the Hub (a typo, or a private repository "
+                    f"you have no access to); check {flag}")
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            return (f"no space left on the device while downloading {what} {repo!r} into the "
+                    f"Hub cache {constants.HF_HUB_CACHE}: free space there, or move the cache "
+                    "with HF_HOME=/a/bigger/disk")
+        if isinstance(x, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
+            why = "HF_HUB_OFFLINE is set: unset it where the Hub is reachable"
+            if HUB_STATE["unreachable"]:
+                why = (f"this machine cannot reach the Hub at {constants.ENDPOINT}: check "
+                       "the network")
+            return (f"{what} {repo!r} is not in the local cache ({constants.HF_HUB_CACHE}) and "
+                    f"{why}, {local}")
+        if _hub_unreachable(x):
+            return f"cannot reach the Hub at {constants.ENDPOINT} for {what} {repo!r}: {local}"
+        if isinstance(x, httpx.TransportError):
+            return (f"the download of {what} {repo!r} broke off ({type(x).__name__}): run the "
+                    "same command again: it resumes where it stopped")
+    return None
+
+
+def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
+    """loader.from_pretrained(location), saying first what loads; a Hub failure is one line."""
+    size = f", {HUB_SIZES[location]} on first use" if location in HUB_SIZES else ""
+    where = "the local folder" if os.path.isdir(location) else "the Hub cache or the Hub"
+    print(f"loading {what} {location} from {where}{size}", flush=True)  # stdout: stderr errs
+    from huggingface_hub.utils import httpx
+    try:
+        return loader.from_pretrained(location, **kwargs)
+    except (OSError, httpx.HTTPError) as e:
+        line = hub_failure(e, location, what, flag)
+        raise ConfigError(line or f"could not load {what} from {location!r} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
 
 
 def resolve_model(name: str) -> str:
@@ -994,18 +1180,12 @@ def resolve_model(name: str) -> str:
         return name
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
-    aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES])
+    plugin = model_plugin(name)
+    if plugin is not None:  # a plug-in's tiny alias is itself; its alias, a hub id
+        return plugin.ALIASES.get(name, name)
+    aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES, *(a for m in model_plugins().values()
+                                                        for a in (*m.ALIASES, *m.TINY))])
     raise ConfigError(f"unknown model {name!r}: pass an alias ({aliases}), hub id or local folder")
-
-
-def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
-    """loader.from_pretrained(location), or a ConfigError saying how to get the files offline."""
-    try:
-        return loader.from_pretrained(location, **kwargs)
-    except OSError as e:
-        raise ConfigError(f"could not load {what} from {location!r} (no network, or not in the "
-                          f"local cache): `huggingface-cli download {location} --local-dir "
-                          f"/path/to/dir` where there is access, then `{flag} /path/to/dir`") from e
 
 
 @functools.cache  # once per folder: for the model family, then for loading
@@ -1018,8 +1198,10 @@ def check_local_pipeline(location: str) -> tuple[str, dict]:
         spec = json.loads(index.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: model_index.json is unreadable ({e})") from None
-    if spec.get("_class_name") not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"{where} holds a {spec.get('_class_name')}, not an SD3 or FLUX pipeline")
+    cls_name = spec.get("_class_name")
+    if cls_name not in SUPPORTED_PIPELINES and pipeline_plugin(str(cls_name)) is None:
+        raise ConfigError(f"{where} holds a {cls_name}, not an SD3 or FLUX pipeline nor one of "
+                          "examples/models/")
     parts = [k for k, v in spec.items() if not k.startswith("_") and (v is None or type(v) is list)]
     null = {k: None for k in parts if spec[k] is None or None in spec[k]}
     for k in parts:
@@ -1035,18 +1217,23 @@ def load_pipeline(name: str, dtype: torch.dtype):
     """Load a diffusers SD3 or FLUX pipeline: the same code path for hub ids and local folders."""
     import diffusers
     _quiet_hf()
-    location = resolve_model(name)
+    location, plugin = resolve_model(name), model_plugin(name)
+    if plugin is not None and location in plugin.TINY:  # its offline builder
+        return freeze_and_cast(getattr(plugin, plugin.TINY[location])(), dtype)
     if location in TINY_MODELS:
         tm = tiny_models()
         pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
         return freeze_and_cast(pipe, dtype)
     cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
-    with warnings.catch_warnings():                     # diffusers 0.3x–0.4x: `torch_dtype`;
-        warnings.simplefilter("ignore", FutureWarning)  # 0.42 prefers `dtype`
-        pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
-                                "the model", "--model", torch_dtype=dtype, **null)
-    if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"{location!r} is a {type(pipe).__name__}, not an SD3 or FLUX pipeline")
+    # diffusers 0.42 renamed `torch_dtype` (to be removed at 1.0) `dtype`; older ones lack `dtype`
+    version = tuple(int(v) for v in diffusers.__version__.split(".")[:2])
+    kw = {**null, {True: "dtype", False: "torch_dtype"}[version >= (0, 42)]: dtype}
+    pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
+                            "the model", "--model", **kw)
+    cls_name = type(pipe).__name__
+    if cls_name not in SUPPORTED_PIPELINES and pipeline_plugin(cls_name) is None:
+        raise ConfigError(f"{location!r} is a {cls_name}, not an SD3 or FLUX pipeline nor one of "
+                          "examples/models/")
     return freeze_and_cast(pipe, dtype)
 
 
@@ -1143,6 +1330,9 @@ class SD3Adapter:
         sched.set_timesteps(num_steps)
         return sched.sigmas.detach().double().cpu()
 
+    def blocks(self) -> list:
+        return transformer_blocks(self.transformer)
+
     def save_lora(self, folder: str, state: dict, lora_config) -> None:
         """Write the LoRA in diffusers' format (StableDiffusion3Pipeline.load_lora_weights)."""
         type(self.pipe).save_lora_weights(folder, transformer_lora_layers=state,
@@ -1194,7 +1384,14 @@ class FluxAdapter(SD3Adapter):
         return sigma_grid(num_steps, self.shift)
 
 
-def make_adapter(pipe, args: "Args", device: torch.device):
+def make_adapter(pipe, args: "Args", device: torch.device) -> Model:
+    """The adapter of the pipeline's family: SD3's, FLUX's, or a plug-in's (examples/models/)."""
+    plugin = pipeline_plugin(type(pipe).__name__)
+    if plugin is not None:
+        try:
+            return plugin.Adapter(pipe, device, args)
+        except ValueError as e:  # the plug-in's refusal of this pipeline or these flags
+            raise ConfigError(f"--model {args.model}: {e}") from None
     if type(pipe).__name__ == "FluxPipeline":
         return FluxAdapter(pipe, device, args.max_sequence_length, args.guidance, args.flux_shift)
     return SD3Adapter(pipe, device, args.max_sequence_length)
@@ -1231,12 +1428,17 @@ class Interrupted(RunError):  # Ctrl-C: where the run stands; exit 130, no trace
 def train(args: Args, resumed: Optional[tuple] = None, fresh_ok: bool = False) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also in run_dir/metrics.jsonl)."""
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; nothing created yet
-    return run_iterations(setup(args, resumed=resumed), run_dir)  # bad input fails in setup
+    try:
+        run = setup(args, resumed=resumed)          # bad input fails in setup
+    except torch.cuda.OutOfMemoryError as e:
+        e.vgrpo_phase = "setup"
+        raise RunError(f"{out_of_memory(e, args)}; nothing written yet") from None
+    return run_iterations(run, run_dir)
 
 
 def run_iterations(run: Run, run_dir: Path) -> list[dict]:
     """The iterations from run.start, evaluations and checkpoints; a stop says how to go on."""
-    a, history, log = run.args, [], RunLog(run, run_dir)
+    a, history, log, it = run.args, [], RunLog(run, run_dir), run.start
     try:
         for it in log.bar:
             with run.guard(it):  # examples/cluster.py: a stop saves and says so
@@ -1254,11 +1456,43 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
         raise Interrupted(how_to_go_on(run_dir)) from None
     except RewardError as e:
         raise RewardError(f"{e}; {how_to_go_on(run_dir)}") from None
+    except torch.cuda.OutOfMemoryError as e:
+        raise RunError(f"{out_of_memory(e, a)}, iteration {it}; {how_to_go_on(run_dir)}") from None
     finally:
         log.close()
         if run.world > 1:
             torch.distributed.destroy_process_group()
+    if run.rank == 0:
+        print(closing_line(run, run_dir))
     return history
+
+
+# Out of GPU memory: the phase (timed() puts it on the error) and the flag that lowers it.
+OOM_KNOBS = {"time_rollout": "the rollout: lower --rollout_batch",
+             "time_reward": "decoding and rewards: lower --reward_batch",
+             "time_old": "the θ_old pass: lower --micro_batch",
+             "time_update": "the update: lower --micro_batch or use --gradient_checkpointing",
+             "eval": "the evaluation: lower --rollout_batch or --reward_batch",
+             "setup": "loading and setup: fewer --reward models, or --no-compile"}
+
+
+def out_of_memory(e: Exception, args: Args) -> str:
+    """'out of GPU memory in <phase>: <what lowers it>' (docs/scaling.md, "Memory")."""
+    phase = OOM_KNOBS.get(getattr(e, "vgrpo_phase", ""), "the run")
+    if not args.offload_text_encoders:  # the text encoders (T5: about 9 GB) leave the GPU
+        phase += " (or --offload_text_encoders)"
+    return f"out of GPU memory in {phase}"
+
+
+def closing_line(run: Run, run_dir: Path) -> str:
+    """The run's last line: where its weights are and how a stock diffusers pipeline loads them."""
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    use = f"pipe.load_lora_weights({str(ckpt)!r})"
+    if run.args.full_finetune:
+        cls = type(run.adapter.transformer).__name__
+        use = f"{cls}.from_pretrained({str(ckpt)!r}, subfolder='transformer')"
+    return (f"done: run folder {run_dir}, final checkpoint {ckpt}; in diffusers: {use} "
+            "(docs/training.md, \"Using the trained model\")")
 
 
 def how_to_go_on(run_dir: Path, saved: Optional[Path] = None) -> str:
@@ -1279,7 +1513,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     ckpt, state, init = read_starts(args, resumed)
     rank, world, _ = dist_info()
     dev, dtype, ctx = setup_device(args)  # under torchrun: joins the processes
-    if rewards is None:
+    check_hub_access(hub_ids(args, model=pipe is None, rewards=rewards is None))  # before any
+    if rewards is None:                                                         # download
         rewards = Rewards.load(args, dev, dtype)
     for name, fn in rewards.models.items():  # plug-ins fail here, in one line
         scored = train_prompts if name in dict(args.train_terms) else []
@@ -1309,7 +1544,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     if compiled is None:  # the default: on with CUDA, in one process
         compiled = dev.type == "cuda" and world == 1
     if compiled:  # one line if it fails; nothing written yet
-        time_compile = compile_blocks(adapter, args, ctx, train_prompts[:1], params)
+        time_compile = compile_blocks(adapter, args, ctx, train_prompts[:1], params,
+                                      len(eval_prompts[:args.n_eval]))  # evaluate's rows
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     # fp16 gradients underflow without loss scaling; bf16 and fp32 get a no-op scaler
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -1342,20 +1578,22 @@ def read_starts(args: Args, resumed: Optional[tuple]) -> tuple:
     return ckpt, state, init[0]
 
 
-def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list) -> float:
+def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list, n_eval: int) -> float:
     """Regional torch.compile [ours C20]: each block in place (same modules and state-dict keys),
     one graph per block class and pass kind, compiled here on stand-ins at the run's shapes so
     a failure is one line before anything is written. Returns its seconds (gains: docs/gpu.md)."""
-    import torch._dynamo  # SD3.5's 3 block variants × 2 pass kinds × static and dynamic
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for blk in transformer_blocks(adapter.transformer):
-        blk.compile()
+    print("compiling the transformer blocks (once, about a minute on a GPU; --no-compile skips "
+          "it)", flush=True)
     t0, N, J = time.perf_counter(), args.prompts_per_iter * args.group_size, args.n_mc
     rows = min(args.micro_batch, N // args.mu) * J  # rows of a θ_old or θ pass
-    shapes = [(False, min(args.rollout_batch, N)), (False, min(args.rollout_batch, args.n_eval)),
+    shapes = [(False, min(args.rollout_batch, N)), (False, min(args.rollout_batch, n_eval)),
               (False, rows), (True, rows)]  # rollout, eval, θ_old, θ
     g, cond = generator(0, 0, Stream.PROBE), adapter.encode(prompts)
     try:
+        import torch._dynamo  # SD3.5's 3 block variants × 2 pass kinds × static and dynamic
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        for blk in adapter.blocks():
+            blk.compile()
         for grad, n in shapes:                          # the blocks compile here
             x = torch.randn((n,) + adapter.latent_shape(args.resolution), generator=g)
             x, t = x.to(adapter.device), torch.full((n,), 0.5, device=adapter.device)
@@ -1363,6 +1601,8 @@ def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list) -> flo
                 v = adapter.velocity(x, t, select(cond, torch.zeros(n, dtype=torch.long)))
             if grad:
                 v.float().mean().backward()
+    except torch.cuda.OutOfMemoryError:
+        raise  # not the compiler's fault: train() names the phase
     except Exception as e:  # noqa: BLE001 — a missing compiler, an unsupported operation, ...
         raise ConfigError(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]!r}); run "
                           "with --no-compile") from None
@@ -1375,7 +1615,12 @@ def setup_device(args: Args) -> tuple:
     _, world, local_rank = dist_info()
     device, precision = args.device, args.dtype
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        problem = cuda_problem()
+        if problem and is_real_model(args.model):  # before anything downloads
+            raise ConfigError(f"--device auto: {problem}; --model {args.model} needs a CUDA GPU: "
+                              "install a torch build for this machine's driver (README, "
+                              "Install), or pass --device cpu to run on the CPU (slow)")
+        device = "cpu" if problem else "cuda"
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # this process's GPU (torchrun)
         dev = torch.device(f"cuda:{local_rank}")
@@ -1391,6 +1636,36 @@ def setup_device(args: Args) -> tuple:
                                              timeout=datetime.timedelta(hours=1))
     return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
                         else contextlib.nullcontext())
+
+
+def cuda_problem() -> Optional[str]:
+    """Why torch cannot use a CUDA GPU on this machine, in words; None when it can."""
+    import re
+    built = f"torch {torch.__version__} (built for CUDA {torch.version.cuda})"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    if not torch.cuda.is_available():
+        return (f"{built} sees no usable GPU: none here, or a driver older than CUDA "
+                f"{torch.version.cuda} needs")
+    cap, archs = torch.cuda.get_device_capability(), torch.cuda.get_arch_list()
+    for arch in archs:  # sm_XY runs on X.Y' ≥ X.Y of the same major; compute_XY (PTX) on ≥ X.Y
+        kind, major, minor = re.fullmatch(r"(sm|compute)_(\d+?)(\d)[a-z]?", arch).groups()
+        have = (int(major), int(minor))
+        if have == cap or (have <= cap and (kind == "compute" or have[0] == cap[0])):
+            return None
+    return (f"the GPU {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) is "
+            f"not among the architectures of {built}: {', '.join(archs)}")
+
+
+def is_real_model(name: str) -> bool:
+    """A hub model, or a local folder with more than 1 GiB of weights (not a tiny test model)."""
+    location, plugin = resolve_model(name), model_plugin(name)
+    if plugin is not None and location in plugin.TINY:
+        return False
+    if not os.path.isdir(location):
+        return location not in TINY_MODELS
+    files = [*Path(location).rglob("*.safetensors"), *Path(location).rglob("*.bin")]
+    return sum(f.stat().st_size for f in files) > 2 ** 30
 
 
 def read_prompt_file(path: str, flag: str) -> list[str]:
@@ -1646,12 +1921,23 @@ def save_checkpoint(run: Run, it: int) -> Path:
             shutil.rmtree(final, ignore_errors=True)  # never `latest`'s: saves move on from it
             os.replace(tmp, final)
             _point_latest(final)
+            prune_checkpoints(ckdir, final, run.args.keep_checkpoints)
     finally:  # after a failed write nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         (ckdir / ".latest.tmp").unlink(missing_ok=True)
     if run.world > 1:
         torch.distributed.barrier()
     return final
+
+def prune_checkpoints(ckdir: Path, latest: Path, keep: int) -> None:
+    """--keep_checkpoints: the `keep` newest up to `latest` stay (0: all); later ones, left by a
+    run resumed from an older checkpoint, are replaced as the run reaches them."""
+    if keep == 0:
+        return
+    done = sorted(p for p in ckdir.glob("iter_*") if p.name <= latest.name)
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
 
 def _point_latest(ckpt: Path) -> None:  # checkpoints/latest ← ckpt's name, atomically
     (ckpt.parent / ".latest.tmp").write_text(ckpt.name)
@@ -1754,6 +2040,8 @@ class Args:
     resume: Optional[str] = _f(None, "checkpoint or run folder; its config overrides these values")
     init: Optional[str] = _f(None, "a new run from a checkpoint's (or run folder's) weights")
     save_every: int = _f(10, "checkpoint every k iterations, and after the last")
+    keep_checkpoints: int = _f(0, "keep the k newest checkpoints (0 = all; SD3.5-M LoRA: about "
+                               "0.3 GB each)")
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
     # --- model ---
@@ -1902,11 +2190,9 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     fields = {f.name: f for f in dataclasses.fields(Args)}
     resumed = {k: v for k, v in (resumed or {}).items()  # options removed since: dropped
                if k in fields and v in (fields[k].metadata["choices"] or [v])}
-    layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
-              (f"{model} preset (examples/tools/tiny_models.py)",
-               tiny_models().PRESETS[model] if model in TINY_MODELS else {}),
-              (f"--preset {preset}", PRESETS[preset][family] if preset else {}),
-              ("the resumed run's config", resumed), ("command line", given)]
+    layers = family_layers(model, family) + [
+        (f"--preset {preset}", PRESETS[preset].get(family, PRESETS[preset]["sd3"]) if preset
+         else {}), ("the resumed run's config", resumed), ("command line", given)]
     values, origin = {}, {}
     for where, layer in layers:
         values.update(layer)
@@ -1915,6 +2201,20 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     check_args(args)
     args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in fields.values()}
     return args
+
+
+def family_layers(model: str, family: str) -> list:
+    """[(source, {field: value})] of the model's family and of its tiny alias, in that order."""
+    plugin = model_plugin(model)
+    if plugin is None:
+        tiny = tiny_models().PRESETS[model] if model in TINY_MODELS else {}
+        return [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
+                (f"{model} preset (examples/tools/tiny_models.py)", tiny)]
+    where = f"examples/models/{family}.py"  # each default with its own source
+    layers = [(f"{where}: {src}", {k: v}) for k, (v, src) in plugin.DEFAULTS.items()]
+    if model in plugin.TINY:
+        layers.append((f"{model} preset ({where})", plugin.TINY_PRESET))
+    return layers
 
 
 def check_args(args: Args) -> None:
@@ -1936,6 +2236,8 @@ def check_args(args: Args) -> None:
          "group-relative advantage needs at least two images per prompt"),
         (not args.adv_clamp >= 0, f"--adv_clamp must be ≥ 0 or inf (got {args.adv_clamp})"),
         (args.eval_every < 0, f"--eval_every must be ≥ 0, 0 = never (got {args.eval_every})"),
+        (args.keep_checkpoints < 0,
+         f"--keep_checkpoints must be ≥ 0, 0 = all (got {args.keep_checkpoints})"),
         (not math.isfinite(args.guidance), f"--guidance must be finite (got {args.guidance})"),
         (args.stratified and args.n_mc > args.num_steps, f"--n_mc {args.n_mc} > --num_steps "
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
@@ -1947,9 +2249,10 @@ def check_args(args: Args) -> None:
         (args.mu >= 1 and P // world * G % args.mu, f"each process's {P // world * G} samples "
          f"must split into --mu {args.mu} equal minibatches")]
     problems += [msg for failed, msg in checks if failed]
-    for terms in ("train_terms", "eval_terms"):
+    for check in (lambda: resolve_model(args.model), lambda: args.train_terms,
+                  lambda: args.eval_terms):  # the terms are parsed here, once, and kept
         try:
-            getattr(args, terms)  # parsed here, once, and kept
+            check()
         except ConfigError as e:
             problems.append(str(e))
     if problems:
