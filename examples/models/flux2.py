@@ -42,10 +42,15 @@ used; the velocity and x̂0 equal the transformer called the pipeline's way; the
 |log ρ| is 0; a V-GRPO update with fixed advantages ±1 raises the positives' surrogate and lowers
 the negatives'; a LoRA saved with save_lora loads in the stock pipeline (load_lora_weights) and
 reproduces the trained velocity; the tiny pipeline saves and loads back through from_pretrained;
-Flux2Pipeline's rollout with embedded guidance equals its __call__ (given prompt embeddings).
-What is not verified: anything at the real size or with real weights (no weights offline), bf16
-numerics on a GPU, the real Qwen3 tokenizer and chat template (the tiny one is built here to
-the same shape), FLUX.2 [dev]'s Mistral3 text stack, and the DEFAULTS' training outcome.
+Flux2Pipeline's rollout with embedded guidance equals its __call__ (given prompt embeddings); a
+folder missing a part or naming another FLUX.2 pipeline is one line before anything loads;
+build_real_size_pipeline (klein-4B's published architecture, random weights, on the meta device)
+has the transformer, text encoder and VAE sizes of the Hub's weights to within 1%.
+What is not verified: anything with real weights (no weights offline), the real size on a GPU
+(examples/gpu/gpu_check.py's row), bf16 numerics on a GPU, the real Qwen3 tokenizer and chat
+template (the tiny one is built here to the same shape), FLUX.2 [dev]'s Mistral3 text stack, the
+undistilled klein-base checkpoints (made for CFG and ~50 steps; V-GRPO's rollouts are CFG-free),
+and the DEFAULTS' training outcome.
 """
 from __future__ import annotations
 
@@ -251,6 +256,15 @@ def tiny_qwen_tokenizer():
     return tok
 
 
+def _scheduler():
+    """FLUX's resolution-dependent shift. Flux2 pipelines pass mu themselves (compute_empirical_mu),
+    so only use_dynamic_shifting and the exponential shift matter: the other fields are unused."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    return FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                           max_shift=1.15, base_image_seq_len=256,
+                                           max_image_seq_len=4096)
+
+
 @torch.no_grad()
 def build_tiny_pipeline(seed: int = 0):
     """A randomly initialised Flux2KleinPipeline in miniature, offline: 2 double- and 2 single-
@@ -258,8 +272,7 @@ def build_tiny_pipeline(seed: int = 0):
     default text layers 9, 18, 27 exist) of width 16, the FLUX.2 VAE with 32 latent channels,
     random BatchNorm statistics (so the normalisation is exercised) and the latent-sensitive
     decoder of examples/tools/tiny_models.py; every module in eval mode, no dropout."""
-    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler,
-                           Flux2KleinPipeline, Flux2Transformer2DModel)
+    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
     tok = tiny_qwen_tokenizer()
@@ -282,13 +295,63 @@ def build_tiny_pipeline(seed: int = 0):
     vae.post_quant_conv.weight.copy_(torch.eye(32).view(32, 32, 1, 1))  # keep the decode path,
     vae.post_quant_conv.bias.zero_()                                    # but mix no channels
     _tiny_models()._smooth_decoder(vae)
-    # FLUX's resolution-dependent shift; Flux2 pipelines pass mu themselves (compute_empirical_mu)
-    sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                            max_shift=1.15, base_image_seq_len=256,
-                                            max_image_seq_len=4096)
-    pipe = Flux2KleinPipeline(scheduler=sched, vae=vae, text_encoder=te, tokenizer=tok,
+    pipe = Flux2KleinPipeline(scheduler=_scheduler(), vae=vae, text_encoder=te, tokenizer=tok,
                               transformer=transformer, is_distilled=True)
     for m in (transformer, vae, te):
         m.eval()                                # built from configs, modules start in train mode
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# ------------------------------------------------------------------------------------------------
+# The real architecture with random weights: examples/gpu/gpu_check.py's rows (memory and time at
+# the real size) and the parameter-count test, without downloading anything.
+# ------------------------------------------------------------------------------------------------
+# black-forest-labs/FLUX.2-klein-4B's published configs (the Hub repo's config.json files, as also
+# listed by diffusers' docs and the MLX / C ports of klein): transformer/config.json: 5 double-
+# and 20 single-stream blocks, 24 heads × 128, text width 7680 = 3 × Qwen3-4B's 2560, no guidance
+# embedding; vae/config.json: AutoencoderKLFlux2's defaults (128-256-512-512 channels, 2 layers per
+# block, 32 latent channels); text_encoder/config.json: Qwen/Qwen3-4B's (36 layers of width 2560,
+# MLP 9728, 32 query / 8 key-value heads of 128, vocabulary 151936, tied embeddings, rope θ 1e6).
+# Their sizes on the Hub, bf16: transformer 7.75 GB (3.88 B parameters), text encoder 8.05 GB
+# (4.02 B), VAE 168 MB (84 M).
+KLEIN_4B_TRANSFORMER = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20,
+                            attention_head_dim=128, num_attention_heads=24,
+                            joint_attention_dim=7680, timestep_guidance_channels=256,
+                            mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000,
+                            eps=1e-6, guidance_embeds=False)
+KLEIN_4B_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                    latent_channels=32, norm_num_groups=32, patch_size=(2, 2))
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645)
+
+
+@torch.no_grad()
+def build_real_size_pipeline(dtype: torch.dtype = torch.bfloat16, device="meta", seed: int = 0):
+    """Flux2KleinPipeline at FLUX.2 [klein] 4B's published architecture (above), random weights,
+    built offline. On the meta device (the default) nothing is allocated: shapes and parameter
+    counts only; on a GPU the weights are drawn there in `dtype` (no fp32 copy of 8 B parameters
+    first). The tokenizer is the tiny byte-level one (its ids lie inside Qwen3's vocabulary); the
+    scheduler is the tiny pipeline's, whose shift the pipeline sets itself (mu)."""
+    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)               # draw the weights in dtype directly
+    try:
+        with torch.device(device):
+            transformer = Flux2Transformer2DModel(**KLEIN_4B_TRANSFORMER)
+            vae = AutoencoderKLFlux2(**KLEIN_4B_VAE)
+            te = Qwen3ForCausalLM(Qwen3Config(**QWEN3_4B))
+    finally:
+        torch.set_default_dtype(default)
+    pipe = Flux2KleinPipeline(scheduler=_scheduler(), vae=vae, text_encoder=te,
+                              tokenizer=tiny_qwen_tokenizer(), transformer=transformer,
+                              is_distilled=True)
+    for m in (transformer, vae, te):
+        m.eval()
     pipe.set_progress_bar_config(disable=True)
     return pipe
