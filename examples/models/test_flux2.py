@@ -252,3 +252,49 @@ def test_flux2_dev_pipeline_with_embedded_guidance(pipe):
         off = ad1.decode(V.euler_sample(ad1.velocity, x1, ad1.sigmas(4), cond))
     assert (ours - ref).abs().max() <= TOL
     assert (off - ref).abs().max() > 100 * TOL
+
+
+@pytest.mark.examples
+def test_bad_folders_are_one_line_before_anything_loads(pipe, tmp_path, capsys, monkeypatch):
+    """A saved FLUX.2 folder missing its text encoder, and one whose model_index.json names
+    another FLUX.2 pipeline (the inpainting one, which no plug-in drives): each is one line on
+    stderr, exit 2, before any weights load and before the run folder is made."""
+    import json
+    import shutil
+    monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("the model was loaded"))
+    pipe.save_pretrained(tmp_path / "inpaint")                      # complete, but relabelled
+    shutil.copytree(tmp_path / "inpaint", tmp_path / "no_te")
+    shutil.rmtree(tmp_path / "no_te" / "text_encoder")
+    index = tmp_path / "inpaint" / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()),
+                                 "_class_name": "Flux2KleinInpaintPipeline"}))
+    for folder, said in (("no_te", "lists 'text_encoder' but there is no text_encoder/ folder"),
+                         ("inpaint", "holds a Flux2KleinInpaintPipeline, not an SD3 or FLUX")):
+        V.check_local_pipeline.cache_clear()                # it caches per folder
+        run = tmp_path / f"run_{folder}"
+        capsys.readouterr()
+        argv = ["--model", str(tmp_path / folder), "--reward", "jpeg", "--run_dir", str(run)]
+        assert V.main(argv) == 2
+        err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+        assert len(err) == 1 and said in err[0] and not run.exists(), err
+
+
+@pytest.mark.examples
+def test_real_size_pipeline_has_the_published_parameter_counts():
+    """build_real_size_pipeline on the meta device (nothing allocated): the transformer, the text
+    encoder and the VAE each within 1% of the published size of FLUX.2-klein-4B's weights on the
+    Hub (bf16 bytes / 2: transformer 7.75 GB, text encoder 8.05 GB, VAE 168 MB), and the plug-in
+    reads it at 1024 px as the real model: a (128, 64, 64) latent, 7680-wide text."""
+    real = F2.build_real_size_pipeline()
+    parts = {"transformer": (real.transformer, 7.75e9 / 2), "text_encoder": (real.text_encoder,
+             8.05e9 / 2), "vae": (real.vae, 168e6 / 2)}
+    for name, (module, published) in parts.items():
+        params = list(module.parameters())
+        assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in params), name
+        count = sum(p.numel() for p in params)
+        assert abs(count / published - 1) < 0.01, (name, count, published)
+    ad = F2.Adapter(real, torch.device("meta"), V.Args(resolution=1024, max_sequence_length=512))
+    assert ad.latent_shape(1024) == (128, 64, 64)
+    te = real.text_encoder.config                                      # layers 9, 18, 27 stacked
+    assert real.transformer.config.joint_attention_dim == 3 * te.hidden_size == 7680
+    assert te.num_hidden_layers > 27 and len(ad.blocks()) == 25
