@@ -2201,7 +2201,7 @@ def test_lora_init_comes_from_the_seed_alone(tmp_path, monkeypatch):
 @pytest.mark.trainer
 def test_flux_lora_wraps_blocks_not_the_top_level_projection():
     pipe = TM.build_tiny_flux_pipeline()
-    V.add_lora(pipe.transformer, 4, 8, V.FLUX_LORA_TARGETS.split(","))
+    V.add_lora(pipe.transformer, 4, 8, FX.LORA_TARGETS.split(","))
     wrapped = {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A")}
     assert "single_transformer_blocks.0.proj_out" in wrapped and "proj_out" not in wrapped
     assert {"transformer_blocks.0.ff.net.2", "transformer_blocks.0.attn.to_q"} <= wrapped
@@ -2267,20 +2267,23 @@ def test_fp16_resume_keeps_the_saved_loss_scale(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # 15. FLUX: packing, the tiny pipeline end to end, the local loading path
 # ------------------------------------------------------------------------------------------------
+FX = V.model_plugins()["flux"]  # examples/models/flux.py
+
+
 @pytest.mark.math
 def test_flux_unpacking_inverts_diffusers_packing():
     from diffusers import FluxPipeline
     lat = torch.randn(2, 16, 6, 10, dtype=torch.float64)
     packed = FluxPipeline._pack_latents(lat, 2, 16, 6, 10)
     assert packed.shape == (2, 15, 64)
-    assert torch.equal(V.unpack_latents(packed, 6, 10), lat)                 # exact: a permutation
-    assert torch.equal(V.unpack_latents(packed, 6, 10), FluxPipeline._unpack_latents(packed, 48, 80, 8))
+    assert torch.equal(FX.unpack_latents(packed, 6, 10), lat)                 # exact: a permutation
+    assert torch.equal(FX.unpack_latents(packed, 6, 10), FluxPipeline._unpack_latents(packed, 48, 80, 8))
 
 
 @pytest.mark.trainer
 def test_flux_image_ids_match_diffusers():
     from diffusers import FluxPipeline
-    ad = V.FluxAdapter(TM.build_tiny_flux_pipeline(), torch.device("cpu"), 32)
+    ad = FX.Adapter(TM.build_tiny_flux_pipeline(), torch.device("cpu"), V.Args(max_sequence_length=32))
     torch.testing.assert_close(ad._img_ids(16).float(),
                                FluxPipeline._prepare_latent_image_ids(1, 4, 4, "cpu", torch.float32))
 
@@ -2306,7 +2309,7 @@ def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
     assert V.model_family(str(tmp_path / "flux")) == "flux"
     loaded = V.load_pipeline(str(tmp_path / "flux"), torch.float32)
     assert type(loaded).__name__ == "FluxPipeline"
-    a, b = V.FluxAdapter(pipe, torch.device("cpu"), 16), V.FluxAdapter(loaded, torch.device("cpu"), 16)
+    a, b = (FX.Adapter(p, torch.device("cpu"), V.Args(max_sequence_length=16)) for p in (pipe, loaded))
     x, t = torch.randn(2, 16, 64), torch.tensor([0.2, 0.9])
     with torch.no_grad():
         torch.testing.assert_close(a.velocity(x, t, a.encode(["a", "b"])), b.velocity(x, t, b.encode(["a", "b"])))
@@ -2346,6 +2349,51 @@ def test_model_plugins_are_found_and_their_names_resolve():
         V.resolve_model("tiny-qwen-imag")
 
 
+USER_PLUGIN = """
+import vgrpo as V
+PIPELINES, ALIASES, TINY = ("StableDiffusion3Pipeline",), {}, {"tiny-mine": "build"}
+TINY_PRESET = V.tiny_models().PRESETS["tiny"]
+DEFAULTS = {"kl_coef": (0.05, "my own KL")}
+CALLS = []
+
+
+class Adapter(V.SD3Adapter):          # SD3's, counting its velocity calls
+    def __init__(self, pipe, device, args):
+        super().__init__(pipe, device, args.max_sequence_length)
+
+    def velocity(self, x, t, cond):
+        CALLS.append(x.shape[0])
+        return super().velocity(x, t, cond)
+
+
+def build(seed=0):
+    return V.tiny_models().build_tiny_sd3_pipeline(seed)
+"""
+
+
+@pytest.mark.trainer
+def test_a_users_model_plugin_module_colon_name_trains_and_bad_ones_are_one_line(tmp_path, capsys, monkeypatch):
+    """--model module:NAME, as --reward module:function: the user's module beside the run (the
+    contract of examples/models/) trains through its own Adapter; a module that does not import
+    or lacks the contract is one line, exit 2, before anything loads."""
+    (tmp_path / "my_sd3.py").write_text(USER_PLUGIN)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a = V.parse_args(["--model", "my_sd3:tiny-mine"])
+    assert a.kl_coef == 0.05 and "my own KL" in a.origin["kl_coef"] and a.resolution == 64
+    assert V.main(["--model", "my_sd3:tiny-mine", "--reward", "jpeg", "--iterations", "1",
+                   "--run_dir", str(tmp_path / "run")]) == 0
+    import my_sd3
+    assert my_sd3.CALLS and len(_metrics(tmp_path / "run")) >= 1
+    (tmp_path / "half.py").write_text("PIPELINES = ()\n")
+    for model, says in (("no_such_module:x", "could not import module 'no_such_module'"),
+                        ("half:x", "'half' lacks ALIASES, TINY, DEFAULTS, Adapter")):
+        capsys.readouterr()
+        assert V.main(["--model", model, "--reward", "jpeg", "--run_dir", str(tmp_path / "b")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0] and not (tmp_path / "b").exists(), err
+
+
 @pytest.mark.trainer
 @pytest.mark.parametrize("name", PLUGINS)
 def test_a_model_plugin_trains_from_its_tiny_alias_and_its_saved_folder(name, tmp_path, capsys):
@@ -2354,11 +2402,12 @@ def test_a_model_plugin_trains_from_its_tiny_alias_and_its_saved_folder(name, tm
     folder missing a part is one line before anything loads."""
     mod = V.model_plugins()[name]
     tiny = next(iter(mod.TINY))
-    small = ["--reward", "jpeg", "--iterations", "2", "--save_every", "1", "--eval_every", "2"]
+    small = ["--reward", "jpeg", "--iterations", "2", "--save_every", "1", "--eval_every", "2",
+             "--mu", "1"]                                 # one step per iteration: θ = θ_old
     assert V.main(["--model", tiny, "--run_dir", str(tmp_path / "a")] + small) == 0
     ms = [m for m in _metrics(tmp_path / "a") if "reward_mean" in m]
     assert len(ms) == 2 and all(math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0 for m in ms)
-    assert ms[0]["abs_log_ratio"] == 0.0                  # the first step: θ = θ_old
+    assert [m["abs_log_ratio"] for m in ms] == [0.0, 0.0]
     folder = tmp_path / "pipe"
     getattr(mod, mod.TINY[tiny])().save_pretrained(folder)
     assert V.model_family(str(folder)) == name

@@ -118,14 +118,6 @@ def sigma_grid(num_steps: int, shift: float = 1.0) -> torch.Tensor:
     return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
 
 
-def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
-    """FLUX's 2×2 patch packing undone: (B, (H/2)·(W/2), 4C) → (B, C, H, W). A pure permutation,
-    so Gaussian noise and per-element means are the same in both layouts."""
-    B, _, C4 = x.shape
-    patches = x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # B,C,H/2,2,W/2,2
-    return patches.reshape(B, C4 // 4, H, W)
-
-
 # ------------------------------------------------------------------------------------------------
 # §3  Deterministic ODE samplers (pure, given a velocity function).        [paper P1; ours C8]
 #     Any deterministic solver will do: the generation is ONE action, scored by §5's surrogate,
@@ -470,7 +462,7 @@ class Model(Protocol):
 class Run:
     """Everything an iteration needs, built by `setup` (§10); `local`: a process's groups."""
     args: Args
-    adapter: Model    # SD3Adapter, FluxAdapter (§9) or a plug-in's (examples/models/)
+    adapter: Model    # SD3Adapter (§9) or a plug-in's Adapter (examples/models/: FLUX.1, …)
     rewards: Rewards  # §8
     opt: torch.optim.Optimizer
     params: list      # the trainable parameters (LoRA, or the whole transformer)
@@ -861,13 +853,18 @@ class RewardError(RunError, ValueError):
     status = 69                         # main() exits with it (docs/training.md)
 
 
+def user_import_path() -> None:
+    """Plug-ins import as examples.… and as the user's modules beside the run (the cwd)."""
+    for where in (str(Path(__file__).resolve().parent), os.getcwd()):
+        if where not in sys.path:
+            sys.path.insert(0, where)
+
+
 def plugin_reward(spec: str) -> Callable:
     """`module.path:function` or a reward server's URL; a call that breaks the contract raises."""
     module, _, fn_name = ("examples.rewards.remote_reward:client" if spec.startswith(REMOTE)
                           else spec).partition(":")
-    for where in (str(Path(__file__).resolve().parent), os.getcwd()):  # examples/, the user's
-        if where not in sys.path:                                       # modules beside the run
-            sys.path.insert(0, where)
+    user_import_path()
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
@@ -996,14 +993,13 @@ class Rewards:
 
 
 # ------------------------------------------------------------------------------------------------
-# §9  Models: pipelines, the SD3 / FLUX adapters, LoRA (diffusers, transformers, peft).
+# §9  Models: pipelines, the SD3 adapter, model plug-ins, LoRA (diffusers, transformers, peft).
 # ------------------------------------------------------------------------------------------------
 MODEL_ALIASES = {"sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
                  "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
-                 "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
-                 "flux.1-dev": "black-forest-labs/FLUX.1-dev"}
-TINY_MODELS = {"tiny": "StableDiffusion3Pipeline", "tiny-flux": "FluxPipeline"}
-SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
+                 "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers"}
+TINY_MODELS = {"tiny": "StableDiffusion3Pipeline"}
+SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline",)  # FLUX.1 and the others: examples/models/
 
 
 # Model plug-ins beside the reward plug-ins: examples/models/<name>.py, each a module with
@@ -1014,6 +1010,7 @@ def model_plugins() -> dict:
     found = {}
     for path in sorted(Path(__file__).resolve().parent.glob("examples/models/*.py")):
         if not path.name.startswith(("test_", "_")):
+            sys.modules.setdefault("vgrpo", sys.modules[__name__])  # `import vgrpo`: this file
             spec = importlib.util.spec_from_file_location(f"vgrpo_models_{path.stem}", path)
             found[path.stem] = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = found[path.stem]
@@ -1023,6 +1020,9 @@ def model_plugins() -> dict:
 
 def model_plugin(name: str):
     """The plug-in module that --model NAME names (an alias, tiny alias or pipeline folder)."""
+    module, colon, _ = name.partition(":")
+    if colon and not os.path.exists(name):  # a user's: --model module:(alias|hub id|folder)
+        return user_model_plugin(module)
     if name in TINY_MODELS or name in MODEL_ALIASES:
         return None
     for mod in model_plugins().values():
@@ -1030,7 +1030,25 @@ def model_plugin(name: str):
             return mod
     if os.path.isdir(name):
         return pipeline_plugin(check_local_pipeline(name)[0])
-    return None
+    hints = [(h, m) for m in model_plugins().values() for h in getattr(m, "HUB_HINTS", ())
+             if "/" in name and h in name.lower()]  # another hub id of a plug-in's family
+    return max(hints, key=lambda hm: len(hm[0]), default=(None, None))[1]
+
+
+@functools.cache
+def user_model_plugin(module: str):
+    """A plug-in module of the user's (the contract of examples/models/), imported by name."""
+    user_import_path()
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"--model {module}:…: could not import module {module!r} ({e})") from e
+    missing = [a for a in ("PIPELINES", "ALIASES", "TINY", "DEFAULTS", "Adapter")
+               if not hasattr(mod, a)]
+    if missing:
+        raise ConfigError(f"--model {module}:…: {module!r} lacks {', '.join(missing)} "
+                          "(examples/models/README.md: the plug-in contract)")
+    return mod
 
 
 def pipeline_plugin(cls_name: str):  # the plug-in that drives a diffusers pipeline class
@@ -1042,10 +1060,9 @@ def model_family(name: str) -> str:
     plugin = model_plugin(name)
     if plugin is not None:
         return plugin.__name__.removeprefix("vgrpo_models_")
-    named = MODEL_ALIASES.get(name, name)  # a hub id: FLUX's name says "flux"
-    if name in TINY_MODELS or Path(name).is_dir():
-        named = TINY_MODELS.get(name) or check_local_pipeline(name)[0]  # one-line errors
-    return "flux" if "flux" in named.lower() else "sd3"
+    if Path(name).is_dir():
+        check_local_pipeline(name)  # one-line errors
+    return "sd3"
 
 
 def _quiet_hf():
@@ -1174,6 +1191,9 @@ def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
 
 def resolve_model(name: str) -> str:
     """'tiny' | alias | local diffusers dir | hub id (owner/name) → what from_pretrained gets."""
+    if ":" in name and not os.path.exists(name):  # module:NAME, a user's plug-in
+        inner = name.partition(":")[2]
+        return model_plugin(name).ALIASES.get(inner, inner)
     parts = name.split("/")
     if name in TINY_MODELS or os.path.isdir(name) or (
             len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))):
@@ -1189,7 +1209,7 @@ def resolve_model(name: str) -> str:
 
 
 @functools.cache  # once per folder: for the model family, then for loading
-def check_local_pipeline(location: str) -> tuple[str, dict]:
+def check_local_pipeline(location: str, also: tuple = ()) -> tuple[str, dict]:
     """A local folder checked before loading: (its class, {part: None} for null parts, e.g. T5)."""
     index, where = Path(location, "model_index.json"), f"--model {location!r}"
     if not index.is_file():
@@ -1199,9 +1219,9 @@ def check_local_pipeline(location: str) -> tuple[str, dict]:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: model_index.json is unreadable ({e})") from None
     cls_name = spec.get("_class_name")
-    if cls_name not in SUPPORTED_PIPELINES and pipeline_plugin(str(cls_name)) is None:
-        raise ConfigError(f"{where} holds a {cls_name}, not an SD3 or FLUX pipeline nor one of "
-                          "examples/models/")
+    if cls_name not in SUPPORTED_PIPELINES + also and pipeline_plugin(str(cls_name)) is None:
+        raise ConfigError(f"{where} holds a {cls_name}: neither SD3 nor a pipeline of "
+                          "examples/models/ (examples/models/README.md)")
     parts = [k for k, v in spec.items() if not k.startswith("_") and (v is None or type(v) is list)]
     null = {k: None for k in parts if spec[k] is None or None in spec[k]}
     for k in parts:
@@ -1214,26 +1234,26 @@ def check_local_pipeline(location: str) -> tuple[str, dict]:
 
 
 def load_pipeline(name: str, dtype: torch.dtype):
-    """Load a diffusers SD3 or FLUX pipeline: the same code path for hub ids and local folders."""
+    """Load a diffusers pipeline (SD3, a plug-in's): one code path for hub ids and folders."""
     import diffusers
     _quiet_hf()
     location, plugin = resolve_model(name), model_plugin(name)
     if plugin is not None and location in plugin.TINY:  # its offline builder
         return freeze_and_cast(getattr(plugin, plugin.TINY[location])(), dtype)
     if location in TINY_MODELS:
-        tm = tiny_models()
-        pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
-        return freeze_and_cast(pipe, dtype)
-    cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
+        return freeze_and_cast(tiny_models().build_tiny_sd3_pipeline(), dtype)
+    also = tuple(getattr(plugin, "PIPELINES", ()))  # a user's plug-in's pipelines
+    cls_name, null = (check_local_pipeline(location, also) if os.path.isdir(location)
+                      else (None, {}))
     # diffusers 0.42 renamed `torch_dtype` (to be removed at 1.0) `dtype`; older ones lack `dtype`
     version = tuple(int(v) for v in diffusers.__version__.split(".")[:2])
     kw = {**null, {True: "dtype", False: "torch_dtype"}[version >= (0, 42)]: dtype}
     pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
                             "the model", "--model", **kw)
     cls_name = type(pipe).__name__
-    if cls_name not in SUPPORTED_PIPELINES and pipeline_plugin(cls_name) is None:
-        raise ConfigError(f"{location!r} is a {cls_name}, not an SD3 or FLUX pipeline nor one of "
-                          "examples/models/")
+    if cls_name not in SUPPORTED_PIPELINES + also and pipeline_plugin(cls_name) is None:
+        raise ConfigError(f"{location!r} is a {cls_name}: neither SD3 nor a pipeline of "
+                          "examples/models/ (examples/models/README.md)")
     return freeze_and_cast(pipe, dtype)
 
 
@@ -1267,7 +1287,7 @@ def tiny_models():
 #   t, guidance  1000·t; none (CFG-free)             t (scaled ×1000 inside); distilled, 3.5
 #   rollout grid the scheduler's (shift 3)           linspace shifted by 3 (MixGRPO) [ours C8]
 class SD3Adapter:
-    """A diffusers SD3 / SD3.5 pipeline behind the seam above; FluxAdapter overrides its rows."""
+    """A diffusers SD3 / SD3.5 pipeline behind the seam above; FLUX's overrides its rows."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int):
         self.pipe, self.device, self.L = pipe, device, max_sequence_length
@@ -1339,61 +1359,15 @@ class SD3Adapter:
                                           transformer_lora_adapter_metadata=lora_config.to_dict())
 
 
-class FluxAdapter(SD3Adapter):
-    """FLUX.1: packed latents + image ids, t in [0, 1], the guidance embedding, a shifted grid."""
-
-    def __init__(self, pipe, device: torch.device, max_sequence_length: int, guidance: float = 3.5,
-                 shift: float = 3.0):
-        super().__init__(pipe, device, max_sequence_length)
-        self.guidance, self.shift = guidance, shift
-        self.txt_ids = torch.zeros(max_sequence_length, 3, device=device)
-
-    def latent_shape(self, resolution: int) -> tuple:
-        r = resolution // self.vae_scale                             # latent side (even)
-        return ((r // 2) ** 2, self.transformer.config.in_channels)  # (seq, 64)
-
-    @torch.no_grad()
-    def _encode(self, prompts: list[str]) -> dict:
-        """prompt_embeds (B, L, 4096) from T5, pooled (B, 768) from CLIP-L."""
-        pe, pooled, self.txt_ids = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.L)
-        return {"prompt_embeds": pe, "pooled": pooled}
-
-    def _img_ids(self, seq: int) -> torch.Tensor:
-        """(seq, 3) rows [0, row, col] of the square packed latent grid."""
-        s = math.isqrt(seq)
-        rows, cols = torch.meshgrid(*[torch.arange(s, device=self.device)] * 2, indexing="ij")
-        return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(seq, 3)
-
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        """v_θ on packed latents x (M, seq, 64), t (M,) in [0, 1]."""
-        dt = x.dtype if torch.is_autocast_enabled(x.device.type) else self.transformer.dtype
-        g = (torch.full((x.shape[0],), self.guidance, device=x.device, dtype=dt)
-             if self.transformer.config.guidance_embeds else None)
-        return self.transformer(hidden_states=x.to(dt), timestep=t.to(dt), guidance=g,
-                                pooled_projections=cond["pooled"],
-                                encoder_hidden_states=cond["prompt_embeds"], txt_ids=self.txt_ids,
-                                img_ids=self._img_ids(x.shape[1]), return_dict=False)[0]
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        side = 2 * math.isqrt(latents.shape[1])
-        return super().decode(unpack_latents(latents, side, side))
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        return sigma_grid(num_steps, self.shift)
-
-
 def make_adapter(pipe, args: "Args", device: torch.device) -> Model:
     """The adapter of the pipeline's family: SD3's, FLUX's, or a plug-in's (examples/models/)."""
-    plugin = pipeline_plugin(type(pipe).__name__)
+    plugin = (model_plugin(args.model) if ":" in args.model else None) or pipeline_plugin(
+        type(pipe).__name__)
     if plugin is not None:
         try:
             return plugin.Adapter(pipe, device, args)
         except ValueError as e:  # the plug-in's refusal of this pipeline or these flags
             raise ConfigError(f"--model {args.model}: {e}") from None
-    if type(pipe).__name__ == "FluxPipeline":
-        return FluxAdapter(pipe, device, args.max_sequence_length, args.guidance, args.flux_shift)
     return SD3Adapter(pipe, device, args.max_sequence_length)
 
 
@@ -2022,8 +1996,6 @@ def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x al
 # §11  Configuration: Args (each field a --flag; `src`: its default's source), presets, main().
 # ------------------------------------------------------------------------------------------------
 SD3_LORA_TARGETS = "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out"  # attn
-FLUX_LORA_TARGETS = (SD3_LORA_TARGETS + ",ff.net.0.proj,ff.net.2,ff_context.net.0.proj,"
-                     "ff_context.net.2,proj_mlp,proj_out")  # + FF; single blocks (blocks only)
 
 
 def _f(default, help: str, src: str = "our choice", choices=None):
@@ -2045,7 +2017,8 @@ class Args:
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
     # --- model ---
-    model: str = _f("sd3.5-medium", f"{', '.join([*TINY_MODELS, *MODEL_ALIASES])}, hub id, folder")
+    model: str = _f("sd3.5-medium", f"{', '.join([*TINY_MODELS, *MODEL_ALIASES])}, "
+                    "examples/models/'s aliases, hub id, folder")
     resolution: int = _f(512, "image side in pixels", "[ours C7] DiffusionNFT's 512")
     max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
     guidance: float = _f(3.5, "FLUX: distilled guidance (no true CFG)", "[ours C1] [peer X9]")
@@ -2117,28 +2090,20 @@ class Args:
         return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
 
-# Per family, under the per-model presets; FLUX with LoRA (MixGRPO's: --full_finetune --lr 1e-5).
-FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation",
-                     "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
-FAMILY_PRESETS: dict[str, dict] = {
-    "sd3": dict(gradient_checkpointing=True, eval_steps=40),
-    "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, eval_steps=16,
-                 solver="dpmpp2m", group_size=12, prompts_per_iter=2, mu=4, clip_eps=1e-2,
-                 soft_clip_eta=3.0, reward="hpsv2:1,pickscore:1", reward_aggregation="per_reward",
-                 global_std=False, std_eps=1e-8, max_sequence_length=512,
-                 lora_targets=FLUX_LORA_TARGETS, iterations=300)}
-# --preset NAME, per family: "paper" is SD3.5-M Stage 1's 48 × 24 [paper P11], FLUX MixGRPO's
-# 32 × 12 [ours C1–C3]; the stages' take their controls [ours C9] (docs/training.md "Presets").
-_BOTH = lambda d: {"sd3": d, "flux": d}  # noqa: E731
+# SD3's family preset, under the per-model presets (a plug-in's: its DEFAULTS and PRESETS).
+FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation"}
+FAMILY_PRESETS: dict[str, dict] = {"sd3": dict(gradient_checkpointing=True, eval_steps=40)}
+# --preset NAME: "paper" is SD3.5-M Stage 1's 48 × 24 [paper P11] (a plug-in may override it:
+# FLUX MixGRPO's 32 × 12 [ours C1–C3]); the stages' take their controls [ours C9]
+# (docs/training.md "Presets").
 PRESETS: dict[str, dict] = {
-    "paper": {"sd3": dict(prompts_per_iter=48, group_size=24),
-              "flux": dict(prompts_per_iter=32, group_size=12)},
-    "geneval-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
-                                soft_clip_eta=0.0, iterations=200)),  # Stages 2 / 4 (4: 50 its)
-    "ocr-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3,
-                            clip_eps=0.0, iterations=30)),  # Stage 5
-    "smoke": _BOTH(dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1,
-                        save_every=1, n_eval=2))}
+    "paper": dict(prompts_per_iter=48, group_size=24),
+    "geneval-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
+                          soft_clip_eta=0.0, iterations=200),  # Stages 2 / 4 (4: 50 its)
+    "ocr-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3,
+                      clip_eps=0.0, iterations=30),  # Stage 5
+    "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1,
+                  n_eval=2)}
 
 
 def given_flags(argv: Optional[list[str]] = None) -> dict:
@@ -2167,8 +2132,10 @@ def given_flags(argv: Optional[list[str]] = None) -> dict:
         shown = [(label, getattr(a, f.name), a.origin[f.name]) for label, a in views]
         if shown and shown[-1][1] == shown[0][1]:  # what every view gets: one bracket
             shown = [("", *shown[0][1:])]
+        text = f.metadata["help"].replace("examples/models/'s aliases", ", ".join(
+            a for m in model_plugins().values() for a in (*m.ALIASES, *m.TINY)))
         kw = dict(default=argparse.SUPPRESS, help=" ".join(
-            [f.metadata["help"]] + [f"[{label}{v!r}; {src}]" for label, v, src in shown]))
+            [text] + [f"[{label}{v!r}; {src}]" for label, v, src in shown]))
         if "bool" in str(f.type):
             kw["action"] = argparse.BooleanOptionalAction
         else:
@@ -2190,9 +2157,10 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     fields = {f.name: f for f in dataclasses.fields(Args)}
     resumed = {k: v for k, v in (resumed or {}).items()  # options removed since: dropped
                if k in fields and v in (fields[k].metadata["choices"] or [v])}
+    own = getattr(model_plugin(model), "PRESETS", {})  # a plug-in's own version of a preset
     layers = family_layers(model, family) + [
-        (f"--preset {preset}", PRESETS[preset].get(family, PRESETS[preset]["sd3"]) if preset
-         else {}), ("the resumed run's config", resumed), ("command line", given)]
+        (f"--preset {preset}", own.get(preset, PRESETS[preset]) if preset else {}),
+        ("the resumed run's config", resumed), ("command line", given)]
     values, origin = {}, {}
     for where, layer in layers:
         values.update(layer)
@@ -2210,10 +2178,10 @@ def family_layers(model: str, family: str) -> list:
         tiny = tiny_models().PRESETS[model] if model in TINY_MODELS else {}
         return [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
                 (f"{model} preset (examples/tools/tiny_models.py)", tiny)]
-    where = f"examples/models/{family}.py"  # each default with its own source
-    layers = [(f"{where}: {src}", {k: v}) for k, (v, src) in plugin.DEFAULTS.items()]
-    if model in plugin.TINY:
-        layers.append((f"{model} preset ({where})", plugin.TINY_PRESET))
+    layers = [(f"{family} preset ({src})", {k: v}) for k, (v, src) in plugin.DEFAULTS.items()]
+    if resolve_model(model) in plugin.TINY:  # each default above with its own source
+        where = f"examples/models/{family}" if family in model_plugins() else family
+        layers.append((f"{model} preset ({where}.py)", plugin.TINY_PRESET))
     return layers
 
 

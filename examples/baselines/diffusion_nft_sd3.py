@@ -370,8 +370,7 @@ def init_state(run, **overrides) -> dict:
     if run.world > 1:
         raise V.ConfigError("examples/baselines/diffusion_nft_sd3.py runs in one process "
                             "(not torchrun)")
-    if run.lora_cfg is None or not isinstance(run.adapter, V.SD3Adapter) \
-            or isinstance(run.adapter, V.FluxAdapter):
+    if run.lora_cfg is None or type(run.adapter) is not V.SD3Adapter:
         raise V.ConfigError("DiffusionNFT here needs an SD3 pipeline with LoRA (no "
                             "--full_finetune, no FLUX): its old policy is a second adapter")
     if rec["solver"] not in SAMPLERS:

@@ -522,7 +522,7 @@ def run(mine, args, log=print, pipe=None, rewards=None, out: Path | None = None)
     pipe.to(dev)
     pipe.vae.to(torch.float32)
     adapter = V.make_adapter(pipe, args, dev)
-    if not isinstance(adapter, V.SD3Adapter) or isinstance(adapter, V.FluxAdapter):
+    if type(adapter) is not V.SD3Adapter:  # FLUX.1 and the other plug-ins subclass or differ
         raise ValueError("examples/baselines/flow_grpo_sd3.py supports SD3 pipelines only "
                          "(Flow-GRPO's SD3 script); --model names a FLUX pipeline")
     torch.manual_seed(args.seed)              # the LoRA init from the seed alone (as vgrpo.setup)
