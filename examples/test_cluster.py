@@ -30,7 +30,7 @@ def _same_run(a_dir, b_dir, it):
     same process and thread count, so the same float operations."""
     assert _strip_times(_metrics(a_dir)) == _strip_times(_metrics(b_dir))
     a, b = _trained(a_dir, it), _trained(b_dir, it)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _error_lines(err: str) -> list:
