@@ -848,6 +848,71 @@ def test_micro_batches_change_memory_not_the_update(tiny_run, monkeypatch):
 
 
 @pytest.mark.trainer
+def test_mu_two_gradient_is_each_minibatch_mean_loss_computed_directly(tiny_run, monkeypatch):
+    """μ = 2 in micro-batches of 1: each step's pre-clip gradient norm, and the logged grad_norm
+    (their mean), equal the norm of ∇ of the minibatch's mean loss computed here directly in one
+    pass, at the weights that step saw (θ0, then θ1 recorded after the first step), on the same
+    pairs and samples, with S_old from one no-grad pass at θ0. A micro-batch weighted by the
+    process's samples instead of its minibatch's halves every norm (and --max_grad_norm would act
+    at μ times the value asked). Tolerance: one pass of 3 samples against 3 accumulated passes
+    of 1 reorders fp32 sums (≈ 1e-7 relative), so 1e-4; the fault is a factor of 2."""
+    _replay(monkeypatch, tiny_run)
+    run = tiny_run.reset("--mu", 2, "--micro_batch", 1, "--max_grad_norm", 1e9)
+    ro, adv, a = tiny_run.ro, tiny_run.sc.adv, run.args
+    pairs, mbs = V.draw_iteration_pairs(run, 0), V.minibatches(run, 0)
+    with torch.no_grad():                                        # S_old of every sample at θ0
+        s_old = V.surrogate_pass(run, ro, pairs, torch.arange(run.Nl))[0]
+    pre_clip, theta, real_step = [], [], V.optimizer_step
+
+    def step(r):
+        theta.append([p.detach().clone() for p in r.params])     # the weights this step saw
+        pre_clip.append(real_step(r).item())
+        return torch.tensor(pre_clip[-1])
+    monkeypatch.setattr(V, "optimizer_step", step)
+    m = V.iteration(run, 0)
+    assert len(pre_clip) == len(theta) == 2
+    direct = []
+    for weights, rows in zip(theta, mbs):
+        with torch.no_grad():
+            for p, w in zip(run.params, weights):
+                p.copy_(w)
+        s_new, _ = V.surrogate_pass(run, ro, pairs, rows)        # the whole minibatch at once
+        loss, _ = V.vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=a.clip_eps)
+        grads = torch.autograd.grad(loss, run.params, allow_unused=True)
+        direct.append(torch.cat([g.double().flatten() for g in grads if g is not None]).norm().item())
+    assert len(direct) == 2 and all(d > 0 for d in direct)
+    assert pre_clip == pytest.approx(direct, rel=1e-4)
+    assert m["grad_norm"] == pytest.approx(sum(direct) / 2, rel=1e-4)
+
+
+@pytest.mark.trainer
+def test_theta_old_pass_runs_micro_batch_rows_per_call(tiny_run, monkeypatch):
+    """Step 4's no-grad θ_old pass, like the update, runs --micro_batch samples per call (m·J
+    network rows): the knob that an out-of-memory line in that phase advises. μ = 2 over 6
+    samples, micro-batches of 1, --rollout_batch 16: the pass over the second minibatch is 3
+    calls of 1 sample (J rows each), never one call of 3, and the update 6 calls of 1."""
+    _replay(monkeypatch, tiny_run)
+    run = tiny_run.reset("--mu", 2, "--micro_batch", 1, "--rollout_batch", 16)
+    calls, rows_of, real_v, real_sur = [], [], run.adapter.velocity, V.surrogate_pass
+
+    def velocity(x, t, c):
+        calls.append((torch.is_grad_enabled(), len(x)))
+        return real_v(x, t, c)
+
+    def sur(r, ro, pairs, rows):
+        rows_of.append((torch.is_grad_enabled(), len(rows)))
+        return real_sur(r, ro, pairs, rows)
+    monkeypatch.setattr(run.adapter, "velocity", velocity)
+    monkeypatch.setattr(V, "surrogate_pass", sur)
+    V.iteration(run, 0)
+    J = run.args.n_mc
+    assert [n for grad, n in rows_of if not grad] == [1, 1, 1]
+    assert [n for grad, n in calls if not grad] == [J, J, J]
+    assert [n for grad, n in rows_of if grad] == [1] * 6
+    assert [n for grad, n in calls if grad] == [J] * 6
+
+
+@pytest.mark.trainer
 @pytest.mark.parametrize("sharing", ["batch", "group", "none"])
 def test_pair_sharing_scope_reaches_the_update(tiny_run, monkeypatch, sharing):
     """--pair_sharing: the (t, ε) pairs each sample is scored on in the update (what the network
@@ -1855,6 +1920,30 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.trainer
+def test_the_metrics_comparison_tells_two_runs_apart(tmp_path):
+    """_strip_times, through which every exact-resume comparison goes: the same command twice
+    (same process, same float operations) compares equal although the wall times differ, another
+    seed compares unequal, and a result with no iteration line (an empty log, evaluations only),
+    on either side, is refused rather than compared."""
+    runs = {name: tmp_path / name for name in ("a", "again", "seed1")}
+    for name, d in runs.items():
+        assert V.main(TINY + ["--iterations", "1", "--eval_every", "1", "--run_dir", str(d)]
+                      + ["--seed", "1"] * (name == "seed1")) == 0
+    a, again, seed1 = (_metrics(d) for d in runs.values())
+    assert a != again                                               # the times differ...
+    assert _strip_times(a) == _strip_times(again)                   # ...and only the times
+    assert [m["iter"] for m in _strip_times(a)] == [0]
+    assert _strip_times(a) != _strip_times(seed1)
+    evals_only = [m for m in a if "eval_reward_mean" in m]
+    assert [m["iter"] for m in evals_only] == [0, 1]
+    for vacuous in ([], evals_only):                                # [] == [] would pass
+        with pytest.raises(AssertionError, match="no iteration line"):
+            _strip_times(vacuous)
+    with pytest.raises(AssertionError, match="no iteration line"):  # one side empty
+        assert _strip_times(a) == _strip_times(evals_only)
+
+
+@pytest.mark.trainer
 def test_resume_with_fewer_gpus_than_at_the_save(tmp_path, monkeypatch):
     """The trainer draws from CPU generators only, so a checkpoint holds no CUDA RNG state; an
     older one that holds the states of 8 GPUs resumes where fewer are visible (simulated: one GPU,
@@ -1931,6 +2020,61 @@ def test_ctrl_c_is_one_line_naming_the_last_checkpoint_and_resume_is_exact(tmp_p
     monkeypatch.setattr(V, "iteration", real)
     assert V.main(lines[0].rsplit("continue with ", 1)[1].split()) == 0
     assert _strip_times(_metrics(run)) == _strip_times(_metrics(ref))
+
+
+@pytest.mark.trainer
+def test_ctrl_c_while_loading_exits_130_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the model loads (before the first iteration): one line, exit 130, never 0
+    (a scheduler, or a shell's `&&`, would take the run for finished), and no run folder."""
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(V, "load_pipeline", ctrl_c)
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--run_dir", str(run)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "interrupted before the first iteration: nothing written"
+    assert "Traceback" not in err and not run.exists()
+
+
+@pytest.mark.parametrize("stop", ["ctrl_c", "kill"])
+@pytest.mark.trainer
+def test_resume_from_an_older_checkpoint_moves_latest_there(tmp_path, monkeypatch, capsys, stop):
+    """A run of 4 iterations saved after each; --resume of its iteration-2 checkpoint (an older
+    one of the same folder) cuts metrics.jsonl back to iterations 0–1 and points `latest` at
+    iteration 2 before anything else, so a stop in iteration 2, before the next save (Ctrl-C:
+    exit 130; a kill), leaves `latest` there, and `--resume RUN` continues from iteration 2,
+    not from the abandoned iteration 4: every iteration logged once, and the same metrics as
+    the uninterrupted run (same process, same float operations)."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "4", "--run_dir", str(run)]) == 0
+    ref = _strip_times(_metrics(run))
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000004"
+    real = V.iteration
+
+    def stopped_in_2(r, it):
+        if it == 2:
+            if stop == "ctrl_c":
+                raise KeyboardInterrupt
+            raise SystemExit("killed")                    # no handler runs: nothing saved
+        return real(r, it)
+    monkeypatch.setattr(V, "iteration", stopped_in_2)
+    again = ["--resume", str(run / "checkpoints" / "iter_000002")]
+    if stop == "ctrl_c":
+        assert V.main(again) == 130
+        said = [l for l in capsys.readouterr().err.splitlines() if l.startswith("interrupted")]
+        assert said == [f"interrupted: checkpoints/latest (iter_000002) is the last complete "
+                        f"one; continue with --resume {run}"], said
+    else:
+        with pytest.raises(SystemExit):
+            V.main(again)
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+    monkeypatch.setattr(V, "iteration", real)
+    assert V.main(["--resume", str(run)]) == 0
+    ms = _strip_times(_metrics(run))
+    assert [m["iter"] for m in ms] == [0, 1, 2, 3]
+    assert ms == ref
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000004"
 
 
 @pytest.mark.parametrize("where", ["latest_switch", "second_ctrl_c"])
