@@ -43,8 +43,12 @@ def _metrics(run_dir) -> list:
 
 
 def _strip_times(ms) -> list:
-    """The iterations' metrics without their wall times: what two equal runs share exactly."""
-    return [{k: v for k, v in m.items() if not k.startswith("time")} for m in ms if "reward_mean" in m]
+    """The iterations' metrics without their wall times: what two equal runs share exactly.
+    Refuses a result with no iteration line (an empty log, or evaluations only), on either side
+    of a comparison: two different runs would otherwise compare as `[] == []`."""
+    out = [{k: v for k, v in m.items() if not k.startswith("time")} for m in ms if "reward_mean" in m]
+    assert out, "no iteration line to compare (metrics.jsonl empty, or evaluations only)"
+    return out
 
 
 def _trained(run_dir, it, full=False) -> dict:

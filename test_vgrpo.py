@@ -166,6 +166,24 @@ def test_per_reward_aggregation_by_hand():
     assert a3.abs().max() <= 0.5
 
 
+@pytest.mark.math
+def test_per_reward_global_std_is_the_unbiased_batch_std_by_hand():
+    """--reward_aggregation per_reward --global_std: each reward's deviations from its group mean
+    divided by that reward's UNBIASED std over the whole batch (all P·G rewards around the batch
+    mean, n − 1 = 5), as MixGRPO's torch.std(); with the population std (÷ 6) every advantage
+    would be sqrt(6/5) = 1.095 times larger, far outside the fp32 tolerance."""
+    r = torch.tensor([[[1.0, 3.0, 5.0], [0.0, 2.0, 1.0]],              # K=2, P=2, G=3
+                      [[4.0, 0.0, 2.0], [6.0, 9.0, 0.0]]])
+    w = torch.tensor([1.0, 3.0])                                      # normalised to 0.25, 0.75
+    a, _ = V.per_reward_advantages(r, w, global_std=True, std_eps=0.0, clamp=100.0, eta=0.0)
+    # reward 1: group means 3, 1; batch mean 2; Σ(r − 2)² = 1+1+9+4+0+1 = 16 → std sqrt(16/5)
+    z1 = torch.tensor([[-2.0, 0.0, 2.0], [-1.0, 1.0, 0.0]]) / math.sqrt(16 / 5)
+    # reward 2: group means 2, 5; batch mean 3.5; Σ(r − 3.5)² = 0.25+12.25+2.25+6.25+30.25+12.25
+    #   = 63.5 → std sqrt(63.5/5)
+    z2 = torch.tensor([[2.0, -2.0, 0.0], [1.0, 4.0, -5.0]]) / math.sqrt(63.5 / 5)
+    torch.testing.assert_close(a, 0.25 * z1 + 0.75 * z2, rtol=1e-6, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. Math §5: the shared, stratified (t, ε) pairs
 # ------------------------------------------------------------------------------------------------
@@ -428,6 +446,23 @@ def test_sampler_reaches_closed_form_endpoint(solver, order):
 
 
 @pytest.mark.math
+@pytest.mark.parametrize("solver", ["euler", "dpmpp2m"])
+def test_samplers_accumulate_a_bf16_x1_in_fp32(solver):
+    """A bf16 x1 (a user's bf16 noise): the solve accumulates in ≥ fp32 and returns bf16, so it
+    stays within bf16's own rounding of the fp64 solve from the same x1. K = 40 steps, |x0| < 4:
+    the endpoint's rounding to bf16 alone is up to half an ulp, 2⁻⁸·4 = 0.0078, plus x rounded
+    to bf16 at each velocity input, which the contracting field damps (measured 0.0075 here,
+    ≤ 0.0093 for K = 10…80): 0.02. Accumulating x itself in bf16 rounds every one of the K
+    updates and drifts: 0.046 (Euler) and 0.086 (DPM++ 2M) measured at K = 40."""
+    x1 = torch.linspace(-3, 3, 61, dtype=torch.float64)[:, None].bfloat16()
+    fp64 = V.SOLVERS[solver](gaussian_velocity, x1.double(), V.sigma_grid(40))
+    out = V.SOLVERS[solver](gaussian_velocity, x1, V.sigma_grid(40))
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - fp64).abs().max().item()
+    assert err < 0.02, err
+
+
+@pytest.mark.math
 def test_samplers_exact_for_point_mass():
     # data = a point μ: v = (x − μ)/t is linear in t along trajectories, every solver is exact
     mu = torch.tensor([[0.5, -2.0]], dtype=torch.float64)
@@ -572,7 +607,7 @@ def test_offloaded_text_encoders_give_the_same_run(tmp_path, monkeypatch):
     # fp32 rounding (~1e-7 relative), which two Adam steps at lr 1e-2 carry into the images at
     # ≲ 1e-5. A smooth reward (mean colour ≈ 0.5) moves as little: 1e-4 absolute; the gradient
     # norm and surrogate CV, smooth in the same numbers, 1e-3 relative.
-    assert [m["iter"] for m in a] == [m["iter"] for m in b]
+    assert a and [m["iter"] for m in a] == [m["iter"] for m in b]   # zip below: both whole
     for x, y in zip(a, b):
         for k in ("reward_mean", "eval_reward_mean"):
             if k in x:
@@ -595,7 +630,9 @@ def test_outputs_follow_the_umask(tmp_path):
         os.umask(old)
     ck = tmp_path / "run" / "checkpoints" / "iter_000001"
     assert ck.stat().st_mode & 0o777 == 0o755
-    for f in ck.iterdir():
+    files = list(ck.iterdir())
+    assert files                                                   # the loop checks something
+    for f in files:
         assert f.stat().st_mode & 0o777 == 0o644, f
 
 @pytest.mark.trainer
@@ -636,7 +673,9 @@ def test_mu_one_runs_no_separate_theta_old_pass_and_its_ratio_is_exactly_one(tmp
     assert V.main(TINY + ["--iterations", "2", "--micro_batch", "4", "--run_dir", str(tmp_path)]) == 0
     assert calls and all(grad for grad, _ in calls)                 # only the update's passes
     assert len(calls) == 2 * 2                                      # 6 samples in 4 + 2, twice
-    for m in _strip_times(_metrics(tmp_path)):
+    ms = _strip_times(_metrics(tmp_path))
+    assert [m["iter"] for m in ms] == [0, 1]                        # the loop below checks both
+    for m in ms:
         assert m["ratio"] == 1.0 and m["abs_log_ratio"] == 0.0 and m["approx_kl"] == 0.0
         assert m["nfe_old"] == 0 and m["nfe_theta"] == 4
 
@@ -821,6 +860,71 @@ def test_micro_batches_change_memory_not_the_update(tiny_run, monkeypatch):
             assert norms == pytest.approx(norms0, rel=1e-5), (mu, mb)
             dw = max((a - b).abs().max().item() for a, b in zip(w, w0))
             assert dw < 1e-4, (mu, mb, dw)
+
+
+@pytest.mark.trainer
+def test_mu_two_gradient_is_each_minibatch_mean_loss_computed_directly(tiny_run, monkeypatch):
+    """μ = 2 in micro-batches of 1: each step's pre-clip gradient norm, and the logged grad_norm
+    (their mean), equal the norm of ∇ of the minibatch's mean loss computed here directly in one
+    pass, at the weights that step saw (θ0, then θ1 recorded after the first step), on the same
+    pairs and samples, with S_old from one no-grad pass at θ0. A micro-batch weighted by the
+    process's samples instead of its minibatch's halves every norm (and --max_grad_norm would act
+    at μ times the value asked). Tolerance: one pass of 3 samples against 3 accumulated passes
+    of 1 reorders fp32 sums (≈ 1e-7 relative), so 1e-4; the fault is a factor of 2."""
+    _replay(monkeypatch, tiny_run)
+    run = tiny_run.reset("--mu", 2, "--micro_batch", 1, "--max_grad_norm", 1e9)
+    ro, adv, a = tiny_run.ro, tiny_run.sc.adv, run.args
+    pairs, mbs = V.draw_iteration_pairs(run, 0), V.minibatches(run, 0)
+    with torch.no_grad():                                        # S_old of every sample at θ0
+        s_old = V.surrogate_pass(run, ro, pairs, torch.arange(run.Nl))[0]
+    pre_clip, theta, real_step = [], [], V.optimizer_step
+
+    def step(r):
+        theta.append([p.detach().clone() for p in r.params])     # the weights this step saw
+        pre_clip.append(real_step(r).item())
+        return torch.tensor(pre_clip[-1])
+    monkeypatch.setattr(V, "optimizer_step", step)
+    m = V.iteration(run, 0)
+    assert len(pre_clip) == len(theta) == 2
+    direct = []
+    for weights, rows in zip(theta, mbs):
+        with torch.no_grad():
+            for p, w in zip(run.params, weights):
+                p.copy_(w)
+        s_new, _ = V.surrogate_pass(run, ro, pairs, rows)        # the whole minibatch at once
+        loss, _ = V.vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=a.clip_eps)
+        grads = torch.autograd.grad(loss, run.params, allow_unused=True)
+        direct.append(torch.cat([g.double().flatten() for g in grads if g is not None]).norm().item())
+    assert len(direct) == 2 and all(d > 0 for d in direct)
+    assert pre_clip == pytest.approx(direct, rel=1e-4)
+    assert m["grad_norm"] == pytest.approx(sum(direct) / 2, rel=1e-4)
+
+
+@pytest.mark.trainer
+def test_theta_old_pass_runs_micro_batch_rows_per_call(tiny_run, monkeypatch):
+    """Step 4's no-grad θ_old pass, like the update, runs --micro_batch samples per call (m·J
+    network rows): the knob that an out-of-memory line in that phase advises. μ = 2 over 6
+    samples, micro-batches of 1, --rollout_batch 16: the pass over the second minibatch is 3
+    calls of 1 sample (J rows each), never one call of 3, and the update 6 calls of 1."""
+    _replay(monkeypatch, tiny_run)
+    run = tiny_run.reset("--mu", 2, "--micro_batch", 1, "--rollout_batch", 16)
+    calls, rows_of, real_v, real_sur = [], [], run.adapter.velocity, V.surrogate_pass
+
+    def velocity(x, t, c):
+        calls.append((torch.is_grad_enabled(), len(x)))
+        return real_v(x, t, c)
+
+    def sur(r, ro, pairs, rows):
+        rows_of.append((torch.is_grad_enabled(), len(rows)))
+        return real_sur(r, ro, pairs, rows)
+    monkeypatch.setattr(run.adapter, "velocity", velocity)
+    monkeypatch.setattr(V, "surrogate_pass", sur)
+    V.iteration(run, 0)
+    J = run.args.n_mc
+    assert [n for grad, n in rows_of if not grad] == [1, 1, 1]
+    assert [n for grad, n in calls if not grad] == [J, J, J]
+    assert [n for grad, n in rows_of if grad] == [1] * 6
+    assert [n for grad, n in calls if grad] == [J] * 6
 
 
 @pytest.mark.trainer
@@ -1913,6 +2017,30 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.trainer
+def test_the_metrics_comparison_tells_two_runs_apart(tmp_path):
+    """_strip_times, through which every exact-resume comparison goes: the same command twice
+    (same process, same float operations) compares equal although the wall times differ, another
+    seed compares unequal, and a result with no iteration line (an empty log, evaluations only),
+    on either side, is refused rather than compared."""
+    runs = {name: tmp_path / name for name in ("a", "again", "seed1")}
+    for name, d in runs.items():
+        assert V.main(TINY + ["--iterations", "1", "--eval_every", "1", "--run_dir", str(d)]
+                      + ["--seed", "1"] * (name == "seed1")) == 0
+    a, again, seed1 = (_metrics(d) for d in runs.values())
+    assert a != again                                               # the times differ...
+    assert _strip_times(a) == _strip_times(again)                   # ...and only the times
+    assert [m["iter"] for m in _strip_times(a)] == [0]
+    assert _strip_times(a) != _strip_times(seed1)
+    evals_only = [m for m in a if "eval_reward_mean" in m]
+    assert [m["iter"] for m in evals_only] == [0, 1]
+    for vacuous in ([], evals_only):                                # [] == [] would pass
+        with pytest.raises(AssertionError, match="no iteration line"):
+            _strip_times(vacuous)
+    with pytest.raises(AssertionError, match="no iteration line"):  # one side empty
+        assert _strip_times(a) == _strip_times(evals_only)
+
+
+@pytest.mark.trainer
 def test_resume_with_fewer_gpus_than_at_the_save(tmp_path, monkeypatch):
     """The trainer draws from CPU generators only, so a checkpoint holds no CUDA RNG state; an
     older one that holds the states of 8 GPUs resumes where fewer are visible (simulated: one GPU,
@@ -1989,6 +2117,61 @@ def test_ctrl_c_is_one_line_naming_the_last_checkpoint_and_resume_is_exact(tmp_p
     monkeypatch.setattr(V, "iteration", real)
     assert V.main(lines[0].rsplit("continue with ", 1)[1].split()) == 0
     assert _strip_times(_metrics(run)) == _strip_times(_metrics(ref))
+
+
+@pytest.mark.trainer
+def test_ctrl_c_while_loading_exits_130_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the model loads (before the first iteration): one line, exit 130, never 0
+    (a scheduler, or a shell's `&&`, would take the run for finished), and no run folder."""
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(V, "load_pipeline", ctrl_c)
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--run_dir", str(run)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "interrupted before the first iteration: nothing written"
+    assert "Traceback" not in err and not run.exists()
+
+
+@pytest.mark.parametrize("stop", ["ctrl_c", "kill"])
+@pytest.mark.trainer
+def test_resume_from_an_older_checkpoint_moves_latest_there(tmp_path, monkeypatch, capsys, stop):
+    """A run of 4 iterations saved after each; --resume of its iteration-2 checkpoint (an older
+    one of the same folder) cuts metrics.jsonl back to iterations 0–1 and points `latest` at
+    iteration 2 before anything else, so a stop in iteration 2, before the next save (Ctrl-C:
+    exit 130; a kill), leaves `latest` there, and `--resume RUN` continues from iteration 2,
+    not from the abandoned iteration 4: every iteration logged once, and the same metrics as
+    the uninterrupted run (same process, same float operations)."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "4", "--run_dir", str(run)]) == 0
+    ref = _strip_times(_metrics(run))
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000004"
+    real = V.iteration
+
+    def stopped_in_2(r, it):
+        if it == 2:
+            if stop == "ctrl_c":
+                raise KeyboardInterrupt
+            raise SystemExit("killed")                    # no handler runs: nothing saved
+        return real(r, it)
+    monkeypatch.setattr(V, "iteration", stopped_in_2)
+    again = ["--resume", str(run / "checkpoints" / "iter_000002")]
+    if stop == "ctrl_c":
+        assert V.main(again) == 130
+        said = [l for l in capsys.readouterr().err.splitlines() if l.startswith("interrupted")]
+        assert said == [f"interrupted: checkpoints/latest (iter_000002) is the last complete "
+                        f"one; continue with --resume {run}"], said
+    else:
+        with pytest.raises(SystemExit):
+            V.main(again)
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+    monkeypatch.setattr(V, "iteration", real)
+    assert V.main(["--resume", str(run)]) == 0
+    ms = _strip_times(_metrics(run))
+    assert [m["iter"] for m in ms] == [0, 1, 2, 3]
+    assert ms == ref
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000004"
 
 
 @pytest.mark.parametrize("where", ["latest_switch", "second_ctrl_c"])
@@ -2458,8 +2641,9 @@ def _close_runs(a_dir, b_dir, it, full=False):
     step, and a weight whose gradient is at rounding level may take the other sign: the largest
     difference may reach lr = 1e-2 per step, but the weights as a whole (relative norm of the
     difference, measured ≤ 4e-7) must agree to 1e-4."""
-    for x, y in zip(_strip_times(_metrics(a_dir)), _strip_times(_metrics(b_dir))):
-        assert x["iter"] == y["iter"]
+    xs, ys = _strip_times(_metrics(a_dir)), _strip_times(_metrics(b_dir))
+    assert [x["iter"] for x in xs] == [y["iter"] for y in ys]     # zip below: both sides whole
+    for x, y in zip(xs, ys):
         assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-4)
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-3)
         assert x["surrogate_cv_group"] == pytest.approx(y["surrogate_cv_group"], rel=1e-3)
@@ -2815,7 +2999,7 @@ def test_compiled_run_equals_the_eager_run_and_compiles_once(model, tmp_path, mo
     # moves by rounding (~1e-6 relative), carried through 4 ODE steps and two Adam steps at lr
     # 1e-2 into the images; the smooth reward (mean colour ≈ 0.5) moves ≲ 1e-5: 1e-4 absolute;
     # gradient norms and the surrogate CV, smooth in the same numbers, 1e-3 relative
-    assert [m["iter"] for m in eager] == [m["iter"] for m in compiled]
+    assert eager and [m["iter"] for m in eager] == [m["iter"] for m in compiled]
     for a, b in zip(eager, compiled):
         for k in ("reward_mean", "eval_reward_mean"):
             if k in a:

@@ -30,7 +30,7 @@ def _same_run(a_dir, b_dir, it):
     same process and thread count, so the same float operations."""
     assert _strip_times(_metrics(a_dir)) == _strip_times(_metrics(b_dir))
     a, b = _trained(a_dir, it), _trained(b_dir, it)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _error_lines(err: str) -> list:
@@ -122,6 +122,42 @@ def test_first_ctrl_c_finishes_the_iteration_saves_and_exits_130(tmp_path, monke
     monkeypatch.setattr(V, "iteration", real)
     assert C.main(again) == 0
     assert _strip_times(_metrics(run)) == _strip_times(_metrics(ref))
+
+
+@pytest.mark.examples
+def test_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
+    """A first Ctrl-C (a real SIGINT) in iteration 1's rollout, a second in its update: the run
+    stops there, in iteration 1 (not after finishing and saving it, which a third Ctrl-C would
+    be needed for), with one line and exit 130; iteration 1 is neither logged nor saved, `latest`
+    stays on iteration 1's checkpoint, and --resume then ends where an uninterrupted run does."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    argv = TINY + ["--iterations", "3", "--save_every", "1"]
+    assert V.main(argv + ["--run_dir", str(ref)]) == 0
+    real_rollout, real_step = V.collect_rollouts, V.optimizer_step
+
+    def rollout(r, it):
+        if it == 1:
+            os.kill(os.getpid(), signal.SIGINT)              # the first: finish, then save
+        return real_rollout(r, it)
+
+    def step(r):
+        if len(_metrics(run)) == 1:                         # iteration 1's update
+            os.kill(os.getpid(), signal.SIGINT)              # the second: stop now
+        return real_step(r)
+    monkeypatch.setattr(V, "collect_rollouts", rollout)
+    monkeypatch.setattr(V, "optimizer_step", step)
+    capsys.readouterr()
+    assert C.main(argv + ["--run_dir", str(run)]) == 130
+    err = capsys.readouterr().err
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("interrupted: checkpoints/latest (iter_000001)"), lines
+    assert [m["iter"] for m in _metrics(run)] == [0]
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
+    assert not (run / "checkpoints" / "iter_000002").exists()
+    monkeypatch.undo()
+    assert C.main(["--resume", str(run)]) == 0
+    _same_run(run, ref, 3)
 
 
 @pytest.mark.examples
@@ -363,7 +399,8 @@ def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
 @pytest.mark.parametrize("phase, knob", [("rollout", "--rollout_batch"),
                                          ("reward", "--reward_batch"),
                                          ("old", "--micro_batch"),
-                                         ("update", "--micro_batch")])
+                                         ("update", "--micro_batch"),
+                                         ("eval", "--rollout_batch or --reward_batch")])
 @pytest.mark.examples
 def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_path, monkeypatch,
                                                                           capsys, phase, knob):
@@ -371,16 +408,18 @@ def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_pa
     one line naming the phase (vgrpo.timed puts it on the error) and the knob that lowers its
     memory; the parameters are still iteration 0's (the step had not run), so they are saved and
     --resume continues exactly as an uninterrupted run. The θ_old pass ("old") runs at μ = 2
-    only, before the first step."""
+    only, before the first step; the evaluation ("eval", every iteration) runs before the
+    iteration, after iteration 0's two lines."""
     argv = TINY + ["--iterations", "3", "--save_every", "10"] + ["--mu", "2"] * (phase == "old")
+    argv += ["--eval_every", "1"] * (phase == "eval")
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert V.main(argv + ["--run_dir", str(ref)]) == 0
     target = {"rollout": "rollout", "reward": "decode_and_reward", "old": "surrogate_pass",
-              "update": "vgrpo_loss"}[phase]
+              "update": "vgrpo_loss", "eval": "evaluate"}[phase]
     real, calls = getattr(V, target), []
 
     def oom(*a, **k):
-        if len(_metrics(run)) == 1 and not calls:               # in iteration 1
+        if len(_metrics(run)) == 1 + (phase == "eval") and not calls:   # in iteration 1
             calls.append(1)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(*a, **k)
@@ -391,7 +430,7 @@ def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_pa
     line = _error_lines(err)
     assert len(line) == 1 and "Traceback" not in err, err
     said = {"rollout": "the rollout", "reward": "decoding and rewards", "old": "the θ_old pass",
-            "update": "the update"}
+            "update": "the update", "eval": "the evaluation"}
     assert f"out of GPU memory in {said[phase]}" in line[0]
     assert knob in line[0] and "saved" in line[0] and "--resume" in line[0]
     assert (run / "checkpoints" / "latest").read_text() == "iter_000001"

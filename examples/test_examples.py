@@ -250,7 +250,9 @@ def test_evaluate_killed_and_rerun_equals_uninterrupted(ev, jpeg_run, tmp_path, 
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for name in ("results.json", "results.md", "scores.jsonl", "grid.png"):
         assert (whole / name).read_bytes() == (cut / name).read_bytes(), name
-    for f in (whole / "images").rglob("*.png"):
+    images = sorted((whole / "images").rglob("*.png"))
+    assert len(images) == 2 * 3 * 2                                 # the loop compares them all
+    for f in images:
         assert f.read_bytes() == (cut / f.relative_to(whole)).read_bytes()
 
 
@@ -805,7 +807,9 @@ def test_make_prompts_disjoint_from_geneval_benchmark(tmp_path):
     cmd[cmd.index("--out") + 1] = str(tmp_path)
     cmd[cmd.index("--exclude") + 1] = str(geneval)
     MP.main(cmd)
-    for f in folder.glob("*.jsonl"):
+    shipped = sorted(folder.glob("*.jsonl"))
+    assert len(shipped) == 4                                        # the loop compares each
+    for f in shipped:
         assert (tmp_path / f.name).read_bytes() == f.read_bytes()
 
 
