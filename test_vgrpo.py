@@ -505,9 +505,9 @@ def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     run = tmp_path / "run"
     assert V.main(TINY + ["--run_dir", str(run)]) == 0
     ckpt = run / "checkpoints" / "iter_000002"
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert state["iteration"] == 2 and state["config"]["model"] == "tiny" and state["optimizer_saved"]
-    optim = torch.load(ckpt / "optimizer.pt", weights_only=False)    # keyed by parameter name
+    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)    # keyed by parameter name
     assert optim["state"] and all("lora_" in k for k in optim["state"])
     # trained velocity, reconstructed by the trainer's own loader
     trained = V.load_pipeline("tiny", torch.float32)
@@ -1620,6 +1620,46 @@ def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(run)], tmp_path, capsys, r"unreadable or incomplete")
 
 
+class _RunsCode:
+    """Pickled, it calls os.system: a crafted checkpoint file that would leave a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.trainer
+def test_a_checkpoint_file_that_would_run_code_is_refused_in_one_line(tmp_path, capsys, ev):
+    """trainer_state.pt and optimizer.pt are read with weights_only: a pickle that would run code
+    (here os.system creating a marker) ends in one line naming the file, status 2, and never runs,
+    through --resume, --init and examples/evaluate.py; the files the trainer writes load as data."""
+    run, marker = tmp_path / "run", tmp_path / "ran"
+    assert V.main(TINY + ["--iterations", "1", "--mu", "1", "--run_dir", str(run)]) == 0
+    capsys.readouterr()
+    ck = run / "checkpoints" / "iter_000001"
+    state = torch.load(ck / V.CKPT_STATE, weights_only=True)   # RNG, scaler, config: plain data
+    assert state["optimizer_saved"] and torch.load(ck / V.OPTIM_FILE, weights_only=True)["state"]
+    good = (ck / V.CKPT_STATE).read_bytes()
+    for name in (V.CKPT_STATE, V.OPTIM_FILE):
+        torch.save(_RunsCode(marker), ck / name)
+        for argv in (["--resume", str(run), "--iterations", "2"],
+                     TINY + ["--init", str(run), "--run_dir", str(tmp_path / "new")]):
+            if name == V.OPTIM_FILE and "--init" in argv:
+                continue                                        # --init reads no optimizer
+            assert V.main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and name in err and "run code" in err, err
+            assert not marker.exists() and not (tmp_path / "new").exists()
+        if name == V.CKPT_STATE:
+            with pytest.raises(V.ConfigError, match="--checkpoints"):
+                ev.read_models([str(run)])
+            (ck / V.CKPT_STATE).write_bytes(good)
+    assert not marker.exists()
+    assert _metrics(run)[-1]["iter"] == 0                       # the run's record is untouched
+
+
 @pytest.mark.trainer
 def test_a_failed_checkpoint_write_leaves_latest_on_the_last_complete_one(tmp_path, monkeypatch):
     """A checkpoint whose write fails (a full disk) leaves nothing half-written: `latest` still
@@ -1823,7 +1863,7 @@ def test_resume_with_fewer_gpus_than_at_the_save(tmp_path, monkeypatch):
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--device", "cpu", "--run_dir", str(run)]) == 0
     saved = run / "checkpoints" / "iter_000001" / V.CKPT_STATE
-    state = torch.load(saved, weights_only=False)
+    state = torch.load(saved, weights_only=True)
     assert "cuda" not in state["rng"]
     state["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 8
     torch.save(state, saved)
@@ -2125,7 +2165,7 @@ def test_fp16_trains_with_loss_scaling(tmp_path):
     m = _metrics(tmp_path)[0]
     assert m["grad_scale"] >= 2.0 ** 10 and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
     state = torch.load(tmp_path / "checkpoints" / "iter_000001" / "trainer_state.pt",
-                       weights_only=False)
+                       weights_only=True)
     assert state["scaler"]["scale"] == m["grad_scale"]                 # resumes with the same scale
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path / "fp32")]) == 0
     assert _metrics(tmp_path / "fp32")[0]["grad_scale"] == 1.0          # fp32: no scaling

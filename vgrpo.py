@@ -1588,7 +1588,7 @@ def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
     """(folder, trainer state) of a checkpoint, validated; only the weights' header is read."""
     ckpt = find_checkpoint(path, flag)
     try:
-        state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
+        state = load_data(ckpt / CKPT_STATE, flag)
         need = [CKPT_STATE + ": " + k for k in ("iteration", "config", "optimizer_saved", "rng")
                 if k not in state]
         if not need:
@@ -1601,10 +1601,24 @@ def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
         with safe_open(str(ckpt / weights), framework="pt") as f:  # checks the layout too
             if not list(f.keys()):
                 raise ValueError(f"{weights} holds no tensors")
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
+        why = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
-                          f"({type(e).__name__}: {e}); pick another with {flag}") from e
+                          f"({type(e).__name__}: {why}); pick another with {flag}") from e
     return ckpt, state
+
+
+def load_data(path: Path, flag: str, **kw):
+    """torch.load with weights_only: tensors and plain data, so a crafted file runs no code."""
+    import pickle
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **kw)
+    except pickle.UnpicklingError:  # torch's multi-line message: one line here
+        raise ConfigError(f"checkpoint file {str(path)!r} is unreadable or incomplete, or "
+                          "holds more than tensors and plain data (a file that could run code "
+                          f"is never loaded); pick another with {flag}") from None
 
 
 def save_checkpoint(run: Run, it: int) -> Path:
@@ -1676,7 +1690,7 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
     """Optimizer (memory-mapped: processes share its pages), loss scale and RNG of a checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     if state["optimizer_saved"]:  # False when saved before the first step
-        optim = torch.load(ckpt / OPTIM_FILE, map_location="cpu", mmap=True, weights_only=False)
+        optim = load_data(ckpt / OPTIM_FILE, "--resume", mmap=True)
         set_optimizer_state_dict(tr, opt, optim, options=StateDictOptions(full_state_dict=True))
     if state["scaler"]:  # {} from a disabled (non-fp16) scaler
         scaler.load_state_dict(state["scaler"])
