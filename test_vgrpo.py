@@ -2040,6 +2040,109 @@ def test_the_same_command_twice_never_mixes_two_runs(tmp_path, capsys):
     assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2, 3]
 
 
+SLOW_PROBE = """
+import os, time
+from pathlib import Path
+calls = []
+
+
+def score(images, prompts):           # the start-up probe (the first call) waits for a file
+    calls.append(len(images))
+    if len(calls) == 1:
+        Path(os.environ["GATE"] + ".waiting").write_text("")
+        for _ in range(3000):
+            if Path(os.environ["GATE"]).exists():
+                break
+            time.sleep(0.1)
+    return images.float().mean(dim=(1, 2, 3)).cpu()
+"""
+
+
+@pytest.mark.trainer
+def test_a_second_trainer_is_refused_while_the_first_is_still_loading(tmp_path, capsys,
+                                                                      monkeypatch):
+    """The lock is taken before anything loads: while `python vgrpo.py` is inside its reward's
+    start-up probe (nothing written yet but RUN/.lock), a second trainer on that folder, plain
+    or through examples/cluster.py, exits 2 in one line naming the first's pid and loads
+    nothing; the first then finishes alone."""
+    import subprocess
+    import time
+    (tmp_path / "slowprobe.py").write_text(SLOW_PROBE)
+    run, gate = tmp_path / "run", tmp_path / "go"
+    argv = TINY + ["--iterations", "1", "--run_dir", str(run)]
+    with open(tmp_path / "first.err", "w") as err:
+        first = subprocess.Popen([sys.executable, str(ROOT / "vgrpo.py")] + argv
+                                 + ["--reward", "slowprobe:score"], cwd=tmp_path,
+                                 env=dict(os.environ, GATE=str(gate)),
+                                 stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        for _ in range(1200):
+            if Path(str(gate) + ".waiting").exists() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert first.poll() is None, (tmp_path / "first.err").read_text()
+        assert sorted(f.name for f in run.iterdir()) == [".lock"]
+        monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+        in_use = (rf"error: --run_dir .* is in use by a running trainer \(pid {first.pid}\); "
+                  r"wait for it to end, or pass another --run_dir\n")
+        for main in (V.main, _load_example("cluster").main):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert re.fullmatch(in_use, err), err
+        assert sorted(f.name for f in run.iterdir()) == [".lock"]
+        gate.write_text("")
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.err").read_text()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert [m["iter"] for m in _metrics(run)] == [0]
+
+
+@pytest.mark.trainer
+def test_default_run_folders_differ_within_a_second_and_stay_under_runs(tmp_path, monkeypatch):
+    """Without --run_dir the folder is runs/<model>-<reward>-<date>-<random>: two trainers
+    started in the same second get two folders, and a model path or a reward URL with slashes,
+    dots or other characters cannot name one outside runs/."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(V.time, "strftime", lambda *a: "20260101-000000")   # the same second
+    args = V.parse_args(TINY)
+    assert V.plan_run_dir(args) != V.plan_run_dir(args)
+    hostile = V.parse_args(TINY[:2] + ["--reward", "http://127.0.0.1:9/../../../tmp/x y;$(id)"]
+                           + TINY[4:])
+    for a in (args, hostile):
+        d = V.plan_run_dir(a)
+        assert d.parent == Path("runs") and d.name not in ("", ".", ".."), d
+        assert re.fullmatch(r"[A-Za-z0-9+\-._]+-20260101-000000-[0-9a-f]{6}", d.name), d
+        assert not d.name.startswith(".")
+    assert not (tmp_path / "runs").exists()                                   # none made
+
+
+@pytest.mark.trainer
+def test_links_planted_in_the_run_folder_are_never_followed(tmp_path, capsys):
+    """A symbolic link planted as RUN/.lock is refused in one line (status 2); links planted as
+    metrics.tmp, config.json or checkpoints/.latest.tmp are replaced, not written through: their
+    targets keep their bytes and metrics.jsonl stays a plain file."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
+    victims = {}
+    for planted in ("metrics.tmp", "config.json", "checkpoints/.latest.tmp", ".lock"):
+        victim = tmp_path / f"victim-{Path(planted).name}"
+        victim.write_text("keep me")
+        (run / planted).unlink(missing_ok=True)
+        (run / planted).symlink_to(victim)
+        victims[planted] = victim
+    capsys.readouterr()
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ".lock" in err and "link" in err, err
+    (run / ".lock").unlink()
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    assert all(v.read_text() == "keep me" for v in victims.values())
+    assert not (run / "metrics.jsonl").is_symlink() and not (run / "config.json").is_symlink()
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+
+
 # ------------------------------------------------------------------------------------------------
 # 13. --help: the sections of Args and the values each model gets
 # ------------------------------------------------------------------------------------------------

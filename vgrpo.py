@@ -1231,7 +1231,8 @@ class Interrupted(RunError):  # Ctrl-C: where the run stands; exit 130, no trace
 def train(args: Args, resumed: Optional[tuple] = None, fresh_ok: bool = False) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also in run_dir/metrics.jsonl)."""
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; nothing created yet
-    return run_iterations(setup(args, resumed=resumed), run_dir)  # bad input fails in setup
+    with hold_run_dir(run_dir):                     # one trainer per folder, before loading
+        return run_iterations(setup(args, resumed=resumed), run_dir)  # bad input: in setup
 
 
 def run_iterations(run: Run, run_dir: Path) -> list[dict]:
@@ -1517,8 +1518,10 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
         run_dir = resumed
     else:
         tag = "+".join(n.split(":")[-1] for n, _ in args.train_terms)
-        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-"
-                                       f"{time.strftime('%Y%m%d-%H%M%S')}")
+        name = "".join(c if c.isascii() and (c.isalnum() or c in "+-._") else "_"
+                       for c in f"{Path(args.model).name}-{tag}")  # one name, inside runs/
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"  # job arrays
+        run_dir = Path(args.run_dir or f"runs/{name.lstrip('.')}-{stamp}")
     top = next(q for q in (run_dir.absolute(), *run_dir.absolute().parents) if q.exists())
     if not top.is_dir():
         raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder")
@@ -1535,6 +1538,42 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     return run_dir
 
 
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path):
+    """One trainer per run folder: an exclusive flock on run_dir/.lock, its pid inside, for the
+    run; the system drops it when the process dies. A folder made here and left empty goes."""
+    import fcntl  # POSIX: Linux and macOS
+    if dist_info()[0] > 0:  # rank 0 holds it for all
+        yield
+        return
+    made = [q for q in (run_dir, *run_dir.parents) if not q.exists()]  # deepest first
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as e:  # full, read-only, or .lock planted as a link
+        raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot open {str(run_dir / '.lock')!r} "
+                          f"({e.strerror}); remove it if it is a link, or pass another "
+                          "--run_dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise ConfigError(f"--run_dir {str(run_dir)!r} is in use by a running trainer (pid "
+                          f"{holder}); wait for it to end, or pass another --run_dir") from None
+    with contextlib.suppress(OSError):  # the pid informs only; a full disk is named later
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if made and [q.name for q in run_dir.iterdir()] == [".lock"]:  # bad input
+                (run_dir / ".lock").unlink()
+                for q in made:
+                    q.rmdir()
+        os.close(fd)
+
 
 def open_run_dir(run: Run, run_dir: Path):
     """Rank 0's run folder for all; rank 0 prepares it and returns metrics.jsonl to append."""
@@ -1549,6 +1588,8 @@ def open_run_dir(run: Run, run_dir: Path):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
+        for planted in ("config.json", "metrics.tmp"):  # a link is replaced, never followed
+            (run_dir / planted).unlink(missing_ok=True)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
         if run.resumed_from and run.resumed_from.parent == run_dir / "checkpoints":
             _point_latest(run.resumed_from)  # `latest` names the resumed checkpoint
@@ -1668,6 +1709,7 @@ def save_checkpoint(run: Run, it: int) -> Path:
     return final
 
 def _point_latest(ckpt: Path) -> None:  # checkpoints/latest ← ckpt's name, atomically
+    (ckpt.parent / ".latest.tmp").unlink(missing_ok=True)  # a planted link: not followed
     (ckpt.parent / ".latest.tmp").write_text(ckpt.name)
     os.replace(ckpt.parent / ".latest.tmp", ckpt.parent / "latest")
 

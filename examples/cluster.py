@@ -60,47 +60,17 @@ def command(given: dict) -> list:
 
 
 def train(args: V.Args, resumed=None, fresh_ok: bool = False) -> list:
-    """vgrpo.train with the run folder locked, signals caught and the hooks filled in."""
+    """vgrpo.train with the signals caught and the hooks filled in; the run folder is locked
+    (vgrpo.hold_run_dir) from before anything loads to the end."""
     run_dir = V.plan_run_dir(args, fresh_ok)
-    rank = V.dist_info()[0]
-    if rank == 0:
-        lock(run_dir, hold=False)           # refused before anything loads
-    try:
-        run = V.setup(args, resumed=resumed)
-    except torch.cuda.OutOfMemoryError as e:
-        raise V.RunError(f"out of GPU memory while loading ({str(e).splitlines()[0]}); try "
-                         "--offload_text_encoders or fewer --reward models") from None
-    with contextlib.ExitStack() as stack:
-        if rank == 0:                       # held before vgrpo writes anything there
-            run_dir.mkdir(parents=True, exist_ok=True)
-            held = lock(run_dir)
-            stack.callback(held.close)
-        stack.enter_context(Cluster(run, run_dir))
-        return V.run_iterations(run, run_dir)
-
-
-def lock(run_dir: Path, hold: bool = True):
-    """One trainer per run folder: an exclusive flock on run_dir/.lock, released when the
-    returned file closes. Another trainer is refused in one line. None: not `hold`, or no
-    folder yet (nothing to protect)."""
-    if not run_dir.is_dir():
-        return None
-    import fcntl                            # POSIX: Linux and macOS
-    f = open(run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
-        raise V.ConfigError(f"--run_dir {str(run_dir)!r} is in use by a running trainer (pid "
-                            f"{holder}); wait for it to end, or pass another --run_dir") from None
-    if not hold:
-        f.close()
-        return None
-    f.truncate(0)
-    print(os.getpid(), file=f, flush=True)
-    return f
+    with V.hold_run_dir(run_dir):           # a second trainer is refused before it loads
+        try:
+            run = V.setup(args, resumed=resumed)
+        except torch.cuda.OutOfMemoryError as e:
+            raise V.RunError(f"out of GPU memory while loading ({str(e).splitlines()[0]}); try "
+                             "--offload_text_encoders or fewer --reward models") from None
+        with Cluster(run, run_dir):
+            return V.run_iterations(run, run_dir)
 
 
 def how_to_go_on(run_dir: Path, saved=None) -> str:
