@@ -1620,6 +1620,38 @@ def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(run)], tmp_path, capsys, r"unreadable or incomplete")
 
 
+EXITING_REWARD = """
+import sys
+calls = []
+
+
+def score(images, prompts):          # sys.exit(3) at call number EXIT_AT
+    calls.append(1)
+    if len(calls) == int(__import__("os").environ["EXIT_AT"]):
+        sys.exit(3)
+    return images.float().mean(dim=(1, 2, 3)).cpu()
+"""
+
+
+@pytest.mark.trainer
+def test_a_plugin_calling_sys_exit_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """A reward plug-in that calls sys.exit(3) ends the run in one line naming the plug-in: at
+    the start-up probe with status 2 (nothing written), mid-run with status 69."""
+    (tmp_path / "exiting.py").write_text(EXITING_REWARD)
+    monkeypatch.chdir(tmp_path)
+    for at, status in (("1", 2), ("2", 69)):
+        sys.modules.pop("exiting", None)             # a fresh count of calls
+        monkeypatch.setenv("EXIT_AT", at)
+        run = tmp_path / f"run{at}"
+        assert V.main(TINY + ["--reward", "exiting:score", "--run_dir", str(run)]) == status
+        err = capsys.readouterr().err
+        said = [line for line in err.splitlines() if line.startswith("error")]
+        assert len(said) == 1 and "Traceback" not in err, err
+        assert "reward 'exiting:score' failed: SystemExit: 3" in said[0], err
+        assert run.exists() == (status == 69)
+    sys.modules.pop("exiting", None)
+
+
 class _RunsCode:
     """Pickled, it calls os.system: a crafted checkpoint file that would leave a marker file."""
 
@@ -1963,6 +1995,69 @@ def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, ca
     assert ckpt.name == "iter_000001" and state["iteration"] == 1
     assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
     assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+
+
+FAKE_TORCH = """
+import os, time
+open(os.environ["STARTED"], "w").close()    # `import torch` has begun: it takes seconds
+time.sleep(120)
+"""
+
+
+def _stop_while_torch_imports(tmp_path, script, sig):
+    """Run `script --help` with a torch that announces its import and hangs; send `sig` then:
+    (status, stderr)."""
+    import subprocess
+    import time
+    (tmp_path / "fake" / "torch").mkdir(parents=True)
+    (tmp_path / "fake" / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    started = tmp_path / "started"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"), STARTED=str(started))
+    p = subprocess.Popen([sys.executable, str(script), "--help"], env=env, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):
+        if started.exists() or p.poll() is not None:
+            break
+        time.sleep(0.05)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=60)
+    return p.returncode, err
+
+
+@pytest.mark.trainer
+def test_ctrl_c_while_torch_imports_is_one_line_with_130(tmp_path):
+    """Ctrl-C at the very start of `python vgrpo.py` (during `import torch`, before main()) is
+    main()'s one line and status 130, not a traceback."""
+    import signal
+    status, err = _stop_while_torch_imports(tmp_path, ROOT / "vgrpo.py", signal.SIGINT)
+    assert status == 130, err
+    assert err == "interrupted before the first iteration: nothing written\n", err
+
+
+@pytest.mark.trainer
+def test_a_stop_inside_the_final_evaluation_is_made_up_on_continuing(tmp_path, capsys,
+                                                                     monkeypatch):
+    """Ctrl-C inside the evaluation after the last iteration (every checkpoint saved) exits 130
+    in one line; `--resume RUN` then runs that evaluation, which the run's record lacked."""
+    run = tmp_path / "run"
+    real, stops = V.evaluate, []
+
+    def evaluate(r, it):
+        if it == 2 and not stops:
+            stops.append(it)
+            raise KeyboardInterrupt
+        return real(r, it)
+    monkeypatch.setattr(V, "evaluate", evaluate)
+    argv = TINY + ["--eval_every", "2", "--n_eval", "2", "--run_dir", str(run)]
+    assert V.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.count("interrupted:") == 1 and "Traceback" not in err, err
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m] == [0]
+    assert V.main(["--resume", str(run)]) == 0
+    evals = [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m]
+    assert evals == [0, 2] and stops == [2]
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
 
 
 @pytest.mark.trainer

@@ -73,8 +73,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-import torch.nn.functional as F
+
+def _stopped_at_start(*_) -> None:  # Ctrl-C while torch imports: main()'s line, not a traceback
+    print("interrupted before the first iteration: nothing written", file=sys.stderr)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    import signal
+    signal.signal(signal.SIGINT, _stopped_at_start)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
@@ -853,9 +862,9 @@ def plugin_reward(spec: str) -> Callable:
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         try:
             out = fn(images, prompts)
-        except torch.cuda.OutOfMemoryError:
-            raise               # not the plug-in's fault: the run's
-        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
+        except (torch.cuda.OutOfMemoryError, RunError):
+            raise  # not the plug-in's fault: the run's (a stop, out of memory)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 — the user's code: named
             raise RewardError(f"reward {spec!r} failed: {type(e).__name__}: {e}") from e
         try:
             out = torch.as_tensor(out).detach().float().cpu()
@@ -1248,7 +1257,7 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
                 log.iteration(m)
             if (it + 1) % a.save_every == 0 or it + 1 == a.iterations:
                 save_checkpoint(run, it + 1)
-        if a.eval_every and run.start < a.iterations:
+        if a.eval_every:  # also on continuing a finished run: a stop inside it is made up
             with run.guard(a.iterations):
                 log.evaluation(a.iterations)
     except KeyboardInterrupt:
@@ -2053,4 +2062,5 @@ def start(given: dict, trainer: Optional[Callable] = None, fresh_ok: bool = Fals
     return (trainer or train)(resolve_args(given, resumed=config), resumed, fresh_ok)
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # main() says it from here on
     exit_process(main())
