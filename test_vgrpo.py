@@ -36,7 +36,8 @@ import pytest
 import torch
 
 import vgrpo as V
-from conftest import ROOT, TINY, TM, _load_example, _metrics, _strip_times, _trained
+from conftest import (ROOT, TINY, TM, _load_example, _metrics, _stop_while_torch_imports,
+                      _strip_times, _trained)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1995,33 +1996,6 @@ def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, ca
     assert ckpt.name == "iter_000001" and state["iteration"] == 1
     assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
     assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
-
-
-FAKE_TORCH = """
-import os, time
-open(os.environ["STARTED"], "w").close()    # `import torch` has begun: it takes seconds
-time.sleep(120)
-"""
-
-
-def _stop_while_torch_imports(tmp_path, script, sig):
-    """Run `script --help` with a torch that announces its import and hangs; send `sig` then:
-    (status, stderr)."""
-    import subprocess
-    import time
-    (tmp_path / "fake" / "torch").mkdir(parents=True)
-    (tmp_path / "fake" / "torch" / "__init__.py").write_text(FAKE_TORCH)
-    started = tmp_path / "started"
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"), STARTED=str(started))
-    p = subprocess.Popen([sys.executable, str(script), "--help"], env=env, cwd=tmp_path,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for _ in range(600):
-        if started.exists() or p.poll() is not None:
-            break
-        time.sleep(0.05)
-    p.send_signal(sig)
-    out, err = p.communicate(timeout=60)
-    return p.returncode, err
 
 
 @pytest.mark.trainer
