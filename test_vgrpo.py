@@ -599,6 +599,21 @@ def test_outputs_follow_the_umask(tmp_path):
     for f in ck.iterdir():
         assert f.stat().st_mode & 0o777 == 0o644, f
 
+@pytest.mark.trainer
+def test_the_last_line_names_the_run_folder_and_the_final_checkpoint(tmp_path, capsys):
+    """A finished run ends with its folder, its final checkpoint and the diffusers call that loads it;
+    --keep_checkpoints 2 keeps the two newest, and the run goes on from the newest."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "4", "--keep_checkpoints", "2", "--run_dir", str(run)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    ckpt = run / "checkpoints" / "iter_000004"
+    assert last == (f"done: run folder {run}, final checkpoint {ckpt}; in diffusers: "
+                    f"pipe.load_lora_weights({str(ckpt)!r}) (docs/training.md, \"Using the trained model\")")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000003", "iter_000004", "latest"]
+    assert V.main(["--resume", str(run), "--iterations", "5"]) == 0
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000004", "iter_000005", "latest"]
+
 
 # ------------------------------------------------------------------------------------------------
 # 6. The first step: ρ ≡ 1 at θ = θ_old, S_old completed from its forward
@@ -1186,6 +1201,26 @@ def test_loop_schedule_of_evaluations_checkpoints_and_metrics_lines(tiny_run, mo
     assert (tmp_path / "checkpoints" / "latest").read_text() == "iter_000005"
 
 
+@pytest.mark.math
+def test_no_two_random_streams_share_a_seed_at_any_iteration():
+    """Every stream of vgrpo.py and of the baselines, at every iteration a run may reach (the
+    first 3000 and the last below MAX_ITERATIONS) for three seeds, plus the once-per-run ones:
+    all seeds distinct. The held-out split (HOLDOUT) once was iteration 77's pairs at --seed 0."""
+    BC = _load_example("baselines/baseline_cli")
+    per_iter = [int(s) for S in (V.Stream, BC.Stream) for s in S if s < 16]
+    once = [int(s) for S in (V.Stream, BC.Stream) for s in S if s >= 16]
+    assert once and len(per_iter) >= 9
+    its = [*range(3000), *range(V.MAX_ITERATIONS - 1000, V.MAX_ITERATIONS)]
+    seeds = [V.stream_seed(sd, it, s) for sd in (0, 1, 2**31 - 1) for it in its for s in per_iter]
+    seeds += [V.stream_seed(0, 0, s) for s in once]
+    assert len(set(seeds)) == len(seeds)
+    assert V.stream_seed(0, 77, V.Stream.PAIRS) != V.stream_seed(0, 0, V.Stream.HOLDOUT)
+    with pytest.raises(V.ConfigError, match="--iterations must be below 1000003"):
+        V.parse_args(["--model", "tiny", "--iterations", str(V.MAX_ITERATIONS)])
+    with pytest.raises(V.ConfigError, match=r"--seed must lie in \[0, 2\^31\)"):
+        V.parse_args(["--model", "tiny", "--seed", "-1"])
+
+
 # ------------------------------------------------------------------------------------------------
 # 8. Rewards: every code path on tiny models built offline
 # ------------------------------------------------------------------------------------------------
@@ -1588,9 +1623,9 @@ def test_unknown_alias(tmp_path, capsys):
 
 @pytest.mark.trainer
 def test_hub_id_offline_says_how_to_use_local_files(tmp_path, capsys):
-    err = _fails(["--model", "stabilityai/stable-diffusion-3.5-medium", "--reward", "jpeg"], tmp_path, capsys,
-                 r"could not load the model")
-    assert "--model /path/to/dir" in err and "huggingface-cli download" in err
+    err = _fails(["--model", "stabilityai/stable-diffusion-3.5-medium", "--reward", "jpeg", "--device", "cpu"],
+                 tmp_path, capsys, r"the model '.*' is not in the local cache .* HF_HUB_OFFLINE is set")
+    assert "--model /path/to/dir" in err and "`hf download stabilityai/stable-diffusion-3.5-medium`" in err
 
 
 @pytest.mark.trainer
@@ -1871,6 +1906,68 @@ def test_resume_with_changed_lora_rank_is_one_line(tmp_path, capsys, monkeypatch
     assert len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in run.rglob("*")) == before
 
+@pytest.mark.trainer
+def test_a_real_model_without_usable_cuda_is_refused_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """--device auto and a hub model with no usable CUDA: one line naming what torch sees and --device cpu,
+    before the Hub is asked or a reward loads. A GPU that the torch build cannot run (a V100 under a CUDA 13
+    build) is named by its compute capability; one it can run (same major, or PTX) is used."""
+    monkeypatch.setattr(V, "check_hub_access", lambda ids: pytest.fail("the Hub was asked"))
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: pytest.fail("a reward loaded"))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _fails(["--model", "sd3.5-medium", "--reward", "pickscore"], tmp_path, capsys,
+                 r"^error: --device auto: torch \S+ \(built for CUDA 13\.0\) sees no usable GPU.*--device cpu")
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90", "sm_100", "sm_120"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
+    _fails(["--model", "sd3.5-medium", "--reward", "pickscore"], tmp_path, capsys,
+           r"the GPU Tesla V100-SXM2-32GB \(compute capability 7\.0\) is not among .*sm_80.*--device cpu")
+    for cap, archs in (((8, 6), ["sm_80"]), ((12, 1), ["sm_120"]), ((9, 0), ["sm_80", "compute_80"])):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=cap: c)
+        monkeypatch.setattr(torch.cuda, "get_arch_list", lambda a=archs: a)
+        assert V.cuda_problem() is None, cap
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_90"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "compute capability 8.0" in V.cuda_problem()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = V.resolve_args({"model": "tiny", "reward": "jpeg"})
+    assert V.setup_device(args)[0].type == "cpu"                  # a tiny model runs on the CPU
+
+
+@pytest.mark.trainer
+def test_a_mistyped_alias_is_refused_before_any_reward_or_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: pytest.fail("a reward loaded"))
+    monkeypatch.setattr(V, "setup", lambda *a, **k: pytest.fail("setup ran"))
+    _fails(["--model", "sd3.5-medum", "--reward", "pickscore", "--device", "cpu"], tmp_path, capsys,
+           r"^error: unknown model 'sd3\.5-medum': pass an alias")
+    with pytest.raises(V.ConfigError, match="unknown model"):
+        V.resolve_args({"model": "sd3.5-medum"})
+
+
+@pytest.mark.trainer
+def test_offline_the_model_missing_from_the_cache_is_named_before_the_rewards(tmp_path, capsys, monkeypatch):
+    """HF_HUB_OFFLINE=1 (conftest) and nothing cached: the model is named, not PickScore's processor."""
+    monkeypatch.setattr(V, "build_reward", lambda *a, **k: pytest.fail("a reward loaded"))
+    err = _fails(["--model", "sd3.5-medium", "--reward", "pickscore", "--device", "cpu"], tmp_path, capsys,
+                 r"^error: the model 'stabilityai/stable-diffusion-3\.5-medium' is not in the local cache")
+    assert "HF_HUB_OFFLINE is set" in err and "huggingface-cli" not in err
+
+
+@pytest.mark.trainer
+def test_a_reward_checkpoint_missing_weights_is_one_line(tmp_path):
+    """A PickScore folder whose projection weights are missing would load them random: refused instead."""
+    from safetensors.torch import load_file, save_file
+    _tiny_pickscore(tmp_path / "ps")
+    f = tmp_path / "ps" / "model.safetensors"
+    sd = load_file(str(f))
+    save_file({k: v for k, v in sd.items() if "projection" not in k}, str(f), metadata={"format": "pt"})
+    ps = str(tmp_path / "ps")
+    with pytest.raises(V.ConfigError, match=r"the pickscore model .* lacks weights \[.*projection"):
+        V.build_reward("pickscore", V.Args(pickscore_model=ps, pickscore_processor=ps),
+                       torch.device("cpu"), torch.float32)
+
 
 # ------------------------------------------------------------------------------------------------
 # 11. Interruptions: Ctrl-C, a kill and resume lose and double nothing
@@ -2080,6 +2177,40 @@ def test_a_resume_reads_each_checkpoint_file_once(tmp_path, monkeypatch, full):
     assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
     weights = V.FULL_FILE if full else V.LORA_FILE
     assert sorted(reads) == sorted([weights, V.CKPT_STATE, V.OPTIM_FILE]), reads
+
+@pytest.mark.trainer
+def test_out_of_gpu_memory_is_one_line_naming_the_phase_and_the_flag(tmp_path, capsys, monkeypatch):
+    """Plain vgrpo.py: out of memory in iteration 1's decode is one line with the phase, its flag, the last
+    complete checkpoint and the command that continues (exit 2); the continued run equals an unbroken one.
+    Out of memory while loading says that nothing was written."""
+    run, calls, real = tmp_path / "run", [], V.decode_and_reward
+
+    def decode_and_reward(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB")
+        return real(*a, **k)
+    monkeypatch.setattr(V, "decode_and_reward", decode_and_reward)
+    assert V.main(TINY + ["--iterations", "3", "--run_dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: out of GPU memory in decoding and rewards: lower --reward_batch (or "
+                       "--offload_text_encoders), iteration 1; checkpoints/latest (iter_000001) is the last "
+                       f"complete one; continue with --resume {run}")
+    assert not any("Traceback" in line for line in err)
+    monkeypatch.setattr(V, "decode_and_reward", real)
+    assert V.main(["--resume", str(run)]) == 0
+    assert V.main(TINY + ["--iterations", "3", "--run_dir", str(tmp_path / "plain")]) == 0
+    assert _strip_times(_metrics(run)) == _strip_times(_metrics(tmp_path / "plain"))
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(V, "load_pipeline", oom)
+    capsys.readouterr()
+    assert V.main(TINY + ["--run_dir", str(tmp_path / "never")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: out of GPU memory in loading and setup: fewer --reward "
+                                               "models, or --no-compile (or --offload_text_encoders); nothing "
+                                               "written yet")
+    assert not (tmp_path / "never").exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2302,7 +2433,7 @@ def test_lora_init_comes_from_the_seed_alone(tmp_path, monkeypatch):
 @pytest.mark.trainer
 def test_flux_lora_wraps_blocks_not_the_top_level_projection():
     pipe = TM.build_tiny_flux_pipeline()
-    V.add_lora(pipe.transformer, 4, 8, V.FLUX_LORA_TARGETS.split(","))
+    V.add_lora(pipe.transformer, 4, 8, FX.LORA_TARGETS.split(","))
     wrapped = {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A")}
     assert "single_transformer_blocks.0.proj_out" in wrapped and "proj_out" not in wrapped
     assert {"transformer_blocks.0.ff.net.2", "transformer_blocks.0.attn.to_q"} <= wrapped
@@ -2368,20 +2499,23 @@ def test_fp16_resume_keeps_the_saved_loss_scale(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # 15. FLUX: packing, the tiny pipeline end to end, the local loading path
 # ------------------------------------------------------------------------------------------------
+FX = V.model_plugins()["flux"]  # examples/models/flux.py
+
+
 @pytest.mark.math
 def test_flux_unpacking_inverts_diffusers_packing():
     from diffusers import FluxPipeline
     lat = torch.randn(2, 16, 6, 10, dtype=torch.float64)
     packed = FluxPipeline._pack_latents(lat, 2, 16, 6, 10)
     assert packed.shape == (2, 15, 64)
-    assert torch.equal(V.unpack_latents(packed, 6, 10), lat)                 # exact: a permutation
-    assert torch.equal(V.unpack_latents(packed, 6, 10), FluxPipeline._unpack_latents(packed, 48, 80, 8))
+    assert torch.equal(FX.unpack_latents(packed, 6, 10), lat)                 # exact: a permutation
+    assert torch.equal(FX.unpack_latents(packed, 6, 10), FluxPipeline._unpack_latents(packed, 48, 80, 8))
 
 
 @pytest.mark.trainer
 def test_flux_image_ids_match_diffusers():
     from diffusers import FluxPipeline
-    ad = V.FluxAdapter(TM.build_tiny_flux_pipeline(), torch.device("cpu"), 32)
+    ad = FX.Adapter(TM.build_tiny_flux_pipeline(), torch.device("cpu"), V.Args(max_sequence_length=32))
     torch.testing.assert_close(ad._img_ids(16).float(),
                                FluxPipeline._prepare_latent_image_ids(1, 4, 4, "cpu", torch.float32))
 
@@ -2407,7 +2541,7 @@ def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
     assert V.model_family(str(tmp_path / "flux")) == "flux"
     loaded = V.load_pipeline(str(tmp_path / "flux"), torch.float32)
     assert type(loaded).__name__ == "FluxPipeline"
-    a, b = V.FluxAdapter(pipe, torch.device("cpu"), 16), V.FluxAdapter(loaded, torch.device("cpu"), 16)
+    a, b = (FX.Adapter(p, torch.device("cpu"), V.Args(max_sequence_length=16)) for p in (pipe, loaded))
     x, t = torch.randn(2, 16, 64), torch.tensor([0.2, 0.9])
     with torch.no_grad():
         torch.testing.assert_close(a.velocity(x, t, a.encode(["a", "b"])), b.velocity(x, t, b.encode(["a", "b"])))
@@ -2421,6 +2555,102 @@ def test_tiny_flux_two_iterations_and_local_loading(tmp_path):
     from diffusers import FluxPipeline
     fresh = FluxPipeline.from_pretrained(str(tmp_path / "flux"))
     fresh.load_lora_weights(str(tmp_path / "run" / "checkpoints" / "iter_000002"))   # diffusers' own loader
+
+
+# ------------------------------------------------------------------------------------------------
+# 15b. Model plug-ins (examples/models/): --model resolves them as --reward resolves its plug-ins
+# ------------------------------------------------------------------------------------------------
+PLUGINS = sorted(V.model_plugins())
+
+
+@pytest.mark.trainer
+def test_model_plugins_are_found_and_their_names_resolve():
+    assert "qwen_image" in PLUGINS                          # the plug-ins in examples/models/
+    for name in PLUGINS:
+        mod = V.model_plugins()[name]
+        for alias, hub_id in mod.ALIASES.items():           # an alias: the real model's hub id
+            assert V.resolve_model(alias) == hub_id and V.model_family(alias) == name
+            assert V.model_family(hub_id) == name and V.is_real_model(alias)
+        for tiny in mod.TINY:                                # a tiny alias: built offline
+            assert V.resolve_model(tiny) == tiny and not V.is_real_model(tiny)
+            a = V.parse_args(["--model", tiny])              # each default says where it is from
+            for k, (value, src) in mod.DEFAULTS.items():
+                if k not in mod.TINY_PRESET:
+                    assert getattr(a, k) == value and src in a.origin[k], k
+    with pytest.raises(V.ConfigError, match="unknown model 'tiny-qwen-imag'.*tiny-qwen-image"):
+        V.resolve_model("tiny-qwen-imag")
+
+
+USER_PLUGIN = """
+import vgrpo as V
+PIPELINES, ALIASES, TINY = ("StableDiffusion3Pipeline",), {}, {"tiny-mine": "build"}
+TINY_PRESET = V.tiny_models().PRESETS["tiny"]
+DEFAULTS = {"kl_coef": (0.05, "my own KL")}
+CALLS = []
+
+
+class Adapter(V.SD3Adapter):          # SD3's, counting its velocity calls
+    def __init__(self, pipe, device, args):
+        super().__init__(pipe, device, args.max_sequence_length)
+
+    def velocity(self, x, t, cond):
+        CALLS.append(x.shape[0])
+        return super().velocity(x, t, cond)
+
+
+def build(seed=0):
+    return V.tiny_models().build_tiny_sd3_pipeline(seed)
+"""
+
+
+@pytest.mark.trainer
+def test_a_users_model_plugin_module_colon_name_trains_and_bad_ones_are_one_line(tmp_path, capsys, monkeypatch):
+    """--model module:NAME, as --reward module:function: the user's module beside the run (the
+    contract of examples/models/) trains through its own Adapter; a module that does not import
+    or lacks the contract is one line, exit 2, before anything loads."""
+    (tmp_path / "my_sd3.py").write_text(USER_PLUGIN)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a = V.parse_args(["--model", "my_sd3:tiny-mine"])
+    assert a.kl_coef == 0.05 and "my own KL" in a.origin["kl_coef"] and a.resolution == 64
+    assert V.main(["--model", "my_sd3:tiny-mine", "--reward", "jpeg", "--iterations", "1",
+                   "--run_dir", str(tmp_path / "run")]) == 0
+    import my_sd3
+    assert my_sd3.CALLS and len(_metrics(tmp_path / "run")) >= 1
+    (tmp_path / "half.py").write_text("PIPELINES = ()\n")
+    for model, says in (("no_such_module:x", "could not import module 'no_such_module'"),
+                        ("half:x", "'half' lacks ALIASES, TINY, DEFAULTS, Adapter")):
+        capsys.readouterr()
+        assert V.main(["--model", model, "--reward", "jpeg", "--run_dir", str(tmp_path / "b")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0] and not (tmp_path / "b").exists(), err
+
+
+@pytest.mark.trainer
+@pytest.mark.parametrize("name", PLUGINS)
+def test_a_model_plugin_trains_from_its_tiny_alias_and_its_saved_folder(name, tmp_path, capsys):
+    """`--model tiny-…` trains through main; the same pipeline saved to a folder loads through
+    load_pipeline (the hub ids' path) as that family; its LoRA loads in the stock pipeline; a
+    folder missing a part is one line before anything loads."""
+    mod = V.model_plugins()[name]
+    tiny = next(iter(mod.TINY))
+    small = ["--reward", "jpeg", "--iterations", "2", "--save_every", "1", "--eval_every", "2",
+             "--mu", "1"]                                 # one step per iteration: θ = θ_old
+    assert V.main(["--model", tiny, "--run_dir", str(tmp_path / "a")] + small) == 0
+    ms = [m for m in _metrics(tmp_path / "a") if "reward_mean" in m]
+    assert len(ms) == 2 and all(math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0 for m in ms)
+    assert [m["abs_log_ratio"] for m in ms] == [0.0, 0.0]
+    folder = tmp_path / "pipe"
+    getattr(mod, mod.TINY[tiny])().save_pretrained(folder)
+    assert V.model_family(str(folder)) == name
+    pipe = V.load_pipeline(str(folder), torch.float32)
+    assert type(pipe).__name__ in mod.PIPELINES
+    pipe.load_lora_weights(str(tmp_path / "a" / "checkpoints" / "iter_000002"))  # diffusers' own
+    (folder / "vae" / "config.json").unlink()
+    capsys.readouterr()
+    assert V.main(["--model", str(folder), "--run_dir", str(tmp_path / "b")] + small) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vae" in err[0] and not (tmp_path / "b").exists(), err
 
 
 # ------------------------------------------------------------------------------------------------
@@ -3005,3 +3235,288 @@ def test_sections_follow_the_guarantees_table():
     assert rows and rows == banners
     first_banner = src.index(f"# 1. {banners[0][1]}")
     assert all(m.start() > first_banner for m in re.finditer(r"^def test_", src, re.M))
+
+
+# ------------------------------------------------------------------------------------------------
+# 19. The Hub as a first run meets it: every failure one line
+# ------------------------------------------------------------------------------------------------
+# `python vgrpo.py --model OWNER/NAME --reward pickscore`, a fresh process as a user runs it, with
+# the real huggingface_hub, diffusers and transformers talking to examples/tools/fake_hub.py on
+# 127.0.0.1 (HF_ENDPOINT), a fresh HF_HOME, HF_HUB_OFFLINE unset: the Hub's own status codes,
+# headers and messages for gated repositories, tokens, unknown ids, and a download that breaks off.
+FH = _load_example("tools/fake_hub")
+SD3, GATED, PICK, PROC = "acme/sd3-tiny", "acme/sd3-gated", "acme/pick-model", "acme/pick-proc"
+TOKEN_OK, TOKEN_NO_LICENCE = "hf_accepted0000", "hf_notaccepted0"      # tokens the fake Hub knows
+# TINY's sizes spelled out: --model tiny's presets apply to the alias only (and no family preset's
+# gradient checkpointing)
+HUB_RUN = ["--reward", "pickscore", "--pickscore_model", PICK, "--pickscore_processor", PROC,
+           "--device", "cpu", "--resolution", "64", "--num_steps", "4", "--max_sequence_length", "32",
+           "--prompts_per_iter", "2", "--group_size", "3", "--n_mc", "2", "--iterations", "1",
+           "--eval_every", "0", "--save_every", "1", "--lora_rank", "8", "--lora_alpha", "16",
+           "--micro_batch", "6", "--rollout_batch", "6", "--reward_batch", "6",
+           "--no-gradient_checkpointing"]
+
+
+@pytest.fixture(scope="module")
+def hub_repos(tmp_path_factory):
+    """The files the fake Hub serves, saved once: the tiny SD3 pipeline, the tiny PickScore."""
+    d = tmp_path_factory.mktemp("hub_repos")
+    TM.build_tiny_sd3_pipeline().save_pretrained(d / "sd3")
+    _tiny_pickscore(d / "pick")
+    return d
+
+
+@pytest.fixture
+def hub(hub_repos):
+    """A fake Hub for one test: the SD3 pipeline public and gated, PickScore's model and processor
+    public; a token that accepted the gated licence and one that did not."""
+    h = FH.FakeHub()
+    h.add_repo(SD3, hub_repos / "sd3")
+    h.add_repo(GATED, hub_repos / "sd3", gated=True)
+    h.add_repo(PICK, hub_repos / "pick")
+    h.add_repo(PROC, hub_repos / "pick")
+    h.add_token(TOKEN_OK, accepted=[GATED])
+    h.add_token(TOKEN_NO_LICENCE)
+    with h:
+        yield h
+
+
+def _hub_env(tmp_path, endpoint, token=None, **extra):
+    """A first run's environment: a fresh HF_HOME, HF_HUB_OFFLINE unset, no token but `token`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    env.update({"HF_HOME": str(tmp_path / "hf_home"), "HF_ENDPOINT": endpoint,
+                "HF_HUB_DISABLE_XET": "1", **extra})
+    if token:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def _vgrpo(argv, env, timeout=240):
+    """`python vgrpo.py ARGV` in a fresh process: (status, stdout, stderr, wall seconds)."""
+    import subprocess
+    import time
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(ROOT / "vgrpo.py"), *argv], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+def _hub_fails(tmp_path, hub_or_endpoint, model, *phrases, token=None, **extra):
+    """The run ends in one line: status 2, the last stderr line `error: …` holding every phrase,
+    no traceback, no `huggingface-cli`, no run folder. Returns (that line, wall seconds)."""
+    endpoint = getattr(hub_or_endpoint, "endpoint", hub_or_endpoint)
+    run = tmp_path / "run"
+    rc, out, err, wall = _vgrpo(["--model", model, *HUB_RUN, "--run_dir", str(run)],
+                                _hub_env(tmp_path, endpoint, token, **extra))
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    assert rc == 2, (rc, err[-3000:])
+    assert last.startswith("error: "), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "huggingface-cli" not in err + out
+    missing = [p for p in phrases if p not in last]
+    assert not missing, (missing, last)
+    assert not run.exists()
+    return last, wall
+
+
+def _fetched(hub, repo, since=0) -> set:
+    """The files of `repo` whose bytes were asked for (GET) since log entry `since`: from
+    /resolve/, or from the CDN for the large ones."""
+    by_blob = {f"/blob/{f.sha256}": k for k, f in hub.repos[repo].files.items() if f.lfs}
+    got = set()
+    for method, path, _, _ in hub.log[since:]:
+        if method == "GET" and path.startswith(f"/{repo}/resolve/"):
+            got.add(path.split("/resolve/", 1)[1].split("/", 1)[1])
+        elif method == "GET" and path in by_blob:
+            got.add(by_blob[path])
+    return got
+
+
+def _pick_files_requested(hub):
+    return [r for r in hub.requests(contains="/resolve/") if r[1].startswith((f"/{PICK}/", f"/{PROC}/"))]
+
+
+@pytest.mark.trainer
+def test_the_fake_hub_answers_the_real_clients_as_the_hub_does(hub, hub_repos, tmp_path):
+    """Before the trainer's tests rest on it: huggingface_hub, diffusers and transformers, in a
+    fresh process behind HF_ENDPOINT, raise against the fake Hub what they raise against the
+    real one (GatedRepoError with the Hub's messages for 401 and 403, RepositoryNotFoundError,
+    the rejected token's 401, EntryNotFoundError), download every file byte for byte, and load
+    StableDiffusion3Pipeline and CLIPModel/CLIPProcessor from it; the large files come from the
+    CDN origin without the Authorization header."""
+    import subprocess
+    script = f"""
+import json, sys
+import huggingface_hub as H
+from huggingface_hub import errors as E
+out = {{}}
+def outcome(key, f):
+    try:
+        f(); out[key] = ["ok", ""]
+    except Exception as e:
+        out[key] = [type(e).__name__, str(e), getattr(getattr(e, "response", None), "status_code", None)]
+outcome("gated_no_token", lambda: H.hf_hub_download({GATED!r}, "model_index.json"))
+outcome("gated_no_licence", lambda: H.hf_hub_download({GATED!r}, "model_index.json", token={TOKEN_NO_LICENCE!r}))
+outcome("bad_token", lambda: H.HfApi().model_info({SD3!r}, token="hf_wrong"))
+outcome("unknown_no_token", lambda: H.HfApi().model_info("acme/nope"))
+outcome("unknown_token", lambda: H.hf_hub_download("acme/nope", "config.json", token={TOKEN_OK!r}))
+outcome("missing_file", lambda: H.hf_hub_download({SD3!r}, "nope.json"))
+outcome("auth_check_gated", lambda: H.HfApi().auth_check({GATED!r}))
+outcome("auth_check_ok", lambda: H.HfApi().auth_check({GATED!r}, token={TOKEN_OK!r}))
+out["gated_info"] = H.HfApi().model_info({GATED!r}).gated
+out["snapshot"] = H.snapshot_download({GATED!r}, token={TOKEN_OK!r})
+import torch
+from diffusers import StableDiffusion3Pipeline
+from transformers import CLIPModel, CLIPProcessor
+pipe = StableDiffusion3Pipeline.from_pretrained({SD3!r})
+out["sd3"] = {{k: v.sum().item() for k, v in pipe.transformer.state_dict().items()}}
+clip, proc = CLIPModel.from_pretrained({PICK!r}), CLIPProcessor.from_pretrained({PROC!r})
+out["clip"] = {{k: v.sum().item() for k, v in clip.state_dict().items()}}
+out["proc"] = type(proc.tokenizer).__name__
+print(json.dumps(out))
+"""
+    p = subprocess.run([sys.executable, "-c", script], env=_hub_env(tmp_path, hub.endpoint), cwd=ROOT,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    name, msg, status = out["gated_no_token"]
+    assert (name, status) == ("GatedRepoError", 401)
+    assert f"Access to model {GATED} is restricted. You must have access to it and be authenticated" in msg
+    name, msg, status = out["gated_no_licence"]
+    assert (name, status) == ("GatedRepoError", 403)
+    assert f"not in the authorized list. Visit https://huggingface.co/{GATED} to ask for access" in msg
+    name, msg, status = out["bad_token"]
+    assert (name, status) == ("HfHubHTTPError", 401) and "Invalid credentials in Authorization header" in msg
+    assert out["unknown_no_token"][::2] == ["RepositoryNotFoundError", 401]
+    assert out["unknown_token"][::2] == ["RepositoryNotFoundError", 404]
+    assert out["missing_file"][0] == "RemoteEntryNotFoundError"
+    assert out["auth_check_gated"][::2] == ["GatedRepoError", 401] and out["auth_check_ok"][0] == "ok"
+    assert out["gated_info"] == "manual"
+    snap = Path(out["snapshot"])
+    files = sorted(p.relative_to(hub_repos / "sd3") for p in (hub_repos / "sd3").rglob("*") if p.is_file())
+    assert files and sorted(p.relative_to(snap) for p in snap.rglob("*") if p.is_file()) == files
+    assert all((snap / f).read_bytes() == (hub_repos / "sd3" / f).read_bytes() for f in files)
+    from safetensors.torch import load_file
+    from transformers import CLIPModel
+    ref = load_file(str(hub_repos / "sd3" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert out["sd3"] == {k: v.sum().item() for k, v in ref.items()}
+    clip = CLIPModel.from_pretrained(hub_repos / "pick")
+    assert out["clip"] == {k: v.sum().item() for k, v in clip.state_dict().items()}
+    assert out["proc"].startswith("CLIPTokenizer")
+    # large files: a redirect from /resolve/, fetched from the CDN origin without the token
+    cdn = hub.requests("GET", "/blob/")
+    assert cdn and not any(r[2] for r in cdn)
+    assert any(r[2] for r in hub.requests("HEAD", f"/{GATED}/resolve/"))
+
+
+@pytest.mark.trainer
+def test_a_public_model_downloads_and_trains_then_a_wrong_token_names_the_model(hub, tmp_path):
+    """Everything public and reachable: the first run downloads the model and PickScore from the
+    Hub and trains (status 0, a checkpoint). Then, with everything cached, a token the Hub
+    rejects (HF_TOKEN) ends in one line that names the model, not the PickScore processor."""
+    run = tmp_path / "trained"
+    rc, out, err, _ = _vgrpo(["--model", SD3, *HUB_RUN, "--run_dir", str(run)], _hub_env(tmp_path, hub.endpoint))
+    assert rc == 0, err[-3000:]
+    assert (run / "checkpoints" / "iter_000001").is_dir() and len(_metrics(run)) >= 1
+    for repo in (SD3, PICK, PROC):     # every repository's files came from the Hub
+        assert hub.requests("GET", f"/{repo}/resolve/"), repo
+    assert "huggingface-cli" not in err + out
+    last, _ = _hub_fails(tmp_path, hub, SD3, "rejected your token", "hf auth login", SD3,
+                         token="hf_wrongtoken1")
+    assert PROC not in last and PICK not in last
+
+
+@pytest.mark.trainer
+def test_a_gated_model_without_a_token_is_one_line_before_any_reward_download(hub, tmp_path):
+    """A gated --model and no token (the Hub: 401 GatedRepo): one line naming the model's page
+    and `hf auth login`; the model's access is checked before the rewards load, so no file of
+    PickScore's repositories was requested."""
+    _hub_fails(tmp_path, hub, GATED, "is gated", f"https://huggingface.co/{GATED}", "hf auth login")
+    assert hub.requests(contains=GATED)          # the Hub was asked about the model
+    assert _pick_files_requested(hub) == []
+
+
+@pytest.mark.trainer
+def test_a_gated_model_with_the_licence_not_accepted_is_one_line(hub, tmp_path):
+    """A valid token whose user has not accepted the licence (the Hub: 403 GatedRepo): one line
+    saying so, with the page to accept it on."""
+    _hub_fails(tmp_path, hub, GATED, "no access to the gated", f"https://huggingface.co/{GATED}",
+               token=TOKEN_NO_LICENCE)
+    assert _pick_files_requested(hub) == []
+
+
+@pytest.mark.trainer
+def test_a_rejected_token_is_one_line(hub, tmp_path):
+    """A token the Hub does not know (401, Invalid credentials in Authorization header), on
+    public repositories and a fresh cache: one line saying the Hub rejected it, and the fix."""
+    _hub_fails(tmp_path, hub, SD3, "rejected your token", "hf auth login", token="hf_wrongtoken1")
+
+
+@pytest.mark.trainer
+def test_an_unknown_hub_id_is_one_line(hub, tmp_path):
+    """A mistyped hub id (the Hub: 401 RepoNotFound without a token): one line."""
+    _hub_fails(tmp_path, hub, "acme/sd3-tinny", "not found on the Hub", "acme/sd3-tinny")
+    assert _pick_files_requested(hub) == []
+
+
+@pytest.mark.trainer
+def test_no_network_is_one_line_within_seconds(tmp_path):
+    """HF_ENDPOINT on a 127.0.0.1 port nothing listens on, HF_HUB_OFFLINE unset: one line saying
+    the Hub cannot be reached, within seconds (the clients' retries alone take minutes)."""
+    _, wall = _hub_fails(tmp_path, f"http://127.0.0.1:{FH.closed_port()}", SD3, "cannot reach the Hub")
+    assert wall < 20, wall
+
+
+def _tmpfs(path: Path, size: str):
+    """A real small filesystem (root on Linux), or None where it cannot be mounted."""
+    import subprocess
+    path.mkdir(parents=True)
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                        capture_output=True).returncode == 0
+    return path if ok else None
+
+
+@pytest.mark.trainer
+def test_a_full_disk_during_the_download_is_one_line(hub, tmp_path):
+    """HF_HOME on a real 256 KB filesystem, smaller than the model (about 0.9 MB): the download
+    fails with ENOSPC and the run ends in one line naming the cache folder and HF_HOME."""
+    import subprocess
+    small = _tmpfs(tmp_path / "small", "256k")
+    if small is None:
+        pytest.skip("no small filesystem can be mounted here (needs root): a full disk cannot be made")
+    try:
+        env_home = small / "hf_home"
+        last, _ = _hub_fails(tmp_path, hub, SD3, "no space left", "HF_HOME", str(env_home),
+                             HF_HOME=str(env_home))
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+@pytest.mark.trainer
+def test_a_download_that_breaks_off_is_one_line_and_the_same_command_then_trains(hub, tmp_path):
+    """The transformer's weights break off halfway (Content-Length sent, then half the bytes,
+    then the network down through the client's own retries): one line, status 2. On that partial
+    cache, HF_HUB_OFFLINE=1 is one line saying what is missing from the local cache. Then, the
+    network back, the same command downloads what is missing, keeps what was complete, and
+    trains (status 0)."""
+    name = "transformer/diffusion_pytorch_model.safetensors"
+    hub.break_off(name)
+    _hub_fails(tmp_path, hub, SD3, "broke off", "run the same command again: it resumes")
+    size = hub.repos[SD3].files[name].size
+    blob = [r for r in hub.log if r[1] == f"/blob/{hub.repos[SD3].files[name].sha256}"]
+    assert blob[0][3] is None                     # the download, then the client's own retries
+    # the client's own retries (from the start: the half it got arrived in one unfinished read)
+    assert len(blob) > 1 and {r[3] for r in blob[1:]} <= {None, f"bytes={size // 2}-"}, blob
+    snap = next((tmp_path / "hf_home" / "hub" / f"models--{SD3.replace('/', '--')}" / "snapshots").iterdir())
+    cached = {p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file()}
+    assert "model_index.json" in cached and name not in cached
+    hub.restore()
+    n = len(hub.log)
+    _hub_fails(tmp_path, hub, SD3, "not in the local cache", "HF_HUB_OFFLINE", HF_HUB_OFFLINE="1")
+    assert len(hub.log) == n                      # offline: not one request
+    run = tmp_path / "run"
+    rc, _, err, _ = _vgrpo(["--model", SD3, *HUB_RUN, "--run_dir", str(run)], _hub_env(tmp_path, hub.endpoint))
+    assert rc == 0, err[-3000:]
+    assert (run / "checkpoints" / "iter_000001").is_dir()
+    again = _fetched(hub, SD3, n)
+    assert name in again and not again & cached, again   # what was complete is not fetched again

@@ -67,11 +67,11 @@ CONTENTS: §2–§6 the pure math (flow matching, samplers, advantages, pairs an
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse, contextlib, dataclasses, datetime, enum, functools, importlib.util, json, math
-import os, random, shutil, sys, tempfile, time, warnings
+import argparse, contextlib, dataclasses, datetime, enum, errno, functools, importlib.util, json
+import math, os, random, shutil, sys, tempfile, time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 
 def _stopped_at_start(*_) -> None:  # Ctrl-C while torch imports: main()'s line, not a traceback
@@ -84,6 +84,15 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, _stopped_at_start)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+
+class ConfigError(ValueError):  # bad input (a flag, file, model, plug-in, prompt): one line, 2
+    status, label = 2, "error"  # found before anything is written, but for a prompt missing
+                                # from the --offload_text_encoders cache (SD3Adapter.encode)
+
+
+class RunError(Exception):  # a run that cannot go on: where it stands, how to go on
+    status, label = 2, "error"
 
 
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
@@ -125,14 +134,6 @@ def sigma_grid(num_steps: int, shift: float = 1.0) -> torch.Tensor:
     """A rollout grid (K + 1,) float64 on the CPU, t = 1 (noise) → exactly 0 (data): K equal
     steps, linspace(1, 0, K + 1), time-shifted. FLUX's grid [ours C8]; SD3's: SD3Adapter.sigmas."""
     return time_shift(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift)
-
-
-def unpack_latents(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
-    """FLUX's 2×2 patch packing undone: (B, (H/2)·(W/2), 4C) → (B, C, H, W). A pure permutation,
-    so Gaussian noise and per-element means are the same in both layouts."""
-    B, _, C4 = x.shape
-    patches = x.view(B, H // 2, W // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # B,C,H/2,2,W/2,2
-    return patches.reshape(B, C4 // 4, H, W)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -429,26 +430,67 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # ------------------------------------------------------------------------------------------------
 class Stream(enum.IntEnum):
     """Each a CPU generator(seed, it, stream) of its own: a resume redraws what the run drew.
-    PROBE, HOLDOUT: generator(0, 0, ·). 4–8 and 11–15 are the examples' (examples/baselines/)."""
+    Below 16, one per iteration (4–8 and 11–15 are examples/baselines/'); 16 and up, once per
+    run whatever --seed (generator(0, 0, ·)). No two streams share a seed (`stream_seed`)."""
     PROMPTS = 0        # step 1: which P training prompts
     ROLLOUT_NOISE = 1  # step 1: the initial noise x1 of the N rollouts
     PAIRS = 2          # step 3: the (t, ε) pairs
     MINIBATCHES = 3    # step 5: the μ minibatches
     EVAL_NOISE = 9     # evaluate: one fixed noise per held-out prompt
     PROBE = 10         # probe_reward: the two random images of a reward's start-up probe
-    HOLDOUT = 1234     # load_prompts: which lines of --prompts are held out
+    HOLDOUT = 16       # load_prompts: which lines of --prompts are held out
+
+
+MAX_ITERATIONS = 1_000_003  # check_args: --iterations below it keeps the seeds apart
+
+
+def stream_seed(seed: int, it: int, stream: int) -> int:
+    """(seed·1_000_003 + it)·16 + stream ≥ 0 for stream < 16: distinct for 0 ≤ it < 1_000_003;
+    a once-per-run stream's is −stream, below them all."""
+    return (seed * MAX_ITERATIONS + it) * 16 + stream if stream < 16 else -stream
 
 
 def generator(seed: int, it: int, stream: int) -> torch.Generator:
-    """The CPU generator of (seed, iteration, stream); stream < 16 keeps them apart."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
+    """The CPU generator of (seed, iteration, stream), apart from every other (`stream_seed`)."""
+    return torch.Generator().manual_seed(stream_seed(seed, it, stream))
+
+
+class Model(Protocol):
+    """What the iteration asks of a model family: SD3Adapter (§9) is the worked example, FLUX's
+    and examples/models/'s plug-ins implement the same. Time t = 1 noise → 0 data, v = ε − x0;
+    D is one ODE latent's shape (SD3: (C, H, W); packed families: (seq, channels))."""
+    transformer: torch.nn.Module  # the trained network: LoRA goes here (its numbered blocks)
+
+    def latent_shape(self, resolution: int) -> tuple:
+        """D, the shape of one latent the ODE solves in, at this image side."""
+
+    def encode(self, prompts: list[str]) -> dict:
+        """CFG-free conditioning of B prompts: a dict of batch-first tensors, B rows each."""
+
+    def cache_prompts(self, prompts: list[str]) -> None:
+        """--offload_text_encoders: embed each prompt once, then move the encoders off the GPU."""
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """v_θ(x, t, c): x (M, *D), t (M,) in [0, 1], cond's rows of the M samples → (M, *D)."""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (M, *D) → images (M, 3, H, W), fp32 in [0, 1]."""
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The rollout grid (K + 1,) float64 on the CPU, 1 → exactly 0: the pipeline's own."""
+
+    def blocks(self) -> list:
+        """The transformer's repeated blocks (compiled one by one; FSDP units)."""
+
+    def save_lora(self, folder: str, state: dict, lora_config) -> None:
+        """Write the LoRA so that the stock pipeline's load_lora_weights(folder) reads it."""
 
 
 @dataclass
 class Run:
     """Everything an iteration needs, built by `setup` (§10); `local`: a process's groups."""
     args: Args
-    adapter: object   # SD3Adapter or FluxAdapter (§9)
+    adapter: Model    # SD3Adapter (§9) or a plug-in's Adapter (examples/models/: FLUX.1, …)
     rewards: Rewards  # §8
     opt: torch.optim.Optimizer
     params: list      # the trainable parameters (LoRA, or the whole transformer)
@@ -487,6 +529,14 @@ class Run:
         if self.world > 1:
             self.adapter.transformer.set_requires_gradient_sync(last or self.args.full_finetune)
         self.scaler.scale(loss).backward()
+
+
+def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x along the last dim
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
 
 
 @dataclass
@@ -572,7 +622,7 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
     mine = torch.stack([mine[n] for n in names]).to(run.dev)  # (R, Nl)
     every = _all_gather_cat(mine, run.world)                  # harness: every process's; (R, N)
     raw = dict(zip(names, every.cpu()))                       # {name: (N,)}
-    values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)
+    values = training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)
     aggregate = {"sum": weighted_sum_advantages,
                  "per_reward": per_reward_advantages}[args.reward_aggregation]
     adv, stats = aggregate(values, torch.tensor([w for _, w in rw.train_terms]),  # (R,P,G), (R,)
@@ -580,8 +630,29 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
                            clamp=args.adv_clamp, eta=args.soft_clip_eta)  # (P, G)
     # adv.flatten() is prompt-major (sample n belongs to prompt n // G), as the rollouts are
     mine = run.local(adv.flatten()).to(run.dev)  # harness: torchrun's share; (Nl,)
-    return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms), adv=mine,
+    return Scored(raw=raw, headline=headline(raw, rw.train_terms), adv=mine,
                   adv_stats=stats, skipped=bool((adv == 0).all()))
+
+
+# Step 2's arithmetic of rewards: `raw` is {reward name: (N,) raw values}; the advantages see
+# raw · train_scale (§8's REWARD_UNITS: name → (logged unit, train_scale)).
+def training_values(raw: dict, terms) -> torch.Tensor:
+    """raw {name: (N,)} → (R, N) values the advantages see: raw[name] · train_scale."""
+    return torch.stack([raw[n] * REWARD_UNITS.get(n, ("raw", 1.0))[1] for n, _ in terms])
+
+
+def headline(raw: dict, terms) -> torch.Tensor:
+    """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
+    if len(terms) == 1:
+        return raw[terms[0][0]]
+    w = torch.tensor([wt for _, wt in terms])[:, None]  # (R, 1)
+    return (training_values(raw, terms) * w).sum(0)
+
+
+def reward_unit(terms) -> str:
+    """The unit of headline(raw, terms)."""
+    return (REWARD_UNITS.get(terms[0][0], ("raw",))[0] if len(terms) == 1
+            else "weighted sum of training-scaled rewards")
 
 
 def draw_iteration_pairs(run: Run, it: int) -> Pairs:
@@ -703,7 +774,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, s_old: OldSurrogates, log: 
     host = dict(zip(scal, torch.stack([v.float().to(run.dev) for v in scal.values()]).tolist()))
     bad = int((~torch.isfinite(sc.headline)).sum())
     m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
-         "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
+         "reward_unit": reward_unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
          "grad_scale": run.scaler.get_scale(),  # 1.0 when disabled
          "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * s_old.n_old_pass / run.Nl,
@@ -779,14 +850,6 @@ def timed(times: dict, key: str, dev: Optional[torch.device] = None):
 #     CPU fp32. The pure math sees only the rewards (P, G), and masks non-finite ones (§4).
 # ------------------------------------------------------------------------------------------------
 # Bad input and runs that cannot go on: main() (§11) prints them as one line, no traceback.
-class ConfigError(ValueError):  # bad input (a flag, file, model, plug-in): one line, no writes
-    status, label = 2, "error"
-
-
-class RunError(Exception):  # a run that cannot go on: where it stands, how to go on
-    status, label = 2, "error"
-
-
 # `raw` is {reward name: (N,) raw values}; REWARD_UNITS: name → (logged unit, train_scale); the
 # advantages see raw · train_scale (only sums and std_eps notice): PickScore's /26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
@@ -797,10 +860,6 @@ BUILTIN_REWARDS = tuple(REWARD_UNITS)
 REWARD_PLUGINS = {n: f"examples.rewards.{n}:score" for n in BUILTIN_REWARDS[1:]  # examples/rewards/
                   if n != "clipscore"}
 REMOTE = ("http://", "https://")  # a reward served elsewhere: examples/rewards/remote_reward.py
-
-
-class Prompt(str):  # from a .jsonl: .metadata is its line (GenEval's tag...)
-    metadata: dict
 
 
 def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
@@ -839,13 +898,18 @@ class RewardError(RunError, ValueError):
     status = 69                         # main() exits with it (docs/training.md)
 
 
+def user_import_path() -> None:
+    """Plug-ins import as examples.… and as the user's modules beside the run (the cwd)."""
+    for where in (str(Path(__file__).resolve().parent), os.getcwd()):
+        if where not in sys.path:
+            sys.path.insert(0, where)
+
+
 def plugin_reward(spec: str) -> Callable:
     """`module.path:function` or a reward server's URL; a call that breaks the contract raises."""
     module, _, fn_name = ("examples.rewards.remote_reward:client" if spec.startswith(REMOTE)
                           else spec).partition(":")
-    for where in (str(Path(__file__).resolve().parent), os.getcwd()):  # examples/, the user's
-        if where not in sys.path:                                       # modules beside the run
-            sys.path.insert(0, where)
+    user_import_path()
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
@@ -933,7 +997,11 @@ def build_reward(name: str, args: Args, device: torch.device, dtype: torch.dtype
                   "clipscore": ("clip_model", "clip_model")}[name]
         proc = _from_pretrained(AutoProcessor, getattr(args, pf), f"the {name} processor",
                                 f"--{pf}")
-        model = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model", f"--{mf}")
+        model, info = _from_pretrained(AutoModel, getattr(args, mf), f"the {name} model",
+                                       f"--{mf}", output_loading_info=True)
+        if info["missing_keys"]:  # random weights in their place would score nonsense
+            raise ConfigError(f"the {name} model {getattr(args, mf)!r} lacks weights "
+                              f"{sorted(info['missing_keys'])[:3]}; check --{mf}")
         return clip_reward(model, proc, device, dtype, logit_scale=name == "pickscore")
     return plugin_reward(REWARD_PLUGINS.get(name, name))
 
@@ -952,73 +1020,225 @@ class Rewards:
         return cls({n: build_reward(n, args, device, dtype) for n in names},
                    args.train_terms, args.eval_terms)
 
-    def unit(self, terms) -> str:
-        """The unit of headline(raw, terms)."""
-        return (REWARD_UNITS.get(terms[0][0], ("raw",))[0] if len(terms) == 1
-                else "weighted sum of training-scaled rewards")
-
-    def training_values(self, raw: dict, terms) -> torch.Tensor:
-        """raw {name: (N,)} → (R, N) values the advantages see: raw[name] · train_scale."""
-        return torch.stack([raw[n] * REWARD_UNITS.get(n, ("raw", 1.0))[1] for n, _ in terms])
-
-    def headline(self, raw: dict, terms) -> torch.Tensor:
-        """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
-        if len(terms) == 1:
-            return raw[terms[0][0]]
-        w = torch.tensor([wt for _, wt in terms])[:, None]  # (R, 1)
-        return (self.training_values(raw, terms) * w).sum(0)
-
 
 # ------------------------------------------------------------------------------------------------
-# §9  Models: pipelines, the SD3 / FLUX adapters, LoRA (diffusers, transformers, peft).
+# §9  Models: pipelines, the SD3 adapter, model plug-ins, LoRA (diffusers, transformers, peft).
 # ------------------------------------------------------------------------------------------------
 MODEL_ALIASES = {"sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
                  "sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
-                 "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
-                 "flux.1-dev": "black-forest-labs/FLUX.1-dev"}
-TINY_MODELS = {"tiny": "StableDiffusion3Pipeline", "tiny-flux": "FluxPipeline"}
-SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
+                 "sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers"}
+TINY_MODELS = {"tiny": "StableDiffusion3Pipeline"}
+SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline",)  # FLUX.1 and the others: examples/models/
+
+
+# Model plug-ins beside the reward plug-ins: examples/models/<name>.py, each a module with
+# PIPELINES, ALIASES, TINY, TINY_PRESET, DEFAULTS and an Adapter class (examples/models/README.md).
+@functools.cache
+def model_plugins() -> dict:
+    """{name: module} of examples/models/*.py (not its tests), each imported by path once."""
+    found = {}
+    for path in sorted(Path(__file__).resolve().parent.glob("examples/models/*.py")):
+        if not path.name.startswith(("test_", "_")):
+            sys.modules.setdefault("vgrpo", sys.modules[__name__])  # `import vgrpo`: this file
+            spec = importlib.util.spec_from_file_location(f"vgrpo_models_{path.stem}", path)
+            found[path.stem] = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = found[path.stem]
+            spec.loader.exec_module(found[path.stem])
+    return found
+
+
+def model_plugin(name: str):
+    """The plug-in module that --model NAME names (an alias, tiny alias or pipeline folder)."""
+    module, colon, _ = name.partition(":")
+    if colon and not os.path.exists(name):  # a user's: --model module:(alias|hub id|folder)
+        return user_model_plugin(module)
+    if name in TINY_MODELS or name in MODEL_ALIASES:
+        return None
+    for mod in model_plugins().values():
+        if name in mod.ALIASES or name in mod.TINY or name in mod.ALIASES.values():
+            return mod
+    if os.path.isdir(name):
+        return pipeline_plugin(check_local_pipeline(name)[0])
+    hints = [(h, m) for m in model_plugins().values() for h in getattr(m, "HUB_HINTS", ())
+             if "/" in name and h in name.lower()]  # another hub id of a plug-in's family
+    return max(hints, key=lambda hm: len(hm[0]), default=(None, None))[1]
+
+
+@functools.cache
+def user_model_plugin(module: str):
+    """A plug-in module of the user's (the contract of examples/models/), imported by name."""
+    user_import_path()
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"--model {module}:…: could not import module {module!r} ({e})") from e
+    missing = [a for a in ("PIPELINES", "ALIASES", "TINY", "DEFAULTS", "Adapter")
+               if not hasattr(mod, a)]
+    if missing:
+        raise ConfigError(f"--model {module}:…: {module!r} lacks {', '.join(missing)} "
+                          "(examples/models/README.md: the plug-in contract)")
+    return mod
+
+
+def pipeline_plugin(cls_name: str):  # the plug-in that drives a diffusers pipeline class
+    return next((m for m in model_plugins().values() if cls_name in m.PIPELINES), None)
 
 
 def model_family(name: str) -> str:
-    """'sd3' or 'flux', from the alias, the local folder's model_index.json, or the hub id."""
-    named = MODEL_ALIASES.get(name, name)  # a hub id: FLUX's name says "flux"
-    if name in TINY_MODELS or Path(name).is_dir():
-        named = TINY_MODELS.get(name) or check_local_pipeline(name)[0]  # one-line errors
-    return "flux" if "flux" in named.lower() else "sd3"
+    """'sd3', 'flux' or a plug-in's name, from the alias, the folder's model_index.json or the id."""
+    plugin = model_plugin(name)
+    if plugin is not None:
+        return plugin.__name__.removeprefix("vgrpo_models_")
+    if Path(name).is_dir():
+        check_local_pipeline(name)  # one-line errors
+    return "sd3"
 
 
 def _quiet_hf():
-    """Silence the libraries' per-load progress bars (ours is the one to read) and warnings."""
+    """Silence the libraries' per-load bars and chatter, but keep the Hub's download bars."""
     for lib in map(importlib.import_module, ("diffusers", "transformers")):
-        lib.utils.logging.disable_progress_bar()
+        lib.utils.logging.disable_progress_bar()  # transformers' also turns off the Hub's bars:
         lib.utils.logging.set_verbosity_error()
+    from huggingface_hub.utils import enable_progress_bars
+    enable_progress_bars()                        # a first run's download is minutes of them
+
+
+# ---- the Hub: every id checked before anything downloads; each failure one line with its fix ---
+HUB_TIMEOUT = 10  # seconds for the access check: no network is said at once, not after retries
+HUB_STATE = {"unreachable": False}  # set by check_hub_access: the cache only, and why
+HUB_SIZES = {"stabilityai/stable-diffusion-3.5-medium": "about 16 GB",  # what the loaders read
+             "yuvalkirstain/PickScore_v1": "about 4 GB"}
+
+
+def is_hub_id(location: str) -> bool:
+    return location not in TINY_MODELS and not os.path.exists(location) and "/" in location
+
+
+def check_hub_access(ids: list[tuple[str, str, str]]) -> None:
+    """Before any download: may this machine read each (hub id, what, flag)? A gated, unknown
+    or token failure is one ConfigError; an unreachable Hub leaves the local cache, checked."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    for repo, what, flag in ids:
+        if constants.HF_HUB_OFFLINE:
+            break
+        url = f"{constants.ENDPOINT}/api/models/{repo}/auth-check"
+        try:
+            hf_raise_for_status(get_session().get(url, headers=build_hf_headers(),
+                                                  timeout=HUB_TIMEOUT))
+        except Exception as e:  # noqa: BLE001 — classified below; a bug would still show
+            if not _hub_unreachable(e):
+                raise ConfigError(hub_failure(e, repo, what, flag) or
+                                  f"{what} {repo!r}: the Hub's access check failed ({e})") from None
+            _warn(f"cannot reach the Hub at {constants.ENDPOINT} ({type(e).__name__}); "
+                  "loading from the local cache only")  # at once: no minutes of retries
+            constants.HF_HUB_OFFLINE = HUB_STATE["unreachable"] = True
+    for repo, what, flag in ids:  # offline: each in the cache, the model's first
+        if not constants.HF_HUB_OFFLINE:
+            break
+        try:
+            snapshot_download(repo, local_files_only=True)
+        except OSError as e:
+            raise ConfigError(hub_failure(e, repo, what, flag) or str(e)) from None
+
+
+def hub_ids(args: Args, model: bool = True, rewards: bool = True) -> list:
+    """(hub id, what, flag) of each weight the run reads from the Hub, the model's first."""
+    ids = [(resolve_model(args.model), "the model", "--model")] if model else []
+    names = {n for n, _ in args.train_terms + args.eval_terms} if rewards else set()
+    for name, flags in (("pickscore", ("pickscore_processor", "pickscore_model")),
+                        ("clipscore", ("clip_model",))):
+        if name in names:
+            ids += [(getattr(args, f), f"the {name} {f.split('_')[-1]}", f"--{f}") for f in flags]
+    return [i for i in dict.fromkeys(ids) if is_hub_id(i[0])]
+
+
+def _chain(e: BaseException):  # e and every exception it was raised from, innermost last
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _hub_unreachable(e: BaseException) -> bool:
+    from huggingface_hub.utils import httpx
+    return any(isinstance(x, (httpx.ConnectError, httpx.ConnectTimeout)) for x in _chain(e))
+
+
+def hub_failure(e: BaseException, repo: str, what: str, flag: str) -> Optional[str]:
+    """The one line for a failure to fetch `repo` from the Hub, from the exception chain; None
+    when nothing in the chain is the Hub's (a bug or a damaged local folder)."""
+    from huggingface_hub import constants, errors
+    from huggingface_hub.utils import httpx
+    page, login = f"https://huggingface.co/{repo}", "`hf auth login` (or set HF_TOKEN)"
+    local = f"or `hf download {repo}` where there is access, then `{flag} /path/to/dir`"
+    for x in _chain(e):
+        status = getattr(getattr(x, "response", None), "status_code", None)
+        if isinstance(x, errors.GatedRepoError) and status == 403:
+            return (f"your token has no access to the gated {what} {repo!r}: accept its licence "
+                    f"at {page} (logged in as the token's user), then run the same command")
+        if isinstance(x, errors.GatedRepoError):
+            return (f"{what} {repo!r} is gated: accept its licence at {page} while logged in, "
+                    f"then {login}")
+        if isinstance(x, errors.HfHubHTTPError) and "Invalid credentials" in str(x):
+            return (f"the Hub rejected your token (invalid credentials) for {what} {repo!r}: "
+                    f"{login} with a valid one, or unset HF_TOKEN")
+        if isinstance(x, errors.RepositoryNotFoundError):
+            return (f"{what} {repo!r} was not found on the Hub (a typo, or a private repository "
+                    f"you have no access to); check {flag}")
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            return (f"no space left on the device while downloading {what} {repo!r} into the "
+                    f"Hub cache {constants.HF_HUB_CACHE}: free space there, or move the cache "
+                    "with HF_HOME=/a/bigger/disk")
+        if isinstance(x, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
+            why = "HF_HUB_OFFLINE is set: unset it where the Hub is reachable"
+            if HUB_STATE["unreachable"]:
+                why = (f"this machine cannot reach the Hub at {constants.ENDPOINT}: check "
+                       "the network")
+            return (f"{what} {repo!r} is not in the local cache ({constants.HF_HUB_CACHE}) and "
+                    f"{why}, {local}")
+        if _hub_unreachable(x):
+            return f"cannot reach the Hub at {constants.ENDPOINT} for {what} {repo!r}: {local}"
+        if isinstance(x, httpx.TransportError):
+            return (f"the download of {what} {repo!r} broke off ({type(x).__name__}): run the "
+                    "same command again: it resumes where it stopped")
+    return None
+
+
+def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
+    """loader.from_pretrained(location), saying first what loads; a Hub failure is one line."""
+    size = f", {HUB_SIZES[location]} on first use" if location in HUB_SIZES else ""
+    where = "the local folder" if os.path.isdir(location) else "the Hub cache or the Hub"
+    print(f"loading {what} {location} from {where}{size}", flush=True)  # stdout: stderr errs
+    from huggingface_hub.utils import httpx
+    try:
+        return loader.from_pretrained(location, **kwargs)
+    except (OSError, httpx.HTTPError) as e:
+        line = hub_failure(e, location, what, flag)
+        raise ConfigError(line or f"could not load {what} from {location!r} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
 
 
 def resolve_model(name: str) -> str:
     """'tiny' | alias | local diffusers dir | hub id (owner/name) → what from_pretrained gets."""
+    if ":" in name and not os.path.exists(name):  # module:NAME, a user's plug-in
+        inner = name.partition(":")[2]
+        return model_plugin(name).ALIASES.get(inner, inner)
     parts = name.split("/")
     if name in TINY_MODELS or os.path.isdir(name) or (
             len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))):
         return name
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
-    aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES])
+    plugin = model_plugin(name)
+    if plugin is not None:  # a plug-in's tiny alias is itself; its alias, a hub id
+        return plugin.ALIASES.get(name, name)
+    aliases = ", ".join([*TINY_MODELS, *MODEL_ALIASES, *(a for m in model_plugins().values()
+                                                        for a in (*m.ALIASES, *m.TINY))])
     raise ConfigError(f"unknown model {name!r}: pass an alias ({aliases}), hub id or local folder")
 
 
-def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
-    """loader.from_pretrained(location), or a ConfigError saying how to get the files offline."""
-    try:
-        return loader.from_pretrained(location, **kwargs)
-    except OSError as e:
-        raise ConfigError(f"could not load {what} from {location!r} (no network, or not in the "
-                          f"local cache): `huggingface-cli download {location} --local-dir "
-                          f"/path/to/dir` where there is access, then `{flag} /path/to/dir`") from e
-
-
 @functools.cache  # once per folder: for the model family, then for loading
-def check_local_pipeline(location: str) -> tuple[str, dict]:
+def check_local_pipeline(location: str, also: tuple = ()) -> tuple[str, dict]:
     """A local folder checked before loading: (its class, {part: None} for null parts, e.g. T5)."""
     index, where = Path(location, "model_index.json"), f"--model {location!r}"
     if not index.is_file():
@@ -1027,8 +1247,10 @@ def check_local_pipeline(location: str) -> tuple[str, dict]:
         spec = json.loads(index.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: model_index.json is unreadable ({e})") from None
-    if spec.get("_class_name") not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"{where} holds a {spec.get('_class_name')}, not an SD3 or FLUX pipeline")
+    cls_name = spec.get("_class_name")
+    if cls_name not in SUPPORTED_PIPELINES + also and pipeline_plugin(str(cls_name)) is None:
+        raise ConfigError(f"{where} holds a {cls_name}: neither SD3 nor a pipeline of "
+                          "examples/models/ (examples/models/README.md)")
     parts = [k for k, v in spec.items() if not k.startswith("_") and (v is None or type(v) is list)]
     null = {k: None for k in parts if spec[k] is None or None in spec[k]}
     for k in parts:
@@ -1041,21 +1263,26 @@ def check_local_pipeline(location: str) -> tuple[str, dict]:
 
 
 def load_pipeline(name: str, dtype: torch.dtype):
-    """Load a diffusers SD3 or FLUX pipeline: the same code path for hub ids and local folders."""
+    """Load a diffusers pipeline (SD3, a plug-in's): one code path for hub ids and folders."""
     import diffusers
     _quiet_hf()
-    location = resolve_model(name)
+    location, plugin = resolve_model(name), model_plugin(name)
+    if plugin is not None and location in plugin.TINY:  # its offline builder
+        return freeze_and_cast(getattr(plugin, plugin.TINY[location])(), dtype)
     if location in TINY_MODELS:
-        tm = tiny_models()
-        pipe = tm.build_tiny_sd3_pipeline() if location == "tiny" else tm.build_tiny_flux_pipeline()
-        return freeze_and_cast(pipe, dtype)
-    cls_name, null = check_local_pipeline(location) if os.path.isdir(location) else (None, {})
-    with warnings.catch_warnings():                     # diffusers 0.3x–0.4x: `torch_dtype`;
-        warnings.simplefilter("ignore", FutureWarning)  # 0.42 prefers `dtype`
-        pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
-                                "the model", "--model", torch_dtype=dtype, **null)
-    if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-        raise ConfigError(f"{location!r} is a {type(pipe).__name__}, not an SD3 or FLUX pipeline")
+        return freeze_and_cast(tiny_models().build_tiny_sd3_pipeline(), dtype)
+    also = tuple(getattr(plugin, "PIPELINES", ()))  # a user's plug-in's pipelines
+    cls_name, null = (check_local_pipeline(location, also) if os.path.isdir(location)
+                      else (None, {}))
+    # diffusers 0.42 renamed `torch_dtype` (to be removed at 1.0) `dtype`; older ones lack `dtype`
+    version = tuple(int(v) for v in diffusers.__version__.split(".")[:2])
+    kw = {**null, {True: "dtype", False: "torch_dtype"}[version >= (0, 42)]: dtype}
+    pipe = _from_pretrained(getattr(diffusers, cls_name or "DiffusionPipeline"), location,
+                            "the model", "--model", **kw)
+    cls_name = type(pipe).__name__
+    if cls_name not in SUPPORTED_PIPELINES + also and pipeline_plugin(cls_name) is None:
+        raise ConfigError(f"{location!r} is a {cls_name}: neither SD3 nor a pipeline of "
+                          "examples/models/ (examples/models/README.md)")
     return freeze_and_cast(pipe, dtype)
 
 
@@ -1089,7 +1316,7 @@ def tiny_models():
 #   t, guidance  1000·t; none (CFG-free)             t (scaled ×1000 inside); distilled, 3.5
 #   rollout grid the scheduler's (shift 3)           linspace shifted by 3 (MixGRPO) [ours C8]
 class SD3Adapter:
-    """A diffusers SD3 / SD3.5 pipeline behind the seam above; FluxAdapter overrides its rows."""
+    """A diffusers SD3 / SD3.5 pipeline behind the seam above; FLUX's overrides its rows."""
 
     def __init__(self, pipe, device: torch.device, max_sequence_length: int):
         self.pipe, self.device, self.L = pipe, device, max_sequence_length
@@ -1152,60 +1379,24 @@ class SD3Adapter:
         sched.set_timesteps(num_steps)
         return sched.sigmas.detach().double().cpu()
 
+    def blocks(self) -> list:
+        return transformer_blocks(self.transformer)
+
     def save_lora(self, folder: str, state: dict, lora_config) -> None:
         """Write the LoRA in diffusers' format (StableDiffusion3Pipeline.load_lora_weights)."""
         type(self.pipe).save_lora_weights(folder, transformer_lora_layers=state,
                                           transformer_lora_adapter_metadata=lora_config.to_dict())
 
 
-class FluxAdapter(SD3Adapter):
-    """FLUX.1: packed latents + image ids, t in [0, 1], the guidance embedding, a shifted grid."""
-
-    def __init__(self, pipe, device: torch.device, max_sequence_length: int, guidance: float = 3.5,
-                 shift: float = 3.0):
-        super().__init__(pipe, device, max_sequence_length)
-        self.guidance, self.shift = guidance, shift
-        self.txt_ids = torch.zeros(max_sequence_length, 3, device=device)
-
-    def latent_shape(self, resolution: int) -> tuple:
-        r = resolution // self.vae_scale                             # latent side (even)
-        return ((r // 2) ** 2, self.transformer.config.in_channels)  # (seq, 64)
-
-    @torch.no_grad()
-    def _encode(self, prompts: list[str]) -> dict:
-        """prompt_embeds (B, L, 4096) from T5, pooled (B, 768) from CLIP-L."""
-        pe, pooled, self.txt_ids = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.L)
-        return {"prompt_embeds": pe, "pooled": pooled}
-
-    def _img_ids(self, seq: int) -> torch.Tensor:
-        """(seq, 3) rows [0, row, col] of the square packed latent grid."""
-        s = math.isqrt(seq)
-        rows, cols = torch.meshgrid(*[torch.arange(s, device=self.device)] * 2, indexing="ij")
-        return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(seq, 3)
-
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        """v_θ on packed latents x (M, seq, 64), t (M,) in [0, 1]."""
-        dt = x.dtype if torch.is_autocast_enabled(x.device.type) else self.transformer.dtype
-        g = (torch.full((x.shape[0],), self.guidance, device=x.device, dtype=dt)
-             if self.transformer.config.guidance_embeds else None)
-        return self.transformer(hidden_states=x.to(dt), timestep=t.to(dt), guidance=g,
-                                pooled_projections=cond["pooled"],
-                                encoder_hidden_states=cond["prompt_embeds"], txt_ids=self.txt_ids,
-                                img_ids=self._img_ids(x.shape[1]), return_dict=False)[0]
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        side = 2 * math.isqrt(latents.shape[1])
-        return super().decode(unpack_latents(latents, side, side))
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        return sigma_grid(num_steps, self.shift)
-
-
-def make_adapter(pipe, args: "Args", device: torch.device):
-    if type(pipe).__name__ == "FluxPipeline":
-        return FluxAdapter(pipe, device, args.max_sequence_length, args.guidance, args.flux_shift)
+def make_adapter(pipe, args: "Args", device: torch.device) -> Model:
+    """The adapter of the pipeline's family: SD3's, FLUX's, or a plug-in's (examples/models/)."""
+    plugin = (model_plugin(args.model) if ":" in args.model else None) or pipeline_plugin(
+        type(pipe).__name__)
+    if plugin is not None:
+        try:
+            return plugin.Adapter(pipe, device, args)
+        except ValueError as e:  # the plug-in's refusal of this pipeline or these flags
+            raise ConfigError(f"--model {args.model}: {e}") from None
     return SD3Adapter(pipe, device, args.max_sequence_length)
 
 
@@ -1241,12 +1432,17 @@ def train(args: Args, resumed: Optional[tuple] = None, fresh_ok: bool = False) -
     """Run V-GRPO; returns the per-iteration metrics (also in run_dir/metrics.jsonl)."""
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; nothing created yet
     with hold_run_dir(run_dir):                     # one trainer per folder, before loading
-        return run_iterations(setup(args, resumed=resumed), run_dir)  # bad input: in setup
+        try:
+            run = setup(args, resumed=resumed)      # bad input fails in setup
+        except torch.cuda.OutOfMemoryError as e:
+            e.vgrpo_phase = "setup"
+            raise RunError(f"{out_of_memory(e, args)}; nothing written yet") from None
+        return run_iterations(run, run_dir)
 
 
 def run_iterations(run: Run, run_dir: Path) -> list[dict]:
     """The iterations from run.start, evaluations and checkpoints; a stop says how to go on."""
-    a, history, log = run.args, [], RunLog(run, run_dir)
+    a, history, log, it = run.args, [], RunLog(run, run_dir), run.start
     try:
         for it in log.bar:
             with run.guard(it):  # examples/cluster.py: a stop saves and says so
@@ -1264,11 +1460,43 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
         raise Interrupted(how_to_go_on(run_dir)) from None
     except RewardError as e:
         raise RewardError(f"{e}; {how_to_go_on(run_dir)}") from None
+    except torch.cuda.OutOfMemoryError as e:
+        raise RunError(f"{out_of_memory(e, a)}, iteration {it}; {how_to_go_on(run_dir)}") from None
     finally:
         log.close()
         if run.world > 1:
             torch.distributed.destroy_process_group()
+    if run.rank == 0:
+        print(closing_line(run, run_dir))
     return history
+
+
+# Out of GPU memory: the phase (timed() puts it on the error) and the flag that lowers it.
+OOM_KNOBS = {"time_rollout": "the rollout: lower --rollout_batch",
+             "time_reward": "decoding and rewards: lower --reward_batch",
+             "time_old": "the θ_old pass: lower --micro_batch",
+             "time_update": "the update: lower --micro_batch or use --gradient_checkpointing",
+             "eval": "the evaluation: lower --rollout_batch or --reward_batch",
+             "setup": "loading and setup: fewer --reward models, or --no-compile"}
+
+
+def out_of_memory(e: Exception, args: Args) -> str:
+    """'out of GPU memory in <phase>: <what lowers it>' (docs/scaling.md, "Memory")."""
+    phase = OOM_KNOBS.get(getattr(e, "vgrpo_phase", ""), "the run")
+    if not args.offload_text_encoders:  # the text encoders (T5: about 9 GB) leave the GPU
+        phase += " (or --offload_text_encoders)"
+    return f"out of GPU memory in {phase}"
+
+
+def closing_line(run: Run, run_dir: Path) -> str:
+    """The run's last line: where its weights are and how a stock diffusers pipeline loads them."""
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    use = f"pipe.load_lora_weights({str(ckpt)!r})"
+    if run.args.full_finetune:
+        cls = type(run.adapter.transformer).__name__
+        use = f"{cls}.from_pretrained({str(ckpt)!r}, subfolder='transformer')"
+    return (f"done: run folder {run_dir}, final checkpoint {ckpt}; in diffusers: {use} "
+            "(docs/training.md, \"Using the trained model\")")
 
 
 def how_to_go_on(run_dir: Path, saved: Optional[Path] = None) -> str:
@@ -1289,7 +1517,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     ckpt, state, init = read_starts(args, resumed)
     rank, world, _ = dist_info()
     dev, dtype, ctx = setup_device(args)  # under torchrun: joins the processes
-    if rewards is None:
+    check_hub_access(hub_ids(args, model=pipe is None, rewards=rewards is None))  # before any
+    if rewards is None:                                                         # download
         rewards = Rewards.load(args, dev, dtype)
     for name, fn in rewards.models.items():  # plug-ins fail here, in one line
         scored = train_prompts if name in dict(args.train_terms) else []
@@ -1319,7 +1548,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     if compiled is None:  # the default: on with CUDA, in one process
         compiled = dev.type == "cuda" and world == 1
     if compiled:  # one line if it fails; nothing written yet
-        time_compile = compile_blocks(adapter, args, ctx, train_prompts[:1], params)
+        time_compile = compile_blocks(adapter, args, ctx, train_prompts[:1], params,
+                                      len(eval_prompts[:args.n_eval]))  # evaluate's rows
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     # fp16 gradients underflow without loss scaling; bf16 and fp32 get a no-op scaler
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -1352,20 +1582,22 @@ def read_starts(args: Args, resumed: Optional[tuple]) -> tuple:
     return ckpt, state, init[0]
 
 
-def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list) -> float:
+def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list, n_eval: int) -> float:
     """Regional torch.compile [ours C20]: each block in place (same modules and state-dict keys),
     one graph per block class and pass kind, compiled here on stand-ins at the run's shapes so
     a failure is one line before anything is written. Returns its seconds (gains: docs/gpu.md)."""
-    import torch._dynamo  # SD3.5's 3 block variants × 2 pass kinds × static and dynamic
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for blk in transformer_blocks(adapter.transformer):
-        blk.compile()
+    print("compiling the transformer blocks (once, about a minute on a GPU; --no-compile skips "
+          "it)", flush=True)
     t0, N, J = time.perf_counter(), args.prompts_per_iter * args.group_size, args.n_mc
     rows = min(args.micro_batch, N // args.mu) * J  # rows of a θ_old or θ pass
-    shapes = [(False, min(args.rollout_batch, N)), (False, min(args.rollout_batch, args.n_eval)),
+    shapes = [(False, min(args.rollout_batch, N)), (False, min(args.rollout_batch, n_eval)),
               (False, rows), (True, rows)]  # rollout, eval, θ_old, θ
     g, cond = generator(0, 0, Stream.PROBE), adapter.encode(prompts)
     try:
+        import torch._dynamo  # SD3.5's 3 block variants × 2 pass kinds × static and dynamic
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        for blk in adapter.blocks():
+            blk.compile()
         for grad, n in shapes:                          # the blocks compile here
             x = torch.randn((n,) + adapter.latent_shape(args.resolution), generator=g)
             x, t = x.to(adapter.device), torch.full((n,), 0.5, device=adapter.device)
@@ -1373,6 +1605,8 @@ def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list) -> flo
                 v = adapter.velocity(x, t, select(cond, torch.zeros(n, dtype=torch.long)))
             if grad:
                 v.float().mean().backward()
+    except torch.cuda.OutOfMemoryError:
+        raise  # not the compiler's fault: train() names the phase
     except Exception as e:  # noqa: BLE001 — a missing compiler, an unsupported operation, ...
         raise ConfigError(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]!r}); run "
                           "with --no-compile") from None
@@ -1385,7 +1619,12 @@ def setup_device(args: Args) -> tuple:
     _, world, local_rank = dist_info()
     device, precision = args.device, args.dtype
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        problem = cuda_problem()
+        if problem and is_real_model(args.model):  # before anything downloads
+            raise ConfigError(f"--device auto: {problem}; --model {args.model} needs a CUDA GPU: "
+                              "install a torch build for this machine's driver (README, "
+                              "Install), or pass --device cpu to run on the CPU (slow)")
+        device = "cpu" if problem else "cuda"
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # this process's GPU (torchrun)
         dev = torch.device(f"cuda:{local_rank}")
@@ -1401,6 +1640,40 @@ def setup_device(args: Args) -> tuple:
                                              timeout=datetime.timedelta(hours=1))
     return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
                         else contextlib.nullcontext())
+
+
+def cuda_problem() -> Optional[str]:
+    """Why torch cannot use a CUDA GPU on this machine, in words; None when it can."""
+    import re
+    built = f"torch {torch.__version__} (built for CUDA {torch.version.cuda})"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    if not torch.cuda.is_available():
+        return (f"{built} sees no usable GPU: none here, or a driver older than CUDA "
+                f"{torch.version.cuda} needs")
+    cap, archs = torch.cuda.get_device_capability(), torch.cuda.get_arch_list()
+    for arch in archs:  # sm_XY runs on X.Y' ≥ X.Y of the same major; compute_XY (PTX) on ≥ X.Y
+        kind, major, minor = re.fullmatch(r"(sm|compute)_(\d+?)(\d)[a-z]?", arch).groups()
+        have = (int(major), int(minor))
+        if have == cap or (have <= cap and (kind == "compute" or have[0] == cap[0])):
+            return None
+    return (f"the GPU {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) is "
+            f"not among the architectures of {built}: {', '.join(archs)}")
+
+
+def is_real_model(name: str) -> bool:
+    """A hub model, or a local folder with more than 1 GiB of weights (not a tiny test model)."""
+    location, plugin = resolve_model(name), model_plugin(name)
+    if plugin is not None and location in plugin.TINY:
+        return False
+    if not os.path.isdir(location):
+        return location not in TINY_MODELS
+    files = [*Path(location).rglob("*.safetensors"), *Path(location).rglob("*.bin")]
+    return sum(f.stat().st_size for f in files) > 2 ** 30
+
+
+class Prompt(str):  # from a .jsonl: .metadata is its line (GenEval's tag...)
+    metadata: dict
 
 
 def read_prompt_file(path: str, flag: str) -> list[str]:
@@ -1472,8 +1745,8 @@ def evaluate(run: Run, it: int) -> dict:
         with run.writing(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(grid.numpy()).save(path)
-    head = rw.headline(raw, rw.eval_terms)
-    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms),
+    head = headline(raw, rw.eval_terms)
+    ev = {"iter": it, "eval_reward_unit": reward_unit(rw.eval_terms),
           "eval_nfe": len(run.eval_sigmas) - 1, "eval_n_nonfinite": int((~head.isfinite()).sum())}
     for n, r in {"reward": head, **raw}.items():  # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
@@ -1710,12 +1983,23 @@ def save_checkpoint(run: Run, it: int) -> Path:
             shutil.rmtree(final, ignore_errors=True)  # never `latest`'s: saves move on from it
             os.replace(tmp, final)
             _point_latest(final)
+            prune_checkpoints(ckdir, final, run.args.keep_checkpoints)
     finally:  # after a failed write nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         (ckdir / ".latest.tmp").unlink(missing_ok=True)
     if run.world > 1:
         torch.distributed.barrier()
     return final
+
+def prune_checkpoints(ckdir: Path, latest: Path, keep: int) -> None:
+    """--keep_checkpoints: the `keep` newest up to `latest` stay (0: all); later ones, left by a
+    run resumed from an older checkpoint, are replaced as the run reaches them."""
+    if keep == 0:
+        return
+    done = sorted(p for p in ckdir.glob("iter_*") if p.name <= latest.name)
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
 
 def _point_latest(ckpt: Path) -> None:  # checkpoints/latest ← ckpt's name, atomically
     (ckpt.parent / ".latest.tmp").unlink(missing_ok=True)  # a planted link: not followed
@@ -1789,20 +2073,10 @@ def full_state(tr, opt=None) -> dict:
     return get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
 
 
-def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x along the last dim
-    if world == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
-
-
 # ------------------------------------------------------------------------------------------------
 # §11  Configuration: Args (each field a --flag; `src`: its default's source), presets, main().
 # ------------------------------------------------------------------------------------------------
 SD3_LORA_TARGETS = "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out"  # attn
-FLUX_LORA_TARGETS = (SD3_LORA_TARGETS + ",ff.net.0.proj,ff.net.2,ff_context.net.0.proj,"
-                     "ff_context.net.2,proj_mlp,proj_out")  # + FF; single blocks (blocks only)
 
 
 def _f(default, help: str, src: str = "our choice", choices=None):
@@ -1819,10 +2093,13 @@ class Args:
     resume: Optional[str] = _f(None, "checkpoint or run folder; its config overrides these values")
     init: Optional[str] = _f(None, "a new run from a checkpoint's (or run folder's) weights")
     save_every: int = _f(10, "checkpoint every k iterations, and after the last")
+    keep_checkpoints: int = _f(0, "keep the k newest checkpoints (0 = all; SD3.5-M LoRA: about "
+                               "0.3 GB each)")
     eval_every: int = _f(10, "evaluate on held-out prompts every k iterations (0 = never)")
     n_eval: int = _f(16, "held-out prompts per evaluation (one image each, fixed noise)")
     # --- model ---
-    model: str = _f("sd3.5-medium", f"{', '.join([*TINY_MODELS, *MODEL_ALIASES])}, hub id, folder")
+    model: str = _f("sd3.5-medium", f"{', '.join([*TINY_MODELS, *MODEL_ALIASES])}, "
+                    "examples/models/'s aliases, hub id, folder")
     resolution: int = _f(512, "image side in pixels", "[ours C7] DiffusionNFT's 512")
     max_sequence_length: int = _f(128, "T5 tokens per prompt", "Flow-GRPO/DiffusionNFT [peer X9]")
     guidance: float = _f(3.5, "FLUX: distilled guidance (no true CFG)", "[ours C1] [peer X9]")
@@ -1894,28 +2171,20 @@ class Args:
         return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
 
-# Per family, under the per-model presets; FLUX with LoRA (MixGRPO's: --full_finetune --lr 1e-5).
-FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation",
-                     "flux": "[ours C1–C3, C8, C17] MixGRPO protocol"}
-FAMILY_PRESETS: dict[str, dict] = {
-    "sd3": dict(gradient_checkpointing=True, eval_steps=40),
-    "flux": dict(gradient_checkpointing=True, resolution=720, num_steps=16, eval_steps=16,
-                 solver="dpmpp2m", group_size=12, prompts_per_iter=2, mu=4, clip_eps=1e-2,
-                 soft_clip_eta=3.0, reward="hpsv2:1,pickscore:1", reward_aggregation="per_reward",
-                 global_std=False, std_eps=1e-8, max_sequence_length=512,
-                 lora_targets=FLUX_LORA_TARGETS, iterations=300)}
-# --preset NAME, per family: "paper" is SD3.5-M Stage 1's 48 × 24 [paper P11], FLUX MixGRPO's
-# 32 × 12 [ours C1–C3]; the stages' take their controls [ours C9] (docs/training.md "Presets").
-_BOTH = lambda d: {"sd3": d, "flux": d}  # noqa: E731
+# SD3's family preset, under the per-model presets (a plug-in's: its DEFAULTS and PRESETS).
+FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation"}
+FAMILY_PRESETS: dict[str, dict] = {"sd3": dict(gradient_checkpointing=True, eval_steps=40)}
+# --preset NAME: "paper" is SD3.5-M Stage 1's 48 × 24 [paper P11] (a plug-in may override it:
+# FLUX MixGRPO's 32 × 12 [ours C1–C3]); the stages' take their controls [ours C9]
+# (docs/training.md "Presets").
 PRESETS: dict[str, dict] = {
-    "paper": {"sd3": dict(prompts_per_iter=48, group_size=24),
-              "flux": dict(prompts_per_iter=32, group_size=12)},
-    "geneval-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
-                                soft_clip_eta=0.0, iterations=200)),  # Stages 2 / 4 (4: 50 its)
-    "ocr-stage": _BOTH(dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3,
-                            clip_eps=0.0, iterations=30)),  # Stage 5
-    "smoke": _BOTH(dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1,
-                        save_every=1, n_eval=2))}
+    "paper": dict(prompts_per_iter=48, group_size=24),
+    "geneval-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, clip_eps=1e-2,
+                          soft_clip_eta=0.0, iterations=200),  # Stages 2 / 4 (4: 50 its)
+    "ocr-stage": dict(prompts_per_iter=48, group_size=24, n_mc=10, mu=2, kl_coef=0.3,
+                      clip_eps=0.0, iterations=30),  # Stage 5
+    "smoke": dict(iterations=2, prompts_per_iter=2, group_size=4, eval_every=1, save_every=1,
+                  n_eval=2)}
 
 
 def given_flags(argv: Optional[list[str]] = None) -> dict:
@@ -1930,10 +2199,12 @@ def given_flags(argv: Optional[list[str]] = None) -> dict:
     peek.add_argument("-h", "--help", action="store_true")
     peek.error = p.error
     asked = peek.parse_known_args(argv)[0]
-    wants = [("SD3 ", {}), ("FLUX ", {"model": "flux.1-dev"})]   # (label, a run's flags)
-    if asked.model is not None:
+    wants = [("SD3 ", {}), ("FLUX ", {"model": "flux.1-dev"})][:1 + ("flux" in model_plugins())]
+    if asked.model is not None:                                   # (label, a run's flags)
         wants = [("", {"model": asked.model})]
     views = [(label, resolve_args(given)) for label, given in wants if asked.help]
+    for _, a in views[1:]:  # the second view's model is --help's, not the command line's
+        a.origin["model"] = "--help's FLUX.1 view (examples/models/flux.py)"
     # --help's groups are the sections of Args, each named here by its first field
     sections = {"run_dir": "io", "model": "model", "num_steps": "sampler", "reward": "reward",
                 "prompts_per_iter": "objective", "iterations": "optimisation", "seed": "system"}
@@ -1944,8 +2215,10 @@ def given_flags(argv: Optional[list[str]] = None) -> dict:
         shown = [(label, getattr(a, f.name), a.origin[f.name]) for label, a in views]
         if shown and shown[-1][1] == shown[0][1]:  # what every view gets: one bracket
             shown = [("", *shown[0][1:])]
+        text = f.metadata["help"].replace("examples/models/'s aliases", ", ".join(
+            a for m in model_plugins().values() for a in (*m.ALIASES, *m.TINY)))
         kw = dict(default=argparse.SUPPRESS, help=" ".join(
-            [f.metadata["help"]] + [f"[{label}{v!r}; {src}]" for label, v, src in shown]))
+            [text] + [f"[{label}{v!r}; {src}]" for label, v, src in shown]))
         if "bool" in str(f.type):
             kw["action"] = argparse.BooleanOptionalAction
         else:
@@ -1967,11 +2240,10 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     fields = {f.name: f for f in dataclasses.fields(Args)}
     resumed = {k: v for k, v in (resumed or {}).items()  # options removed since: dropped
                if k in fields and v in (fields[k].metadata["choices"] or [v])}
-    layers = [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
-              (f"{model} preset (examples/tools/tiny_models.py)",
-               tiny_models().PRESETS[model] if model in TINY_MODELS else {}),
-              (f"--preset {preset}", PRESETS[preset][family] if preset else {}),
-              ("the resumed run's config", resumed), ("command line", given)]
+    own = getattr(model_plugin(model), "PRESETS", {})  # a plug-in's own version of a preset
+    layers = family_layers(model, family) + [
+        (f"--preset {preset}", own.get(preset, PRESETS[preset]) if preset else {}),
+        ("the resumed run's config", resumed), ("command line", given)]
     values, origin = {}, {}
     for where, layer in layers:
         values.update(layer)
@@ -1980,6 +2252,20 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     check_args(args)
     args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in fields.values()}
     return args
+
+
+def family_layers(model: str, family: str) -> list:
+    """[(source, {field: value})] of the model's family and of its tiny alias, in that order."""
+    plugin = model_plugin(model)
+    if plugin is None:
+        tiny = tiny_models().PRESETS[model] if model in TINY_MODELS else {}
+        return [(f"{family} preset ({FAMILY_PRESET_SRC[family]})", FAMILY_PRESETS[family]),
+                (f"{model} preset (examples/tools/tiny_models.py)", tiny)]
+    layers = [(f"{family} preset ({src})", {k: v}) for k, (v, src) in plugin.DEFAULTS.items()]
+    if resolve_model(model) in plugin.TINY:  # each default above with its own source
+        where = f"examples/models/{family}" if family in model_plugins() else family
+        layers.append((f"{model} preset ({where}.py)", plugin.TINY_PRESET))
+    return layers
 
 
 def check_args(args: Args) -> None:
@@ -2001,10 +2287,15 @@ def check_args(args: Args) -> None:
          "group-relative advantage needs at least two images per prompt"),
         (not args.adv_clamp >= 0, f"--adv_clamp must be ≥ 0 or inf (got {args.adv_clamp})"),
         (args.eval_every < 0, f"--eval_every must be ≥ 0, 0 = never (got {args.eval_every})"),
+        (args.keep_checkpoints < 0,
+         f"--keep_checkpoints must be ≥ 0, 0 = all (got {args.keep_checkpoints})"),
         (not math.isfinite(args.guidance), f"--guidance must be finite (got {args.guidance})"),
         (args.stratified and args.n_mc > args.num_steps, f"--n_mc {args.n_mc} > --num_steps "
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
+        (not 0 <= args.seed < 2**31, f"--seed must lie in [0, 2^31) (got {args.seed})"),
+        (args.iterations >= MAX_ITERATIONS, f"--iterations must be below {MAX_ITERATIONS} "
+         f"(got {args.iterations}): the random streams' seeds stay apart below it"),
         (not 0 <= args.eval_holdout < 1,
          f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})"),
         # each process holds whole groups, split into μ equal minibatches (one rule for any count)
@@ -2012,9 +2303,10 @@ def check_args(args: Args) -> None:
         (args.mu >= 1 and P // world * G % args.mu, f"each process's {P // world * G} samples "
          f"must split into --mu {args.mu} equal minibatches")]
     problems += [msg for failed, msg in checks if failed]
-    for terms in ("train_terms", "eval_terms"):
+    for check in (lambda: resolve_model(args.model), lambda: args.train_terms,
+                  lambda: args.eval_terms):  # the terms are parsed here, once, and kept
         try:
-            getattr(args, terms)  # parsed here, once, and kept
+            check()
         except ConfigError as e:
             problems.append(str(e))
     if problems:

@@ -46,11 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vgrpo as V  # noqa: E402
 
 REWARD_GRACE = 10.0                  # s a running call may go on after SIGTERM (on_alarm)
-OOM_KNOBS = {"time_rollout": "the rollout: lower --rollout_batch",
-             "time_reward": "decoding and rewards: lower --reward_batch",
-             "time_old": "the θ_old pass: lower --micro_batch",
-             "time_update": "the update: lower --micro_batch or use --gradient_checkpointing",
-             "eval": "the evaluation: lower --rollout_batch or --reward_batch"}
 
 
 class Preempted(V.RunError):
@@ -192,10 +187,7 @@ class Cluster:
             err = V.RunError(f"{e}, in iteration {it}; {go_on}")
             err.status = V.RewardError.status
             return err
-        phase = OOM_KNOBS.get(getattr(e, "vgrpo_phase", ""), "the run")
-        if not self.run.args.offload_text_encoders:
-            phase += " (or --offload_text_encoders)"
-        return V.RunError(f"out of GPU memory in {phase}, iteration {it}; {go_on}")
+        return V.RunError(f"{V.out_of_memory(e, self.run.args)}, iteration {it}; {go_on}")
 
     def preempted(self, when: str, saved) -> Preempted:
         """Where the run stopped, and the command a requeued job runs."""

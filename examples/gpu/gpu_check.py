@@ -399,23 +399,31 @@ def build_flux_dev_random(device, dtype):
     return pipe
 
 
-def build_pickscore_random(device, dtype):
-    """A CLIP ViT-H/14 (PickScore's architecture, ~0.99B params) with random weights."""
+def build_pickscore_random(device, dtype, tiny=False):
+    """A CLIP ViT-H/14 (PickScore's architecture, ~0.99B params) with random weights; `tiny`: the
+    same code path at 2 layers of width 32 on 32-pixel images (a CPU smoke run's)."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         tok = TM.tiny_clip_tokenizer(d)
     n = len(tok)
-    cfg = CLIPConfig(text_config=dict(vocab_size=49408, hidden_size=1024, intermediate_size=4096,
-                                      num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=77,
-                                      bos_token_id=n - 2, eos_token_id=n - 1, pad_token_id=n - 1),
-                     vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
-                                        num_attention_heads=16, image_size=224, patch_size=14),
-                     projection_dim=1024, logit_scale_init_value=4.6052)
+    if tiny:
+        text = dict(vocab_size=n, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4)
+        vision, proj, px = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, image_size=32, patch_size=8), 16, 32
+    else:
+        text = dict(vocab_size=49408, hidden_size=1024, intermediate_size=4096,
+                    num_hidden_layers=24, num_attention_heads=16)
+        vision, proj, px = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                                num_attention_heads=16, image_size=224, patch_size=14), 1024, 224
+    cfg = CLIPConfig(text_config=dict(text, max_position_embeddings=77, bos_token_id=n - 2,
+                                      eos_token_id=n - 1, pad_token_id=n - 1),
+                     vision_config=vision, projection_dim=proj, logit_scale_init_value=4.6052)
     with torch.device(device):
         model = CLIPModel(cfg)
-    proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 224},
-                                                            crop_size={"height": 224, "width": 224}),
+    proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": px},
+                                                            crop_size={"height": px, "width": px}),
                          tokenizer=tok)
     return V.Rewards({"pickscore": V.clip_reward(model, proc, device, dtype, logit_scale=True)},
                      [("pickscore", 1.0)])

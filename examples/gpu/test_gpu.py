@@ -283,3 +283,93 @@ def test_gpu_check_smoke_runs_every_stage(tmp_path):
     assert "error" not in fc and fc["compiled"] and fc["abs_log_ratio_first"] == 0.0
     md = out.with_suffix(".md").read_text()
     assert "## levers" in md and "## memory" in md and "## flux" in md
+
+
+# ------------------------------------------------------------------------------------------------
+# examples/gpu/first_run.py: the first-run acceptance run (the headline command, measured by phase)
+# ------------------------------------------------------------------------------------------------
+FIRST_RUN_PHASES = ("rollout", "reward decode", "θ_old pass", "update")
+
+
+def _finite_numbers(row):
+    return all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+
+
+@pytest.mark.examples
+def test_first_run_smoke_records_every_phase(tmp_path):
+    """examples/gpu/first_run.py --cpu_smoke: vgrpo.main runs the headline command (SD3.5-M's
+    family preset, --reward pickscore, compiled) on the tiny pipeline and a tiny CLIP put in place of
+    the hub's, and stops after 2 iterations and the evaluation at 0. Its JSON and markdown hold the
+    setup's compile seconds, each iteration's times, a row per phase (setup, compile, the
+    evaluation, then the four phases of each iteration in order), |log ρ| exactly 0 at μ = 1, and
+    only finite numbers (peak memory is None on the CPU). The run folder is removed."""
+    fr = _load_example("gpu/first_run")
+    out = tmp_path / "fr.json"
+    assert fr.main(["--cpu_smoke", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    info, setup, stopped = data["info"], data["setup"], data["stopped"]
+    assert stopped["reason"] == "completed" and info["iterations_asked"] == 2
+    assert info["trainer_command"].startswith("python vgrpo.py --model sd3.5-medium --reward pickscore")
+    cfg = info["config"]
+    assert cfg["model"] == "sd3.5-medium" and cfg["reward"] == "pickscore" and cfg["mu"] == 1
+    assert cfg["gradient_checkpointing"] is True and cfg["eval_steps"] == 4 and cfg["iterations"] == 150
+    assert setup["compiled"] is True and setup["time_compile"] > 0 and setup["build_s"] > 0
+    assert setup["setup_s"] >= setup["time_compile"] and setup["peak_GiB"] is None
+    its = data["iterations"]
+    assert [r["iter"] for r in its] == [0, 1]
+    for r in its:
+        assert r["abs_log_ratio"] == 0.0 and r["abs_log_ratio_first"] == 0.0 and r["ratio"] == 1.0
+        assert r["time_iter"] > 0 and r["nfe_old"] == 0 and r["n_nonfinite_reward"] == 0
+        assert r["time_iter"] >= r["time_rollout"] + r["time_reward"] + r["time_update"]
+        assert _finite_numbers(r) and r["peak_GiB"] is None
+    ev = data["evaluations"]
+    assert len(ev) == 1 and ev[0]["iter"] == 0 and ev[0]["rows"] == 2 and ev[0]["seconds"] > 0
+    assert math.isfinite(ev[0]["eval_reward_mean"])
+    ph = data["phases"]
+    assert [(r["iter"], r["phase"]) for r in ph] == (
+        [(None, "compile"), (None, "setup"), (0, "evaluation")]
+        + [(i, p) for i in (0, 1) for p in FIRST_RUN_PHASES])
+    for r in ph:
+        assert "error" not in r and r["seconds"] >= 0 and _finite_numbers(r)
+        assert r["peak_GiB"] is None and r["reserved_GiB"] is None
+        assert r["new_graphs"] == (0 if r["iter"] is not None else r["new_graphs"])
+    assert next(r for r in ph if r["phase"] == "compile")["new_graphs"] > 0   # compiled in setup
+    md = out.with_suffix(".md").read_text()
+    assert "**Stopped:** completed" in md
+    for section in ("## setup", "## iterations", "## evaluations", "## phases"):
+        assert section in md
+    assert "| 1 | θ_old pass |" in md
+
+
+@pytest.mark.examples
+def test_first_run_records_out_of_memory_and_time_guard(tmp_path, monkeypatch):
+    """An out-of-memory in a phase is the report's last row, naming the phase and the iteration,
+    with what ran before it recorded and exit status 3, not a traceback; and a time budget already
+    spent stops before the evaluation at 0 and iteration 0, saying what it skipped."""
+    fr = _load_example("gpu/first_run")
+
+    def oom(run, ro):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB")
+    monkeypatch.setattr(V, "reward_and_advantages", oom)
+    out = tmp_path / "oom.json"
+    assert fr.main(["--cpu_smoke", "--extra=--no-compile", "--out", str(out)]) == 3
+    data = json.loads(out.read_text())
+    assert data["stopped"]["reason"] == "out of memory"
+    assert (data["stopped"]["phase"], data["stopped"]["iter"]) == ("reward decode", 0)
+    assert [(r["iter"], r["phase"]) for r in data["phases"]] == [
+        (None, "setup"), (0, "evaluation"), (0, "rollout"), (0, "reward decode")]
+    last = data["phases"][-1]
+    assert last["error"].startswith("out of memory: OutOfMemoryError: CUDA out of memory")
+    assert data["setup"]["compiled"] is False and data["iterations"] == []
+    assert data["info"]["defaults"] is False and "--no-compile" in data["info"]["trainer_command"]
+    assert data["stopped"]["lower_with"] == "--reward_batch 8"
+    assert "out of memory at reward decode, iteration 0" in out.with_suffix(".md").read_text()
+    monkeypatch.undo()
+
+    out = tmp_path / "guard.json"
+    assert fr.main(["--cpu_smoke", "--extra=--no-compile", "--budget_s", "0",
+                    "--out", str(out)]) == 3
+    data = json.loads(out.read_text())
+    assert data["stopped"]["reason"] == "time guard"
+    assert "iterations 0–1 and the evaluation at 0 skipped" in data["stopped"]["detail"]
+    assert [r["phase"] for r in data["phases"]] == ["setup"] and data["iterations"] == []

@@ -54,7 +54,7 @@ def _load(device: torch.device):
             processor, model = AutoProcessor.from_pretrained(clip), AutoModel.from_pretrained(clip)
         except OSError:
             raise RuntimeError(f"could not load AESTHETIC_CLIP {clip!r} (no network, or not in the "
-                               f"local cache); download it (`huggingface-cli download {clip} "
+                               f"local cache); download it (`hf download {clip} "
                                "--local-dir DIR`) and set AESTHETIC_CLIP=DIR") from None
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         mlp = head(hub_file(os.environ.get("AESTHETIC_WEIGHTS", WEIGHTS), "AESTHETIC_WEIGHTS"))

@@ -410,7 +410,7 @@ def _load(device: torch.device) -> dict:
         detector = Mask2FormerForUniversalSegmentation.from_pretrained(detector_id)
     except OSError:
         raise RuntimeError(f"could not load GENEVAL_DETECTOR {detector_id!r} (no network, or not "
-                           f"in the local cache); download it (`huggingface-cli download "
+                           f"in the local cache); download it (`hf download "
                            f"{detector_id} --local-dir DIR`) and set GENEVAL_DETECTOR=DIR"
                            ) from None
     if detector.config.num_labels != len(CLASSNAMES):

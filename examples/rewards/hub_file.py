@@ -15,5 +15,5 @@ def hub_file(location: str, variable: str) -> str:
         return hf_hub_download(f"{owner}/{repo}", file)
     except Exception as e:  # noqa: BLE001 — offline, missing file, no permission: one message
         raise RuntimeError(f"could not fetch {variable} {location!r} ({type(e).__name__}); "
-                           f"download it (`huggingface-cli download {owner}/{repo} {file}`) and "
+                           f"download it (`hf download {owner}/{repo} {file}`) and "
                            f"set {variable}=/path/to/file") from None

@@ -101,7 +101,7 @@ def _load(device: torch.device):
         except OSError as e:
             raise RuntimeError(
                 f"could not load UNIFIEDREWARD_MODEL {location!r} ({type(e).__name__}); download "
-                f"it (`huggingface-cli download {MODEL}`) and set UNIFIEDREWARD_MODEL=/path/to/"
+                f"it (`hf download {MODEL}`) and set UNIFIEDREWARD_MODEL=/path/to/"
                 "folder") from None
         processor.tokenizer.padding_side = "left"       # batched generation: answers start
         _LOADED[key] = (model.eval().requires_grad_(False).to(device), processor)   # together
