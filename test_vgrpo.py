@@ -36,7 +36,8 @@ import pytest
 import torch
 
 import vgrpo as V
-from conftest import ROOT, TINY, TM, _load_example, _metrics, _strip_times, _trained
+from conftest import (ROOT, TINY, TM, _load_example, _metrics, _stop_while_torch_imports,
+                      _strip_times, _trained)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -540,9 +541,9 @@ def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     run = tmp_path / "run"
     assert V.main(TINY + ["--run_dir", str(run)]) == 0
     ckpt = run / "checkpoints" / "iter_000002"
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert state["iteration"] == 2 and state["config"]["model"] == "tiny" and state["optimizer_saved"]
-    optim = torch.load(ckpt / "optimizer.pt", weights_only=False)    # keyed by parameter name
+    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)    # keyed by parameter name
     assert optim["state"] and all("lora_" in k for k in optim["state"])
     # trained velocity, reconstructed by the trainer's own loader
     trained = V.load_pipeline("tiny", torch.float32)
@@ -1759,6 +1760,78 @@ def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(run)], tmp_path, capsys, r"unreadable or incomplete")
 
 
+EXITING_REWARD = """
+import sys
+calls = []
+
+
+def score(images, prompts):          # sys.exit(3) at call number EXIT_AT
+    calls.append(1)
+    if len(calls) == int(__import__("os").environ["EXIT_AT"]):
+        sys.exit(3)
+    return images.float().mean(dim=(1, 2, 3)).cpu()
+"""
+
+
+@pytest.mark.trainer
+def test_a_plugin_calling_sys_exit_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """A reward plug-in that calls sys.exit(3) ends the run in one line naming the plug-in: at
+    the start-up probe with status 2 (nothing written), mid-run with status 69."""
+    (tmp_path / "exiting.py").write_text(EXITING_REWARD)
+    monkeypatch.chdir(tmp_path)
+    for at, status in (("1", 2), ("2", 69)):
+        sys.modules.pop("exiting", None)             # a fresh count of calls
+        monkeypatch.setenv("EXIT_AT", at)
+        run = tmp_path / f"run{at}"
+        assert V.main(TINY + ["--reward", "exiting:score", "--run_dir", str(run)]) == status
+        err = capsys.readouterr().err
+        said = [line for line in err.splitlines() if line.startswith("error")]
+        assert len(said) == 1 and "Traceback" not in err, err
+        assert "reward 'exiting:score' failed: SystemExit: 3" in said[0], err
+        assert run.exists() == (status == 69)
+    sys.modules.pop("exiting", None)
+
+
+class _RunsCode:
+    """Pickled, it calls os.system: a crafted checkpoint file that would leave a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.trainer
+def test_a_checkpoint_file_that_would_run_code_is_refused_in_one_line(tmp_path, capsys, ev):
+    """trainer_state.pt and optimizer.pt are read with weights_only: a pickle that would run code
+    (here os.system creating a marker) ends in one line naming the file, status 2, and never runs,
+    through --resume, --init and examples/evaluate.py; the files the trainer writes load as data."""
+    run, marker = tmp_path / "run", tmp_path / "ran"
+    assert V.main(TINY + ["--iterations", "1", "--mu", "1", "--run_dir", str(run)]) == 0
+    capsys.readouterr()
+    ck = run / "checkpoints" / "iter_000001"
+    state = torch.load(ck / V.CKPT_STATE, weights_only=True)   # RNG, scaler, config: plain data
+    assert state["optimizer_saved"] and torch.load(ck / V.OPTIM_FILE, weights_only=True)["state"]
+    good = (ck / V.CKPT_STATE).read_bytes()
+    for name in (V.CKPT_STATE, V.OPTIM_FILE):
+        torch.save(_RunsCode(marker), ck / name)
+        for argv in (["--resume", str(run), "--iterations", "2"],
+                     TINY + ["--init", str(run), "--run_dir", str(tmp_path / "new")]):
+            if name == V.OPTIM_FILE and "--init" in argv:
+                continue                                        # --init reads no optimizer
+            assert V.main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and name in err and "run code" in err, err
+            assert not marker.exists() and not (tmp_path / "new").exists()
+        if name == V.CKPT_STATE:
+            with pytest.raises(V.ConfigError, match="--checkpoints"):
+                ev.read_models([str(run)])
+            (ck / V.CKPT_STATE).write_bytes(good)
+    assert not marker.exists()
+    assert _metrics(run)[-1]["iter"] == 0                       # the run's record is untouched
+
+
 @pytest.mark.trainer
 def test_a_failed_checkpoint_write_leaves_latest_on_the_last_complete_one(tmp_path, monkeypatch):
     """A checkpoint whose write fails (a full disk) leaves nothing half-written: `latest` still
@@ -2048,7 +2121,7 @@ def test_resume_with_fewer_gpus_than_at_the_save(tmp_path, monkeypatch):
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--device", "cpu", "--run_dir", str(run)]) == 0
     saved = run / "checkpoints" / "iter_000001" / V.CKPT_STATE
-    state = torch.load(saved, weights_only=False)
+    state = torch.load(saved, weights_only=True)
     assert "cuda" not in state["rng"]
     state["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 8
     torch.save(state, saved)
@@ -2206,6 +2279,42 @@ def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, ca
 
 
 @pytest.mark.trainer
+def test_ctrl_c_while_torch_imports_is_one_line_with_130(tmp_path):
+    """Ctrl-C at the very start of `python vgrpo.py` (during `import torch`, before main()) is
+    main()'s one line and status 130, not a traceback."""
+    import signal
+    status, err = _stop_while_torch_imports(tmp_path, ROOT / "vgrpo.py", signal.SIGINT)
+    assert status == 130, err
+    assert err == "interrupted before the first iteration: nothing written\n", err
+
+
+@pytest.mark.trainer
+def test_a_stop_inside_the_final_evaluation_is_made_up_on_continuing(tmp_path, capsys,
+                                                                     monkeypatch):
+    """Ctrl-C inside the evaluation after the last iteration (every checkpoint saved) exits 130
+    in one line; `--resume RUN` then runs that evaluation, which the run's record lacked."""
+    run = tmp_path / "run"
+    real, stops = V.evaluate, []
+
+    def evaluate(r, it):
+        if it == 2 and not stops:
+            stops.append(it)
+            raise KeyboardInterrupt
+        return real(r, it)
+    monkeypatch.setattr(V, "evaluate", evaluate)
+    argv = TINY + ["--eval_every", "2", "--n_eval", "2", "--run_dir", str(run)]
+    assert V.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.count("interrupted:") == 1 and "Traceback" not in err, err
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m] == [0]
+    assert V.main(["--resume", str(run)]) == 0
+    evals = [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m]
+    assert evals == [0, 2] and stops == [2]
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
+
+
+@pytest.mark.trainer
 def test_resume_drops_options_removed_since_the_checkpoint(tmp_path, capsys):
     """A checkpoint whose config holds options this version no longer has (ImageReward's built-in
     location, the trainer's own TensorBoard or W&B tracking, the aesthetic MLP's location)
@@ -2312,6 +2421,109 @@ def test_the_same_command_twice_never_mixes_two_runs(tmp_path, capsys):
     assert {f: (run / f).read_bytes() for f in before} == before
     assert V.main(said.group(1).split() + ["--iterations", "4"]) == 0
     assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2, 3]
+
+
+SLOW_PROBE = """
+import os, time
+from pathlib import Path
+calls = []
+
+
+def score(images, prompts):           # the start-up probe (the first call) waits for a file
+    calls.append(len(images))
+    if len(calls) == 1:
+        Path(os.environ["GATE"] + ".waiting").write_text("")
+        for _ in range(3000):
+            if Path(os.environ["GATE"]).exists():
+                break
+            time.sleep(0.1)
+    return images.float().mean(dim=(1, 2, 3)).cpu()
+"""
+
+
+@pytest.mark.trainer
+def test_a_second_trainer_is_refused_while_the_first_is_still_loading(tmp_path, capsys,
+                                                                      monkeypatch):
+    """The lock is taken before anything loads: while `python vgrpo.py` is inside its reward's
+    start-up probe (nothing written yet but RUN/.lock), a second trainer on that folder, plain
+    or through examples/cluster.py, exits 2 in one line naming the first's pid and loads
+    nothing; the first then finishes alone."""
+    import subprocess
+    import time
+    (tmp_path / "slowprobe.py").write_text(SLOW_PROBE)
+    run, gate = tmp_path / "run", tmp_path / "go"
+    argv = TINY + ["--iterations", "1", "--run_dir", str(run)]
+    with open(tmp_path / "first.err", "w") as err:
+        first = subprocess.Popen([sys.executable, str(ROOT / "vgrpo.py")] + argv
+                                 + ["--reward", "slowprobe:score"], cwd=tmp_path,
+                                 env=dict(os.environ, GATE=str(gate)),
+                                 stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        for _ in range(1200):
+            if Path(str(gate) + ".waiting").exists() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert first.poll() is None, (tmp_path / "first.err").read_text()
+        assert sorted(f.name for f in run.iterdir()) == [".lock"]
+        monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+        in_use = (rf"error: --run_dir .* is in use by a running trainer \(pid {first.pid}\); "
+                  r"wait for it to end, or pass another --run_dir\n")
+        for main in (V.main, _load_example("cluster").main):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert re.fullmatch(in_use, err), err
+        assert sorted(f.name for f in run.iterdir()) == [".lock"]
+        gate.write_text("")
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.err").read_text()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert [m["iter"] for m in _metrics(run)] == [0]
+
+
+@pytest.mark.trainer
+def test_default_run_folders_differ_within_a_second_and_stay_under_runs(tmp_path, monkeypatch):
+    """Without --run_dir the folder is runs/<model>-<reward>-<date>-<random>: two trainers
+    started in the same second get two folders, and a model path or a reward URL with slashes,
+    dots or other characters cannot name one outside runs/."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(V.time, "strftime", lambda *a: "20260101-000000")   # the same second
+    args = V.parse_args(TINY)
+    assert V.plan_run_dir(args) != V.plan_run_dir(args)
+    hostile = V.parse_args(TINY[:2] + ["--reward", "http://127.0.0.1:9/../../../tmp/x y;$(id)"]
+                           + TINY[4:])
+    for a in (args, hostile):
+        d = V.plan_run_dir(a)
+        assert d.parent == Path("runs") and d.name not in ("", ".", ".."), d
+        assert re.fullmatch(r"[A-Za-z0-9+\-._]+-20260101-000000-[0-9a-f]{6}", d.name), d
+        assert not d.name.startswith(".")
+    assert not (tmp_path / "runs").exists()                                   # none made
+
+
+@pytest.mark.trainer
+def test_links_planted_in_the_run_folder_are_never_followed(tmp_path, capsys):
+    """A symbolic link planted as RUN/.lock is refused in one line (status 2); links planted as
+    metrics.tmp, config.json or checkpoints/.latest.tmp are replaced, not written through: their
+    targets keep their bytes and metrics.jsonl stays a plain file."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
+    victims = {}
+    for planted in ("metrics.tmp", "config.json", "checkpoints/.latest.tmp", ".lock"):
+        victim = tmp_path / f"victim-{Path(planted).name}"
+        victim.write_text("keep me")
+        (run / planted).unlink(missing_ok=True)
+        (run / planted).symlink_to(victim)
+        victims[planted] = victim
+    capsys.readouterr()
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ".lock" in err and "link" in err, err
+    (run / ".lock").unlink()
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    assert all(v.read_text() == "keep me" for v in victims.values())
+    assert not (run / "metrics.jsonl").is_symlink() and not (run / "config.json").is_symlink()
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2439,7 +2651,7 @@ def test_fp16_trains_with_loss_scaling(tmp_path):
     m = _metrics(tmp_path)[0]
     assert m["grad_scale"] >= 2.0 ** 10 and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
     state = torch.load(tmp_path / "checkpoints" / "iter_000001" / "trainer_state.pt",
-                       weights_only=False)
+                       weights_only=True)
     assert state["scaler"]["scale"] == m["grad_scale"]                 # resumes with the same scale
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path / "fp32")]) == 0
     assert _metrics(tmp_path / "fp32")[0]["grad_scale"] == 1.0          # fp32: no scaling

@@ -73,8 +73,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-import torch
-import torch.nn.functional as F
+
+def _stopped_at_start(*_) -> None:  # Ctrl-C while torch imports: main()'s line, not a traceback
+    print("interrupted before the first iteration: nothing written", file=sys.stderr)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    import signal
+    signal.signal(signal.SIGINT, _stopped_at_start)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 class ConfigError(ValueError):  # bad input (a flag, file, model, plug-in, prompt): one line, 2
@@ -917,9 +926,9 @@ def plugin_reward(spec: str) -> Callable:
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         try:
             out = fn(images, prompts)
-        except torch.cuda.OutOfMemoryError:
-            raise               # not the plug-in's fault: the run's
-        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
+        except (torch.cuda.OutOfMemoryError, RunError):
+            raise  # not the plug-in's fault: the run's (a stop, out of memory)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 — the user's code: named
             raise RewardError(f"reward {spec!r} failed: {type(e).__name__}: {e}") from e
         try:
             out = torch.as_tensor(out).detach().float().cpu()
@@ -1422,12 +1431,13 @@ class Interrupted(RunError):  # Ctrl-C: where the run stands; exit 130, no trace
 def train(args: Args, resumed: Optional[tuple] = None, fresh_ok: bool = False) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also in run_dir/metrics.jsonl)."""
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; nothing created yet
-    try:
-        run = setup(args, resumed=resumed)          # bad input fails in setup
-    except torch.cuda.OutOfMemoryError as e:
-        e.vgrpo_phase = "setup"
-        raise RunError(f"{out_of_memory(e, args)}; nothing written yet") from None
-    return run_iterations(run, run_dir)
+    with hold_run_dir(run_dir):                     # one trainer per folder, before loading
+        try:
+            run = setup(args, resumed=resumed)      # bad input fails in setup
+        except torch.cuda.OutOfMemoryError as e:
+            e.vgrpo_phase = "setup"
+            raise RunError(f"{out_of_memory(e, args)}; nothing written yet") from None
+        return run_iterations(run, run_dir)
 
 
 def run_iterations(run: Run, run_dir: Path) -> list[dict]:
@@ -1443,7 +1453,7 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
                 log.iteration(m)
             if (it + 1) % a.save_every == 0 or it + 1 == a.iterations:
                 save_checkpoint(run, it + 1)
-        if a.eval_every and run.start < a.iterations:
+        if a.eval_every:  # also on continuing a finished run: a stop inside it is made up
             with run.guard(a.iterations):
                 log.evaluation(a.iterations)
     except KeyboardInterrupt:
@@ -1803,8 +1813,10 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
         run_dir = resumed
     else:
         tag = "+".join(n.split(":")[-1] for n, _ in args.train_terms)
-        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-"
-                                       f"{time.strftime('%Y%m%d-%H%M%S')}")
+        name = "".join(c if c.isascii() and (c.isalnum() or c in "+-._") else "_"
+                       for c in f"{Path(args.model).name}-{tag}")  # one name, inside runs/
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"  # job arrays
+        run_dir = Path(args.run_dir or f"runs/{name.lstrip('.')}-{stamp}")
     top = next(q for q in (run_dir.absolute(), *run_dir.absolute().parents) if q.exists())
     if not top.is_dir():
         raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder")
@@ -1821,6 +1833,42 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     return run_dir
 
 
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path):
+    """One trainer per run folder: an exclusive flock on run_dir/.lock, its pid inside, for the
+    run; the system drops it when the process dies. A folder made here and left empty goes."""
+    import fcntl  # POSIX: Linux and macOS
+    if dist_info()[0] > 0:  # rank 0 holds it for all
+        yield
+        return
+    made = [q for q in (run_dir, *run_dir.parents) if not q.exists()]  # deepest first
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as e:  # full, read-only, or .lock planted as a link
+        raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot open {str(run_dir / '.lock')!r} "
+                          f"({e.strerror}); remove it if it is a link, or pass another "
+                          "--run_dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise ConfigError(f"--run_dir {str(run_dir)!r} is in use by a running trainer (pid "
+                          f"{holder}); wait for it to end, or pass another --run_dir") from None
+    with contextlib.suppress(OSError):  # the pid informs only; a full disk is named later
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if made and [q.name for q in run_dir.iterdir()] == [".lock"]:  # bad input
+                (run_dir / ".lock").unlink()
+                for q in made:
+                    q.rmdir()
+        os.close(fd)
+
 
 def open_run_dir(run: Run, run_dir: Path):
     """Rank 0's run folder for all; rank 0 prepares it and returns metrics.jsonl to append."""
@@ -1835,6 +1883,8 @@ def open_run_dir(run: Run, run_dir: Path):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
+        for planted in ("config.json", "metrics.tmp"):  # a link is replaced, never followed
+            (run_dir / planted).unlink(missing_ok=True)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
         if run.resumed_from and run.resumed_from.parent == run_dir / "checkpoints":
             _point_latest(run.resumed_from)  # `latest` names the resumed checkpoint
@@ -1874,7 +1924,7 @@ def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
     """(folder, trainer state) of a checkpoint, validated; only the weights' header is read."""
     ckpt = find_checkpoint(path, flag)
     try:
-        state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
+        state = load_data(ckpt / CKPT_STATE, flag)
         need = [CKPT_STATE + ": " + k for k in ("iteration", "config", "optimizer_saved", "rng")
                 if k not in state]
         if not need:
@@ -1887,10 +1937,24 @@ def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
         with safe_open(str(ckpt / weights), framework="pt") as f:  # checks the layout too
             if not list(f.keys()):
                 raise ValueError(f"{weights} holds no tensors")
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
+        why = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
-                          f"({type(e).__name__}: {e}); pick another with {flag}") from e
+                          f"({type(e).__name__}: {why}); pick another with {flag}") from e
     return ckpt, state
+
+
+def load_data(path: Path, flag: str, **kw):
+    """torch.load with weights_only: tensors and plain data, so a crafted file runs no code."""
+    import pickle
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **kw)
+    except pickle.UnpicklingError:  # torch's multi-line message: one line here
+        raise ConfigError(f"checkpoint file {str(path)!r} is unreadable or incomplete, or "
+                          "holds more than tensors and plain data (a file that could run code "
+                          f"is never loaded); pick another with {flag}") from None
 
 
 def save_checkpoint(run: Run, it: int) -> Path:
@@ -1951,6 +2015,7 @@ def prune_checkpoints(ckdir: Path, latest: Path, keep: int) -> None:
 
 
 def _point_latest(ckpt: Path) -> None:  # checkpoints/latest ← ckpt's name, atomically
+    (ckpt.parent / ".latest.tmp").unlink(missing_ok=True)  # a planted link: not followed
     (ckpt.parent / ".latest.tmp").write_text(ckpt.name)
     os.replace(ckpt.parent / ".latest.tmp", ckpt.parent / "latest")
 
@@ -1973,7 +2038,7 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
     """Optimizer (memory-mapped: processes share its pages), loss scale and RNG of a checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     if state["optimizer_saved"]:  # False when saved before the first step
-        optim = torch.load(ckpt / OPTIM_FILE, map_location="cpu", mmap=True, weights_only=False)
+        optim = load_data(ckpt / OPTIM_FILE, "--resume", mmap=True)
         set_optimizer_state_dict(tr, opt, optim, options=StateDictOptions(full_state_dict=True))
     if state["scaler"]:  # {} from a disabled (non-fp16) scaler
         scaler.load_state_dict(state["scaler"])
@@ -2302,4 +2367,5 @@ def start(given: dict, trainer: Optional[Callable] = None, fresh_ok: bool = Fals
     return (trainer or train)(resolve_args(given, resumed=config), resumed, fresh_ok)
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # main() says it from here on
     exit_process(main())
