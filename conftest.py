@@ -2,7 +2,8 @@
 pytest loads this file before any of them, so the offline switch below holds for every import.
 
 Kept to what more than one file needs: ROOT, the tiny pipelines (TM), the tiny run's flags (TINY),
-`_load_example` for the scripts in examples/, `_trained` (a checkpoint's trained weights), the `ev`
+`_load_example` for the scripts in examples/, `_trained` (a checkpoint's trained weights),
+`_stop_while_torch_imports` (a signal at an entry point's first seconds), the `ev`
 fixture (examples/evaluate.py), and two autouse fixtures that undo what a test leaves
 process-wide. A test file imports the plain names (`from conftest import ROOT, TINY`); pytest
 finds the fixtures by name.
@@ -43,8 +44,12 @@ def _metrics(run_dir) -> list:
 
 
 def _strip_times(ms) -> list:
-    """The iterations' metrics without their wall times: what two equal runs share exactly."""
-    return [{k: v for k, v in m.items() if not k.startswith("time")} for m in ms if "reward_mean" in m]
+    """The iterations' metrics without their wall times: what two equal runs share exactly.
+    Refuses a result with no iteration line (an empty log, or evaluations only), on either side
+    of a comparison: two different runs would otherwise compare as `[] == []`."""
+    out = [{k: v for k, v in m.items() if not k.startswith("time")} for m in ms if "reward_mean" in m]
+    assert out, "no iteration line to compare (metrics.jsonl empty, or evaluations only)"
+    return out
 
 
 def _trained(run_dir, it, full=False) -> dict:
@@ -52,6 +57,34 @@ def _trained(run_dir, it, full=False) -> dict:
     from safetensors.torch import load_file
     ck = Path(run_dir, "checkpoints", f"iter_{it:06d}")
     return load_file(str(ck / (V.FULL_FILE if full else V.LORA_FILE)))
+
+
+FAKE_TORCH = """
+import os, time
+open(os.environ["STARTED"], "w").close()    # `import torch` has begun: it takes seconds
+time.sleep(120)
+"""
+
+
+def _stop_while_torch_imports(tmp_path, script, sig):
+    """Run `script --help` with a torch that announces its import and hangs; send `sig` then:
+    (status, stderr)."""
+    import subprocess
+    import sys
+    import time
+    (tmp_path / "fake" / "torch").mkdir(parents=True)
+    (tmp_path / "fake" / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    started = tmp_path / "started"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"), STARTED=str(started))
+    p = subprocess.Popen([sys.executable, str(script), "--help"], env=env, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):
+        if started.exists() or p.poll() is not None:
+            break
+        time.sleep(0.05)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=60)
+    return p.returncode, err
 
 
 @pytest.fixture(scope="module")

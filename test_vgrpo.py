@@ -36,7 +36,8 @@ import pytest
 import torch
 
 import vgrpo as V
-from conftest import ROOT, TINY, TM, _load_example, _metrics, _strip_times, _trained
+from conftest import (ROOT, TINY, TM, _load_example, _metrics, _stop_while_torch_imports,
+                      _strip_times, _trained)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,6 +165,24 @@ def test_per_reward_aggregation_by_hand():
     # soft-clip bound holds after aggregation
     a3, _ = V.per_reward_advantages(r * 100, w, eta=0.5)
     assert a3.abs().max() <= 0.5
+
+
+@pytest.mark.math
+def test_per_reward_global_std_is_the_unbiased_batch_std_by_hand():
+    """--reward_aggregation per_reward --global_std: each reward's deviations from its group mean
+    divided by that reward's UNBIASED std over the whole batch (all P·G rewards around the batch
+    mean, n − 1 = 5), as MixGRPO's torch.std(); with the population std (÷ 6) every advantage
+    would be sqrt(6/5) = 1.095 times larger, far outside the fp32 tolerance."""
+    r = torch.tensor([[[1.0, 3.0, 5.0], [0.0, 2.0, 1.0]],              # K=2, P=2, G=3
+                      [[4.0, 0.0, 2.0], [6.0, 9.0, 0.0]]])
+    w = torch.tensor([1.0, 3.0])                                      # normalised to 0.25, 0.75
+    a, _ = V.per_reward_advantages(r, w, global_std=True, std_eps=0.0, clamp=100.0, eta=0.0)
+    # reward 1: group means 3, 1; batch mean 2; Σ(r − 2)² = 1+1+9+4+0+1 = 16 → std sqrt(16/5)
+    z1 = torch.tensor([[-2.0, 0.0, 2.0], [-1.0, 1.0, 0.0]]) / math.sqrt(16 / 5)
+    # reward 2: group means 2, 5; batch mean 3.5; Σ(r − 3.5)² = 0.25+12.25+2.25+6.25+30.25+12.25
+    #   = 63.5 → std sqrt(63.5/5)
+    z2 = torch.tensor([[2.0, -2.0, 0.0], [1.0, 4.0, -5.0]]) / math.sqrt(63.5 / 5)
+    torch.testing.assert_close(a, 0.25 * z1 + 0.75 * z2, rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -428,6 +447,23 @@ def test_sampler_reaches_closed_form_endpoint(solver, order):
 
 
 @pytest.mark.math
+@pytest.mark.parametrize("solver", ["euler", "dpmpp2m"])
+def test_samplers_accumulate_a_bf16_x1_in_fp32(solver):
+    """A bf16 x1 (a user's bf16 noise): the solve accumulates in ≥ fp32 and returns bf16, so it
+    stays within bf16's own rounding of the fp64 solve from the same x1. K = 40 steps, |x0| < 4:
+    the endpoint's rounding to bf16 alone is up to half an ulp, 2⁻⁸·4 = 0.0078, plus x rounded
+    to bf16 at each velocity input, which the contracting field damps (measured 0.0075 here,
+    ≤ 0.0093 for K = 10…80): 0.02. Accumulating x itself in bf16 rounds every one of the K
+    updates and drifts: 0.046 (Euler) and 0.086 (DPM++ 2M) measured at K = 40."""
+    x1 = torch.linspace(-3, 3, 61, dtype=torch.float64)[:, None].bfloat16()
+    fp64 = V.SOLVERS[solver](gaussian_velocity, x1.double(), V.sigma_grid(40))
+    out = V.SOLVERS[solver](gaussian_velocity, x1, V.sigma_grid(40))
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - fp64).abs().max().item()
+    assert err < 0.02, err
+
+
+@pytest.mark.math
 def test_samplers_exact_for_point_mass():
     # data = a point μ: v = (x − μ)/t is linear in t along trajectories, every solver is exact
     mu = torch.tensor([[0.5, -2.0]], dtype=torch.float64)
@@ -505,9 +541,9 @@ def test_checkpoint_lora_loads_into_a_fresh_pipeline(tmp_path):
     run = tmp_path / "run"
     assert V.main(TINY + ["--run_dir", str(run)]) == 0
     ckpt = run / "checkpoints" / "iter_000002"
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert state["iteration"] == 2 and state["config"]["model"] == "tiny" and state["optimizer_saved"]
-    optim = torch.load(ckpt / "optimizer.pt", weights_only=False)    # keyed by parameter name
+    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)    # keyed by parameter name
     assert optim["state"] and all("lora_" in k for k in optim["state"])
     # trained velocity, reconstructed by the trainer's own loader
     trained = V.load_pipeline("tiny", torch.float32)
@@ -572,7 +608,7 @@ def test_offloaded_text_encoders_give_the_same_run(tmp_path, monkeypatch):
     # fp32 rounding (~1e-7 relative), which two Adam steps at lr 1e-2 carry into the images at
     # ≲ 1e-5. A smooth reward (mean colour ≈ 0.5) moves as little: 1e-4 absolute; the gradient
     # norm and surrogate CV, smooth in the same numbers, 1e-3 relative.
-    assert [m["iter"] for m in a] == [m["iter"] for m in b]
+    assert a and [m["iter"] for m in a] == [m["iter"] for m in b]   # zip below: both whole
     for x, y in zip(a, b):
         for k in ("reward_mean", "eval_reward_mean"):
             if k in x:
@@ -595,7 +631,9 @@ def test_outputs_follow_the_umask(tmp_path):
         os.umask(old)
     ck = tmp_path / "run" / "checkpoints" / "iter_000001"
     assert ck.stat().st_mode & 0o777 == 0o755
-    for f in ck.iterdir():
+    files = list(ck.iterdir())
+    assert files                                                   # the loop checks something
+    for f in files:
         assert f.stat().st_mode & 0o777 == 0o644, f
 
 @pytest.mark.trainer
@@ -636,7 +674,9 @@ def test_mu_one_runs_no_separate_theta_old_pass_and_its_ratio_is_exactly_one(tmp
     assert V.main(TINY + ["--iterations", "2", "--micro_batch", "4", "--run_dir", str(tmp_path)]) == 0
     assert calls and all(grad for grad, _ in calls)                 # only the update's passes
     assert len(calls) == 2 * 2                                      # 6 samples in 4 + 2, twice
-    for m in _strip_times(_metrics(tmp_path)):
+    ms = _strip_times(_metrics(tmp_path))
+    assert [m["iter"] for m in ms] == [0, 1]                        # the loop below checks both
+    for m in ms:
         assert m["ratio"] == 1.0 and m["abs_log_ratio"] == 0.0 and m["approx_kl"] == 0.0
         assert m["nfe_old"] == 0 and m["nfe_theta"] == 4
 
@@ -821,6 +861,71 @@ def test_micro_batches_change_memory_not_the_update(tiny_run, monkeypatch):
             assert norms == pytest.approx(norms0, rel=1e-5), (mu, mb)
             dw = max((a - b).abs().max().item() for a, b in zip(w, w0))
             assert dw < 1e-4, (mu, mb, dw)
+
+
+@pytest.mark.trainer
+def test_mu_two_gradient_is_each_minibatch_mean_loss_computed_directly(tiny_run, monkeypatch):
+    """μ = 2 in micro-batches of 1: each step's pre-clip gradient norm, and the logged grad_norm
+    (their mean), equal the norm of ∇ of the minibatch's mean loss computed here directly in one
+    pass, at the weights that step saw (θ0, then θ1 recorded after the first step), on the same
+    pairs and samples, with S_old from one no-grad pass at θ0. A micro-batch weighted by the
+    process's samples instead of its minibatch's halves every norm (and --max_grad_norm would act
+    at μ times the value asked). Tolerance: one pass of 3 samples against 3 accumulated passes
+    of 1 reorders fp32 sums (≈ 1e-7 relative), so 1e-4; the fault is a factor of 2."""
+    _replay(monkeypatch, tiny_run)
+    run = tiny_run.reset("--mu", 2, "--micro_batch", 1, "--max_grad_norm", 1e9)
+    ro, adv, a = tiny_run.ro, tiny_run.sc.adv, run.args
+    pairs, mbs = V.draw_iteration_pairs(run, 0), V.minibatches(run, 0)
+    with torch.no_grad():                                        # S_old of every sample at θ0
+        s_old = V.surrogate_pass(run, ro, pairs, torch.arange(run.Nl))[0]
+    pre_clip, theta, real_step = [], [], V.optimizer_step
+
+    def step(r):
+        theta.append([p.detach().clone() for p in r.params])     # the weights this step saw
+        pre_clip.append(real_step(r).item())
+        return torch.tensor(pre_clip[-1])
+    monkeypatch.setattr(V, "optimizer_step", step)
+    m = V.iteration(run, 0)
+    assert len(pre_clip) == len(theta) == 2
+    direct = []
+    for weights, rows in zip(theta, mbs):
+        with torch.no_grad():
+            for p, w in zip(run.params, weights):
+                p.copy_(w)
+        s_new, _ = V.surrogate_pass(run, ro, pairs, rows)        # the whole minibatch at once
+        loss, _ = V.vgrpo_loss(s_new, s_old[rows], adv[rows], clip_eps=a.clip_eps)
+        grads = torch.autograd.grad(loss, run.params, allow_unused=True)
+        direct.append(torch.cat([g.double().flatten() for g in grads if g is not None]).norm().item())
+    assert len(direct) == 2 and all(d > 0 for d in direct)
+    assert pre_clip == pytest.approx(direct, rel=1e-4)
+    assert m["grad_norm"] == pytest.approx(sum(direct) / 2, rel=1e-4)
+
+
+@pytest.mark.trainer
+def test_theta_old_pass_runs_micro_batch_rows_per_call(tiny_run, monkeypatch):
+    """Step 4's no-grad θ_old pass, like the update, runs --micro_batch samples per call (m·J
+    network rows): the knob that an out-of-memory line in that phase advises. μ = 2 over 6
+    samples, micro-batches of 1, --rollout_batch 16: the pass over the second minibatch is 3
+    calls of 1 sample (J rows each), never one call of 3, and the update 6 calls of 1."""
+    _replay(monkeypatch, tiny_run)
+    run = tiny_run.reset("--mu", 2, "--micro_batch", 1, "--rollout_batch", 16)
+    calls, rows_of, real_v, real_sur = [], [], run.adapter.velocity, V.surrogate_pass
+
+    def velocity(x, t, c):
+        calls.append((torch.is_grad_enabled(), len(x)))
+        return real_v(x, t, c)
+
+    def sur(r, ro, pairs, rows):
+        rows_of.append((torch.is_grad_enabled(), len(rows)))
+        return real_sur(r, ro, pairs, rows)
+    monkeypatch.setattr(run.adapter, "velocity", velocity)
+    monkeypatch.setattr(V, "surrogate_pass", sur)
+    V.iteration(run, 0)
+    J = run.args.n_mc
+    assert [n for grad, n in rows_of if not grad] == [1, 1, 1]
+    assert [n for grad, n in calls if not grad] == [J, J, J]
+    assert [n for grad, n in rows_of if grad] == [1] * 6
+    assert [n for grad, n in calls if grad] == [J] * 6
 
 
 @pytest.mark.trainer
@@ -1198,6 +1303,26 @@ def test_loop_schedule_of_evaluations_checkpoints_and_metrics_lines(tiny_run, mo
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
     assert saved == ["iter_000002", "iter_000004", "iter_000005"]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "iter_000005"
+
+
+@pytest.mark.math
+def test_no_two_random_streams_share_a_seed_at_any_iteration():
+    """Every stream of vgrpo.py and of the baselines, at every iteration a run may reach (the
+    first 3000 and the last below MAX_ITERATIONS) for three seeds, plus the once-per-run ones:
+    all seeds distinct. The held-out split (HOLDOUT) once was iteration 77's pairs at --seed 0."""
+    BC = _load_example("baselines/baseline_cli")
+    per_iter = [int(s) for S in (V.Stream, BC.Stream) for s in S if s < 16]
+    once = [int(s) for S in (V.Stream, BC.Stream) for s in S if s >= 16]
+    assert once and len(per_iter) >= 9
+    its = [*range(3000), *range(V.MAX_ITERATIONS - 1000, V.MAX_ITERATIONS)]
+    seeds = [V.stream_seed(sd, it, s) for sd in (0, 1, 2**31 - 1) for it in its for s in per_iter]
+    seeds += [V.stream_seed(0, 0, s) for s in once]
+    assert len(set(seeds)) == len(seeds)
+    assert V.stream_seed(0, 77, V.Stream.PAIRS) != V.stream_seed(0, 0, V.Stream.HOLDOUT)
+    with pytest.raises(V.ConfigError, match="--iterations must be below 1000003"):
+        V.parse_args(["--model", "tiny", "--iterations", str(V.MAX_ITERATIONS)])
+    with pytest.raises(V.ConfigError, match=r"--seed must lie in \[0, 2\^31\)"):
+        V.parse_args(["--model", "tiny", "--seed", "-1"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1635,6 +1760,78 @@ def test_missing_and_corrupt_checkpoint(tmp_path, capsys):
     _fails(["--resume", str(run)], tmp_path, capsys, r"unreadable or incomplete")
 
 
+EXITING_REWARD = """
+import sys
+calls = []
+
+
+def score(images, prompts):          # sys.exit(3) at call number EXIT_AT
+    calls.append(1)
+    if len(calls) == int(__import__("os").environ["EXIT_AT"]):
+        sys.exit(3)
+    return images.float().mean(dim=(1, 2, 3)).cpu()
+"""
+
+
+@pytest.mark.trainer
+def test_a_plugin_calling_sys_exit_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """A reward plug-in that calls sys.exit(3) ends the run in one line naming the plug-in: at
+    the start-up probe with status 2 (nothing written), mid-run with status 69."""
+    (tmp_path / "exiting.py").write_text(EXITING_REWARD)
+    monkeypatch.chdir(tmp_path)
+    for at, status in (("1", 2), ("2", 69)):
+        sys.modules.pop("exiting", None)             # a fresh count of calls
+        monkeypatch.setenv("EXIT_AT", at)
+        run = tmp_path / f"run{at}"
+        assert V.main(TINY + ["--reward", "exiting:score", "--run_dir", str(run)]) == status
+        err = capsys.readouterr().err
+        said = [line for line in err.splitlines() if line.startswith("error")]
+        assert len(said) == 1 and "Traceback" not in err, err
+        assert "reward 'exiting:score' failed: SystemExit: 3" in said[0], err
+        assert run.exists() == (status == 69)
+    sys.modules.pop("exiting", None)
+
+
+class _RunsCode:
+    """Pickled, it calls os.system: a crafted checkpoint file that would leave a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.trainer
+def test_a_checkpoint_file_that_would_run_code_is_refused_in_one_line(tmp_path, capsys, ev):
+    """trainer_state.pt and optimizer.pt are read with weights_only: a pickle that would run code
+    (here os.system creating a marker) ends in one line naming the file, status 2, and never runs,
+    through --resume, --init and examples/evaluate.py; the files the trainer writes load as data."""
+    run, marker = tmp_path / "run", tmp_path / "ran"
+    assert V.main(TINY + ["--iterations", "1", "--mu", "1", "--run_dir", str(run)]) == 0
+    capsys.readouterr()
+    ck = run / "checkpoints" / "iter_000001"
+    state = torch.load(ck / V.CKPT_STATE, weights_only=True)   # RNG, scaler, config: plain data
+    assert state["optimizer_saved"] and torch.load(ck / V.OPTIM_FILE, weights_only=True)["state"]
+    good = (ck / V.CKPT_STATE).read_bytes()
+    for name in (V.CKPT_STATE, V.OPTIM_FILE):
+        torch.save(_RunsCode(marker), ck / name)
+        for argv in (["--resume", str(run), "--iterations", "2"],
+                     TINY + ["--init", str(run), "--run_dir", str(tmp_path / "new")]):
+            if name == V.OPTIM_FILE and "--init" in argv:
+                continue                                        # --init reads no optimizer
+            assert V.main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and name in err and "run code" in err, err
+            assert not marker.exists() and not (tmp_path / "new").exists()
+        if name == V.CKPT_STATE:
+            with pytest.raises(V.ConfigError, match="--checkpoints"):
+                ev.read_models([str(run)])
+            (ck / V.CKPT_STATE).write_bytes(good)
+    assert not marker.exists()
+    assert _metrics(run)[-1]["iter"] == 0                       # the run's record is untouched
+
+
 @pytest.mark.trainer
 def test_a_failed_checkpoint_write_leaves_latest_on_the_last_complete_one(tmp_path, monkeypatch):
     """A checkpoint whose write fails (a full disk) leaves nothing half-written: `latest` still
@@ -1893,6 +2090,30 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.trainer
+def test_the_metrics_comparison_tells_two_runs_apart(tmp_path):
+    """_strip_times, through which every exact-resume comparison goes: the same command twice
+    (same process, same float operations) compares equal although the wall times differ, another
+    seed compares unequal, and a result with no iteration line (an empty log, evaluations only),
+    on either side, is refused rather than compared."""
+    runs = {name: tmp_path / name for name in ("a", "again", "seed1")}
+    for name, d in runs.items():
+        assert V.main(TINY + ["--iterations", "1", "--eval_every", "1", "--run_dir", str(d)]
+                      + ["--seed", "1"] * (name == "seed1")) == 0
+    a, again, seed1 = (_metrics(d) for d in runs.values())
+    assert a != again                                               # the times differ...
+    assert _strip_times(a) == _strip_times(again)                   # ...and only the times
+    assert [m["iter"] for m in _strip_times(a)] == [0]
+    assert _strip_times(a) != _strip_times(seed1)
+    evals_only = [m for m in a if "eval_reward_mean" in m]
+    assert [m["iter"] for m in evals_only] == [0, 1]
+    for vacuous in ([], evals_only):                                # [] == [] would pass
+        with pytest.raises(AssertionError, match="no iteration line"):
+            _strip_times(vacuous)
+    with pytest.raises(AssertionError, match="no iteration line"):  # one side empty
+        assert _strip_times(a) == _strip_times(evals_only)
+
+
+@pytest.mark.trainer
 def test_resume_with_fewer_gpus_than_at_the_save(tmp_path, monkeypatch):
     """The trainer draws from CPU generators only, so a checkpoint holds no CUDA RNG state; an
     older one that holds the states of 8 GPUs resumes where fewer are visible (simulated: one GPU,
@@ -1900,7 +2121,7 @@ def test_resume_with_fewer_gpus_than_at_the_save(tmp_path, monkeypatch):
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--device", "cpu", "--run_dir", str(run)]) == 0
     saved = run / "checkpoints" / "iter_000001" / V.CKPT_STATE
-    state = torch.load(saved, weights_only=False)
+    state = torch.load(saved, weights_only=True)
     assert "cuda" not in state["rng"]
     state["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 8
     torch.save(state, saved)
@@ -1971,6 +2192,61 @@ def test_ctrl_c_is_one_line_naming_the_last_checkpoint_and_resume_is_exact(tmp_p
     assert _strip_times(_metrics(run)) == _strip_times(_metrics(ref))
 
 
+@pytest.mark.trainer
+def test_ctrl_c_while_loading_exits_130_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the model loads (before the first iteration): one line, exit 130, never 0
+    (a scheduler, or a shell's `&&`, would take the run for finished), and no run folder."""
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(V, "load_pipeline", ctrl_c)
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--run_dir", str(run)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "interrupted before the first iteration: nothing written"
+    assert "Traceback" not in err and not run.exists()
+
+
+@pytest.mark.parametrize("stop", ["ctrl_c", "kill"])
+@pytest.mark.trainer
+def test_resume_from_an_older_checkpoint_moves_latest_there(tmp_path, monkeypatch, capsys, stop):
+    """A run of 4 iterations saved after each; --resume of its iteration-2 checkpoint (an older
+    one of the same folder) cuts metrics.jsonl back to iterations 0–1 and points `latest` at
+    iteration 2 before anything else, so a stop in iteration 2, before the next save (Ctrl-C:
+    exit 130; a kill), leaves `latest` there, and `--resume RUN` continues from iteration 2,
+    not from the abandoned iteration 4: every iteration logged once, and the same metrics as
+    the uninterrupted run (same process, same float operations)."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "4", "--run_dir", str(run)]) == 0
+    ref = _strip_times(_metrics(run))
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000004"
+    real = V.iteration
+
+    def stopped_in_2(r, it):
+        if it == 2:
+            if stop == "ctrl_c":
+                raise KeyboardInterrupt
+            raise SystemExit("killed")                    # no handler runs: nothing saved
+        return real(r, it)
+    monkeypatch.setattr(V, "iteration", stopped_in_2)
+    again = ["--resume", str(run / "checkpoints" / "iter_000002")]
+    if stop == "ctrl_c":
+        assert V.main(again) == 130
+        said = [l for l in capsys.readouterr().err.splitlines() if l.startswith("interrupted")]
+        assert said == [f"interrupted: checkpoints/latest (iter_000002) is the last complete "
+                        f"one; continue with --resume {run}"], said
+    else:
+        with pytest.raises(SystemExit):
+            V.main(again)
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+    monkeypatch.setattr(V, "iteration", real)
+    assert V.main(["--resume", str(run)]) == 0
+    ms = _strip_times(_metrics(run))
+    assert [m["iter"] for m in ms] == [0, 1, 2, 3]
+    assert ms == ref
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000004"
+
+
 @pytest.mark.parametrize("where", ["latest_switch", "second_ctrl_c"])
 @pytest.mark.trainer
 def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, capsys, where):
@@ -2000,6 +2276,42 @@ def test_a_kill_leaves_latest_on_a_complete_checkpoint(tmp_path, monkeypatch, ca
     assert ckpt.name == "iter_000001" and state["iteration"] == 1
     assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
     assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+
+
+@pytest.mark.trainer
+def test_ctrl_c_while_torch_imports_is_one_line_with_130(tmp_path):
+    """Ctrl-C at the very start of `python vgrpo.py` (during `import torch`, before main()) is
+    main()'s one line and status 130, not a traceback."""
+    import signal
+    status, err = _stop_while_torch_imports(tmp_path, ROOT / "vgrpo.py", signal.SIGINT)
+    assert status == 130, err
+    assert err == "interrupted before the first iteration: nothing written\n", err
+
+
+@pytest.mark.trainer
+def test_a_stop_inside_the_final_evaluation_is_made_up_on_continuing(tmp_path, capsys,
+                                                                     monkeypatch):
+    """Ctrl-C inside the evaluation after the last iteration (every checkpoint saved) exits 130
+    in one line; `--resume RUN` then runs that evaluation, which the run's record lacked."""
+    run = tmp_path / "run"
+    real, stops = V.evaluate, []
+
+    def evaluate(r, it):
+        if it == 2 and not stops:
+            stops.append(it)
+            raise KeyboardInterrupt
+        return real(r, it)
+    monkeypatch.setattr(V, "evaluate", evaluate)
+    argv = TINY + ["--eval_every", "2", "--n_eval", "2", "--run_dir", str(run)]
+    assert V.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.count("interrupted:") == 1 and "Traceback" not in err, err
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m] == [0]
+    assert V.main(["--resume", str(run)]) == 0
+    evals = [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m]
+    assert evals == [0, 2] and stops == [2]
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
 
 
 @pytest.mark.trainer
@@ -2109,6 +2421,109 @@ def test_the_same_command_twice_never_mixes_two_runs(tmp_path, capsys):
     assert {f: (run / f).read_bytes() for f in before} == before
     assert V.main(said.group(1).split() + ["--iterations", "4"]) == 0
     assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2, 3]
+
+
+SLOW_PROBE = """
+import os, time
+from pathlib import Path
+calls = []
+
+
+def score(images, prompts):           # the start-up probe (the first call) waits for a file
+    calls.append(len(images))
+    if len(calls) == 1:
+        Path(os.environ["GATE"] + ".waiting").write_text("")
+        for _ in range(3000):
+            if Path(os.environ["GATE"]).exists():
+                break
+            time.sleep(0.1)
+    return images.float().mean(dim=(1, 2, 3)).cpu()
+"""
+
+
+@pytest.mark.trainer
+def test_a_second_trainer_is_refused_while_the_first_is_still_loading(tmp_path, capsys,
+                                                                      monkeypatch):
+    """The lock is taken before anything loads: while `python vgrpo.py` is inside its reward's
+    start-up probe (nothing written yet but RUN/.lock), a second trainer on that folder, plain
+    or through examples/cluster.py, exits 2 in one line naming the first's pid and loads
+    nothing; the first then finishes alone."""
+    import subprocess
+    import time
+    (tmp_path / "slowprobe.py").write_text(SLOW_PROBE)
+    run, gate = tmp_path / "run", tmp_path / "go"
+    argv = TINY + ["--iterations", "1", "--run_dir", str(run)]
+    with open(tmp_path / "first.err", "w") as err:
+        first = subprocess.Popen([sys.executable, str(ROOT / "vgrpo.py")] + argv
+                                 + ["--reward", "slowprobe:score"], cwd=tmp_path,
+                                 env=dict(os.environ, GATE=str(gate)),
+                                 stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        for _ in range(1200):
+            if Path(str(gate) + ".waiting").exists() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert first.poll() is None, (tmp_path / "first.err").read_text()
+        assert sorted(f.name for f in run.iterdir()) == [".lock"]
+        monkeypatch.setattr(V, "load_pipeline", lambda *a, **k: pytest.fail("model loaded"))
+        in_use = (rf"error: --run_dir .* is in use by a running trainer \(pid {first.pid}\); "
+                  r"wait for it to end, or pass another --run_dir\n")
+        for main in (V.main, _load_example("cluster").main):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert re.fullmatch(in_use, err), err
+        assert sorted(f.name for f in run.iterdir()) == [".lock"]
+        gate.write_text("")
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.err").read_text()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert [m["iter"] for m in _metrics(run)] == [0]
+
+
+@pytest.mark.trainer
+def test_default_run_folders_differ_within_a_second_and_stay_under_runs(tmp_path, monkeypatch):
+    """Without --run_dir the folder is runs/<model>-<reward>-<date>-<random>: two trainers
+    started in the same second get two folders, and a model path or a reward URL with slashes,
+    dots or other characters cannot name one outside runs/."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(V.time, "strftime", lambda *a: "20260101-000000")   # the same second
+    args = V.parse_args(TINY)
+    assert V.plan_run_dir(args) != V.plan_run_dir(args)
+    hostile = V.parse_args(TINY[:2] + ["--reward", "http://127.0.0.1:9/../../../tmp/x y;$(id)"]
+                           + TINY[4:])
+    for a in (args, hostile):
+        d = V.plan_run_dir(a)
+        assert d.parent == Path("runs") and d.name not in ("", ".", ".."), d
+        assert re.fullmatch(r"[A-Za-z0-9+\-._]+-20260101-000000-[0-9a-f]{6}", d.name), d
+        assert not d.name.startswith(".")
+    assert not (tmp_path / "runs").exists()                                   # none made
+
+
+@pytest.mark.trainer
+def test_links_planted_in_the_run_folder_are_never_followed(tmp_path, capsys):
+    """A symbolic link planted as RUN/.lock is refused in one line (status 2); links planted as
+    metrics.tmp, config.json or checkpoints/.latest.tmp are replaced, not written through: their
+    targets keep their bytes and metrics.jsonl stays a plain file."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
+    victims = {}
+    for planted in ("metrics.tmp", "config.json", "checkpoints/.latest.tmp", ".lock"):
+        victim = tmp_path / f"victim-{Path(planted).name}"
+        victim.write_text("keep me")
+        (run / planted).unlink(missing_ok=True)
+        (run / planted).symlink_to(victim)
+        victims[planted] = victim
+    capsys.readouterr()
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ".lock" in err and "link" in err, err
+    (run / ".lock").unlink()
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 0
+    assert all(v.read_text() == "keep me" for v in victims.values())
+    assert not (run / "metrics.jsonl").is_symlink() and not (run / "config.json").is_symlink()
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2236,7 +2651,7 @@ def test_fp16_trains_with_loss_scaling(tmp_path):
     m = _metrics(tmp_path)[0]
     assert m["grad_scale"] >= 2.0 ** 10 and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
     state = torch.load(tmp_path / "checkpoints" / "iter_000001" / "trainer_state.pt",
-                       weights_only=False)
+                       weights_only=True)
     assert state["scaler"]["scale"] == m["grad_scale"]                 # resumes with the same scale
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(tmp_path / "fp32")]) == 0
     assert _metrics(tmp_path / "fp32")[0]["grad_scale"] == 1.0          # fp32: no scaling
@@ -2438,8 +2853,9 @@ def _close_runs(a_dir, b_dir, it, full=False):
     step, and a weight whose gradient is at rounding level may take the other sign: the largest
     difference may reach lr = 1e-2 per step, but the weights as a whole (relative norm of the
     difference, measured ≤ 4e-7) must agree to 1e-4."""
-    for x, y in zip(_strip_times(_metrics(a_dir)), _strip_times(_metrics(b_dir))):
-        assert x["iter"] == y["iter"]
+    xs, ys = _strip_times(_metrics(a_dir)), _strip_times(_metrics(b_dir))
+    assert [x["iter"] for x in xs] == [y["iter"] for y in ys]     # zip below: both sides whole
+    for x, y in zip(xs, ys):
         assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-4)
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-3)
         assert x["surrogate_cv_group"] == pytest.approx(y["surrogate_cv_group"], rel=1e-3)
@@ -2795,7 +3211,7 @@ def test_compiled_run_equals_the_eager_run_and_compiles_once(model, tmp_path, mo
     # moves by rounding (~1e-6 relative), carried through 4 ODE steps and two Adam steps at lr
     # 1e-2 into the images; the smooth reward (mean colour ≈ 0.5) moves ≲ 1e-5: 1e-4 absolute;
     # gradient norms and the surrogate CV, smooth in the same numbers, 1e-3 relative
-    assert [m["iter"] for m in eager] == [m["iter"] for m in compiled]
+    assert eager and [m["iter"] for m in eager] == [m["iter"] for m in compiled]
     for a, b in zip(eager, compiled):
         for k in ("reward_mean", "eval_reward_mean"):
             if k in a:

@@ -73,8 +73,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-import torch
-import torch.nn.functional as F
+
+def _stopped_at_start(*_) -> None:  # Ctrl-C while torch imports: main()'s line, not a traceback
+    print("interrupted before the first iteration: nothing written", file=sys.stderr)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    import signal
+    signal.signal(signal.SIGINT, _stopped_at_start)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+class ConfigError(ValueError):  # bad input (a flag, file, model, plug-in, prompt): one line, 2
+    status, label = 2, "error"  # found before anything is written, but for a prompt missing
+                                # from the --offload_text_encoders cache (SD3Adapter.encode)
+
+
+class RunError(Exception):  # a run that cannot go on: where it stands, how to go on
+    status, label = 2, "error"
 
 
 # === pure math: begin === (from here to the end marker: torch, math, dataclasses, typing only)
@@ -412,19 +430,29 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # ------------------------------------------------------------------------------------------------
 class Stream(enum.IntEnum):
     """Each a CPU generator(seed, it, stream) of its own: a resume redraws what the run drew.
-    PROBE, HOLDOUT: generator(0, 0, ·). 4–8 and 11–15 are the examples' (examples/baselines/)."""
+    Below 16, one per iteration (4–8 and 11–15 are examples/baselines/'); 16 and up, once per
+    run whatever --seed (generator(0, 0, ·)). No two streams share a seed (`stream_seed`)."""
     PROMPTS = 0        # step 1: which P training prompts
     ROLLOUT_NOISE = 1  # step 1: the initial noise x1 of the N rollouts
     PAIRS = 2          # step 3: the (t, ε) pairs
     MINIBATCHES = 3    # step 5: the μ minibatches
     EVAL_NOISE = 9     # evaluate: one fixed noise per held-out prompt
     PROBE = 10         # probe_reward: the two random images of a reward's start-up probe
-    HOLDOUT = 1234     # load_prompts: which lines of --prompts are held out
+    HOLDOUT = 16       # load_prompts: which lines of --prompts are held out
+
+
+MAX_ITERATIONS = 1_000_003  # check_args: --iterations below it keeps the seeds apart
+
+
+def stream_seed(seed: int, it: int, stream: int) -> int:
+    """(seed·1_000_003 + it)·16 + stream ≥ 0 for stream < 16: distinct for 0 ≤ it < 1_000_003;
+    a once-per-run stream's is −stream, below them all."""
+    return (seed * MAX_ITERATIONS + it) * 16 + stream if stream < 16 else -stream
 
 
 def generator(seed: int, it: int, stream: int) -> torch.Generator:
-    """The CPU generator of (seed, iteration, stream); stream < 16 keeps them apart."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + it) * 16 + stream)
+    """The CPU generator of (seed, iteration, stream), apart from every other (`stream_seed`)."""
+    return torch.Generator().manual_seed(stream_seed(seed, it, stream))
 
 
 class Model(Protocol):
@@ -501,6 +529,14 @@ class Run:
         if self.world > 1:
             self.adapter.transformer.set_requires_gradient_sync(last or self.args.full_finetune)
         self.scaler.scale(loss).backward()
+
+
+def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x along the last dim
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
 
 
 @dataclass
@@ -586,7 +622,7 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
     mine = torch.stack([mine[n] for n in names]).to(run.dev)  # (R, Nl)
     every = _all_gather_cat(mine, run.world)                  # harness: every process's; (R, N)
     raw = dict(zip(names, every.cpu()))                       # {name: (N,)}
-    values = rw.training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)
+    values = training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)
     aggregate = {"sum": weighted_sum_advantages,
                  "per_reward": per_reward_advantages}[args.reward_aggregation]
     adv, stats = aggregate(values, torch.tensor([w for _, w in rw.train_terms]),  # (R,P,G), (R,)
@@ -594,8 +630,29 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
                            clamp=args.adv_clamp, eta=args.soft_clip_eta)  # (P, G)
     # adv.flatten() is prompt-major (sample n belongs to prompt n // G), as the rollouts are
     mine = run.local(adv.flatten()).to(run.dev)  # harness: torchrun's share; (Nl,)
-    return Scored(raw=raw, headline=rw.headline(raw, rw.train_terms), adv=mine,
+    return Scored(raw=raw, headline=headline(raw, rw.train_terms), adv=mine,
                   adv_stats=stats, skipped=bool((adv == 0).all()))
+
+
+# Step 2's arithmetic of rewards: `raw` is {reward name: (N,) raw values}; the advantages see
+# raw · train_scale (§8's REWARD_UNITS: name → (logged unit, train_scale)).
+def training_values(raw: dict, terms) -> torch.Tensor:
+    """raw {name: (N,)} → (R, N) values the advantages see: raw[name] · train_scale."""
+    return torch.stack([raw[n] * REWARD_UNITS.get(n, ("raw", 1.0))[1] for n, _ in terms])
+
+
+def headline(raw: dict, terms) -> torch.Tensor:
+    """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
+    if len(terms) == 1:
+        return raw[terms[0][0]]
+    w = torch.tensor([wt for _, wt in terms])[:, None]  # (R, 1)
+    return (training_values(raw, terms) * w).sum(0)
+
+
+def reward_unit(terms) -> str:
+    """The unit of headline(raw, terms)."""
+    return (REWARD_UNITS.get(terms[0][0], ("raw",))[0] if len(terms) == 1
+            else "weighted sum of training-scaled rewards")
 
 
 def draw_iteration_pairs(run: Run, it: int) -> Pairs:
@@ -717,7 +774,7 @@ def iteration_metrics(run: Run, it: int, sc: Scored, s_old: OldSurrogates, log: 
     host = dict(zip(scal, torch.stack([v.float().to(run.dev) for v in scal.values()]).tolist()))
     bad = int((~torch.isfinite(sc.headline)).sum())
     m = {"iter": it, **dict(zip(("reward_mean", "reward_std"), _finite_mean_std(sc.headline))),
-         "reward_unit": run.rewards.unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
+         "reward_unit": reward_unit(run.rewards.train_terms), "n_nonfinite_reward": bad,
          "skipped": sc.skipped, **host, **times, "lr": run.opt.param_groups[0]["lr"],
          "grad_scale": run.scaler.get_scale(),  # 1.0 when disabled
          "nfe_rollout": a.num_steps, "nfe_old": a.n_mc * s_old.n_old_pass / run.Nl,
@@ -793,14 +850,6 @@ def timed(times: dict, key: str, dev: Optional[torch.device] = None):
 #     CPU fp32. The pure math sees only the rewards (P, G), and masks non-finite ones (§4).
 # ------------------------------------------------------------------------------------------------
 # Bad input and runs that cannot go on: main() (§11) prints them as one line, no traceback.
-class ConfigError(ValueError):  # bad input (a flag, file, model, plug-in): one line, no writes
-    status, label = 2, "error"
-
-
-class RunError(Exception):  # a run that cannot go on: where it stands, how to go on
-    status, label = 2, "error"
-
-
 # `raw` is {reward name: (N,) raw values}; REWARD_UNITS: name → (logged unit, train_scale); the
 # advantages see raw · train_scale (only sums and std_eps notice): PickScore's /26 [ours C17].
 REWARD_UNITS = {"pickscore": ("raw", 1 / 26), "hpsv2": ("cos", 1.0), "clipscore": ("cos", 1.0),
@@ -811,10 +860,6 @@ BUILTIN_REWARDS = tuple(REWARD_UNITS)
 REWARD_PLUGINS = {n: f"examples.rewards.{n}:score" for n in BUILTIN_REWARDS[1:]  # examples/rewards/
                   if n != "clipscore"}
 REMOTE = ("http://", "https://")  # a reward served elsewhere: examples/rewards/remote_reward.py
-
-
-class Prompt(str):  # from a .jsonl: .metadata is its line (GenEval's tag...)
-    metadata: dict
 
 
 def clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
@@ -881,9 +926,9 @@ def plugin_reward(spec: str) -> Callable:
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         try:
             out = fn(images, prompts)
-        except torch.cuda.OutOfMemoryError:
-            raise               # not the plug-in's fault: the run's
-        except Exception as e:  # noqa: BLE001 — the user's code: name it, show its message
+        except (torch.cuda.OutOfMemoryError, RunError):
+            raise  # not the plug-in's fault: the run's (a stop, out of memory)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 — the user's code: named
             raise RewardError(f"reward {spec!r} failed: {type(e).__name__}: {e}") from e
         try:
             out = torch.as_tensor(out).detach().float().cpu()
@@ -974,22 +1019,6 @@ class Rewards:
         names = dict.fromkeys(n for n, _ in args.train_terms + args.eval_terms)
         return cls({n: build_reward(n, args, device, dtype) for n in names},
                    args.train_terms, args.eval_terms)
-
-    def unit(self, terms) -> str:
-        """The unit of headline(raw, terms)."""
-        return (REWARD_UNITS.get(terms[0][0], ("raw",))[0] if len(terms) == 1
-                else "weighted sum of training-scaled rewards")
-
-    def training_values(self, raw: dict, terms) -> torch.Tensor:
-        """raw {name: (N,)} → (R, N) values the advantages see: raw[name] · train_scale."""
-        return torch.stack([raw[n] * REWARD_UNITS.get(n, ("raw", 1.0))[1] for n, _ in terms])
-
-    def headline(self, raw: dict, terms) -> torch.Tensor:
-        """(N,): raw[name] when there is one term, else Σ_k w_k · raw[k] · train_scale_k."""
-        if len(terms) == 1:
-            return raw[terms[0][0]]
-        w = torch.tensor([wt for _, wt in terms])[:, None]  # (R, 1)
-        return (self.training_values(raw, terms) * w).sum(0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1402,12 +1431,13 @@ class Interrupted(RunError):  # Ctrl-C: where the run stands; exit 130, no trace
 def train(args: Args, resumed: Optional[tuple] = None, fresh_ok: bool = False) -> list[dict]:
     """Run V-GRPO; returns the per-iteration metrics (also in run_dir/metrics.jsonl)."""
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; nothing created yet
-    try:
-        run = setup(args, resumed=resumed)          # bad input fails in setup
-    except torch.cuda.OutOfMemoryError as e:
-        e.vgrpo_phase = "setup"
-        raise RunError(f"{out_of_memory(e, args)}; nothing written yet") from None
-    return run_iterations(run, run_dir)
+    with hold_run_dir(run_dir):                     # one trainer per folder, before loading
+        try:
+            run = setup(args, resumed=resumed)      # bad input fails in setup
+        except torch.cuda.OutOfMemoryError as e:
+            e.vgrpo_phase = "setup"
+            raise RunError(f"{out_of_memory(e, args)}; nothing written yet") from None
+        return run_iterations(run, run_dir)
 
 
 def run_iterations(run: Run, run_dir: Path) -> list[dict]:
@@ -1423,7 +1453,7 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
                 log.iteration(m)
             if (it + 1) % a.save_every == 0 or it + 1 == a.iterations:
                 save_checkpoint(run, it + 1)
-        if a.eval_every and run.start < a.iterations:
+        if a.eval_every:  # also on continuing a finished run: a stop inside it is made up
             with run.guard(a.iterations):
                 log.evaluation(a.iterations)
     except KeyboardInterrupt:
@@ -1488,32 +1518,12 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     rank, world, _ = dist_info()
     dev, dtype, ctx = setup_device(args)  # under torchrun: joins the processes
     check_hub_access(hub_ids(args, model=pipe is None, rewards=rewards is None))  # before any
-    if rewards is None:                                                         # download
-        rewards = Rewards.load(args, dev, dtype)
-    for name, fn in rewards.models.items():  # plug-ins fail here, in one line
-        scored = train_prompts if name in dict(args.train_terms) else []
-        if name in dict(args.eval_terms):
-            scored = scored + eval_prompts[:args.n_eval]
-        if name not in BUILTIN_REWARDS or name in REWARD_PLUGINS:
-            probe_reward(name, fn, min(args.resolution, 256), dev, scored)
+    rewards = setup_rewards(args, rewards, dev, dtype, train_prompts, eval_prompts)  # download
     pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
     adapter = make_adapter(pipe.to(dev), args, dev)
     if args.offload_text_encoders:  # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
-    tr, lora_cfg = adapter.transformer, None
-    torch.manual_seed(args.seed)  # the LoRA init from the seed alone, on every rank: rewards
-    random.seed(args.seed)        # and pipelines that initialise randomly drew before this
-    if args.full_finetune:
-        tr.to(torch.float32).requires_grad_(True)  # fp32 master weights, bf16 autocast compute
-    else:
-        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
-    if ckpt or init:  # resumed, or a new run's start
-        load_trainable(adapter, ckpt or init, args.full_finetune)
-    if args.gradient_checkpointing:
-        tr.enable_gradient_checkpointing()
-    if world > 1:
-        shard_transformer(tr, dtype)  # replaces the parameters: before AdamW
-    params = [p for p in tr.parameters() if p.requires_grad]
+    params, lora_cfg = setup_trainable(adapter, args, ckpt or init, dtype, world)
     compiled, time_compile = args.compile, 0.0
     if compiled is None:  # the default: on with CUDA, in one process
         compiled = dev.type == "cuda" and world == 1
@@ -1526,7 +1536,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     scaler = (ShardedGradScaler if world > 1 else torch.amp.GradScaler)(
         dev.type, enabled=dtype == torch.float16)
     if ckpt is not None:  # optimizer, loss scale, RNG states
-        restore_state(tr, opt, scaler, ckpt, state)
+        restore_state(adapter.transformer, opt, scaler, ckpt, state)
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
                lora_cfg=lora_cfg, train_prompts=train_prompts, eval_prompts=eval_prompts,
                dev=dev, dtype=dtype, ctx=ctx, sigmas=adapter.sigmas(args.num_steps),
@@ -1534,6 +1544,39 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
                D=adapter.latent_shape(args.resolution), scaler=scaler, compiled=compiled,
                time_compile=time_compile, start=state["iteration"] if state else 0,
                resumed_from=ckpt, rank=rank, world=world)
+
+
+def setup_rewards(args: Args, rewards: Optional[Rewards], dev, dtype, train_prompts: list,
+                  eval_prompts: list) -> Rewards:
+    """The run's rewards, loaded once (unless given), each plug-in probed: fails in one line."""
+    if rewards is None:
+        rewards = Rewards.load(args, dev, dtype)
+    for name, fn in rewards.models.items():
+        scored = train_prompts if name in dict(args.train_terms) else []
+        if name in dict(args.eval_terms):
+            scored = scored + eval_prompts[:args.n_eval]
+        if name not in BUILTIN_REWARDS or name in REWARD_PLUGINS:
+            probe_reward(name, fn, min(args.resolution, 256), dev, scored)
+    return rewards
+
+
+def setup_trainable(adapter: Model, args: Args, start: Optional[Path], dtype, world: int):
+    """LoRA (or the whole transformer) from the seed, a start's weights, sharding: (params, the
+    LoRA config or None). `start`: the checkpoint resumed or --init's."""
+    tr, lora_cfg = adapter.transformer, None
+    torch.manual_seed(args.seed)  # the LoRA init from the seed alone, on every rank: rewards
+    random.seed(args.seed)        # and pipelines that initialise randomly drew before this
+    if args.full_finetune:
+        tr.to(torch.float32).requires_grad_(True)  # fp32 master weights, bf16 autocast compute
+    else:
+        lora_cfg = add_lora(tr, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+    if start:  # resumed, or a new run's start
+        load_trainable(adapter, start, args.full_finetune)
+    if args.gradient_checkpointing:
+        tr.enable_gradient_checkpointing()
+    if world > 1:
+        shard_transformer(tr, dtype)  # replaces the parameters: before AdamW
+    return [p for p in tr.parameters() if p.requires_grad], lora_cfg
 
 
 def read_starts(args: Args, resumed: Optional[tuple]) -> tuple:
@@ -1642,6 +1685,10 @@ def is_real_model(name: str) -> bool:
     return sum(f.stat().st_size for f in files) > 2 ** 30
 
 
+class Prompt(str):  # from a .jsonl: .metadata is its line (GenEval's tag...)
+    metadata: dict
+
+
 def read_prompt_file(path: str, flag: str) -> list[str]:
     """The prompts of a text file, one per line, or of a .jsonl file (Prompts with .metadata)."""
     if os.path.isdir(path):
@@ -1711,8 +1758,8 @@ def evaluate(run: Run, it: int) -> dict:
         with run.writing(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(grid.numpy()).save(path)
-    head = rw.headline(raw, rw.eval_terms)
-    ev = {"iter": it, "eval_reward_unit": rw.unit(rw.eval_terms),
+    head = headline(raw, rw.eval_terms)
+    ev = {"iter": it, "eval_reward_unit": reward_unit(rw.eval_terms),
           "eval_nfe": len(run.eval_sigmas) - 1, "eval_n_nonfinite": int((~head.isfinite()).sum())}
     for n, r in {"reward": head, **raw}.items():  # non-finite rewards dropped, counted above
         ev[f"eval_{n}_mean"], ev[f"eval_{n}_std"] = _finite_mean_std(r)
@@ -1766,8 +1813,10 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
         run_dir = resumed
     else:
         tag = "+".join(n.split(":")[-1] for n, _ in args.train_terms)
-        run_dir = Path(args.run_dir or f"runs/{Path(args.model).name}-{tag}-"
-                                       f"{time.strftime('%Y%m%d-%H%M%S')}")
+        name = "".join(c if c.isascii() and (c.isalnum() or c in "+-._") else "_"
+                       for c in f"{Path(args.model).name}-{tag}")  # one name, inside runs/
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"  # job arrays
+        run_dir = Path(args.run_dir or f"runs/{name.lstrip('.')}-{stamp}")
     top = next(q for q in (run_dir.absolute(), *run_dir.absolute().parents) if q.exists())
     if not top.is_dir():
         raise ConfigError(f"--run_dir {str(run_dir)!r}: {str(top)!r} is a file, not a folder")
@@ -1784,6 +1833,42 @@ def plan_run_dir(args: Args, fresh_ok: bool = False) -> Path:
     return run_dir
 
 
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path):
+    """One trainer per run folder: an exclusive flock on run_dir/.lock, its pid inside, for the
+    run; the system drops it when the process dies. A folder made here and left empty goes."""
+    import fcntl  # POSIX: Linux and macOS
+    if dist_info()[0] > 0:  # rank 0 holds it for all
+        yield
+        return
+    made = [q for q in (run_dir, *run_dir.parents) if not q.exists()]  # deepest first
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as e:  # full, read-only, or .lock planted as a link
+        raise ConfigError(f"--run_dir {str(run_dir)!r}: cannot open {str(run_dir / '.lock')!r} "
+                          f"({e.strerror}); remove it if it is a link, or pass another "
+                          "--run_dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise ConfigError(f"--run_dir {str(run_dir)!r} is in use by a running trainer (pid "
+                          f"{holder}); wait for it to end, or pass another --run_dir") from None
+    with contextlib.suppress(OSError):  # the pid informs only; a full disk is named later
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if made and [q.name for q in run_dir.iterdir()] == [".lock"]:  # bad input
+                (run_dir / ".lock").unlink()
+                for q in made:
+                    q.rmdir()
+        os.close(fd)
+
 
 def open_run_dir(run: Run, run_dir: Path):
     """Rank 0's run folder for all; rank 0 prepares it and returns metrics.jsonl to append."""
@@ -1798,6 +1883,8 @@ def open_run_dir(run: Run, run_dir: Path):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
+        for planted in ("config.json", "metrics.tmp"):  # a link is replaced, never followed
+            (run_dir / planted).unlink(missing_ok=True)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
         if run.resumed_from and run.resumed_from.parent == run_dir / "checkpoints":
             _point_latest(run.resumed_from)  # `latest` names the resumed checkpoint
@@ -1837,7 +1924,7 @@ def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
     """(folder, trainer state) of a checkpoint, validated; only the weights' header is read."""
     ckpt = find_checkpoint(path, flag)
     try:
-        state = torch.load(ckpt / CKPT_STATE, map_location="cpu", weights_only=False)
+        state = load_data(ckpt / CKPT_STATE, flag)
         need = [CKPT_STATE + ": " + k for k in ("iteration", "config", "optimizer_saved", "rng")
                 if k not in state]
         if not need:
@@ -1850,10 +1937,24 @@ def read_checkpoint(path: str, flag: str = "--resume") -> tuple[Path, dict]:
         with safe_open(str(ckpt / weights), framework="pt") as f:  # checks the layout too
             if not list(f.keys()):
                 raise ValueError(f"{weights} holds no tensors")
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unusable
+        why = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"checkpoint {str(ckpt)!r} is unreadable or incomplete "
-                          f"({type(e).__name__}: {e}); pick another with {flag}") from e
+                          f"({type(e).__name__}: {why}); pick another with {flag}") from e
     return ckpt, state
+
+
+def load_data(path: Path, flag: str, **kw):
+    """torch.load with weights_only: tensors and plain data, so a crafted file runs no code."""
+    import pickle
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **kw)
+    except pickle.UnpicklingError:  # torch's multi-line message: one line here
+        raise ConfigError(f"checkpoint file {str(path)!r} is unreadable or incomplete, or "
+                          "holds more than tensors and plain data (a file that could run code "
+                          f"is never loaded); pick another with {flag}") from None
 
 
 def save_checkpoint(run: Run, it: int) -> Path:
@@ -1914,6 +2015,7 @@ def prune_checkpoints(ckdir: Path, latest: Path, keep: int) -> None:
 
 
 def _point_latest(ckpt: Path) -> None:  # checkpoints/latest ← ckpt's name, atomically
+    (ckpt.parent / ".latest.tmp").unlink(missing_ok=True)  # a planted link: not followed
     (ckpt.parent / ".latest.tmp").write_text(ckpt.name)
     os.replace(ckpt.parent / ".latest.tmp", ckpt.parent / "latest")
 
@@ -1936,7 +2038,7 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
     """Optimizer (memory-mapped: processes share its pages), loss scale and RNG of a checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     if state["optimizer_saved"]:  # False when saved before the first step
-        optim = torch.load(ckpt / OPTIM_FILE, map_location="cpu", mmap=True, weights_only=False)
+        optim = load_data(ckpt / OPTIM_FILE, "--resume", mmap=True)
         set_optimizer_state_dict(tr, opt, optim, options=StateDictOptions(full_state_dict=True))
     if state["scaler"]:  # {} from a disabled (non-fp16) scaler
         scaler.load_state_dict(state["scaler"])
@@ -1982,14 +2084,6 @@ def full_state(tr, opt=None) -> dict:
     if opt is None:
         return get_model_state_dict(tr, options=o)
     return get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
-
-
-def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x along the last dim
-    if world == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2118,10 +2212,12 @@ def given_flags(argv: Optional[list[str]] = None) -> dict:
     peek.add_argument("-h", "--help", action="store_true")
     peek.error = p.error
     asked = peek.parse_known_args(argv)[0]
-    wants = [("SD3 ", {}), ("FLUX ", {"model": "flux.1-dev"})]   # (label, a run's flags)
-    if asked.model is not None:
+    wants = [("SD3 ", {}), ("FLUX ", {"model": "flux.1-dev"})][:1 + ("flux" in model_plugins())]
+    if asked.model is not None:                                   # (label, a run's flags)
         wants = [("", {"model": asked.model})]
     views = [(label, resolve_args(given)) for label, given in wants if asked.help]
+    for _, a in views[1:]:  # the second view's model is --help's, not the command line's
+        a.origin["model"] = "--help's FLUX.1 view (examples/models/flux.py)"
     # --help's groups are the sections of Args, each named here by its first field
     sections = {"run_dir": "io", "model": "model", "num_steps": "sampler", "reward": "reward",
                 "prompts_per_iter": "objective", "iterations": "optimisation", "seed": "system"}
@@ -2210,6 +2306,9 @@ def check_args(args: Args) -> None:
         (args.stratified and args.n_mc > args.num_steps, f"--n_mc {args.n_mc} > --num_steps "
          f"{args.num_steps}: stratification needs one grid point per stratum (or --no-stratified)"),
         (args.resolution % 16, f"--resolution must be a multiple of 16 (got {args.resolution})"),
+        (not 0 <= args.seed < 2**31, f"--seed must lie in [0, 2^31) (got {args.seed})"),
+        (args.iterations >= MAX_ITERATIONS, f"--iterations must be below {MAX_ITERATIONS} "
+         f"(got {args.iterations}): the random streams' seeds stay apart below it"),
         (not 0 <= args.eval_holdout < 1,
          f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})"),
         # each process holds whole groups, split into μ equal minibatches (one rule for any count)
@@ -2268,4 +2367,5 @@ def start(given: dict, trainer: Optional[Callable] = None, fresh_ok: bool = Fals
     return (trainer or train)(resolve_args(given, resumed=config), resumed, fresh_ok)
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # main() says it from here on
     exit_process(main())

@@ -25,12 +25,27 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
+
+def _stopped_while_loading(signum, _frame):
+    """Until Cluster's handlers: nothing is written yet, so a stop is one line and its status."""
+    if signum == signal.SIGTERM:
+        print("preempted: while loading, before the first iteration: nothing written; a "
+              "requeued job starts with the same command", file=sys.stderr)
+        os._exit(PREEMPTED)
+    print("interrupted before the first iteration: nothing written", file=sys.stderr)
+    os._exit(130)
+
+
+PREEMPTED = 75                       # EX_TEMPFAIL: saved; the same command continues
+if __name__ == "__main__":           # from before `import torch` (seconds)
+    signal.signal(signal.SIGTERM, _stopped_while_loading)
+    signal.signal(signal.SIGINT, _stopped_while_loading)
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vgrpo as V  # noqa: E402
 
-PREEMPTED = 75                       # EX_TEMPFAIL: saved; the same command continues
+REWARD_GRACE = 10.0                  # s a running call may go on after SIGTERM (on_alarm)
 
 
 class Preempted(V.RunError):
@@ -55,47 +70,17 @@ def command(given: dict) -> list:
 
 
 def train(args: V.Args, resumed=None, fresh_ok: bool = False) -> list:
-    """vgrpo.train with the run folder locked, signals caught and the hooks filled in."""
+    """vgrpo.train with the signals caught and the hooks filled in; the run folder is locked
+    (vgrpo.hold_run_dir) from before anything loads to the end."""
     run_dir = V.plan_run_dir(args, fresh_ok)
-    rank = V.dist_info()[0]
-    if rank == 0:
-        lock(run_dir, hold=False)           # refused before anything loads
-    try:
-        run = V.setup(args, resumed=resumed)
-    except torch.cuda.OutOfMemoryError as e:
-        raise V.RunError(f"out of GPU memory while loading ({str(e).splitlines()[0]}); try "
-                         "--offload_text_encoders or fewer --reward models") from None
-    with contextlib.ExitStack() as stack:
-        if rank == 0:                       # held before vgrpo writes anything there
-            run_dir.mkdir(parents=True, exist_ok=True)
-            held = lock(run_dir)
-            stack.callback(held.close)
-        stack.enter_context(Cluster(run, run_dir))
-        return V.run_iterations(run, run_dir)
-
-
-def lock(run_dir: Path, hold: bool = True):
-    """One trainer per run folder: an exclusive flock on run_dir/.lock, released when the
-    returned file closes. Another trainer is refused in one line. None: not `hold`, or no
-    folder yet (nothing to protect)."""
-    if not run_dir.is_dir():
-        return None
-    import fcntl                            # POSIX: Linux and macOS
-    f = open(run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
-        raise V.ConfigError(f"--run_dir {str(run_dir)!r} is in use by a running trainer (pid "
-                            f"{holder}); wait for it to end, or pass another --run_dir") from None
-    if not hold:
-        f.close()
-        return None
-    f.truncate(0)
-    print(os.getpid(), file=f, flush=True)
-    return f
+    with V.hold_run_dir(run_dir):           # a second trainer is refused before it loads
+        try:
+            run = V.setup(args, resumed=resumed)
+        except torch.cuda.OutOfMemoryError as e:
+            raise V.RunError(f"out of GPU memory while loading ({str(e).splitlines()[0]}); try "
+                             "--offload_text_encoders or fewer --reward models") from None
+        with Cluster(run, run_dir):
+            return V.run_iterations(run, run_dir)
 
 
 def how_to_go_on(run_dir: Path, saved=None) -> str:
@@ -113,6 +98,7 @@ class Cluster:
         self.run, self.run_dir = run, run_dir
         self.stop = []                      # signals received: "term" (preempt), "int" (Ctrl-C)
         self.stepped = False                # an optimizer step of this iteration has run
+        self.cuttable = False               # inside an iteration: SIGTERM's alarm may stop it
         run.poll, run.guard, run.writing = self.poll, self.guard, self.writing
 
     def __enter__(self):
@@ -120,7 +106,7 @@ class Cluster:
         self.on_step = self.run.opt.register_step_pre_hook(
             lambda *_: setattr(self, "stepped", True))
         torchrun = "TORCHELASTIC_RUN_ID" in os.environ     # its agent forwards Ctrl-C, then kills
-        on = {signal.SIGTERM: self.on_term,
+        on = {signal.SIGTERM: self.on_term, signal.SIGALRM: self.on_alarm,
               signal.SIGINT: self.on_term if torchrun else self.on_int}
         try:
             self.previous = {sig: signal.signal(sig, fn) for sig, fn in on.items()}
@@ -130,6 +116,8 @@ class Cluster:
 
     def __exit__(self, *exc):
         self.on_step.remove()
+        if self.previous:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         if "term" in self.stop:             # on its way out with 75, never 143
@@ -138,7 +126,16 @@ class Cluster:
     def on_term(self, *_):
         if "term" not in self.stop and self.run.rank == 0:
             V._warn("SIGTERM: saving at once (an iteration not yet stepped is redone on resume)")
+        if "term" not in self.stop and self.run.world == 1:  # one process: no collective waits
+            signal.setitimer(signal.ITIMER_REAL, REWARD_GRACE)
         self.stop.append("term")
+
+    def on_alarm(self, *_):
+        """REWARD_GRACE s after SIGTERM, inside an iteration not yet stepped: a call that is
+        still running (a reward server's answer, an ODE solve between polls) is abandoned."""
+        if self.cuttable and not self.stepped:
+            self.cuttable = False
+            raise Preempted("SIGTERM")
 
     def on_int(self, *_):
         if self.stop:
@@ -163,11 +160,14 @@ class Cluster:
     def guard(self, it: int):
         """Around iteration `it` and its record: a stop inside saves if no step has run (a lone
         process, or every process on SIGTERM) and ends in one line; after it, a signal saves."""
-        self.stepped = False
+        self.stepped, self.cuttable = False, True
         try:
             yield
         except (Preempted, torch.cuda.OutOfMemoryError, V.RewardError) as e:
+            self.cuttable = False           # the save below is never cut
             raise self.ended(e, it) from None
+        finally:
+            self.cuttable = False
         if it < self.run.args.iterations and self.any_rank(bool(self.stop)):   # after `it`
             saved = V.save_checkpoint(self.run, it + 1)
             if self.any_rank("term" in self.stop):
@@ -208,4 +208,5 @@ class Cluster:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # vgrpo.main's Ctrl-C from here
     V.exit_process(main())

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import vgrpo as V
-from conftest import ROOT, TINY, _load_example, _metrics, _strip_times, _trained
+from conftest import (ROOT, TINY, _load_example, _metrics, _stop_while_torch_imports,
+                      _strip_times, _trained)
 
 C = _load_example("cluster")
 SCRIPT = str(ROOT / "examples" / "cluster.py")
@@ -30,7 +31,7 @@ def _same_run(a_dir, b_dir, it):
     same process and thread count, so the same float operations."""
     assert _strip_times(_metrics(a_dir)) == _strip_times(_metrics(b_dir))
     a, b = _trained(a_dir, it), _trained(b_dir, it)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _error_lines(err: str) -> list:
@@ -122,6 +123,42 @@ def test_first_ctrl_c_finishes_the_iteration_saves_and_exits_130(tmp_path, monke
     monkeypatch.setattr(V, "iteration", real)
     assert C.main(again) == 0
     assert _strip_times(_metrics(run)) == _strip_times(_metrics(ref))
+
+
+@pytest.mark.examples
+def test_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
+    """A first Ctrl-C (a real SIGINT) in iteration 1's rollout, a second in its update: the run
+    stops there, in iteration 1 (not after finishing and saving it, which a third Ctrl-C would
+    be needed for), with one line and exit 130; iteration 1 is neither logged nor saved, `latest`
+    stays on iteration 1's checkpoint, and --resume then ends where an uninterrupted run does."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    argv = TINY + ["--iterations", "3", "--save_every", "1"]
+    assert V.main(argv + ["--run_dir", str(ref)]) == 0
+    real_rollout, real_step = V.collect_rollouts, V.optimizer_step
+
+    def rollout(r, it):
+        if it == 1:
+            os.kill(os.getpid(), signal.SIGINT)              # the first: finish, then save
+        return real_rollout(r, it)
+
+    def step(r):
+        if len(_metrics(run)) == 1:                         # iteration 1's update
+            os.kill(os.getpid(), signal.SIGINT)              # the second: stop now
+        return real_step(r)
+    monkeypatch.setattr(V, "collect_rollouts", rollout)
+    monkeypatch.setattr(V, "optimizer_step", step)
+    capsys.readouterr()
+    assert C.main(argv + ["--run_dir", str(run)]) == 130
+    err = capsys.readouterr().err
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("interrupted: checkpoints/latest (iter_000001)"), lines
+    assert [m["iter"] for m in _metrics(run)] == [0]
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
+    assert not (run / "checkpoints" / "iter_000002").exists()
+    monkeypatch.undo()
+    assert C.main(["--resume", str(run)]) == 0
+    _same_run(run, ref, 3)
 
 
 @pytest.mark.examples
@@ -363,7 +400,8 @@ def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
 @pytest.mark.parametrize("phase, knob", [("rollout", "--rollout_batch"),
                                          ("reward", "--reward_batch"),
                                          ("old", "--micro_batch"),
-                                         ("update", "--micro_batch")])
+                                         ("update", "--micro_batch"),
+                                         ("eval", "--rollout_batch or --reward_batch")])
 @pytest.mark.examples
 def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_path, monkeypatch,
                                                                           capsys, phase, knob):
@@ -371,16 +409,18 @@ def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_pa
     one line naming the phase (vgrpo.timed puts it on the error) and the knob that lowers its
     memory; the parameters are still iteration 0's (the step had not run), so they are saved and
     --resume continues exactly as an uninterrupted run. The θ_old pass ("old") runs at μ = 2
-    only, before the first step."""
+    only, before the first step; the evaluation ("eval", every iteration) runs before the
+    iteration, after iteration 0's two lines."""
     argv = TINY + ["--iterations", "3", "--save_every", "10"] + ["--mu", "2"] * (phase == "old")
+    argv += ["--eval_every", "1"] * (phase == "eval")
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert V.main(argv + ["--run_dir", str(ref)]) == 0
     target = {"rollout": "rollout", "reward": "decode_and_reward", "old": "surrogate_pass",
-              "update": "vgrpo_loss"}[phase]
+              "update": "vgrpo_loss", "eval": "evaluate"}[phase]
     real, calls = getattr(V, target), []
 
     def oom(*a, **k):
-        if len(_metrics(run)) == 1 and not calls:               # in iteration 1
+        if len(_metrics(run)) == 1 + (phase == "eval") and not calls:   # in iteration 1
             calls.append(1)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(*a, **k)
@@ -391,7 +431,7 @@ def test_out_of_gpu_memory_names_the_phase_and_its_knob_and_loses_nothing(tmp_pa
     line = _error_lines(err)
     assert len(line) == 1 and "Traceback" not in err, err
     said = {"rollout": "the rollout", "reward": "decoding and rewards", "old": "the θ_old pass",
-            "update": "the update"}
+            "update": "the update", "eval": "the evaluation"}
     assert f"out of GPU memory in {said[phase]}" in line[0]
     assert knob in line[0] and "saved" in line[0] and "--resume" in line[0]
     assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
@@ -526,3 +566,107 @@ def test_a_second_trainer_on_a_live_run_folder_is_refused_and_the_first_finishes
     assert (run / "checkpoints" / "latest").read_text() == "iter_000003"
     monkeypatch.chdir(tmp_path)                                          # where gated.py is
     assert C.main(["--resume", str(run), "--iterations", "4"]) == 0      # the folder is free again
+
+
+# ------------------------------------------------------------------------------------------------
+# Stops while loading, and a reward call that does not return
+# ------------------------------------------------------------------------------------------------
+SLOW_PROBE = """
+import os, time
+from pathlib import Path
+
+
+def score(images, prompts):          # the start-up probe announces itself and waits
+    Path(os.environ["GATE"] + ".waiting").write_text("")
+    time.sleep(120)
+    return images.float().mean(dim=(1, 2, 3)).cpu()
+"""
+
+
+@pytest.mark.examples
+def test_a_stop_while_loading_is_one_line_75_on_sigterm_130_on_ctrl_c(tmp_path):
+    """Before Cluster's handlers, while torch imports or the model and rewards load (here inside
+    the reward's start-up probe): SIGTERM exits 75 in one line, so a requeue rule keyed on 75
+    keeps the job, and Ctrl-C exits 130 in one line; the same command then starts the run."""
+    status, err = _stop_while_torch_imports(tmp_path / "a", SCRIPT, signal.SIGTERM)
+    assert status == C.PREEMPTED and err.startswith("preempted: while loading"), err
+    assert err.count("\n") == 1, err
+    status, err = _stop_while_torch_imports(tmp_path / "b", SCRIPT, signal.SIGINT)
+    assert (status, err) == (130, "interrupted before the first iteration: nothing written\n")
+    (tmp_path / "slowprobe.py").write_text(SLOW_PROBE)
+    run, gate = tmp_path / "run", tmp_path / "go"
+    argv = TINY + ["--iterations", "1", "--run_dir", str(run), "--resume", "auto"]
+    p = subprocess.Popen([sys.executable, SCRIPT] + argv + ["--reward", "slowprobe:score"],
+                         cwd=tmp_path, env=dict(os.environ, GATE=str(gate)),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):
+        if Path(str(gate) + ".waiting").exists() or p.poll() is not None:
+            break
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == C.PREEMPTED and err.startswith("preempted: while loading"), err
+    assert len(_error_lines(err)) == 1 and "Traceback" not in err, err
+    assert C.main(argv) == 0                                  # the requeued job starts it
+    assert [m["iter"] for m in _metrics(run)] == [0]
+
+
+def _reward_server(hold_after: int):
+    """A loopback reward server (Flow-GRPO's protocol, "outputs") that answers the first
+    `hold_after` requests and then holds every other one open without an answer; (url, stop)."""
+    import http.server
+    import pickle
+    import threading
+    served = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            served.append(time.monotonic())
+            if len(served) > hold_after:
+                os.kill(os.getpid(), signal.SIGTERM)         # preempted while the call runs
+                time.sleep(300)
+                return
+            data = pickle.dumps({"outputs": [0.5] * len(body["prompts"])})
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    def stop():
+        server.shutdown()
+        server.server_close()
+    return f"http://127.0.0.1:{server.server_port}/deqa", stop, served
+
+
+@pytest.mark.examples
+def test_sigterm_waits_at_most_the_grace_for_a_running_reward_call(tmp_path, monkeypatch, capsys):
+    """A reward server that holds iteration 1's request (its read timeout 120 s): SIGTERM during
+    that call stops the run REWARD_GRACE s later (2 s here), not when the server lets go; the
+    iteration had not stepped, so it is saved as not begun, status 75 in one line, and the
+    requeued command ends with every iteration logged once."""
+    monkeypatch.setattr(C, "REWARD_GRACE", 2.0)
+    url, stop, served = _reward_server(hold_after=2)         # the probe and iteration 0
+    try:
+        run = tmp_path / "run"
+        argv = TINY + ["--iterations", "3", "--save_every", "10", "--run_dir", str(run),
+                       "--resume", "auto"]
+        assert C.main(argv + ["--reward", url]) == C.PREEMPTED
+        took = time.monotonic() - served[-1]                  # since the SIGTERM
+    finally:
+        stop()
+    err = capsys.readouterr().err
+    assert len(_error_lines(err)) == 1 and "Traceback" not in err and "at iteration 1" in err, err
+    assert len(served) == 3 and 2.0 <= took < 30, took        # not the server's 300 s hold
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
+    url, stop, served = _reward_server(hold_after=100)
+    try:
+        assert C.main(argv + ["--reward", url]) == 0
+    finally:
+        stop()
+    assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1, 2]

@@ -250,7 +250,9 @@ def test_evaluate_killed_and_rerun_equals_uninterrupted(ev, jpeg_run, tmp_path, 
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for name in ("results.json", "results.md", "scores.jsonl", "grid.png"):
         assert (whole / name).read_bytes() == (cut / name).read_bytes(), name
-    for f in (whole / "images").rglob("*.png"):
+    images = sorted((whole / "images").rglob("*.png"))
+    assert len(images) == 2 * 3 * 2                                 # the loop compares them all
+    for f in images:
         assert f.read_bytes() == (cut / f.relative_to(whole)).read_bytes()
 
 
@@ -805,7 +807,9 @@ def test_make_prompts_disjoint_from_geneval_benchmark(tmp_path):
     cmd[cmd.index("--out") + 1] = str(tmp_path)
     cmd[cmd.index("--exclude") + 1] = str(geneval)
     MP.main(cmd)
-    for f in folder.glob("*.jsonl"):
+    shipped = sorted(folder.glob("*.jsonl"))
+    assert len(shipped) == 4                                        # the loop compares each
+    for f in shipped:
         assert (tmp_path / f.name).read_bytes() == f.read_bytes()
 
 
@@ -895,7 +899,7 @@ def test_curriculum_stages_chain_final_weights(_cur_run):
     assert [int(c[c.index("--iterations") + 1]) for c in calls] == _CUR_ITERS
     finals = [_cur_final(root, k) for k in range(1, 6)]
     for k, (ckpt, _) in enumerate(finals, 1):
-        state = torch.load(ckpt / V.CKPT_STATE, weights_only=False)
+        state = torch.load(ckpt / V.CKPT_STATE, weights_only=True)
         assert state["iteration"] == _CUR_ITERS[k - 1]
         if k > 1:                                          # recorded, and the one passed
             assert (work / state["config"]["init"]).resolve() == finals[k - 2][0].resolve()
@@ -936,7 +940,7 @@ def test_curriculum_rerun_continues_where_it_stopped(_cur_run, tmp_path, monkeyp
     assert lines[0] == first and [json.loads(l)["iter"] for l in lines] == [0, 1]   # 0 not redone
     finals = [_cur_final(root, k)[1] for k in range(1, 6)]
     assert torch.load(V.find_checkpoint(str(s3.parent)) / V.CKPT_STATE,
-                      weights_only=False)["iteration"] == 2
+                      weights_only=True)["iteration"] == 2
     assert _cur_same(finals[3], finals[2]) and _cur_same(finals[4], finals[3])
     calls.clear()
     assert CUR.main(_CUR_ARGS) == 0 and calls == []
@@ -1134,6 +1138,6 @@ def test_curriculum_stage_stopped_by_a_first_ctrl_c_ends_it_with_130(_cur_pref_r
         assert f"curriculum stopped in stage {k} ({run['root'].name}/{stage}); run the same " \
                "command to continue" in run["err"]
         state = torch.load(V.find_checkpoint(str(run["root"] / stage)) / V.CKPT_STATE,
-                           weights_only=False)
+                           weights_only=True)
         assert state["iteration"] == 1                              # saved, 1 of 2 iterations
         assert sorted(p.name for p in run["root"].iterdir()) == done + [stage]

@@ -417,7 +417,7 @@ def nft_iteration(run, it: int, state: dict) -> dict:
         raw, _ = V.decode_and_reward(ad, rw, [n for n, _ in rw.train_terms], x0, sample_prompts,
                                      args.reward_batch)
         w = torch.tensor([wt for _, wt in rw.train_terms])[:, None]        # (R, 1)
-        total = (rw.training_values(raw, rw.train_terms) * w).sum(0)       # (N,)
+        total = (V.training_values(raw, rw.train_terms) * w).sum(0)       # (N,)
         adv = FG.stat_tracker_advantages(sample_prompts, total, global_std=rec["global_std"],
                                          eps=rec["std_eps"])               # (N,) float64
         group_std = total.view(P, G).double().std(dim=1, unbiased=False)   # (P,), for logging
@@ -433,10 +433,10 @@ def nft_iteration(run, it: int, state: dict) -> dict:
     host = {k: torch.stack(v).double().mean() for k, v in stats.items()}
     host["grad_norm"] = torch.stack(grad_norms).double().mean()
     host = dict(zip(host, torch.stack(list(host.values())).cpu().tolist()))     # one host copy
-    mean, std = V._finite_mean_std(rw.headline(raw, rw.train_terms))
+    mean, std = V._finite_mean_std(V.headline(raw, rw.train_terms))
     nfe_ref = T if rec["kl_coef"] > 0 else 0
     return {"method": "diffusion_nft", "iter": it, "reward_mean": mean, "reward_std": std,
-            "reward_unit": rw.unit(rw.train_terms), **times,
+            "reward_unit": V.reward_unit(rw.train_terms), **times,
             "time_iter": time.perf_counter() - t0, **host, "opt_steps": len(grad_norms),
             "optimizer_steps_total": state["step"], "old_decay": decay,
             "adv_abs_mean": float(adv.abs().mean()),

@@ -386,14 +386,14 @@ def flow_grpo_iteration(mine, args, adapter, guided, rewards, opt, params, train
     sample_prompts = [prompts[i // G] for i in range(N)]
     raw_all, _ = V.decode_and_reward(adapter, rewards, names, traj[:, -1], sample_prompts, args.reward_batch)
     w = torch.tensor([wt for _, wt in rewards.train_terms])
-    r = (rewards.training_values(raw_all, rewards.train_terms) * w[:, None]).sum(0)    # (N,)
+    r = (V.training_values(raw_all, rewards.train_terms) * w[:, None]).sum(0)    # (N,)
     adv = stat_tracker_advantages(sample_prompts, r)                                   # (N,) fp64
     n_zero = int((adv == 0).sum())
     num_batches = N // mine.batch
     keep = (keep_mask(adv, num_batches, g_perm) if rec["filter_zero_adv"]
             else torch.ones(N, dtype=torch.bool))
     adv = adv.float().clamp(-args.adv_clamp, args.adv_clamp).to(dev)       # adv_clip_max 5
-    raw = rewards.headline(raw_all, rewards.train_terms)
+    raw = V.headline(raw_all, rewards.train_terms)
     times["time_reward"] = time.perf_counter() - t1
     times["time_old"] = 0.0                          # old log-probs were stored by the rollout
 
@@ -490,7 +490,7 @@ def evaluate(guided, rewards, args, eval_prompts, D, dev, ctx) -> float:
                     args.rollout_batch, ctx)
     names = [name for name, _ in rewards.eval_terms]
     raw, _ = V.decode_and_reward(guided.adapter, rewards, names, lat, prompts, args.reward_batch)
-    return float(rewards.headline(raw, rewards.eval_terms).mean())
+    return float(V.headline(raw, rewards.eval_terms).mean())
 
 
 def setup_dtype(mine, args):

@@ -439,12 +439,12 @@ def mix_iteration(run: V.Run, it: int, state: dict) -> dict:
     names = [n for n, _ in rw.train_terms]
     raw, _ = V.decode_and_reward(ad, rw, names, x0, [prompts[i // G] for i in range(N)],
                                  args.reward_batch)
-    values = rw.training_values(raw, rw.train_terms).view(-1, P, G)           # (R, P, G)
+    values = V.training_values(raw, rw.train_terms).view(-1, P, G)           # (R, P, G)
     adv, _ = V.per_reward_advantages(values, torch.tensor([w for _, w in rw.train_terms]),
                                      global_std=False, std_eps=rec["std_eps"],
                                      clamp=math.inf, eta=0.0)   # clamp ±5 acts in the loss
     adv = adv.flatten().to(run.dev)                                           # (N,) prompt-major
-    head = rw.headline(raw, rw.train_terms)
+    head = V.headline(raw, rw.train_terms)
     times["time_reward"] = time.perf_counter() - t1
 
     # 3. training: per micro-batch and window step, recompute log p_θ with grad; backward each

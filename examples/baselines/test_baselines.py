@@ -20,6 +20,24 @@ from conftest import ROOT, TM, _load_example
 # ------------------------------------------------------------------------------------------------
 # examples/baselines/mix_grpo_sd3.py: MixGRPO (mixed ODE–SDE window) on the tiny SD3 pipeline
 @pytest.mark.examples
+def test_random_stream_values_are_distinct_in_every_stream():
+    """Every named stream, aliases included (an IntEnum member given another's value is only an
+    alias, which iterating the enum skips), has a value of its own: within vgrpo.Stream, within
+    the baselines' Stream, and across the two modulo 16 (vgrpo.generator's seed is
+    (seed·1000003 + it)·16 + stream), the baselines' in the values vgrpo.Stream leaves to the
+    examples (4–8, 11–15). So Flow-GRPO's SDE window and its SDE noise never draw the same
+    numbers."""
+    BC = _load_example("baselines/baseline_cli")
+    for S in (V.Stream, BC.Stream):
+        values = [int(v) for v in S.__members__.values()]
+        assert len(values) == len(set(values)), S.__members__
+    ours = {int(v) % 16 for v in BC.Stream.__members__.values()}
+    assert len(ours) == len(BC.Stream.__members__)
+    assert ours.isdisjoint({int(v) % 16 for v in V.Stream.__members__.values()})
+    assert ours <= set(range(4, 9)) | set(range(11, 16))
+
+
+@pytest.mark.examples
 def test_mix_grpo_steps_and_loss_by_hand():
     """MixGRPO's two SDE steps (sampling_utils.py flow_grpo_step, dance_grpo_step) and its clipped
     per-step loss against hand computations in float64: x = (1, −2), v = (0.5, 1), σ = 0.75 → 0.5,

@@ -234,6 +234,20 @@ def test_claim_speedups_bounds_and_verdicts(monkeypatch):
 
 
 @pytest.mark.examples
+def test_verdict_reads_the_gain_over_base_by_its_lower_end(monkeypatch):
+    """"The baseline did not improve on the base model" is judged by the lower end of the gain's
+    interval: a gain whose point is above 0 but whose interval reaches below 0 is inconclusive,
+    even where the speed-up's interval alone (above 1, reaching the factor) would agree; with
+    the lower end above 0 the same claim agrees."""
+    ST = _modules(monkeypatch)[2]
+    claim = lambda gain: {"gain_over_base": gain, "ratio": {"iters": (3.0, 1.5, 4.0)}}
+    assert ST.verdict(claim((0.05, -0.01, 0.11)), 2.0, "iters", False) == (
+        "inconclusive", "the baseline did not improve on the base model")
+    assert ST.verdict(claim((0.05, 0.01, 0.09)), 2.0, "iters", False)[0] == "agrees"
+    assert ST.verdict(claim((-0.02, -0.05, 0.01)), 2.0, "iters", False)[0] == "inconclusive"
+
+
+@pytest.mark.examples
 def test_follow_up_settled_rule(monkeypatch):
     """The follow-up's rule: the speed-up with the baseline cut off at ½ and ¾ of its budget lies
     inside the interval of the speed-up at the whole budget. A V-GRPO curve that is the

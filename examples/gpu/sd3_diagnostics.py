@@ -113,11 +113,11 @@ def score_and_advantages(adapter, rewards, args, x0, sample_prompts, P, G):
     kw = dict(global_std=args.global_std, std_eps=args.std_eps, clamp=args.adv_clamp, eta=args.soft_clip_eta)
     names = [n for n, _ in rewards.train_terms]
     raw_all, _ = V.decode_and_reward(adapter, rewards, names, x0, sample_prompts, args.reward_batch)
-    values = rewards.training_values(raw_all, rewards.train_terms).view(-1, P, G)    # (K, P, G)
+    values = V.training_values(raw_all, rewards.train_terms).view(-1, P, G)    # (K, P, G)
     weights = torch.tensor([w for _, w in rewards.train_terms])
     agg = V.per_reward_advantages if args.reward_aggregation == "per_reward" else V.weighted_sum_advantages
     adv, _ = agg(values, weights, **kw)                                                # (P, G)
-    return rewards.headline(raw_all, rewards.train_terms), adv.flatten()               # (N,), (N,)
+    return V.headline(raw_all, rewards.train_terms), adv.flatten()               # (N,), (N,)
 
 
 # ------------------------------------------------------------------------------------------------

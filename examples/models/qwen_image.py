@@ -34,7 +34,9 @@ the same initial latents, steps and no CFG; velocity and x̂0 equal the transfor
 pipeline's way; the first update step's |log ρ| is 0; V-GRPO steps raise S of the positively
 advantaged samples and lower the negatives'; a LoRA written by save_lora loads with the stock
 pipeline's load_lora_weights and reproduces the trained velocity; the tiny pipeline survives
-save_pretrained / from_pretrained. Not verified here: the real 20B weights (nothing is downloaded
+save_pretrained / from_pretrained; build_real_size_pipeline (the real architecture, random
+weights, for examples/gpu/gpu_check.py) has the published sizes on the meta device. Not verified
+here: the real 20B weights (nothing is downloaded
 offline), bf16 on a GPU, the peers' defaults as a training recipe for V-GRPO, non-square images
 (vgrpo.py trains squares), and Qwen-Image-Edit / Layered variants (other pipelines).
 """
@@ -309,3 +311,76 @@ def _smooth_decoder(vae) -> None:
             w.zero_()                                        # causal Conv3d (out, in, T, kh, kw)
             for i in range(min(w.shape[0], w.shape[1], 3)):
                 w[i, i, -1, w.shape[3] // 2, w.shape[4] // 2] = 0.5 if name == "conv_out" else 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The real architecture with random weights (examples/gpu/gpu_check.py: time and memory at size)
+# ------------------------------------------------------------------------------------------------
+# Qwen/Qwen-Image's transformer/config.json, vae/config.json and text_encoder/config.json (the
+# last is Qwen/Qwen2.5-VL-7B-Instruct's): the values below, written out so that nothing is read
+# from the Hub. The transformer's and the VAE's are also diffusers' defaults for these classes
+# (docs/source/en/api/models/qwenimage_transformer2d.md lists them). Built here: 20.43B
+# transformer parameters (the report says "a 20B MMDiT"; quoted elsewhere as 20.4B) and 8.29B
+# in the text encoder (Qwen2.5-VL-7B's count, its 0.68B vision tower included).
+REAL_TRANSFORMER = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60,
+                        attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
+                        guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+REAL_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                temperal_downsample=[False, True, True], dropout=0.0,
+                latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                              0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921],
+                latents_std=[2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                             3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160])
+REAL_TEXT_ENCODER = dict(
+    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     max_position_embeddings=128000, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     hidden_act="silu", attention_dropout=0.0, tie_word_embeddings=False,
+                     rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+                     bos_token_id=151643, eos_token_id=151645),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                       in_chans=3, out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, window_size=112, hidden_act="silu",
+                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+    vision_end_token_id=151653, tie_word_embeddings=False)
+
+
+class _default_dtype:
+    """Parameters created inside are `dtype` from the start: the 20B transformer in fp32 first
+    would need 82 GB, more than an 80 GB card holds, before the cast to bf16."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_default_dtype(self.saved)
+
+
+def build_real_size_pipeline(dtype: torch.dtype = torch.bfloat16, device="meta"):
+    """QwenImagePipeline with Qwen-Image's real architecture and RANDOM weights, built from the
+    configs above with nothing downloaded: the 60-block transformer (20.4B parameters), the
+    3-D VAE at base width 96, and Qwen2.5-VL-7B (8.3B, its vision tower included, unused) as
+    the text encoder, each created directly in `dtype` on `device` ("meta": shapes only, no
+    memory). The tokenizer is the tiny offline one (tiny_qwen2_tokenizer): byte-level, so a
+    prompt is a few times more text tokens than Qwen2's real vocabulary gives (next to the
+    1024 image tokens of 512 px, a small share). The ids it makes are valid rows of the real
+    embedding table; the pipeline's 34-token template prefix is dropped as with the real one."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
+                           QwenImagePipeline, QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    tok = tiny_qwen2_tokenizer()
+    with torch.device(device), _default_dtype(dtype):
+        transformer = QwenImageTransformer2DModel(**REAL_TRANSFORMER)
+        vae = AutoencoderKLQwenImage(**REAL_VAE)
+        te = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**REAL_TEXT_ENCODER))
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**REAL_SCHEDULER),
+                             vae=vae, text_encoder=te, tokenizer=tok, transformer=transformer)
+    for m in (transformer, vae, te):
+        m.requires_grad_(False).eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

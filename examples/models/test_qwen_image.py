@@ -207,3 +207,35 @@ def test_tiny_pipeline_round_trip_and_module_constants(pipe, tmp_path):
     assert Q.ALIASES == {"qwen-image": "Qwen/Qwen-Image"}
     assert all(callable(getattr(Q, fn)) for fn in Q.TINY.values())
     assert len(a.blocks()) == pipe.transformer.config.num_layers
+
+
+@pytest.mark.examples
+def test_real_size_pipeline_has_qwen_images_sizes():
+    """build_real_size_pipeline on the meta device (shapes only, nothing downloaded): the
+    transformer has Qwen-Image's 20.4B parameters and the text encoder Qwen2.5-VL-7B's 8.29B,
+    each within 1 %; every parameter is bf16 from the start (no fp32 copy first); and the
+    transformer maps the Adapter's 512 px latent (1024 tokens × 64) and text rows of the text
+    encoder's width to a velocity of the latent's shape."""
+    before = torch.get_default_dtype()
+    pipe = Q.build_real_size_pipeline()
+    assert torch.get_default_dtype() == before
+    count = {n: sum(p.numel() for p in getattr(pipe, n).parameters())
+             for n in ("transformer", "text_encoder", "vae")}
+    assert count["transformer"] == pytest.approx(20.4e9, rel=0.01)
+    assert count["text_encoder"] == pytest.approx(8.29e9, rel=0.01)
+    assert count["vae"] == pytest.approx(0.127e9, rel=0.01)
+    for n in ("transformer", "text_encoder", "vae"):
+        assert {(p.device.type, p.dtype) for p in getattr(pipe, n).parameters()} == {
+            ("meta", torch.bfloat16)}, n
+    ad = Q.Adapter(pipe, torch.device("meta"), V.Args(resolution=512))
+    D = ad.latent_shape(512)
+    width = pipe.text_encoder.config.text_config.hidden_size
+    assert D == (1024, 64) and width == 3584
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    v = pipe.transformer(hidden_states=torch.empty((2,) + D, **meta),
+                         timestep=torch.empty(2, **meta),
+                         encoder_hidden_states=torch.empty(2, 20, width, **meta),
+                         encoder_hidden_states_mask=torch.ones(2, 20, dtype=torch.long,
+                                                               device="meta"),
+                         img_shapes=[[(1, 32, 32)]] * 2, return_dict=False)[0]
+    assert v.shape == (2,) + D

@@ -304,6 +304,28 @@ _POS = {"tag": "position", "include": [{"class": "cat", "count": 1},
 
 
 @pytest.mark.examples
+def test_geneval_tied_scores_are_read_in_genevals_sort_order():
+    """Detections of one class with equal scores are ordered as GenEval's evaluate_images.py
+    orders them, np.argsort(scores)[::-1] on mmdet's float32 (n, 5) array (reproduced here on
+    such an array): of two tied cats the later one comes first. So with count 1 and a colour
+    asked, the later cat's colour decides GenEval's verdict: a red cat after a blue one at the
+    same score passes "a red cat", and the same two in the other order fail it."""
+    blue, red = (GE.Det(_ge_box(20 * k, 0), 0.8, None, c) for k, c in enumerate(("blue", "red")))
+    weak = GE.Det(_ge_box(60, 0), 0.5, None, "green")
+    dets = [blue, red, weak]
+    bbox = np.zeros((len(dets), 5), np.float32)                   # mmdet: x0, y0, x1, y1, score
+    bbox[:, :4], bbox[:, 4] = [d.box for d in dets], [d.score for d in dets]
+    genevals = np.argsort(bbox[:, 4])[::-1].tolist()
+    assert genevals[0] == 1                                        # the tie: the later one first
+    kept = GE.keep_detections({"cat": dets}, "colors")
+    assert [d.colour for d in kept["cat"]] == [dets[k].colour for k in genevals]
+    assert GE.geneval_accuracy(kept, _COLOR)[0]
+    swapped = GE.keep_detections({"cat": [red, blue, weak]}, "colors")
+    assert [d.colour for d in swapped["cat"]] == ["blue", "red", "green"]
+    assert not GE.geneval_accuracy(swapped, _COLOR)[0]
+
+
+@pytest.mark.examples
 def test_geneval_position_passes_and_fails_with_the_peers_extra_term():
     """position "dog left of cat": the dog's box well left of the cat's passes; to its right fails.
     The peers append 0 for the failed pair and then 1 anyway: (1 + 1 + 0 + 1) / 4 = 0.75. With a
@@ -499,6 +521,7 @@ def test_geneval_detections_equal_the_processors_own_post_processing(tmp_path, m
         out = model(**proc(images=list(u8), return_tensors="pt"))
     ref = proc.post_process_instance_segmentation(out, threshold=GE.THRESHOLD, return_binary_maps=True,
                                                   target_sizes=[(40, 56)] * 3)
+    assert len(mine) == len(ref) == 3                      # zip below: every image compared
     for dets, r in zip(mine, ref):
         assert [round(d.score, 6) for d in dets["cat"]] == [
             s["score"] for s in r["segments_info"]]
@@ -878,6 +901,38 @@ def test_remote_reward_a_trickling_server_is_cut_off_by_the_deadline(monkeypatch
         took = time.monotonic() - start
     assert 1.4 < took < 2.5, (took, msg)
     assert url in msg and "REMOTE_REWARD_DEADLINE=1.5 s" in msg and len(accepted) == 1
+
+
+@pytest.mark.examples
+def test_remote_reward_default_deadline_is_connect_plus_twice_read(monkeypatch):
+    """REMOTE_REWARD_DEADLINE not set: the whole-request deadline is CONNECT_TIMEOUT + 2 ×
+    READ_TIMEOUT, as the docstring says. With nothing set at all that is 10 + 2·120 = 250 s (the
+    timer each request arms, read off threading.Timer); with CONNECT 0.2 and READ 0.4 it is 1 s,
+    and a server trickling a byte every 0.2 s (the read timeout never fires) is cut off after
+    about 1 s (CONNECT + 1 × READ would be 0.6 s), in one line naming that deadline."""
+    for name in ("CONNECT_TIMEOUT", "READ_TIMEOUT", "DEADLINE"):
+        monkeypatch.delenv(f"REMOTE_REWARD_{name}", raising=False)
+    monkeypatch.setenv("REMOTE_REWARD_TRIES", "1")
+    armed, real_timer = [], threading.Timer
+
+    def timer(interval, fn):
+        armed.append(interval)
+        return real_timer(interval, fn)
+    monkeypatch.setattr(threading, "Timer", timer)
+    with socket.socket() as s:                        # a port nothing listens on: fails at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _ru_one_line_error(RR.client(f"http://127.0.0.1:{port}/deqa"), _ru_images([0.5]), ["a"])
+    assert armed == [250.0]
+    assert "CONNECT_TIMEOUT + 2 × READ_TIMEOUT: 250 s" in RR.__doc__
+    monkeypatch.setenv("REMOTE_REWARD_CONNECT_TIMEOUT", "0.2")
+    monkeypatch.setenv("REMOTE_REWARD_READ_TIMEOUT", "0.4")
+    with _ru_trickler(seconds=6) as (root, accepted):
+        start = time.monotonic()
+        msg = _ru_one_line_error(RR.client(f"{root}/deqa"), _ru_images([0.5]), ["a"])
+        took = time.monotonic() - start
+    assert "REMOTE_REWARD_DEADLINE=1 s" in msg and len(accepted) == 1, msg
+    assert 0.9 < took < 2.0, took
 
 
 @pytest.mark.examples
