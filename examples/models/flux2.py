@@ -67,6 +67,10 @@ PIPELINES = ("Flux2KleinPipeline", "Flux2Pipeline")
 ALIASES = {"flux.2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",   # Apache-2.0
            "flux.2-klein-9b": "black-forest-labs/FLUX.2-klein-9B"}   # non-commercial licence
 TINY = {"tiny-flux2-klein": "build_tiny_pipeline"}
+# Other klein hub ids (the undistilled -base ones, quantised mirrors) are this family, not
+# FLUX.1 (flux.py's hint "flux" is shorter, and the longest hint wins). FLUX.2 [dev]'s id
+# is left to FLUX.1's defaults: klein's 4 steps are its distillation, not [dev]'s.
+HUB_HINTS = ("flux.2-klein", "flux2-klein", "flux-2-klein")
 
 # LoRA on the attention and feed-forward linears of both block kinds. The single-stream blocks'
 # output projection `attn.to_out` is left out, as in the peer's list: its name also matches the

@@ -269,7 +269,7 @@ def test_bad_folders_are_one_line_before_anything_loads(pipe, tmp_path, capsys, 
     index.write_text(json.dumps({**json.loads(index.read_text()),
                                  "_class_name": "Flux2KleinInpaintPipeline"}))
     for folder, said in (("no_te", "lists 'text_encoder' but there is no text_encoder/ folder"),
-                         ("inpaint", "holds a Flux2KleinInpaintPipeline, not an SD3 or FLUX")):
+                         ("inpaint", "holds a Flux2KleinInpaintPipeline")):
         V.check_local_pipeline.cache_clear()                # it caches per folder
         run = tmp_path / f"run_{folder}"
         capsys.readouterr()
@@ -298,3 +298,15 @@ def test_real_size_pipeline_has_the_published_parameter_counts():
     te = real.text_encoder.config                                      # layers 9, 18, 27 stacked
     assert real.transformer.config.joint_attention_dim == 3 * te.hidden_size == 7680
     assert te.num_hidden_layers > 27 and len(ad.blocks()) == 25
+
+
+@pytest.mark.examples
+def test_other_klein_hub_ids_are_this_family():
+    """A klein hub id that is no alias (the undistilled base, a quantised mirror) gets this
+    family's defaults, not FLUX.1's, whose hint "flux" it also contains; FLUX.1 ids stay FLUX.1."""
+    for hub_id in ("black-forest-labs/FLUX.2-klein-base-4B", "someone/flux2-klein-4b-int8"):
+        assert V.model_family(hub_id) == "flux2", hub_id
+        args = V.parse_args(["--model", hub_id])
+        value, src = F2.DEFAULTS["num_steps"]
+        assert args.num_steps == value and src in args.origin["num_steps"], args.origin
+    assert V.model_family("black-forest-labs/FLUX.1-schnell") == "flux"
