@@ -1085,7 +1085,7 @@ def pipeline_plugin(cls_name: str):  # the plug-in that drives a diffusers pipel
 
 
 def model_family(name: str) -> str:
-    """'sd3', 'flux' or a plug-in's name, from the alias, the folder's model_index.json or the id."""
+    """'sd3' or a plug-in's name ('flux', …), from the alias, the folder's class or the id."""
     plugin = model_plugin(name)
     if plugin is not None:
         return plugin.__name__.removeprefix("vgrpo_models_")
