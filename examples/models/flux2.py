@@ -63,6 +63,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+import vgrpo as V  # the running trainer (vgrpo.model_plugins maps the name to it)
+
 PIPELINES = ("Flux2KleinPipeline", "Flux2Pipeline")
 ALIASES = {"flux.2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",   # Apache-2.0
            "flux.2-klein-9b": "black-forest-labs/FLUX.2-klein-9B"}   # non-commercial licence
@@ -124,27 +126,8 @@ class Adapter:
         r = resolution // self.patch                # the pipeline floors H to a multiple of 16
         return (self.transformer.config.in_channels, r, r)  # (128, H/16, W/16)
 
-    def encode(self, prompts: list[str]) -> dict:
-        """Text conditioning of B prompts: from the cache (cache_prompts) or the text encoder."""
-        if self._cache is None:
-            return self._encode(prompts)
-        if missing := [p for p in prompts if p not in self._cache]:
-            raise ValueError("prompt not among the cached embeddings (--offload_text_encoders): "
-                             f"{missing[0]!r}")
-        return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device)
-                for k in self._cache[prompts[0]]}
-
-    @torch.no_grad()
-    def cache_prompts(self, prompts: list[str], batch: int = 16) -> None:
-        """Embed every prompt once (kept on the CPU), then move the text encoder off the GPU."""
-        uniq, self._cache = list(dict.fromkeys(prompts)), {}
-        for i in range(0, len(uniq), batch):
-            for k, v in self._encode(uniq[i:i + batch]).items():
-                for p, row in zip(uniq[i:i + batch], v):
-                    self._cache.setdefault(p, {})[k] = row.cpu()
-        if getattr(self.pipe, "text_encoder", None) is not None:
-            self.pipe.text_encoder.to("cpu")
-        torch.cuda.empty_cache()  # a no-op when CUDA is unused
+    # the prompt cache of --offload_text_encoders: SD3's, which reads _encode (below)
+    encode, cache_prompts = V.SD3Adapter.encode, V.SD3Adapter.cache_prompts
 
     @torch.no_grad()  # encode_prompt is not under no_grad itself
     def _encode(self, prompts: list[str]) -> dict:

@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+import vgrpo as V  # the running trainer (vgrpo.model_plugins maps the name to it)
+
 PIPELINES = ("ZImagePipeline",)
 ALIASES = {"z-image-turbo": "Tongyi-MAI/Z-Image-Turbo"}
 TINY = {"tiny-z-image": "build_tiny_pipeline"}
@@ -106,26 +108,8 @@ class Adapter:
         side = 2 * (resolution // unit)
         return (self.transformer.config.in_channels, side, side)
 
-    def encode(self, prompts: list[str]) -> dict:
-        """Conditioning of B prompts: cap_feats (B, L, D) zero-padded, cap_len (B,) long."""
-        if self._cache is None:
-            return self._encode(prompts)
-        if missing := [p for p in prompts if p not in self._cache]:
-            raise ValueError("prompt not among the cached embeddings (--offload_text_encoders): "
-                             f"{missing[0]!r}")
-        return {k: torch.stack([self._cache[p][k] for p in prompts]).to(self.device)
-                for k in self._cache[prompts[0]]}
-
-    @torch.no_grad()
-    def cache_prompts(self, prompts: list[str], batch: int = 16) -> None:
-        """Embed every prompt once (kept on the CPU), then move the text encoder off the GPU."""
-        uniq, self._cache = list(dict.fromkeys(prompts)), {}
-        for i in range(0, len(uniq), batch):
-            for k, v in self._encode(uniq[i:i + batch]).items():
-                for p, row in zip(uniq[i:i + batch], v):
-                    self._cache.setdefault(p, {})[k] = row.cpu()
-        self.pipe.text_encoder.to("cpu")
-        torch.cuda.empty_cache()                             # a no-op when CUDA is unused
+    # the prompt cache of --offload_text_encoders: SD3's, which reads _encode (below)
+    encode, cache_prompts = V.SD3Adapter.encode, V.SD3Adapter.cache_prompts
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict:
