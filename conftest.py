@@ -14,8 +14,16 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")      # never wait on a hub look-up (20–50 s each)
 
+import signal
+
 import pytest
 import torch
+
+# A shell starts a background job (`pytest &`, nohup) with SIGINT ignored, and Python then keeps
+# it ignored: the Ctrl-C tests would wait for a KeyboardInterrupt that never comes. Ctrl-C as a
+# terminal delivers it, here and in every child process (exec resets a handled signal).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import vgrpo as V
 
