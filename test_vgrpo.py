@@ -21,6 +21,7 @@ import builtins
 import contextlib
 import copy
 import dataclasses
+import errno
 import importlib.util
 import inspect
 import json
@@ -2524,6 +2525,94 @@ def test_links_planted_in_the_run_folder_are_never_followed(tmp_path, capsys):
     assert all(v.read_text() == "keep me" for v in victims.values())
     assert not (run / "metrics.jsonl").is_symlink() and not (run / "config.json").is_symlink()
     assert [m["iter"] for m in _metrics(run)] == [0, 1]
+
+
+@pytest.mark.parametrize("script", ["vgrpo.py", "examples/cluster.py"])
+@pytest.mark.parametrize("stdout", ["closed pipe", "/dev/full"])
+@pytest.mark.trainer
+def test_a_closed_or_full_stdout_never_stops_training(tmp_path, script, stdout):
+    """stdout a pipe whose reader left after the first line (`| head -1`, a dead `tee`), or
+    /dev/full (every write: ENOSPC): the run trains to the end, exit 0, both checkpoints and
+    every metrics line written, and stderr says so once, without a traceback."""
+    import subprocess
+    import sys
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / script)] + TINY + ["--run_dir", str(run)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if stdout == "/dev/full":
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, env=env,
+                               timeout=600)
+        status, err = p.returncode, p.stderr
+    else:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+        assert p.stdout.readline().startswith("V-GRPO")          # the banner, then the reader goes
+        p.stdout.close()
+        err = p.stderr.read()
+        status = p.wait(timeout=600)
+    assert status == 0 and "Traceback" not in err, err
+    why = "No space left on device" if stdout == "/dev/full" else "Broken pipe"
+    assert err.count("stdout failed") == 1 and f"stdout failed ({why})" in err, err
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+
+
+@pytest.mark.trainer
+def test_damaged_run_state_files_are_one_line_each(tmp_path, capsys):
+    """A checkpoints/latest of non-UTF-8 bytes: --resume is one line naming it and the fix, and a
+    new run in the folder one line; metrics.jsonl with undecodable, non-object and cut lines:
+    the resume drops them in one warning and keeps every good line."""
+    run = tmp_path / "run"
+    assert V.main(TINY + ["--run_dir", str(run)]) == 0
+    latest = run / "checkpoints" / "latest"
+    latest.write_bytes(b"\xff\xfe\x00")
+    capsys.readouterr()
+    assert V.main(["--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checkpoints/latest names" in err and "iter_000002" in err
+    assert V.main(TINY + ["--run_dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds a run" in err, err
+    latest.write_text("iter_000002")
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'\xff\xfe not json\n5\n[1]\n{"no iter": 1}\n{"iter": 1, "cut sh')
+    assert V.main(["--resume", str(run / "checkpoints" / "iter_000001")]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "5 unreadable line(s) dropped" in err, err
+    assert [m["iter"] for m in _metrics(run)] == [0, 1]
+
+
+@pytest.mark.parametrize("where", ["new run", "resume"])
+@pytest.mark.trainer
+def test_an_unreadable_run_folder_is_one_line(tmp_path, monkeypatch, capsys, where):
+    """PermissionError (injected: the suite may run as root, which reads every folder) making the
+    run folder's checkpoints/ on a new run, or reading a checkpoint's trainer_state.pt on a
+    resume: one line naming the path, status 2, no traceback."""
+    run = tmp_path / "run"
+    denied = PermissionError(errno.EACCES, "Permission denied")
+    if where == "resume":
+        assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
+        real_load = torch.load
+        monkeypatch.setattr(torch, "load", lambda f, *a, **k: (
+            (_ for _ in ()).throw(denied) if str(f).endswith(V.CKPT_STATE) else
+            real_load(f, *a, **k)))
+        argv, pattern = ["--resume", str(run)], r"iter_000001' is unreadable .*PermissionError"
+    else:
+        real_mkdir = Path.mkdir
+
+        def mkdir(self, *a, **k):
+            if self.name == "checkpoints":
+                raise denied
+            return real_mkdir(self, *a, **k)
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+        argv, pattern = TINY + ["--run_dir", str(run)], (
+            r"could not write .*run \(PermissionError: .*\); free space or fix permissions")
+    capsys.readouterr()
+    assert V.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.strip() and not l.startswith("V-GRPO")]
+    assert len(lines) == 1 and "Traceback" not in err and re.search(pattern, lines[0]), err
 
 
 # ------------------------------------------------------------------------------------------------

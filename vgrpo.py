@@ -514,7 +514,6 @@ class Run:
     # Hooks for examples/cluster.py; as here they do nothing.
     poll: Callable = lambda: None                          # may a SIGTERM stop it (no step yet)?
     guard: Callable = lambda it: contextlib.nullcontext()  # around iteration `it`, its log
-    writing: Callable = contextlib.nullcontext             # around each write to the run folder
 
     N = property(lambda self: self.args.prompts_per_iter * self.args.group_size)   # P·G
     Nl = property(lambda self: self.N // self.world)          # the samples of this process
@@ -529,6 +528,19 @@ class Run:
         if self.world > 1:
             self.adapter.transformer.set_requires_gradient_sync(last or self.args.full_finetune)
         self.scaler.scale(loss).backward()
+
+    @contextlib.contextmanager
+    def writing(self, what: Path):
+        """Around each write to the run folder: any writer's failure (OSError, torch.save's
+        RuntimeError, PIL's) ends the run in one line naming the file and the fix."""
+        try:
+            yield what
+        except (ConfigError, RunError, torch.cuda.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 — every writer's error, one message
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise RunError(f"could not write {what} ({type(e).__name__}: {why}); free space "
+                           f"or fix permissions there; {how_to_go_on(self.run_dir)}") from None
 
 
 def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x along the last dim
@@ -798,6 +810,21 @@ def _finite_mean_std(r: torch.Tensor) -> tuple[float, float]:
 def _warn(msg: str, prefix: str = "warning: ") -> None:
     from tqdm.auto import tqdm  # tqdm.write: not overwritten by the bar
     tqdm.write(prefix + msg, file=sys.stderr)
+
+
+def say(line: str) -> None:
+    """A line on stdout, above the bar. A closed or full stdout (`| head`, a dead `tee`,
+    `> /dev/full`) never stops a run: stdout goes to os.devnull, said once on stderr."""
+    from tqdm.auto import tqdm
+    try:
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+    except OSError as e:  # EPIPE, ENOSPC, EIO; the unwritten text is flushed to os.devnull
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+        _warn(f"stdout failed ({e.strerror or type(e).__name__}); training goes on without "
+              "it: metrics.jsonl in the run folder has every number")
 
 
 @torch.no_grad()
@@ -1208,7 +1235,7 @@ def _from_pretrained(loader, location: str, what: str, flag: str, **kwargs):
     """loader.from_pretrained(location), saying first what loads; a Hub failure is one line."""
     size = f", {HUB_SIZES[location]} on first use" if location in HUB_SIZES else ""
     where = "the local folder" if os.path.isdir(location) else "the Hub cache or the Hub"
-    print(f"loading {what} {location} from {where}{size}", flush=True)  # stdout: stderr errs
+    say(f"loading {what} {location} from {where}{size}")  # stdout: stderr errs
     from huggingface_hub.utils import httpx
     try:
         return loader.from_pretrained(location, **kwargs)
@@ -1467,7 +1494,7 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
         if run.world > 1:
             torch.distributed.destroy_process_group()
     if run.rank == 0:
-        print(closing_line(run, run_dir))
+        say(closing_line(run, run_dir))
     return history
 
 
@@ -1505,7 +1532,7 @@ def how_to_go_on(run_dir: Path, saved: Optional[Path] = None) -> str:
     if saved is not None:
         return f"saved {saved}; continue with --resume {run_dir}"
     if latest.is_file():
-        return (f"checkpoints/latest ({latest.read_text().strip()}) is the last complete one; "
+        return (f"checkpoints/latest ({_latest(latest)}) is the last complete one; "
                 f"continue with --resume {run_dir}")
     return f"no checkpoint yet; start a new run with another --run_dir than {run_dir}"
 
@@ -1599,8 +1626,7 @@ def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list, n_eval
     """Regional torch.compile [ours C20]: each block in place (same modules and state-dict keys),
     one graph per block class and pass kind, compiled here on stand-ins at the run's shapes so
     a failure is one line before anything is written. Returns its seconds (gains: docs/gpu.md)."""
-    print("compiling the transformer blocks (once, about a minute on a GPU; --no-compile skips "
-          "it)", flush=True)
+    say("compiling the transformer blocks (once, about a minute on a GPU; --no-compile skips it)")
     t0, N, J = time.perf_counter(), args.prompts_per_iter * args.group_size, args.n_mc
     rows = min(args.micro_batch, N // args.mu) * J  # rows of a θ_old or θ pass
     shapes = [(False, min(args.rollout_batch, N)), (False, min(args.rollout_batch, n_eval)),
@@ -1773,7 +1799,7 @@ class RunLog:
 
     def __init__(self, run: Run, run_dir: Path):
         from tqdm.auto import tqdm
-        self.run, self.say = run, tqdm.write
+        self.run, self.say = run, say
         self.file = open_run_dir(run, run_dir)
         self.bar = tqdm(range(run.start, run.args.iterations), initial=run.start,
                         total=run.args.iterations, desc="V-GRPO", unit="it", disable=run.rank != 0)
@@ -1802,7 +1828,8 @@ class RunLog:
         """The bar, and on rank 0 metrics.jsonl."""
         self.bar.close()
         if self.file is not None:
-            self.file.close()
+            with contextlib.suppress(OSError):  # a failed write, named already, retried
+                self.file.close()
 
 
 # ---- the run folder: planned before anything loads, one run per folder -------------------------
@@ -1888,17 +1915,19 @@ def open_run_dir(run: Run, run_dir: Path):
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=2))
         if run.resumed_from and run.resumed_from.parent == run_dir / "checkpoints":
             _point_latest(run.resumed_from)  # `latest` names the resumed checkpoint
-        keep, lines = [], mpath.read_text().splitlines() if mpath.exists() else []
-        for line in lines:
+        text = mpath.read_bytes().decode(errors="replace") if mpath.exists() else ""
+        keep, bad = [], 0
+        for line in text.splitlines():
             try:
-                m = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a kill
-            if m["iter"] < run.start:
-                keep.append(line)
+                if json.loads(line)["iter"] < run.start:
+                    keep.append(line)
+            except (ValueError, TypeError, KeyError, IndexError):
+                bad += 1  # a line cut short by a kill, or damaged
+        if bad:
+            _warn(f"{mpath}: {bad} unreadable line(s) dropped (cut short by a kill, or damaged)")
         mpath.with_suffix(".tmp").write_text("".join(l + "\n" for l in keep))
         os.replace(mpath.with_suffix(".tmp"), mpath)
-    print(banner(run))
+    say(banner(run))
     return open(mpath, "a")
 
 
@@ -1914,7 +1943,11 @@ def find_checkpoint(path: str, flag: str = "--resume") -> Path:
     """A checkpoint folder, or a run folder (→ its latest checkpoint). Raises ConfigError."""
     p, latest = Path(path), Path(path, "checkpoints", "latest")
     if not (p / CKPT_STATE).is_file() and latest.is_file():
-        p = latest.parent / latest.read_text().strip()
+        p = latest.parent / _latest(latest)
+        if not (p / CKPT_STATE).is_file():
+            raise ConfigError(f"{flag} {path!r}: checkpoints/latest names {p.name[:60]!r}, not "
+                              "a checkpoint there; write a checkpoint folder's name into it "
+                              "(e.g. iter_000002), or pass that folder")
     if (p / CKPT_STATE).is_file():
         return p
     raise ConfigError(f"{flag} {path!r}: no checkpoint there ({CKPT_STATE} or checkpoints/latest)")
@@ -1961,7 +1994,7 @@ def save_checkpoint(run: Run, it: int) -> Path:
     """checkpoints/iter_X by every process (FSDP gathers); rank 0 renames a full temporary one."""
     tr, ckdir = run.adapter.transformer, run.run_dir / "checkpoints"
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
-    if (ckdir / "latest").is_file() and (ckdir / "latest").read_text().strip() == final.name:
+    if (ckdir / "latest").is_file() and _latest(ckdir / "latest") == final.name:
         return final  # saved already: a stop right after a save
     if run.rank > 0:  # the collectives of rank 0's save, then wait
         full_state(tr), full_state(tr, run.opt)
@@ -2012,6 +2045,10 @@ def prune_checkpoints(ckdir: Path, latest: Path, keep: int) -> None:
     done = sorted(p for p in ckdir.glob("iter_*") if p.name <= latest.name)
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _latest(latest: Path) -> str:  # the name in checkpoints/latest, whatever its bytes
+    return latest.read_bytes().decode(errors="replace").strip().replace("\0", "")
 
 
 def _point_latest(ckpt: Path) -> None:  # checkpoints/latest ← ckpt's name, atomically

@@ -329,15 +329,17 @@ def test_a_full_disk_is_one_line_and_resume_after_freeing_space_logs_each_iterat
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.mark.parametrize("entry", ["vgrpo", "cluster"])
 @pytest.mark.parametrize("writer", ["png", "metrics", "torch.save"])
 @pytest.mark.examples
 def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
-        tmp_path, monkeypatch, capsys, writer):
+        tmp_path, monkeypatch, capsys, writer, entry):
     """The disk fills up right after the first checkpoint, seen by each writer of the run folder in
     turn: the evaluation grid (PIL), the metrics line, torch.save (whose error is a RuntimeError,
-    not an OSError). One line names what failed and --resume; `latest` still names the complete
-    first checkpoint, no temporary folder is left, and --resume then logs every iteration and
-    evaluation once."""
+    not an OSError). In both entry points, one line names what failed and --resume; `latest`
+    still names the complete first checkpoint, no temporary folder is left, and --resume then
+    logs every iteration and evaluation once."""
+    main = {"vgrpo": V.main, "cluster": C.main}[entry]
     named = {"png": r"eval/iter_000001\.png \(OSError", "metrics": r"metrics\.jsonl \(OSError",
              "torch.save": r"checkpoints \(RuntimeError: .*inline_container"}[writer]
     run = tmp_path / "run"
@@ -357,18 +359,21 @@ def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
 
         class Full:                                  # metrics.jsonl, full once a save exists
             def __init__(self, f):
-                self.f = f
+                self.f, self.failed = f, False
 
             def write(self, text):
                 if latest.exists():
+                    self.failed = True
                     raise full()
                 return self.f.write(text)
 
             def flush(self):
                 self.f.flush()
 
-            def close(self):
+            def close(self):                         # as a real file: the unwritten line again
                 self.f.close()
+                if self.failed:
+                    raise full()
         monkeypatch.setattr(V, "open_run_dir", lambda r, d: Full(real_open(r, d)))
     else:
         real_save = torch.save
@@ -381,7 +386,7 @@ def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
         monkeypatch.setattr(torch, "save", save)
     argv = TINY + ["--save_every", "1", "--eval_every", "1", "--run_dir", str(run)]  # 2 iterations
     capsys.readouterr()
-    assert C.main(argv) == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err
     lines = [l for l in err.splitlines() if l.strip() and not l.startswith(("V-GRPO", "eval at"))
              and "it/s" not in l and "s/it" not in l]
@@ -392,7 +397,7 @@ def test_every_writer_fails_in_one_line_and_resume_logs_each_iteration_once(
     assert sorted(p.name for p in latest.parent.iterdir()) == ["iter_000001", "latest"]
     V.read_checkpoint(str(run))
     monkeypatch.undo()                                          # space freed
-    assert C.main(["--resume", str(run)]) == 0
+    assert main(["--resume", str(run)]) == 0
     assert [m["iter"] for m in _metrics(run) if "reward_mean" in m] == [0, 1]
     assert [m["iter"] for m in _metrics(run) if "eval_reward_mean" in m] == [0, 1, 2]
 
