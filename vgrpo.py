@@ -991,6 +991,9 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         head, sep, tail = item.rpartition(":")
+        if item.startswith(REMOTE) and "@" in item.split("//", 1)[1].split("/", 1)[0]:
+            raise ConfigError("a reward URL holds a user name or password (…@HOST), which the "
+                              "reward-server protocol never sends: drop it (it is not printed)")
         if item.startswith(REMOTE) and "/" not in item.split("//", 1)[1]:
             raise ConfigError(f"reward URL {item!r} needs a path: http://HOST:PORT/NAME")
         if item.startswith(REMOTE) and item.rfind(":") < item.rfind("/"):

@@ -37,8 +37,16 @@ client: yifan123/flow_grpo `flow_grpo/rewards.py`, `geneval_score`, `deqa_score_
 Safety. The protocol is pickle, and unpickling can run code. The answer is unpickled by an
 Unpickler that resolves only builtin containers and numbers, collections' dict types and numpy
 arrays/scalars (what the servers send: lists of Python floats and dicts of lists); any other
-global in the answer (os.system, a class) is refused and reported as a bad answer. Point
-REMOTE URLs only at servers you run: this client pickles your prompts and metadata to them.
+global in the answer (os.system, a class) is refused and reported as a bad answer. Neither can a
+small answer make the client allocate much: an answer is read up to REMOTE_REWARD_MAX_BYTES
+(default 8 MiB; a GenEval answer for 64 images is about 6 KB), and the constructors that
+allocate from a number alone (bytes(n), bytearray(n), numpy's _reconstruct of a non-empty
+shape: a real array pickle starts empty) are refused before they run. Text from the server
+(an HTTP error's last line, names in a bad pickle) reaches the terminal with its control
+characters replaced by "?", so it cannot move the cursor or recolour the screen. A URL with a
+user name or password (http://USER:PASSWORD@HOST/...) is refused without printing it: the
+protocol sends no credentials. Point REMOTE URLs only at servers you run: this client pickles
+your prompts and metadata to them.
 
 Failures: each is one line naming the URL (vgrpo.py shows it as the reward's error), raised as
 RemoteRewardError. A connection that fails or an HTTP 5xx is retried, REMOTE_REWARD_TRIES times in
@@ -52,6 +60,7 @@ server is up and busy; a second request would queue behind the first). Environme
                                    flow_grpo's timeout and gunicorn.conf.py's worker timeout)
     REMOTE_REWARD_DEADLINE         seconds one request may take in all (default
                                    CONNECT_TIMEOUT + 2 × READ_TIMEOUT: 250 s)
+    REMOTE_REWARD_MAX_BYTES        the largest answer read, in bytes (default 8 MiB)
     REMOTE_REWARD_TRIES, REMOTE_REWARD_BACKOFF, REMOTE_REWARD_BATCH  as above
 """
 import http.client
@@ -94,6 +103,36 @@ class _PastDeadline(Exception):
     """A request that was still under way when its deadline passed (cut off by post_once)."""
 
 
+class _TooLarge(Exception):
+    """An answer longer than REMOTE_REWARD_MAX_BYTES (post_once stops reading it)."""
+
+
+def _printable(text: str) -> str:
+    """text with every control character (ESC, CR, BEL, C1 codes, ...) replaced by "?"."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _guarded(make):
+    """make(...) for the unpickler, refused before it runs where a few bytes could allocate much
+    (bytes(10**9), bytearray(n), numpy's _reconstruct of a non-empty shape: a real array pickle
+    starts empty) or crash the process (numpy does not check an object array's state: only
+    numbers' dtypes, booleans to floats, are made)."""
+    def checked(*args):
+        name = make.__name__
+        if name == "dtype":
+            ok = args and isinstance(args[0], str) and args[0][:1] in ("b", "i", "u", "f")
+        elif name == "_reconstruct":
+            shape = args[1] if len(args) > 1 else ()
+            ok = isinstance(shape, (tuple, list)) and not any(shape)
+        else:
+            ok = not (args and isinstance(args[0], numbers.Integral))
+        if not ok:
+            raise pickle.UnpicklingError(f"{name}{args!r:.60} is refused: it would allocate "
+                                         "memory from a number, or make an object array")
+        return make(*args)
+    return checked
+
+
 class _AnswerUnpickler(pickle.Unpickler):
     """pickle.Unpickler that resolves only _SAFE_GLOBALS: data, never code."""
 
@@ -101,7 +140,10 @@ class _AnswerUnpickler(pickle.Unpickler):
         key = ("builtins" if module == "__builtin__" else module, name)   # protocols 0-2's name
         if key not in _SAFE_GLOBALS:
             raise pickle.UnpicklingError(f"forbidden global {module}.{name}")
-        return super().find_class(module, name)
+        found = super().find_class(module, name)
+        if name in ("bytes", "bytearray", "_reconstruct", "dtype"):  # 46 bytes → 1 GB
+            return _guarded(found)
+        return found
 
 
 def _env(name: str, default: float) -> float:
@@ -129,6 +171,10 @@ def client(url: str):
     """The score function of the reward server at `url` = http(s)://HOST:PORT[/PREFIX]/NAME.
     Raises RemoteRewardError (one line) for a URL it cannot use; nothing is sent until a call."""
     parts = urlsplit(url)
+    if "@" in parts.netloc:                      # never printed, never sent
+        raise RemoteRewardError(f"reward URL {parts.scheme}://…@{parts.netloc.rsplit('@')[-1]}"
+                                "/…: holds a user name or password, which this protocol never "
+                                "sends; drop the 'USER:PASSWORD@'")
     prefix, _, name = parts.path.rpartition("/")
     if parts.scheme not in ("http", "https") or not parts.hostname or not name \
             or parts.query or parts.fragment:
@@ -148,9 +194,10 @@ def client(url: str):
     tries = max(1, int(_env("REMOTE_REWARD_TRIES", 3)))
     backoff = _env("REMOTE_REWARD_BACKOFF", 1.0)
     batch = max(1, int(_env("REMOTE_REWARD_BATCH", 64)))
+    max_bytes = int(_env("REMOTE_REWARD_MAX_BYTES", 8 * 2 ** 20))
 
     def fail(what: str):
-        return RemoteRewardError(f"reward server {url}: " + " ".join(what.splitlines()))
+        return RemoteRewardError(f"reward server {url}: " + _printable(" ".join(what.splitlines())))
 
     def post_once(body: bytes) -> tuple[int, bytes]:
         """One POST, all of it within deadline_s; (status, body). Raises _PastDeadline once the
@@ -188,7 +235,12 @@ def client(url: str):
                 conn.request("POST", path, body=body,
                              headers={"Content-Type": "application/octet-stream"})
                 resp = conn.getresponse()
-                status, data = resp.status, resp.read()
+                length = resp.getheader("Content-Length", "")
+                if length.isdigit() and int(length) > max_bytes:  # refused before reading
+                    raise _TooLarge(int(length))
+                status, data = resp.status, resp.read(max_bytes + 1)
+                if len(data) > max_bytes:                     # no length, or a false one
+                    raise _TooLarge(None)
             except socket.timeout as e:
                 e.phase = "read"
                 raise
@@ -213,6 +265,10 @@ def client(url: str):
                 time.sleep(backoff * 2 ** (k - 1))
             try:
                 status, data = post_once(body)
+            except _TooLarge as e:
+                size = f"{e.args[0]} bytes" if e.args[0] else "more"
+                raise fail(f"answered {size}, more than REMOTE_REWARD_MAX_BYTES={max_bytes} "
+                           "(a reward answer is a few KB); raise it if the server is right") from None
             except _PastDeadline:
                 raise fail(f"no complete answer within REMOTE_REWARD_DEADLINE={deadline_s:g} s "
                            "(the whole request: connecting, sending, waiting and reading); raise "
@@ -228,7 +284,7 @@ def client(url: str):
                 if status == 200:
                     return data
                 text = data.decode("utf-8", "replace").strip().splitlines()
-                last = f"HTTP {status}" + (f" ({text[-1][:200]})" if text else "")
+                last = f"HTTP {status}" + (f" ({_printable(text[-1][:200])})" if text else "")
                 if status < 500:                         # a wrong path or method: no retry
                     raise fail(f"answered {last} to POST {path}; the reward-server apps serve "
                                "POST / only, i.e. the URL http://HOST:PORT/NAME")

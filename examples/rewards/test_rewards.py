@@ -660,6 +660,24 @@ class _RuEvil:
         return exec, ("import sys; sys._ru_pwned = True",)
 
 
+class _RuBomb:                                    # 46 bytes that would allocate 1 GB
+    def __reduce__(self):
+        return bytearray, (10 ** 9,)
+
+
+def _ru_array_bomb(state=None):
+    """numpy's own array pickle, (0,)-shaped at first, made (10**9,): 89 bytes, 1 GB; with an
+    object array's `state` instead, a pickle whose state numpy does not check (it crashes)."""
+    import numpy as np
+    rebuild = np.arange(1).__reduce__()[0]
+
+    class Bomb:
+        def __reduce__(self):
+            return ((rebuild, (np.ndarray, (10 ** 9,), b"b")) if state is None else
+                    (rebuild, (np.ndarray, (0,), b"b"), state))
+    return pickle.dumps(Bomb(), protocol=4)
+
+
 class _RuHandler(http.server.BaseHTTPRequestHandler):
     """yifan123/reward-server's app_geneval.py in miniature: POST "/" only, a pickled dict in,
     JPEG images opened with formats=["jpeg"], a pickled dict of lists out (200), a traceback as
@@ -674,6 +692,8 @@ class _RuHandler(http.server.BaseHTTPRequestHandler):
         if srv.mode == "500":
             return self._send(500, b"Traceback (most recent call last):\n  ...\n"
                                    b"KeyError: 'meta_datas'\n")
+        if srv.mode == "escapes":                     # clear the screen, retitle, ring
+            return self._send(500, b"KeyError: \x1b[2J\x1b]0;owned\x07'x'\r\n")
         if self.path != srv.route:
             return self._send(404, b"<!doctype html><title>404 Not Found</title>")
         import numpy as np
@@ -701,6 +721,20 @@ class _RuHandler(http.server.BaseHTTPRequestHandler):
             payload = b"<html><body>502 Bad Gateway</body></html>"
         if srv.mode == "evil":                        # unpickling this would run code
             payload = pickle.dumps(_RuEvil())
+        if srv.mode.startswith("bomb"):
+            import numpy as np
+            payload = {"bomb": pickle.dumps(_RuBomb()), "bomb_array": _ru_array_bomb(),
+                       "bomb_object": _ru_array_bomb((1, (10 ** 8,), np.dtype("O"), False, [1.]))
+                       }[srv.mode]
+        if srv.mode == "huge":                        # a valid answer, padded past 1000 bytes
+            answer["padding"] = "x" * 5000
+            payload = pickle.dumps(answer)
+        if srv.mode == "endless":                     # no length, no end: read whole, never
+            self.send_response(200)
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                while True:
+                    self.wfile.write(b"x" * 4096)
         self._send(200, payload)
 
     def _send(self, status, payload):
@@ -968,6 +1002,42 @@ def test_remote_reward_garbage_answers_are_one_line_errors(_ru_server):
     assert _ru_server.received == []
     for bad in ("ftp://127.0.0.1:1/geneval", "http://127.0.0.1:1/", "http://127.0.0.1:x/geneval"):
         _ru_one_line_error(RR.client, bad)
+
+
+@pytest.mark.examples
+def test_remote_reward_a_hostile_server_is_bounded(_ru_server, monkeypatch, capsys):
+    """Answers built to exhaust or crash the client: a 46-byte pickle of bytearray(10**9), numpy's
+    array pickle resized to 10**9 elements (89 bytes), an object array whose state numpy does not
+    check: each refused before it allocates (or crashes), one line. An answer longer than
+    REMOTE_REWARD_MAX_BYTES: refused by its Content-Length, or, without one, after that many bytes
+    of an endless answer (not at the deadline). An error text with terminal escapes reaches the
+    retry line and the error with "?" in their place. A URL with a user
+    name and password is refused without printing either, in the client and in vgrpo.py."""
+    images, prompts = _ru_images([0.2, 0.4]), _ru_geneval_prompts(2)
+    url = _ru_url(_ru_server, "geneval")
+    monkeypatch.setenv("REMOTE_REWARD_MAX_BYTES", "1000")
+    for mode, fault in {"bomb": "bytearray(1000000000,) is refused",
+                        "bomb_array": "_reconstruct(<class 'numpy.ndarray'>, (1000000000,)",
+                        "bomb_object": "dtype('O8', False, True) is refused",
+                        "huge": "answered 5", "endless": "answered more"}.items():
+        _ru_server.mode = mode
+        msg = _ru_one_line_error(RR.client(url), images, prompts)
+        assert fault in msg and url in msg, (mode, msg)
+    assert "than REMOTE_REWARD_MAX_BYTES=1000" in msg
+    _ru_server.mode = "escapes"
+    monkeypatch.setenv("REMOTE_REWARD_TRIES", "2")
+    capsys.readouterr()
+    msg = _ru_one_line_error(RR.client(url), images, prompts)
+    retry = capsys.readouterr().err
+    assert "HTTP 500 (KeyError: ?[2J?]0;owned?'x')" in msg and "try 2 of 2" in retry, msg
+    assert all(c.isprintable() for c in msg + retry.rstrip("\n")), retry
+    secret = f"http://alice:s3cret@127.0.0.1:{_ru_server.server_address[1]}/geneval"
+    msg = _ru_one_line_error(RR.client, secret)
+    assert "s3cret" not in msg and "alice" not in msg and "user name or password" in msg
+    capsys.readouterr()
+    assert V.main(["--model", "tiny", "--reward", f"{secret}:1,jpeg:1"]) == 2
+    out, err = capsys.readouterr()
+    assert "s3cret" not in out + err and "alice" not in out + err and err.count("\n") == 1, err
 
 
 @pytest.mark.examples
