@@ -1999,6 +1999,60 @@ def test_every_numeric_flag_at_zero_negative_and_nan_is_one_line_or_a_run(tmp_pa
 
 
 @pytest.mark.trainer
+def test_a_prompt_longer_than_the_encoders_read_is_cut_before_it_is_held(tmp_path):
+    """A 300 KB prompt line (and a .jsonl one with metadata) is held cut where the longest-reading
+    tokenizer stops (T5 at --max_sequence_length; the CLIPs read less), past the next word: the
+    pipeline's embeddings of the cut prompt equal those of the whole line, the metadata stays, a
+    prompt every encoder reads whole is not touched, and the offload cache holds the cut one."""
+    import random
+    rng = random.Random(0)
+    long = " ".join(rng.choice(["a", "red", "cat", "photograph", "of", "the", "über", "🐱"])
+                    for _ in range(60_000))
+    short = "a photo of a cat"
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": long, "tag": "t"}) + "\n"
+                                      + json.dumps({"prompt": short, "tag": "s"}) + "\n")
+    args = V.parse_args(TINY + ["--prompts", str(tmp_path / "p.jsonl"), "--eval_holdout", "0",
+                                "--offload_text_encoders"])
+    run = V.setup(args, pipe=TM.build_tiny_sd3_pipeline())
+    cut, kept = run.train_prompts
+    assert kept == short and cut.metadata["tag"] == "t" and long.startswith(cut)
+    assert 20 < len(cut) < 2000 and long[len(cut)] == " ", len(cut)
+    assert set(run.adapter._cache) == {cut, short}
+    pipe = TM.build_tiny_sd3_pipeline()
+
+    @torch.no_grad()
+    def embed(text):                                  # (prompt_embeds, pooled)
+        out = pipe.encode_prompt(text, None, None, do_classifier_free_guidance=False,
+                                 max_sequence_length=args.max_sequence_length)
+        return out[0], out[2]
+    for a, b in zip(embed(long), embed(str(cut))):
+        assert torch.equal(a, b)
+
+
+INT_FLAGS = [n for n in NUMERIC_FLAGS if "int" in str(V.Args.__dataclass_fields__[n].type)]
+
+
+@pytest.mark.trainer
+def test_every_integer_flag_oversized_is_one_line_before_anything_loads(tmp_path, capsys,
+                                                                         monkeypatch):
+    """--FLAG 2^31 and 10^30 (a grid of 2^31 steps alone would be 17 GB): exit status 2, one
+    line naming the flag and its bound, no model or reward loaded, no run folder."""
+    assert len(INT_FLAGS) >= 19                          # the list really is read from Args
+    for name in ("load_pipeline", "build_reward"):
+        monkeypatch.setattr(V, name, lambda *a, **k: pytest.fail("loaded"))
+    for flag in INT_FLAGS:
+        for value in (str(2 ** 31), str(10 ** 30)):
+            run = tmp_path / "run"
+            assert V.main(EDGE + [f"--{flag}", value, "--run_dir", str(run)]) == 2, flag
+            err = capsys.readouterr().err
+            lines = [l for l in err.splitlines() if l.strip()]
+            assert len(lines) == 1 and "Traceback" not in err, (flag, err)
+            assert re.search(rf"--{flag} must (be ≤ [\d,]+|lie in \[0, 2\^31\)|be below)",
+                             lines[0]), (flag, lines[0])
+            assert not run.exists()
+
+
+@pytest.mark.trainer
 def test_resume_with_changed_lora_rank_is_one_line(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0

@@ -1430,6 +1430,32 @@ def make_adapter(pipe, args: "Args", device: torch.device) -> Model:
     return SD3Adapter(pipe, device, args.max_sequence_length)
 
 
+def cut_prompts(pipe, prompts: list, max_len: int) -> list:
+    """A prompt longer than every tokenizer of the pipeline reads is cut where the longest-
+    reading one stops, by the tokenizer's own truncation, then on to the next whitespace. Each
+    reads at most min(its limit, max_len + 77): CLIP's 77, T5's max_len, a chat template's
+    prefix within the margin. What each encoder and a 77-token reward reads stays the same,
+    and a 5 MB line is not held, re-tokenized each draw or logged whole by the pipeline."""
+    toks = [getattr(pipe, n) for n in ("tokenizer", "tokenizer_2", "tokenizer_3")
+            if getattr(pipe, n, None) is not None]
+    reads = [min(t.model_max_length, max_len + 77) for t in toks]
+    long = [i for i, p in enumerate(prompts) if len(p.encode()) >= max(reads, default=1e30)]
+    ends, out = dict.fromkeys(long, 0), list(prompts)  # UTF-8 bytes ≥ tokens
+    for t, n in zip(toks, reads) if long else ():
+        spans = t([str(prompts[i]) for i in long], add_special_tokens=False, truncation=True,
+                  max_length=n, return_offsets_mapping=True)["offset_mapping"]
+        for i, s in zip(long, spans):  # where t stops reading; all of it if it reads it all
+            ends[i] = max(ends[i], s[-1][1] if len(s) == n else len(prompts[i]))
+    for i, end in ends.items():
+        p = prompts[i]
+        end += next((k for k, c in enumerate(p[end:]) if c.isspace()), len(p) - end)
+        if end < len(p):
+            out[i] = type(p)(p[:end])
+            if hasattr(p, "metadata"):
+                out[i].metadata = p.metadata
+    return out
+
+
 def add_lora(transformer, rank: int, alpha: int, targets: list[str]):
     """A peft LoRA on `targets` inside the numbered blocks, fp32 params [ours C17]; its config."""
     import re
@@ -1551,6 +1577,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     rewards = setup_rewards(args, rewards, dev, dtype, train_prompts, eval_prompts)  # download
     pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
     adapter = make_adapter(pipe.to(dev), args, dev)
+    train_prompts, eval_prompts = (cut_prompts(pipe, ps, args.max_sequence_length)
+                                   for ps in (train_prompts, eval_prompts))
     if args.offload_text_encoders:  # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
     params, lora_cfg = setup_trainable(adapter, args, ckpt or init, dtype, world)
@@ -2162,7 +2190,8 @@ class Args:
     lora_targets: str = _f(SD3_LORA_TARGETS, "module names given LoRA (in blocks)", "[ours C17]")
     full_finetune: bool = _f(False, "train all transformer weights instead of LoRA")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (less memory)")
-    offload_text_encoders: bool = _f(False, "embed all prompts once, text encoders to the CPU")
+    offload_text_encoders: bool = _f(False, "embed all prompts once, text encoders to the CPU; "
+                                     "host RAM ≈ 1.7 MB per prompt at SD3.5's shapes")
     compile: Optional[bool] = _f(None, "torch.compile the blocks; default: on with CUDA, in one "
                                  "process; off on the CPU", "[ours C20] docs/gpu.md")
     dtype: str = _f("auto", "auto: bf16 on CUDA, fp32 on CPU", "[ours C10]",
@@ -2321,6 +2350,13 @@ def family_layers(model: str, family: str) -> list:
     return layers
 
 
+# Upper bounds of integer flags, checked before anything allocates from them (a 2^31-step grid
+# is 17 GB); every other integer flag ≤ 2^31 − 1. Each is far above any published recipe.
+INT_CAPS = dict(num_steps=1000, eval_steps=1000, n_mc=1000,  # the schedulers' 1000 timesteps
+                resolution=4096, max_sequence_length=1024, lora_rank=4096, n_eval=10_000,
+                prompts_per_iter=4096, group_size=1024)
+
+
 def check_args(args: Args) -> None:
     """Every bad value or combination, in one message, before anything is loaded or written."""
     v, P, G, world = vars(args), args.prompts_per_iter, args.group_size, dist_info()[1]
@@ -2330,6 +2366,9 @@ def check_args(args: Args) -> None:
     rates = ("weight_decay", "std_eps", "mae_floor", "clip_eps", "kl_coef", "soft_clip_eta")
     problems = [f"--{k} must be ≥ 1 (got {v[k]})" for k in counts
                 if v[k] is not None and v[k] < 1]
+    problems += [f"--{k} must be ≤ {INT_CAPS.get(k, 2**31 - 1):,} (got {v[k]})"
+                 for k in counts + ("group_size", "eval_every", "keep_checkpoints")
+                 if v[k] is not None and v[k] > INT_CAPS.get(k, 2**31 - 1)]
     problems += [f"--{k} must be a finite number > 0 (got {v[k]})"
                  for k in ("lr", "max_grad_norm", "flux_shift")
                  if not (math.isfinite(v[k]) and v[k] > 0)]
