@@ -1834,10 +1834,11 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_in_one_line(tmp_path, 
 
 
 @pytest.mark.trainer
-def test_a_failed_checkpoint_write_leaves_latest_on_the_last_complete_one(tmp_path, monkeypatch):
+def test_a_failed_checkpoint_write_leaves_latest_on_the_last_complete_one(tmp_path, monkeypatch,
+                                                                          capsys):
     """A checkpoint whose write fails (a full disk) leaves nothing half-written: `latest` still
     names the last complete checkpoint, no temporary folder is left, and that checkpoint loads.
-    (examples/cluster.py turns the failure into one line naming the folder: its tests.)"""
+    The failure is one line naming the folder (in examples/cluster.py too: its tests)."""
     import errno
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
@@ -1849,8 +1850,9 @@ def test_a_failed_checkpoint_write_leaves_latest_on_the_last_complete_one(tmp_pa
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", boom)
-    with pytest.raises(OSError, match="No space left"):
-        V.main(["--resume", str(run), "--iterations", "2"])
+    capsys.readouterr()
+    assert V.main(["--resume", str(run), "--iterations", "2"]) == 2    # one line names it
+    assert re.search(r"could not write .*No space left.*free space", capsys.readouterr().err)
     monkeypatch.setattr(torch, "save", real_save)
     assert (run / "checkpoints" / "latest").read_text() == "iter_000001"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "latest"]

@@ -1441,7 +1441,7 @@ def cut_prompts(pipe, prompts: list, max_len: int) -> list:
     reads = [min(t.model_max_length, max_len + 77) for t in toks]
     long = [i for i, p in enumerate(prompts) if len(p.encode()) >= max(reads, default=1e30)]
     ends, out = dict.fromkeys(long, 0), list(prompts)  # UTF-8 bytes ≥ tokens
-    for t, n in zip(toks, reads) if long else ():
+    for t, n in zip(toks, reads * bool(long)):  # no prompt to cut: no tokenizer call
         spans = t([str(prompts[i]) for i in long], add_special_tokens=False, truncation=True,
                   max_length=n, return_offsets_mapping=True)["offset_mapping"]
         for i, s in zip(long, spans):  # where t stops reading; all of it if it reads it all
