@@ -514,6 +514,7 @@ class Run:
     # Hooks for examples/cluster.py; as here they do nothing.
     poll: Callable = lambda: None                          # may a SIGTERM stop it (no step yet)?
     guard: Callable = lambda it: contextlib.nullcontext()  # around iteration `it`, its log
+    go_on: Callable = lambda run_dir: how_to_go_on(run_dir)  # ends `writing`'s line (requeue)
 
     N = property(lambda self: self.args.prompts_per_iter * self.args.group_size)   # P·G
     Nl = property(lambda self: self.N // self.world)          # the samples of this process
@@ -540,7 +541,7 @@ class Run:
         except Exception as e:  # noqa: BLE001 — every writer's error, one message
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise RunError(f"could not write {what} ({type(e).__name__}: {why}); free space "
-                           f"or fix permissions there; {how_to_go_on(self.run_dir)}") from None
+                           f"or fix permissions there; {self.go_on(self.run_dir)}") from None
 
 
 def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x along the last dim
@@ -1441,7 +1442,9 @@ def cut_prompts(pipe, prompts: list, max_len: int) -> list:
     reads = [min(t.model_max_length, max_len + 77) for t in toks]
     long = [i for i, p in enumerate(prompts) if len(p.encode()) >= max(reads, default=1e30)]
     ends, out = dict.fromkeys(long, 0), list(prompts)  # UTF-8 bytes ≥ tokens
-    for t, n in zip(toks, reads * bool(long)):  # no prompt to cut: no tokenizer call
+    if not long:  # nothing any tokenizer could cut
+        return out
+    for t, n in zip(toks, reads):
         spans = t([str(prompts[i]) for i in long], add_special_tokens=False, truncation=True,
                   max_length=n, return_offsets_mapping=True)["offset_mapping"]
         for i, s in zip(long, spans):  # where t stops reading; all of it if it reads it all

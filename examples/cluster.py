@@ -16,7 +16,7 @@ What it adds to `python vgrpo.py` (docs/training.md, "On a cluster"):
     the file and the command that continues, after saving what can still be saved.
   * A first Ctrl-C finishes the iteration, saves it and exits 130; a second stops at once.
 
-It fills in the hooks of vgrpo.Run (poll, guard, writing) and reads the phase that vgrpo.timed
+It fills in the hooks of vgrpo.Run (poll, guard, go_on) and reads the phase that vgrpo.timed
 puts on an out-of-memory error. Nothing of vgrpo.py's method changes.
 """
 import contextlib
@@ -92,14 +92,14 @@ def how_to_go_on(run_dir: Path, saved=None) -> str:
 
 
 class Cluster:
-    """The hooks of one run: signals in, a poll and a guard for the loop, named write errors."""
+    """The hooks of one run: signals in, a poll and a guard for the loop, the requeue hint."""
 
     def __init__(self, run: V.Run, run_dir: Path):
         self.run, self.run_dir = run, run_dir
         self.stop = []                      # signals received: "term" (preempt), "int" (Ctrl-C)
         self.stepped = False                # an optimizer step of this iteration has run
         self.cuttable = False               # inside an iteration: SIGTERM's alarm may stop it
-        run.poll, run.guard, run.writing = self.poll, self.guard, self.writing
+        run.poll, run.guard, run.go_on = self.poll, self.guard, how_to_go_on  # + requeue
 
     def __enter__(self):
         # stepped, from the optimizer itself (a step skipped for a non-finite gradient is none)
@@ -193,18 +193,6 @@ class Cluster:
         """Where the run stopped, and the command a requeued job runs."""
         return Preempted(f"{when}: {how_to_go_on(self.run_dir, saved)}; a requeued job continues "
                          f"with the same command and --resume auto --run_dir {self.run_dir}")
-
-    @contextlib.contextmanager
-    def writing(self, what: Path):
-        """A failed write into the run folder (any writer's error) ends the run in one line."""
-        try:
-            yield what
-        except (V.ConfigError, V.RunError):
-            raise
-        except Exception as e:  # noqa: BLE001 — every writer's error, one message
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise V.RunError(f"could not write {what} ({type(e).__name__}: {why}); free space "
-                             f"or fix permissions there; {how_to_go_on(self.run_dir)}") from None
 
 
 if __name__ == "__main__":
