@@ -157,9 +157,17 @@ def lora_merged(transformer):
                 m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
 
 
+def compiled_modules(transformer) -> list:
+    """(module, its compiled call) of every module nn.Module.compile compiled in place: the
+    trainer's regional compile (vgrpo.compile_blocks on adapter.blocks(), whatever the family
+    names its blocks: SD3's transformer_blocks, Z-Image's layers and refiners)."""
+    return [(m, m._compiled_call_impl) for m in transformer.modules()
+            if getattr(m, "_compiled_call_impl", None) is not None]
+
+
 def uncompile_blocks(transformer) -> None:
     """Undo the trainer's regional compile (vgrpo.compile_blocks: nn.Module.compile on each block)."""
-    for blk in V.transformer_blocks(transformer):
+    for blk, _ in compiled_modules(transformer):
         blk._compiled_call_impl = None            # nn.Module.compile's slot
 
 
@@ -439,14 +447,13 @@ def forward_flops(adapter, D, cond, ctx):
     x = torch.randn((1,) + D, device=adapter.device)
     t = torch.full((1,), 0.5, device=adapter.device)
     c = V.select(cond, torch.zeros(1, dtype=torch.long, device=adapter.device))
-    blocks = V.transformer_blocks(adapter.transformer)
-    compiled = [b._compiled_call_impl for b in blocks]
+    compiled = compiled_modules(adapter.transformer)
     try:
         uncompile_blocks(adapter.transformer)
         with torch.no_grad(), ctx, FlopCounterMode(display=False) as fc:
             adapter.velocity(x, t, c)
     finally:
-        for b, impl in zip(blocks, compiled):
+        for b, impl in compiled:
             b._compiled_call_impl = impl
     return fc.get_total_flops()
 
