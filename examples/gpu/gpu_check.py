@@ -6,16 +6,19 @@ FLUX.1-dev's 11.9B transformer, and a PickScore-shaped CLIP ViT-H/14 reward), so
 are those of the real models while the images and rewards are meaningless. Tokenizers are the tiny
 offline ones (token ids differ, sequence lengths are the real ones).
 
-    python examples/gpu/gpu_check.py                  # every stage below, ~10 min on one H100/H200
+    python examples/gpu/gpu_check.py                  # the default stages, ~10 min on one H100/H200
     python examples/gpu/gpu_check.py --stages levers,flux --levers compile,cudagraphs \
         --budget_s 520 --out results/gpu/gpu_check_compile.json    # --compile against eager
     python examples/gpu/gpu_check.py --stages levers  # some stages: levers,memory,flow,flux,configs
     python examples/gpu/gpu_check.py --cpu_smoke      # the whole script on the tiny models, CPU
     python examples/gpu/gpu_check.py --stages configs --configs default,rb48_mb8   # single named rows
     python examples/gpu/gpu_check.py --stages configs --family flux --configs flux_default
+    python examples/gpu/gpu_check.py --stages plugins  # Qwen-Image, FLUX.2 klein, Z-Image
+    python examples/gpu/gpu_check.py --stages plugins --plugins z_image,flux2 --card_GiB 48
 
 Stages, in this order, each skipped when the time guard (--budget_s, default 570 s from the start,
-model build included; on a GPU the stages before flux leave it 150 s) says it would not finish;
+model build included; on a GPU the stages before flux leave it 150 s, and the stages before
+plugins its first plug-in's allowance) says it would not finish;
 every row is written to --out (JSON, and a markdown twin) as soon as it is measured, so a run cut
 short keeps what it measured:
   levers  SD3.5-M single-GPU defaults (40 Euler steps, N_MC 4, μ 1, micro-batch 4, rollout
@@ -57,6 +60,22 @@ short keeps what it measured:
           other levers that paid on SD3.5-M, then with cudagraphs if it paid. At μ 4 the first
           optimizer step has ρ ≡ 1 by construction (abs_log_ratio_first 0) and the later three
           are off-policy (abs_log_ratio > 0).
+  plugins (only when named) one row per model plug-in of examples/models/ that has a
+          build_real_size_pipeline, found through vgrpo.model_plugins (--plugins picks some):
+          Qwen-Image (20.4B transformer, Qwen2.5-VL-7B text), FLUX.2 [klein] 4B and
+          Z-Image-Turbo (6.15B), each built on the GPU at its published architecture with random
+          weights, then the plug-in's own defaults (its DEFAULTS: resolution, steps, group size,
+          LoRA, checkpointing) at 1 prompt × its group size, eager, one iteration (two when the
+          time guard allows) after a warm-up at tiny shapes. --offload_text_encoders when the
+          pipeline's weights exceed half the card (--card_GiB, default this GPU; a smaller value
+          also caps the allocator there, as the memory stage does). Per row: seconds and peak
+          memory of setup and of each phase (rollout; reward = decode + reward model; θ_old's
+          surrogates, empty at μ 1; update), the iteration's seconds, MFU, |log ρ| of the first
+          step (0 at μ 1), and fits (no out-of-memory on this card). After an out-of-memory the
+          next of PLUGIN_FALLBACKS (gradient checkpointing, then micro-batch 1) gets its own row.
+          The time guard allows each plug-in PLUGIN_EST_S, estimates not yet measured. Their
+          tokenizers are the plug-ins' byte-level ones: a prompt is a few times its real number
+          of text tokens (FLUX.2 pads to max_sequence_length 512 either way).
 Every row runs the trainer with an explicit --compile or --no-compile (--extra or a CONFIGS entry
 may name one). On the CPU (--cpu_smoke) compilation uses the cheap "eager" dynamo backend
 (--compile_backend; inductor takes minutes there): the code path is the trainer's, the speed is not.
@@ -157,9 +176,17 @@ def lora_merged(transformer):
                 m.merged_adapters.clear()         # peft's "merged" state; forward adds B·A again
 
 
+def compiled_modules(transformer) -> list:
+    """(module, its compiled call) of every module nn.Module.compile compiled in place: the
+    trainer's regional compile (vgrpo.compile_blocks on adapter.blocks(), whatever the family
+    names its blocks: SD3's transformer_blocks, Z-Image's layers and refiners)."""
+    return [(m, m._compiled_call_impl) for m in transformer.modules()
+            if getattr(m, "_compiled_call_impl", None) is not None]
+
+
 def uncompile_blocks(transformer) -> None:
     """Undo the trainer's regional compile (vgrpo.compile_blocks: nn.Module.compile on each block)."""
-    for blk in V.transformer_blocks(transformer):
+    for blk, _ in compiled_modules(transformer):
         blk._compiled_call_impl = None            # nn.Module.compile's slot
 
 
@@ -439,14 +466,13 @@ def forward_flops(adapter, D, cond, ctx):
     x = torch.randn((1,) + D, device=adapter.device)
     t = torch.full((1,), 0.5, device=adapter.device)
     c = V.select(cond, torch.zeros(1, dtype=torch.long, device=adapter.device))
-    blocks = V.transformer_blocks(adapter.transformer)
-    compiled = [b._compiled_call_impl for b in blocks]
+    compiled = compiled_modules(adapter.transformer)
     try:
         uncompile_blocks(adapter.transformer)
         with torch.no_grad(), ctx, FlopCounterMode(display=False) as fc:
             adapter.velocity(x, t, c)
     finally:
-        for b, impl in zip(blocks, compiled):
+        for b, impl in compiled:
             b._compiled_call_impl = impl
     return fc.get_total_flops()
 
@@ -502,11 +528,49 @@ def mfu_fields(fwd: float, N: int, m: dict, wall: float, peak_tflops: float) -> 
             "update_MFU_%": 100 * upd / upd_s / peak if upd_s > 0 else float("nan")}
 
 
-def measure(env, stage, name, extra, iters=1, lever_names=()):
+# the iteration's phases as vgrpo.timed names them → the report's peak-memory columns
+PHASE_PEAKS = {"time_rollout": "peak_rollout_GiB", "time_reward": "peak_reward_GiB",
+               "time_old": "peak_old_GiB", "time_update": "peak_update_GiB"}
+
+
+@contextlib.contextmanager
+def phase_peaks(read, reset):
+    """Inside, every vgrpo.timed block (the iteration's phases: rollout, rewards, θ_old's
+    surrogates, update) starts the peak-memory counter afresh (`reset`) and appends its peak
+    (`read`, GiB) to peaks[key]; peaks["all"] collects the peaks between the blocks too, so its
+    max is the whole body's. Yields `peaks` ({key: [GiB, ...]}, one entry per block run);
+    vgrpo.timed is restored on exit, whatever happens."""
+    real, peaks = V.timed, {"all": []}
+
+    @contextlib.contextmanager
+    def timed(times, key, *rest, **kw):
+        peaks["all"].append(read())              # since the last reset: what ran before
+        reset()
+        try:
+            with real(times, key, *rest, **kw):
+                yield
+        finally:
+            peaks.setdefault(key, []).append(read())
+            peaks["all"].append(peaks[key][-1])
+            reset()
+    V.timed = timed
+    try:
+        yield peaks
+    finally:
+        V.timed = real
+        peaks["all"].append(read())
+
+
+def measure(env, stage, name, extra, iters=1, lever_names=(), keep_going=None,
+            per_phase_memory=False):
     """setup() + `iters` iterations of one configuration, with the named levers applied: `compile`
     and `cudagraphs` as the trainer's --compile (every other row --no-compile, unless the flags
     name one), the others around the iterations. Returns a row (also on failure: with 'error').
-    Time and phases are those of the LAST iteration (steady state when iters ≥ 2)."""
+    Time and phases are those of the LAST iteration (steady state when iters ≥ 2).
+    keep_going(seconds of the last iteration) → whether to run the next one (a time guard;
+    the row's `iterations` says how many ran). per_phase_memory: the peak memory of setup and of
+    each phase (PHASE_PEAKS, the max over the iterations; NaN on the CPU) in the row, and
+    peak_mem_GiB the max over all of them."""
     argv = ["--model", env.model, "--reward", "pickscore", "--eval_rewards", "pickscore"] + extra
     argv += env.small + env.a.extra.split()
     if "--compile" not in argv and "--no-compile" not in argv:
@@ -525,37 +589,50 @@ def measure(env, stage, name, extra, iters=1, lever_names=()):
             run = V.setup(args, pipe=env.pipe, rewards=env.reward)
         row.update(compiled=run.compiled, time_compile=run.time_compile,
                    time_setup=time.perf_counter() - t0)
+        read = ((lambda: torch.cuda.max_memory_allocated() / 2 ** 30) if env.cuda
+                else (lambda: float("nan")))
+        reset = torch.cuda.reset_peak_memory_stats if env.cuda else (lambda: None)
+        if per_phase_memory:
+            row["peak_setup_GiB"] = read()        # text encoders still on the GPU, LoRA added
         key = (args.model, args.resolution)
         if key not in env.fwd:
             c1 = run.adapter.encode(run.train_prompts[:1])
             env.fwd[key] = forward_flops(run.adapter, run.D, c1, run.ctx)
         fwd = env.fwd[key]
         walls, ms, stats = [], [], {}
-        with levers(run, lever_names, stats):
+        probe = (phase_peaks(read, reset) if per_phase_memory
+                 else contextlib.nullcontext({"all": []}))
+        with levers(run, lever_names, stats), probe as peaks:
             for it in range(iters):
                 t0 = time.perf_counter()
                 ms.append(V.iteration(run, it))
                 walls.append(time.perf_counter() - t0)
+                if it < iters - 1 and keep_going is not None and not keep_going(walls[-1]):
+                    break
         P, G, K = args.prompts_per_iter, args.group_size, args.num_steps
         N, m, wall = P * G, ms[-1], walls[-1]
+        if per_phase_memory:
+            row.update({col: max(peaks[key]) for key, col in PHASE_PEAKS.items()})
+            row["peak_mem_GiB"] = max([row["peak_setup_GiB"], *peaks["all"]])
         row.update({
-            "P×G": f"{P}×{G}", "K": K, "n_mc": args.n_mc, "mu": args.mu,
-            "micro_batch": args.micro_batch, "rollout_batch": args.rollout_batch,
-            "grad_ckpt": args.gradient_checkpointing, "iterations": iters,
+            "P×G": f"{P}×{G}", "K": K, "resolution": args.resolution, "n_mc": args.n_mc,
+            "mu": args.mu, "micro_batch": args.micro_batch, "rollout_batch": args.rollout_batch,
+            "grad_ckpt": args.gradient_checkpointing, "iterations": len(ms),
             "time_first_iter": walls[0], "time_iter": wall,
             **{k: m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update")},
-            "peak_mem_GiB": (torch.cuda.max_memory_allocated() / 2 ** 30 if env.cuda
-                             else float("nan")),
+            "peak_mem_GiB": row.get("peak_mem_GiB", read() if env.cuda else float("nan")),
             "fwd_TFLOP_per_sample": fwd / 1e12, **mfu_fields(fwd, N, m, wall, env.a.peak),
             "abs_log_ratio": max(x["abs_log_ratio"] for x in ms),
             "abs_log_ratio_first": max(x["abs_log_ratio_first"] for x in ms),
             "reward_finite": all(x["n_nonfinite_reward"] == 0 for x in ms),
             "grad_norm": m["grad_norm"], **stats})
-        if iters >= 2:
+        if len(ms) >= 2:
             row["first_minus_steady_s"] = walls[0] - wall  # recompiles, autotuning, allocator
         del run
     except torch.OutOfMemoryError as e:
-        row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
+        phase = getattr(e, "vgrpo_phase", None)       # vgrpo.timed's phase, if inside one
+        row["error"] = ("out of memory" + (f" in {phase}" if phase else "") + ": "
+                        + str(e).splitlines()[0][:200])
     except Exception as e:  # noqa: BLE001 — a lever that fails (a kernel) is a result
         row["error"] = err(e)
     env.free()
@@ -792,11 +869,11 @@ def stage_flux(env, kept) -> None:
         compiled = bool(effective(names) & set(COMPILED_LEVERS))
         extra_s = COMPILE_EST_S["flux"] if compiled and env.cuda else 0
         one = base["time_iter"] * 1.3 + extra_s
-        if env.left() < one + env.a.reserve_s:
+        if env.left() < one + env.a.reserve_s + env.later_s:
             skip(env, "flux", "flux_default + " + ",".join(names), "time guard")
             continue
         # a second iteration, when there is time, shows that nothing compiles after setup
-        iters = 2 if env.left() > one + base["time_iter"] + env.a.reserve_s else 1
+        iters = 2 if env.left() > one + base["time_iter"] + env.a.reserve_s + env.later_s else 1
         r = measure(env, "flux", "flux_default + " + ",".join(names), CONFIGS["flux_default"],
                     iters=iters, lever_names=names)
         if ok(r):
@@ -812,6 +889,148 @@ def stage_configs(env) -> None:
     for n in (env.a.configs or default).split(","):
         if n in CONFIGS:
             measure(env, "configs", n, CONFIGS[n])
+
+
+# plugins stage: every model plug-in of examples/models/ with a build_real_size_pipeline (its
+# published architecture, random weights), at one GPU's share of a batch: 1 prompt × the
+# plug-in's group size, at its DEFAULTS' resolution, steps, LoRA and checkpointing, eager.
+PLUGIN_BATCH = ["--prompts_per_iter", "1"]
+PLUGIN_WARMUP = ["--prompts_per_iter", "1", "--group_size", "2", "--num_steps", "2", "--n_mc", "2",
+                 "--resolution", "256", "--micro_batch", "1", "--rollout_batch", "2",
+                 "--reward_batch", "2"]
+# after an out-of-memory, the next setting (one that changes the run's configuration)
+PLUGIN_FALLBACKS = {"default": [], "grad_ckpt": ["--gradient_checkpointing"],
+                    "grad_ckpt_mb1": ["--gradient_checkpointing", "--micro_batch", "1",
+                                      "--rollout_batch", "4", "--reward_batch", "4"]}
+# Time-guard allowances per plug-in: build, warm-up, setup and one iteration. NOT measured (no GPU
+# has run this stage): one forward's FLOPs at the defaults (Qwen-Image ~45 TFLOP per sample,
+# Z-Image ~14, FLUX.2 klein-4B ~9), K + 4·N_MC forwards for each of 16 samples at ~400 TFLOP/s,
+# plus ~60 s of building and setup, × 1.5. Replace them with measured seconds once measured.
+PLUGIN_EST_S = {"flux2": 90, "qwen_image": 240, "z_image": 120}
+PLUGIN_EST_OTHER_S = 240          # a plug-in not listed above
+PLUGIN_EST_CPU_S = 10             # --cpu_smoke: the tiny pipelines
+
+
+def real_size_plugins() -> dict:
+    """{name: module} of the model plug-ins vgrpo finds (vgrpo.model_plugins: examples/models/)
+    that have a build_real_size_pipeline, in vgrpo's order."""
+    return {n: m for n, m in V.model_plugins().items() if hasattr(m, "build_real_size_pipeline")}
+
+
+def plugin_estimate(env, name) -> float:
+    """Seconds the time guard allows one plug-in (PLUGIN_EST_S)."""
+    return PLUGIN_EST_CPU_S if not env.cuda else PLUGIN_EST_S.get(name, PLUGIN_EST_OTHER_S)
+
+
+def pipeline_weights(pipe) -> tuple:
+    """(GiB of the weights of every module of the pipeline, the transformer's parameters)."""
+    mods = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    size = sum(t.numel() * t.element_size() for m in mods
+               for t in [*m.parameters(), *m.buffers()])
+    return size / 2 ** 30, sum(p.numel() for p in pipe.transformer.parameters())
+
+
+def offload_rule(weights_gib, card_gib) -> bool:
+    """--offload_text_encoders when the pipeline's weights exceed half the card (no card: no)."""
+    return card_gib is not None and weights_gib > card_gib / 2
+
+
+@contextlib.contextmanager
+def card_limit(env, card_gib):
+    """On a GPU larger than `card_gib`: torch's allocator capped at card − CONTEXT_GIB for the
+    body, as the memory stage emulates a smaller card. Otherwise (the CPU too) nothing."""
+    total = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if env.cuda else None
+    limited = env.cuda and card_gib < total
+    if limited:
+        env.free()
+        torch.cuda.set_per_process_memory_fraction((card_gib - CONTEXT_GIB) / total)
+    try:
+        yield
+    finally:
+        if limited:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def stage_plugins(env) -> None:
+    """One row per model plug-in (--plugins; default every one with a real-size builder): its
+    real architecture with random weights built on this GPU (on the CPU: its tiny pipeline),
+    a warm-up at tiny shapes (not reported), then the plug-in's defaults at 1 × its group size,
+    eager, with per-phase peak memory. Text encoders are offloaded when the pipeline's weights
+    exceed half the card. An out-of-memory row is followed by the next of PLUGIN_FALLBACKS."""
+    import torch._dynamo
+    found = real_size_plugins()
+    names = env.a.plugins.split(",") if env.a.plugins else list(found)
+    total = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if env.cuda else None
+    card = env.a.card_GiB or total
+    for i, name in enumerate(names):
+        later = sum(plugin_estimate(env, n) for n in names[i + 1:])
+        est = plugin_estimate(env, name)
+        if env.left() < est + env.a.reserve_s:
+            skip(env, "plugins", name, f"time guard: {env.left():.0f} s left, ~{est:.0f} s "
+                 "needed")["plugin"] = name
+            env.report.write()
+            continue
+        env.pipe = None
+        torch._dynamo.reset()
+        env.free()
+        mod, t0 = found[name], time.perf_counter()
+        alias = next(iter(mod.ALIASES))
+        torch.manual_seed(0)
+        try:
+            pipe = (getattr(mod, next(iter(mod.TINY.values())))() if env.a.cpu_smoke
+                    else mod.build_real_size_pipeline(env.dtype, device=env.dev))
+            weights, n_tr = pipeline_weights(pipe)
+            ad = V.make_adapter(pipe, V.parse_args(["--model", alias] + env.small), env.dev)
+            with torch.no_grad(), env.ctx:
+                c = ad.encode(["a red fox"])
+            finite = all(bool(torch.isfinite(v).all()) for v in c.values()
+                         if v.is_floating_point())
+            del ad, c
+        except Exception as e:  # noqa: BLE001 — an out-of-memory at build is a result
+            env.pipe = pipe = None
+            env.free()
+            oom = isinstance(e, torch.OutOfMemoryError)
+            env.report.add("plugins", {"stage": "plugins", "config": name, "plugin": name,
+                                       "error": f"build: {err(e)}",
+                                       "fits": False if oom and env.cuda else None})
+            continue
+        offload = offload_rule(weights, card)
+        common = {"plugin": name, "model": alias, "pipeline": type(pipe).__name__,
+                  "build_s": time.perf_counter() - t0, "transformer_params_B": n_tr / 1e9,
+                  "weights_GiB": weights, "card_GiB": card, "offload_text_encoders": offload,
+                  "text_embeddings_finite": finite}
+        print(f"built {name} ({type(pipe).__name__}, {weights:.1f} GiB of weights) in "
+              f"{common['build_s']:.0f}s; offload_text_encoders {offload}", flush=True)
+        env.pipe, env.model = pipe, alias
+        flags = PLUGIN_BATCH + (["--offload_text_encoders"] if offload else [])
+        with card_limit(env, card):
+            measure(env, "warmup", f"{name}: warmup",
+                    PLUGIN_WARMUP + flags[len(PLUGIN_BATCH):])
+            tried = []
+            for rung, more in PLUGIN_FALLBACKS.items():
+                argv = ["--model", alias] + flags + more + env.small + env.a.extra.split()
+                cfg = V.parse_args(argv)
+                if cfg in tried:                    # the defaults already have it
+                    continue
+                if tried and env.left() < spent * 1.2 + env.a.reserve_s:
+                    skip(env, "plugins", f"{name}: {rung}", "time guard")["plugin"] = name
+                    env.report.write()
+                    break
+                t1 = time.perf_counter()
+                r = measure(env, "plugins", f"{name}: {rung}", flags + more, iters=2,
+                            per_phase_memory=True,
+                            keep_going=lambda s: env.left() > 1.3 * s + env.a.reserve_s + later)
+                spent = time.perf_counter() - t1
+                oom = "out of memory" in r.get("error", "")
+                r.update(common, fits=None)       # unknown on the CPU, or after another error
+                if env.cuda and (ok(r) or oom):
+                    r["fits"] = ok(r)
+                env.report.write()
+                if not oom:
+                    break
+                tried.append(cfg)
+        env.pipe = pipe = None
+        env.free()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -836,6 +1055,12 @@ class Report:
         "configs": ["config", "P×G", "micro_batch", "grad_ckpt", "compiled", "time_compile",
                     "time_rollout", "time_reward", "time_old", "time_update", "time_iter",
                     "peak_mem_GiB", "TFLOP/s", "rollout_MFU_%", "update_MFU_%", "MFU_%"],
+        "plugins": ["config", "model", "P×G", "resolution", "K", "micro_batch", "grad_ckpt",
+                    "offload_text_encoders", "weights_GiB", "time_setup", "time_first_iter",
+                    "time_iter", "time_rollout", "time_reward", "time_old", "time_update",
+                    "peak_setup_GiB", "peak_rollout_GiB", "peak_reward_GiB", "peak_old_GiB",
+                    "peak_update_GiB", "peak_mem_GiB", "fits", "abs_log_ratio_first",
+                    "MFU_%"],
     }
 
     def __init__(self, path, info):
@@ -878,7 +1103,15 @@ class Report:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stages", default="levers,memory,flow,flux",
-                    help="comma-separated, run in this order: levers, memory, flow, flux, configs")
+                    help="comma-separated, run in this order: configs, levers, memory, flow, "
+                         "flux, plugins (plugins only when named)")
+    ap.add_argument("--plugins", default=None,
+                    help="plugins stage: model plug-ins of examples/models/ (default: every one "
+                         "with a build_real_size_pipeline)")
+    ap.add_argument("--card_GiB", type=float, default=None,
+                    help="plugins stage: the card the offload rule and `fits` refer to (default: "
+                         "this GPU's memory, none on the CPU); on a larger GPU its allocator is "
+                         "capped to it, as the memory stage does")
     ap.add_argument("--configs", default=None, help="configs stage: names from CONFIGS (default: "
                     "default,mb8_nockpt for sd3, flux_default for flux)")
     ap.add_argument("--family", default="sd3", choices=("sd3", "flux"),
@@ -904,9 +1137,13 @@ def main(argv=None):
     a = ap.parse_args(argv)
     V._quiet_hf()
     stages = [s.strip() for s in a.stages.split(",") if s.strip()]
-    bad = set(stages) - {"levers", "memory", "flow", "flux", "configs"}
+    bad = set(stages) - {"levers", "memory", "flow", "flux", "configs", "plugins"}
     if bad:
         ap.error(f"unknown stage(s) {sorted(bad)}")
+    bad = set((a.plugins or "").split(",")) - set(real_size_plugins()) - {""}
+    if bad:
+        ap.error(f"unknown plug-in(s) {sorted(bad)}; choose from "
+                 f"{','.join(real_size_plugins())}")
     bad = set((a.levers or "").split(",")) - set(LEVERS) - {""}
     if bad:
         ap.error(f"unknown lever(s) {sorted(bad)}; choose from {','.join(LEVERS)}")
@@ -933,7 +1170,8 @@ def main(argv=None):
                      "--lora_rank", "4", "--lora_alpha", "8", "--device", "cpu",
                      "--group_size", "4"]
         flux_only = stages == ["flux"] or (stages == ["configs"] and a.family == "flux")
-        env.pipe = TM.build_tiny_flux_pipeline() if flux_only else TM.build_tiny_sd3_pipeline()
+        if stages != ["plugins"]:          # the plugins stage builds its own pipelines
+            env.pipe = TM.build_tiny_flux_pipeline() if flux_only else TM.build_tiny_sd3_pipeline()
         from examples.rewards.jpeg import score as jpeg
         env.reward = V.Rewards({"jpeg": jpeg}, [("jpeg", 1.0)])
         global LEVER_BASE, MEMORY_TRIAL
@@ -941,7 +1179,7 @@ def main(argv=None):
         MEMORY_TRIAL = ["--prompts_per_iter", "1", "--group_size", "4"]
     else:
         flux_only = stages == ["flux"] or (stages == ["configs"] and a.family == "flux")
-        if not flux_only:
+        if not flux_only and stages != ["plugins"]:
             env.pipe = build_sd35m_random(dev, dtype)
         env.reward = build_pickscore_random(dev, dtype)
         if env.pipe is not None:
@@ -957,8 +1195,12 @@ def main(argv=None):
         env.model = "flux.1-dev"
     print(f"built in {info['build_s']:.0f}s", flush=True)
     kept_levers = []
-    if "flux" in stages and env.cuda:       # the stages before it leave the flux stage its time
-        env.later_s = FLUX_STAGE_S
+    # the stages before flux and plugins leave them their time (plugins: its first plug-in's)
+    plugins_s = 0.0
+    if "plugins" in stages and env.cuda:
+        first = (a.plugins or ",".join(real_size_plugins())).split(",")[0]
+        plugins_s = plugin_estimate(env, first)
+    env.later_s = (FLUX_STAGE_S if "flux" in stages and env.cuda else 0.0) + plugins_s
     if "configs" in stages:
         if a.family == "flux" and not env.model.startswith("flux"):
             stage_flux_build(env)
@@ -979,11 +1221,14 @@ def main(argv=None):
             else:
                 skip(env, "flow", "all", "time guard")
     if "flux" in stages:
-        env.later_s = 0.0
-        if env.left() > (20 if a.cpu_smoke else FLUX_STAGE_S):
+        env.later_s = plugins_s
+        if env.left() > (20 if a.cpu_smoke else FLUX_STAGE_S) + env.later_s:
             stage_flux(env, kept_levers)
         else:
             skip(env, "flux", "all", "time guard")
+    if "plugins" in stages:
+        env.later_s = 0.0
+        stage_plugins(env)            # its own time guard, plug-in by plug-in
     info["total_s"] = time.perf_counter() - env.t0
     env.report.write()
     print("\n" + env.report.markdown(), flush=True)

@@ -285,6 +285,87 @@ def test_gpu_check_smoke_runs_every_stage(tmp_path):
     assert "## levers" in md and "## memory" in md and "## flux" in md
 
 
+@pytest.mark.examples
+def test_phase_peaks_attribute_memory_to_each_phase():
+    """gpu_check.phase_peaks around one V-GRPO iteration, with a fake allocator whose every read
+    returns the next integer: the counter is reset at the start and end of each of the four phases
+    vgrpo.timed names (rollout, reward, θ_old, update), each phase gets the read at its end, "all"
+    also the reads between them, and vgrpo.timed is restored afterwards, also after an error."""
+    gc = _load_example("gpu/gpu_check")
+    run = V.setup(V.parse_args(LEVER + ["--no-compile"]), pipe=TM.build_tiny_sd3_pipeline())
+    reads, resets = iter(range(1, 100)), []
+    real = V.timed
+    with gc.phase_peaks(lambda: next(reads), lambda: resets.append(1)) as peaks:
+        assert V.timed is not real
+        m = V.iteration(run, 0)
+    assert V.timed is real and m["abs_log_ratio_first"] == 0.0
+    assert peaks == {"time_rollout": [2], "time_reward": [4], "time_old": [6],
+                     "time_update": [8], "all": [1, 2, 3, 4, 5, 6, 7, 8, 9]}
+    assert len(resets) == 8 and set(gc.PHASE_PEAKS) == set(peaks) - {"all"}
+    with pytest.raises(RuntimeError, match="inside"):
+        with gc.phase_peaks(lambda: 0.0, lambda: None):
+            raise RuntimeError("inside")
+    assert V.timed is real
+
+
+@pytest.mark.examples
+def test_gpu_check_plugins_stage_on_the_tiny_pipelines(tmp_path, monkeypatch):
+    """examples/gpu/gpu_check.py --stages plugins --cpu_smoke: the plugins stage's code path on
+    each plug-in's tiny pipeline (its TINY builder in place of build_real_size_pipeline). Every
+    plug-in vgrpo finds with a real-size builder gets rows, named by its first alias; the text
+    encoders are offloaded exactly when the weights exceed half of --card_GiB (chosen between
+    the tiny pipelines' sizes, so both cases run); an out-of-memory (injected in the update of
+    every micro-batch above 1) is a row, followed by the next fallback that changes the run
+    (gradient checkpointing, skipped where the defaults already have it, then micro-batch 1),
+    which fits. Its rows hold finite times and |log ρ| = 0 at the first step; peak memory is
+    NaN on the CPU."""
+    gc = _load_example("gpu/gpu_check")
+    found = gc.real_size_plugins()
+    assert {"qwen_image", "flux2", "z_image"} <= set(found)
+    weights = {n: gc.pipeline_weights(getattr(m, next(iter(m.TINY.values())))())[0]
+               for n, m in found.items()}
+    lo, hi = min(weights.values()), max(weights.values())
+    assert lo < hi
+    card = lo + hi                                 # half of it lies between the two sizes
+    real = V.update_steps
+
+    def oom(run, *a, **k):
+        if run.args.micro_batch > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real(run, *a, **k)
+    monkeypatch.setattr(V, "update_steps", oom)
+    out = tmp_path / "gc.json"
+    gc.main(["--cpu_smoke", "--stages", "plugins", "--card_GiB", str(card), "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data) == {"info", "warmup", "plugins"}             # no SD3 or FLUX.1 stage ran
+    rows = data["plugins"]
+    assert [r["plugin"] for r in rows if "error" not in r] == list(found)
+    for name, mod in found.items():
+        mine = [r for r in rows if r["plugin"] == name]
+        ckpt = mod.DEFAULTS.get("gradient_checkpointing", (False,))[0]
+        want = ["default"] + ([] if ckpt else ["grad_ckpt"]) + ["grad_ckpt_mb1"]
+        assert [r["config"] for r in mine] == [f"{name}: {w}" for w in want]
+        for r in mine[:-1]:
+            assert r["error"].startswith("out of memory in time_update: CUDA out of memory")
+        r = mine[-1]
+        assert "error" not in r and r["model"] == next(iter(mod.ALIASES))
+        assert r["offload_text_encoders"] is (weights[name] > card / 2)
+        assert r["weights_GiB"] == pytest.approx(weights[name]) and r["card_GiB"] == card
+        assert r["micro_batch"] == 1 and r["grad_ckpt"] is True and r["P×G"] == "1×4"
+        assert r["fits"] is None and r["text_embeddings_finite"] and r["reward_finite"]
+        assert r["abs_log_ratio_first"] == 0.0 and r["abs_log_ratio"] == 0.0
+        assert r["iterations"] == 2 and r["transformer_params_B"] > 0
+        for k in ("build_s", "time_setup", "time_first_iter", "time_iter", "time_rollout",
+                  "time_reward", "time_update", "MFU_%", "fwd_TFLOP_per_sample"):
+            assert math.isfinite(r[k]) and r[k] > 0, (name, k)
+        assert r["time_iter"] >= r["time_rollout"] + r["time_reward"] + r["time_update"]
+        for k in ("peak_setup_GiB", *gc.PHASE_PEAKS.values(), "peak_mem_GiB"):
+            assert math.isnan(r[k]), (name, k)                  # no CUDA allocator to read
+    assert {r["offload_text_encoders"] for r in rows if "error" not in r} == {True, False}
+    md = out.with_suffix(".md").read_text()
+    assert "## plugins" in md and "| qwen_image: grad_ckpt_mb1 | qwen-image |" in md
+
+
 # ------------------------------------------------------------------------------------------------
 # examples/gpu/first_run.py: the first-run acceptance run (the headline command, measured by phase)
 # ------------------------------------------------------------------------------------------------
