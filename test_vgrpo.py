@@ -2983,7 +2983,8 @@ def test_a_model_plugin_trains_from_its_tiny_alias_and_its_saved_folder(name, tm
 
 # ------------------------------------------------------------------------------------------------
 # 16. Data parallelism: 2 processes under torchrun (gloo, CPU) = 1 process
-#    The same global batch on each side.
+#    The same global batch on each side: torchrun runs examples/cluster.py (FSDP2), the one process
+#    vgrpo.py.
 # ------------------------------------------------------------------------------------------------
 DDP = ["--model", "tiny", "--reward", "jpeg", "--prompts_per_iter", "2", "--group_size", "3", "--num_steps", "4",
        "--eval_every", "0", "--save_every", "1", "--mu", "1", "--device", "cpu"]
@@ -3011,10 +3012,10 @@ def _close_runs(a_dir, b_dir, it, full=False):
     assert diff / norm < 1e-4 and max((a[k] - b[k]).abs().max().item() for k in a) < 2e-2
 
 
-CLUSTER = ROOT / "examples" / "cluster.py"          # vgrpo.py with preemption and requeue
+CLUSTER = ROOT / "examples" / "cluster.py"          # vgrpo.py with preemption, requeue and FSDP2
 
 
-def _launch(args, cwd, script=ROOT / "vgrpo.py", timeout=600, **env_extra):
+def _launch(args, cwd, script=CLUSTER, timeout=600, **env_extra):
     """`torchrun --nproc_per_node=2 script args` in cwd, one thread per process; the finished run."""
     import subprocess
     import sys
@@ -3024,7 +3025,7 @@ def _launch(args, cwd, script=ROOT / "vgrpo.py", timeout=600, **env_extra):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _torchrun(args, tmp_path, script=ROOT / "vgrpo.py", **env_extra):
+def _torchrun(args, tmp_path, script=CLUSTER, **env_extra):
     p = _launch(args, tmp_path, script, **env_extra)
     assert p.returncode == 0, p.stderr[-3000:]
 
@@ -3046,22 +3047,29 @@ BF16_RUNS = {"sd3-lora": ["--model", "tiny"],
 RUNS_SCRIPT = """\
 import json, sys
 import torch
-sys.path.insert(0, {root!r})
+sys.path.insert(0, {root!r} + "/examples")
+import cluster
 import vgrpo
 torch.distributed.destroy_process_group = lambda: None      # one process group for every run
-save = vgrpo.save_checkpoint
+setup, state, live = vgrpo.setup, vgrpo.full_state, {{}}
 
 
-def checkpoint(run, it):     # "skip" also gathers AdamW's state first, before the weights: either
-    if run.run_dir.name == "skip":                  # order must work after no-grad forwards
-        vgrpo.full_state(run.adapter.transformer, run.opt)
-    return save(run, it)
+def setup_and_keep(*a, **kw):
+    live["run"] = setup(*a, **kw)
+    return live["run"]
 
 
-vgrpo.save_checkpoint = checkpoint
+def gathered(tr, opt=None):  # "skip" also gathers AdamW's state first, before the weights: either
+    run = live["run"]                              # order must work after no-grad forwards
+    if opt is None and run.run_dir.name == "skip":
+        state(tr, run.opt)
+    return state(tr, opt)
+
+
+vgrpo.setup, vgrpo.full_state = setup_and_keep, gathered
 for run_dir, argv in json.loads(sys.argv[1]).items():
-    assert vgrpo.main(argv + ["--run_dir", run_dir]) == 0, run_dir
-vgrpo.exit_process(0)            # as `python vgrpo.py` ends (docs/tests.md "A clean exit under torchrun")
+    assert cluster.main(argv + ["--run_dir", run_dir]) == 0, run_dir
+cluster.exit_process(0)          # as `torchrun examples/cluster.py` ends (docs/tests.md "A clean exit under torchrun")
 """
 
 
@@ -3255,12 +3263,12 @@ def test_torchrun_processes_exit_cleanly_while_gloo_still_holds_tensors(tmp_path
     go of the last collective's tensors while Python shuts down needs the GIL there, which aborts
     the process ("terminate called without an active exception"; once in CI, in the last second
     of a 2-process run). Here collectives end just before the exit, as at the end of a save on the
-    process that does not write: `exit_process`, what `python vgrpo.py` ends with, must still exit
+    process that does not write: `exit_process`, what examples/cluster.py ends with, must still exit
     cleanly. It is a race: with `sys.exit` in its place 12 launches of 30 aborted on a 2-core
     machine, so 5 launches catch that with probability ≈ 0.92; with `exit_process`, 0 of 40."""
     (tmp_path / "ends.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
-        "import torch, torch.distributed as dist, vgrpo\n"
+        f"import sys\nsys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "import torch, torch.distributed as dist, cluster\n"
         "dist.init_process_group('gloo')\n"
         "kept = dist.group.WORLD          # alive past destroy, as FSDP's mesh is in DTensor's caches\n"
         "xs = [torch.randn(20000) for _ in range(8)]\n"
@@ -3269,7 +3277,7 @@ def test_torchrun_processes_exit_cleanly_while_gloo_still_holds_tensors(tmp_path
         "        work.wait()\n"
         "    dist.all_gather([torch.empty(20000) for _ in range(2)], xs[0])\n"
         "dist.destroy_process_group()\n"
-        "vgrpo.exit_process(0)\n")
+        "cluster.exit_process(0)\n")
     for launch in range(5):
         p = _launch([], tmp_path, script=tmp_path / "ends.py", timeout=300)
         assert p.returncode == 0 and "terminate called" not in p.stderr, (launch, p.stderr[-3000:])
@@ -3305,9 +3313,26 @@ def test_out_of_gpu_memory_in_one_process_ends_the_run_without_a_hang(tmp_path, 
 
 @pytest.mark.multiprocess
 def test_prompts_must_split_evenly_across_processes(tmp_path, capsys, monkeypatch):
+    """examples/cluster.py under torchrun: whole groups per process, μ equal minibatches of each
+    process's samples; one line each, before the process group is joined."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    _fails(TINY + ["--prompts_per_iter", "3"], tmp_path, capsys, r"must be divisible by the 2 processes")
+    cluster = _load_example("cluster")
+    for flags, said in ((["--prompts_per_iter", "3"], "must be divisible by the 2 processes"),
+                        (["--mu", "2"], "each process's 3 samples must split into --mu 2")):
+        run = tmp_path / "should_not_exist"
+        assert cluster.main(TINY + flags + ["--run_dir", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("error:") == 1 and not run.exists(), err
+
+
+@pytest.mark.multiprocess
+def test_vgrpo_under_torchrun_names_the_companion_in_one_line(tmp_path, capsys, monkeypatch):
+    """vgrpo.py trains in one process: under torchrun (WORLD_SIZE > 1) it says to run
+    examples/cluster.py with the same flags, exits 2 and writes nothing."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _fails(TINY, tmp_path, capsys, r"^error: vgrpo\.py trains in one process; under torchrun run "
+           r"examples/cluster\.py with the same flags\n$")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -3496,16 +3521,17 @@ def test_vgrpo_reads_plainly():
     assert sum(isinstance(n, ast.NamedExpr) for n in nodes) <= 3
 
 
-HARNESS = re.compile(r"run\.local|_all_gather_cat|torch\.distributed|run\.world|run\.rank|scaler"
-                     r"|run\.poll|run\.backward|n_old_pass|log\.append")
+HARNESS = re.compile(r"run\.local|run\.gather|run\.broadcast|torch\.distributed|run\.world"
+                     r"|run\.rank|scaler|run\.poll|run\.backward|n_old_pass|log\.append")
 
 
 @pytest.mark.docs
 def test_the_harness_lines_inside_the_steps_are_marked():
-    """The §9 banner, kept true: in `iteration` and its steps, every statement that belongs to
-    the harness (preemption points, torchrun's share of the batch, fp16 and FSDP in the
-    backward, the statistics kept for the log) carries `# harness:` and its reason, on one of its
-    lines; a block (`if run.world > 1:`) carries it on its first line."""
+    """The §7 banner, kept true: in `iteration` and its steps, every statement that belongs to
+    the harness (preemption points, a process's share of the batch, the collectives that
+    examples/cluster.py fills in, fp16 and FSDP in the backward, the statistics kept for the
+    log) carries `# harness:` and its reason, on one of its lines; a block carries it on its
+    first line."""
     lines = (ROOT / "vgrpo.py").read_text().splitlines()
     steps = ("iteration", "collect_rollouts", "reward_and_advantages", "draw_iteration_pairs",
              "minibatches", "old_surrogates", "update_steps", "surrogate_pass")

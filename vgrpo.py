@@ -9,14 +9,15 @@ where the paper is silent, [Alg. step 4] a step of the box below; a bare "§k" i
 
 What this file IS: a readable reference of the algorithm (this overview, the pure math §2–§6,
 `iteration` and its steps in §7) plus a working trainer for SD3 / SD3.5 and FLUX.1 (diffusers) with
-built-in or plug-in rewards (§8), on one GPU or under torchrun (FSDP2); tiny offline models run it
-all on a laptop CPU. What it is NOT: a framework; the loss can be copied into any trainer.
+built-in or plug-in rewards (§8), on one GPU (several: examples/cluster.py under torchrun, FSDP2);
+tiny offline models run it all on a laptop CPU. What it is NOT: a framework; the loss can be
+copied into any trainer.
 
 Quickstart (after `pip install -r requirements.txt`)
     python vgrpo.py --model tiny --reward jpeg                 # CPU, offline, < 1 min
     python vgrpo.py --model sd3.5-medium --reward pickscore    # one CUDA GPU, hub weights
     python vgrpo.py --model flux.1-dev --reward hpsv2:1,pickscore:1
-    torchrun --nproc_per_node=8 vgrpo.py --model sd3.5-medium --preset paper
+    torchrun --nproc_per_node=8 examples/cluster.py --model sd3.5-medium --preset paper
 
 ALGORITHM (one iteration; "→ §k" points into this file; METHOD.md and the README quote it)
     0. θ_old ← θ: nothing is copied; all θ_old is needed for is computed in steps 1, 4 and 5
@@ -59,7 +60,8 @@ CONVENTIONS
 
 CONTENTS: §2–§6 the pure math (flow matching, samplers, advantages, pairs and surrogate, loss);
     §7 one iteration, step by step; §8 rewards; §9 models and LoRA; §10 the run (setup, loop,
-    evaluation, run folder, checkpoints, torchrun); §11 configuration. Cluster: examples/cluster.py
+    evaluation, run folder, checkpoints); §11 configuration. Cluster and torchrun (FSDP2):
+    examples/cluster.py
 """
 
 # ------------------------------------------------------------------------------------------------
@@ -67,7 +69,7 @@ CONTENTS: §2–§6 the pure math (flow matching, samplers, advantages, pairs an
 # ------------------------------------------------------------------------------------------------
 from __future__ import annotations
 
-import argparse, contextlib, dataclasses, datetime, enum, errno, functools, importlib.util, json
+import argparse, contextlib, dataclasses, enum, errno, functools, importlib.util, json
 import math, os, random, shutil, sys, tempfile, time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -425,8 +427,8 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
 # === pure math: end === (§2–§6 above run with torch alone; test_vgrpo.py lifts them out)
 # ------------------------------------------------------------------------------------------------
 # §7  One iteration: the algorithm box of §0, step by step.                     [Alg. steps 1–5]
-#     Run, `iteration`, then its five steps. In the steps each harness line (torchrun's share,
-#     fp16 and FSDP, the log's statistics, examples/cluster.py's poll) ends in `# harness:`.
+#     Run, `iteration`, then its five steps. In the steps each harness line (a process's share,
+#     the collectives, fp16, the log's statistics, examples/cluster.py's poll) ends in `# harness:`.
 # ------------------------------------------------------------------------------------------------
 class Stream(enum.IntEnum):
     """Each a CPU generator(seed, it, stream) of its own: a resume redraws what the run drew.
@@ -505,16 +507,23 @@ class Run:
     D: tuple                             # latent shape: (C, H, W) for SD3, (seq, 64) for FLUX
     start: int = 0                       # first iteration (> 0 when resumed)
     resumed_from: Optional[Path] = None  # the checkpoint folder resumed from
-    rank: int = 0
-    world: int = 1
     run_dir: Optional[Path] = None
     scaler: object = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
     compiled: bool = False     # the transformer blocks compiled (--compile)
     time_compile: float = 0.0  # seconds it took, before the first iteration
-    # Hooks for examples/cluster.py; as here they do nothing.
+    # Hooks for examples/cluster.py: preemption, and torchrun's processes. In one process a
+    # collective is the identity, this process's share (`local`) is the whole batch, and a
+    # hook does nothing, or saves the checkpoint (§10).
+    rank: int = 0                                          # this process; rank 0 writes
+    world: int = 1                                         # processes, each N / world samples
     poll: Callable = lambda: None                          # may a SIGTERM stop it (no step yet)?
     guard: Callable = lambda it: contextlib.nullcontext()  # around iteration `it`, its log
     go_on: Callable = lambda run_dir: how_to_go_on(run_dir)  # ends `writing`'s line (requeue)
+    gather: Callable = lambda x: x         # every process's x, concatenated along the last dim
+    broadcast: Callable = lambda x: x      # rank 0's x on every process
+    sync: Callable = lambda last: None     # before a backward (`last`: FSDP reduces after it)
+    whole: Callable = lambda x: x          # a tensor whole on this process (FSDP's: DTensors)
+    save: Callable = lambda run, it: save_checkpoint(run, it)  # checkpoint `it` (torchrun: all)
 
     N = property(lambda self: self.args.prompts_per_iter * self.args.group_size)   # P·G
     Nl = property(lambda self: self.N // self.world)          # the samples of this process
@@ -525,9 +534,8 @@ class Run:
         return x[self.rank * n:(self.rank + 1) * n]
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
-        """loss.backward(), scaled for fp16; FSDP reduces a LoRA's gradients at `last` only."""
-        if self.world > 1:
-            self.adapter.transformer.set_requires_gradient_sync(last or self.args.full_finetune)
+        """loss.backward(), scaled for fp16; `last`: the optimizer step's last micro-batch."""
+        self.sync(last)
         self.scaler.scale(loss).backward()
 
     @contextlib.contextmanager
@@ -542,14 +550,6 @@ class Run:
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise RunError(f"could not write {what} ({type(e).__name__}: {why}); free space "
                            f"or fix permissions there; {self.go_on(self.run_dir)}") from None
-
-
-def _all_gather_cat(x: torch.Tensor, world: int) -> torch.Tensor:  # ranks' x along the last dim
-    if world == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
 
 
 @dataclass
@@ -633,7 +633,7 @@ def reward_and_advantages(run: Run, ro: Rollouts) -> Scored:
     prompts = [ro.prompts[i // G] for i in range(run.Nl)]  # one per sample
     mine, _ = decode_and_reward(run.adapter, rw, names, ro.x0, prompts, args.reward_batch)
     mine = torch.stack([mine[n] for n in names]).to(run.dev)  # (R, Nl)
-    every = _all_gather_cat(mine, run.world)                  # harness: every process's; (R, N)
+    every = run.gather(mine)                                  # harness: every process's; (R, N)
     raw = dict(zip(names, every.cpu()))                       # {name: (N,)}
     values = training_values(raw, rw.train_terms).view(-1, args.prompts_per_iter, G)
     aggregate = {"sum": weighted_sum_advantages,
@@ -670,15 +670,13 @@ def reward_unit(terms) -> str:
 
 def draw_iteration_pairs(run: Run, it: int) -> Pairs:
     """[Alg. step 3] One set of stratified (t, ε) pairs per sharing scope [ours C4], for θ_old
-    and every θ step; under torchrun rank 0's (another CPU may round the draws differently)."""
+    and every θ step; rank 0's on every process (another CPU may round the draws otherwise)."""
     args, N = run.args, run.N
     scope = {"batch": torch.zeros(N, dtype=torch.long), "none": torch.arange(N),
              "group": torch.arange(N) // args.group_size}[args.pair_sharing]  # (N,)
     pairs = draw_pairs(run.sigmas[:-1], args.n_mc, run.D, scope, stratified=args.stratified,
                        generator=generator(args.seed, it, Stream.PAIRS), device=run.dev)
-    if run.world > 1:  # harness: rank 0's pairs everywhere
-        for x in (pairs.t, pairs.eps):
-            torch.distributed.broadcast(x, src=0)
+    pairs.t, pairs.eps = run.broadcast(pairs.t), run.broadcast(pairs.eps)  # harness: rank 0's
     pairs.index = run.local(pairs.index)  # harness: torchrun's share; (Nl,)
     return pairs
 
@@ -754,9 +752,7 @@ def surrogate_pass(run: Run, ro: Rollouts, pairs: Pairs, rows: torch.Tensor):
 def optimizer_step(run: Run) -> torch.Tensor:
     """Unscale (fp16), clip, step unless the norm is non-finite; returns the pre-clip norm."""
     run.scaler.unscale_(run.opt)  # fp16: the true gradients before the clip
-    gn = torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm)
-    if hasattr(gn, "full_tensor"):  # a DTensor under FSDP
-        gn = gn.full_tensor()
+    gn = run.whole(torch.nn.utils.clip_grad_norm_(run.params, run.args.max_grad_norm))
     if torch.isfinite(gn):  # host sync: step, or skip a bad step
         run.scaler.step(run.opt)
     run.scaler.update()  # fp16: halve the scale after an overflow
@@ -777,11 +773,9 @@ def iteration_metrics(run: Run, it: int, sc: Scored, s_old: OldSurrogates, log: 
             for k, v in stats.items()}
     gn = torch.stack(grad_norms) if grad_norms else torch.zeros(1, device=run.dev)  # (μ,)
     scal.update(grad_norm=gn.mean(), nonfinite_grad_steps=(~torch.isfinite(gn)).sum().float())
-    vec = torch.stack([v.float().to(run.dev) for v in scal.values()])
-    if run.world > 1:  # the mean over processes
-        torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM)
-        vec /= run.world
-    S_all = _all_gather_cat(s_old.s.mean(dim=1), run.world)  # (N,)
+    vec = torch.stack([v.float().to(run.dev) for v in scal.values()])  # (n,)
+    vec = run.gather(vec[:, None]).mean(dim=1)  # the mean over processes; (n,)
+    S_all = run.gather(s_old.s.mean(dim=1))     # (N,)
     cv = surrogate_cv(S_all.view(a.prompts_per_iter, a.group_size))
     scal = {**dict(zip(scal, vec)), **sc.adv_stats, **cv}
     host = dict(zip(scal, torch.stack([v.float().to(run.dev) for v in scal.values()]).tolist()))
@@ -1479,16 +1473,19 @@ def transformer_blocks(transformer) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-# §10  The run around the iteration: setup, the loop, evaluation; then the run folder,
-#      checkpoints, torchrun. examples/cluster.py fills in Run's hooks (preemption, requeue,
-#      one trainer per folder, one-line out-of-memory and write failures).
+# §10  The run around the iteration: setup, the loop, evaluation; then the run folder and
+#      checkpoints. examples/cluster.py fills in Run's hooks (preemption, requeue, one trainer
+#      per folder, one-line out-of-memory and write failures; torchrun's processes, FSDP2).
 # ------------------------------------------------------------------------------------------------
 class Interrupted(RunError):  # Ctrl-C: where the run stands; exit 130, no traceback
     status, label = 130, "interrupted"
 
 
 def train(args: Args, resumed: Optional[tuple] = None, fresh_ok: bool = False) -> list[dict]:
-    """Run V-GRPO; returns the per-iteration metrics (also in run_dir/metrics.jsonl)."""
+    """Run V-GRPO in this process; returns the per-iteration metrics (also in metrics.jsonl)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's processes: FSDP2 is the companion's
+        raise ConfigError("vgrpo.py trains in one process; under torchrun run examples/cluster.py "
+                          "with the same flags")
     run_dir = plan_run_dir(args, fresh_ok)          # checked writable; nothing created yet
     with hold_run_dir(run_dir):                     # one trainer per folder, before loading
         try:
@@ -1511,7 +1508,7 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
                 history.append(m)
                 log.iteration(m)
             if (it + 1) % a.save_every == 0 or it + 1 == a.iterations:
-                save_checkpoint(run, it + 1)
+                run.save(run, it + 1)
         if a.eval_every:  # also on continuing a finished run: a stop inside it is made up
             with run.guard(a.iterations):
                 log.evaluation(a.iterations)
@@ -1523,8 +1520,6 @@ def run_iterations(run: Run, run_dir: Path) -> list[dict]:
         raise RunError(f"{out_of_memory(e, a)}, iteration {it}; {how_to_go_on(run_dir)}") from None
     finally:
         log.close()
-        if run.world > 1:
-            torch.distributed.destroy_process_group()
     if run.rank == 0:
         say(closing_line(run, run_dir))
     return history
@@ -1570,12 +1565,12 @@ def how_to_go_on(run_dir: Path, saved: Optional[Path] = None) -> str:
 
 
 def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
-          resumed: Optional[tuple] = None) -> Run:
-    """Load the model and rewards, add LoRA, shard, make the optimizer, resume; writes nothing."""
+          resumed: Optional[tuple] = None, shard: Optional[Callable] = None) -> Run:
+    """Load the model and rewards, add LoRA, make the optimizer, resume; writes nothing.
+    `shard(transformer, dtype)`: examples/cluster.py's FSDP2 under torchrun (None: one process)."""
     train_prompts, eval_prompts = load_prompts(args)
     ckpt, state, init = read_starts(args, resumed)
-    rank, world, _ = dist_info()
-    dev, dtype, ctx = setup_device(args)  # under torchrun: joins the processes
+    dev, dtype, ctx = setup_device(args)
     check_hub_access(hub_ids(args, model=pipe is None, rewards=rewards is None))  # before any
     rewards = setup_rewards(args, rewards, dev, dtype, train_prompts, eval_prompts)  # download
     pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
@@ -1584,18 +1579,16 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
                                    for ps in (train_prompts, eval_prompts))
     if args.offload_text_encoders:  # embed every prompt once, free the encoders
         adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
-    params, lora_cfg = setup_trainable(adapter, args, ckpt or init, dtype, world)
+    params, lora_cfg = setup_trainable(adapter, args, ckpt or init, dtype, shard)
     compiled, time_compile = args.compile, 0.0
-    if compiled is None:  # the default: on with CUDA, in one process
-        compiled = dev.type == "cuda" and world == 1
+    if compiled is None:  # the default: on with CUDA, unsharded
+        compiled = dev.type == "cuda" and shard is None
     if compiled:  # one line if it fails; nothing written yet
         time_compile = compile_blocks(adapter, args, ctx, train_prompts[:1], params,
                                       len(eval_prompts[:args.n_eval]))  # evaluate's rows
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     # fp16 gradients underflow without loss scaling; bf16 and fp32 get a no-op scaler
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-    scaler = (ShardedGradScaler if world > 1 else torch.amp.GradScaler)(
-        dev.type, enabled=dtype == torch.float16)
+    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
     if ckpt is not None:  # optimizer, loss scale, RNG states
         restore_state(adapter.transformer, opt, scaler, ckpt, state)
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
@@ -1604,7 +1597,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
                eval_sigmas=adapter.sigmas(args.eval_steps or args.num_steps),
                D=adapter.latent_shape(args.resolution), scaler=scaler, compiled=compiled,
                time_compile=time_compile, start=state["iteration"] if state else 0,
-               resumed_from=ckpt, rank=rank, world=world)
+               resumed_from=ckpt)
 
 
 def setup_rewards(args: Args, rewards: Optional[Rewards], dev, dtype, train_prompts: list,
@@ -1621,9 +1614,9 @@ def setup_rewards(args: Args, rewards: Optional[Rewards], dev, dtype, train_prom
     return rewards
 
 
-def setup_trainable(adapter: Model, args: Args, start: Optional[Path], dtype, world: int):
-    """LoRA (or the whole transformer) from the seed, a start's weights, sharding: (params, the
-    LoRA config or None). `start`: the checkpoint resumed or --init's."""
+def setup_trainable(adapter: Model, args: Args, start: Optional[Path], dtype, shard=None):
+    """LoRA (or the whole transformer) from the seed, a start's weights, `shard` (setup):
+    (params, the LoRA config or None). `start`: the checkpoint resumed or --init's."""
     tr, lora_cfg = adapter.transformer, None
     torch.manual_seed(args.seed)  # the LoRA init from the seed alone, on every rank: rewards
     random.seed(args.seed)        # and pipelines that initialise randomly drew before this
@@ -1635,8 +1628,8 @@ def setup_trainable(adapter: Model, args: Args, start: Optional[Path], dtype, wo
         load_trainable(adapter, start, args.full_finetune)
     if args.gradient_checkpointing:
         tr.enable_gradient_checkpointing()
-    if world > 1:
-        shard_transformer(tr, dtype)  # replaces the parameters: before AdamW
+    if shard is not None:
+        shard(tr, dtype)  # replaces the parameters: before AdamW
     return [p for p in tr.parameters() if p.requires_grad], lora_cfg
 
 
@@ -1688,8 +1681,7 @@ def compile_blocks(adapter, args: Args, ctx, prompts: list, params: list, n_eval
     return time.perf_counter() - t0
 
 def setup_device(args: Args) -> tuple:
-    """Device, compute dtype, the one autocast context; under torchrun, this process's GPU."""
-    _, world, local_rank = dist_info()
+    """Device, compute dtype, the one autocast context; "cuda" is the current GPU."""
     device, precision = args.device, args.dtype
     if device == "auto":
         problem = cuda_problem()
@@ -1699,8 +1691,8 @@ def setup_device(args: Args) -> tuple:
                               "Install), or pass --device cpu to run on the CPU (slow)")
         device = "cpu" if problem else "cuda"
     dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:  # this process's GPU (torchrun)
-        dev = torch.device(f"cuda:{local_rank}")
+    if dev.type == "cuda" and dev.index is None:  # examples/cluster.py sets it per process
+        dev = torch.device("cuda", torch.cuda.current_device())
     if precision == "auto":
         precision = "bf16" if dev.type == "cuda" else "fp32"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
@@ -1708,9 +1700,6 @@ def setup_device(args: Args) -> tuple:
         torch.cuda.set_device(dev)
         # cuDNN's fused attention failed in FLUX.1-dev's backward on an H200 (docs/gpu.md)
         torch.backends.cuda.enable_cudnn_sdp(False)
-    if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                                             timeout=datetime.timedelta(hours=1))
     return dev, dtype, (torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32
                         else contextlib.nullcontext())
 
@@ -1899,9 +1888,6 @@ def hold_run_dir(run_dir: Path):
     """One trainer per run folder: an exclusive flock on run_dir/.lock, its pid inside, for the
     run; the system drops it when the process dies. A folder made here and left empty goes."""
     import fcntl  # POSIX: Linux and macOS
-    if dist_info()[0] > 0:  # rank 0 holds it for all
-        yield
-        return
     made = [q for q in (run_dir, *run_dir.parents) if not q.exists()]  # deepest first
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -1932,11 +1918,7 @@ def hold_run_dir(run_dir: Path):
 
 
 def open_run_dir(run: Run, run_dir: Path):
-    """Rank 0's run folder for all; rank 0 prepares it and returns metrics.jsonl to append."""
-    if run.world > 1:  # rank 0's time stamp names the folder
-        box = [str(run_dir)]
-        torch.distributed.broadcast_object_list(box, src=0)
-        run_dir = Path(box[0])
+    """The run folder for every process; rank 0 prepares it and returns metrics.jsonl to append."""
     run.run_dir, mpath = run_dir, run_dir / "metrics.jsonl"
     if run.rank > 0:
         return None
@@ -2025,15 +2007,11 @@ def load_data(path: Path, flag: str, **kw):
 
 
 def save_checkpoint(run: Run, it: int) -> Path:
-    """checkpoints/iter_X by every process (FSDP gathers); rank 0 renames a full temporary one."""
+    """checkpoints/iter_X, written whole into a temporary folder and then renamed."""
     tr, ckdir = run.adapter.transformer, run.run_dir / "checkpoints"
     final, tmp = ckdir / f"iter_{it:06d}", ckdir / f".tmp-iter_{it:06d}"
-    if (ckdir / "latest").is_file() and _latest(ckdir / "latest") == final.name:
+    if is_latest(final):
         return final  # saved already: a stop right after a save
-    if run.rank > 0:  # the collectives of rank 0's save, then wait
-        full_state(tr), full_state(tr, run.opt)
-        torch.distributed.barrier()
-        return final
     try:
         with run.writing(ckdir):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -2042,8 +2020,6 @@ def save_checkpoint(run: Run, it: int) -> Path:
             if run.args.full_finetune:
                 from safetensors.torch import save_file
                 tr.save_config(tmp / "transformer")
-                conf = tmp / "transformer" / "config.json"  # FSDP2's class is FSDP<model class>
-                conf.write_text(conf.read_text().replace('": "FSDP', '": "', 1))
                 save_file(weights, str(tmp / FULL_FILE))
             else:
                 from peft.utils import get_peft_model_state_dict
@@ -2067,9 +2043,20 @@ def save_checkpoint(run: Run, it: int) -> Path:
     finally:  # after a failed write nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         (ckdir / ".latest.tmp").unlink(missing_ok=True)
-    if run.world > 1:
-        torch.distributed.barrier()
     return final
+
+
+def full_state(tr, opt=None) -> dict:
+    """The trainable weights, or with `opt` the optimizer state keyed by parameter name, whole on
+    the CPU (examples/cluster.py: gathered from every process). An optimizer that never stepped
+    gives {}: torch's DCP would first take a hidden lr-0 step."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    if opt is None:
+        return get_model_state_dict(tr, options=o)
+    return get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
+
 
 def prune_checkpoints(ckdir: Path, latest: Path, keep: int) -> None:
     """--keep_checkpoints: the `keep` newest up to `latest` stay (0: all); later ones, left by a
@@ -2083,6 +2070,11 @@ def prune_checkpoints(ckdir: Path, latest: Path, keep: int) -> None:
 
 def _latest(latest: Path) -> str:  # the name in checkpoints/latest, whatever its bytes
     return latest.read_bytes().decode(errors="replace").strip().replace("\0", "")
+
+
+def is_latest(ckpt: Path) -> bool:  # checkpoints/latest names ckpt: saved, and complete
+    latest = ckpt.parent / "latest"
+    return latest.is_file() and _latest(latest) == ckpt.name
 
 
 def _point_latest(ckpt: Path) -> None:  # checkpoints/latest ← ckpt's name, atomically
@@ -2115,46 +2107,6 @@ def restore_state(tr, opt, scaler, ckpt: Path, state: dict) -> None:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])  # an older checkpoint's "cuda" entry is ignored
-
-
-# ---- torchrun: `torchrun --nproc_per_node=N vgrpo.py ...` (docs/scaling.md) ---------------------
-# WORLD_SIZE > 1 ⇒ torch.distributed and FSDP2. Every process draws the same prompts, noise and
-# pairs and keeps its whole groups (Run.local); collectives wait 1 h, for rank 0's longest saves.
-def dist_info() -> tuple[int, int, int]:  # (rank, world, local rank); (0, 1, 0) alone
-    return tuple(int(os.getenv(k, v)) for k, v in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0).items())
-
-
-def exit_process(status: int) -> None:
-    """sys.exit; os._exit under torchrun, where gloo threads can abort an exit (docs/tests.md)."""
-    if dist_info()[1] > 1:
-        sys.stdout.flush()  # stderr is line-buffered; stdout may sit in a pipe buffer
-        os._exit(status)
-    sys.exit(status)
-
-
-def shard_transformer(tr, dtype: torch.dtype) -> None:
-    """FSDP2: each block a unit, then the root; parameters gathered in bf16 / fp16, gradients
-    reduced in fp32; inputs not cast (autocast casts op by op; bf16 would round SD3's 1000·t)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
-                               cast_forward_inputs=False)
-          if dtype != torch.float32 else MixedPrecisionPolicy())
-    for blk in transformer_blocks(tr):
-        fully_shard(blk, mp_policy=mp)
-    fully_shard(tr, mp_policy=mp)
-
-
-def full_state(tr, opt=None) -> dict:
-    """The trainable weights, or with `opt` the optimizer state, whole on the CPU (a collective).
-    An optimizer that never stepped gives {}: torch's DCP would first take a hidden lr-0 step."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-    if hasattr(tr, "reshard"):  # FSDP leaves the root unsharded after forwards without a
-        tr.reshard()            # backward (a skipped update): AdamW's state would not map
-    o = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    if opt is None:
-        return get_model_state_dict(tr, options=o)
-    return get_optimizer_state_dict(tr, opt, options=o) if opt.state else {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2362,7 +2314,7 @@ INT_CAPS = dict(num_steps=1000, eval_steps=1000, n_mc=1000,  # the schedulers' 1
 
 def check_args(args: Args) -> None:
     """Every bad value or combination, in one message, before anything is loaded or written."""
-    v, P, G, world = vars(args), args.prompts_per_iter, args.group_size, dist_info()[1]
+    v, N = vars(args), args.prompts_per_iter * args.group_size
     counts = ("prompts_per_iter", "n_mc", "mu", "micro_batch", "rollout_batch", "num_steps",
               "n_eval", "iterations", "reward_batch", "resolution", "eval_steps", "save_every",
               "max_sequence_length", "lora_rank", "lora_alpha")
@@ -2393,10 +2345,8 @@ def check_args(args: Args) -> None:
          f"(got {args.iterations}): the random streams' seeds stay apart below it"),
         (not 0 <= args.eval_holdout < 1,
          f"--eval_holdout must lie in [0, 1) (got {args.eval_holdout})"),
-        # each process holds whole groups, split into μ equal minibatches (one rule for any count)
-        (P % world, f"--prompts_per_iter {P} must be divisible by the {world} processes"),
-        (args.mu >= 1 and P // world * G % args.mu, f"each process's {P // world * G} samples "
-         f"must split into --mu {args.mu} equal minibatches")]
+        (args.mu >= 1 and N % args.mu,
+         f"the {N} samples must split into --mu {args.mu} equal minibatches")]
     problems += [msg for failed, msg in checks if failed]
     for check in (lambda: resolve_model(args.model), lambda: args.train_terms,
                   lambda: args.eval_terms):  # the terms are parsed here, once, and kept
@@ -2450,4 +2400,4 @@ def start(given: dict, trainer: Optional[Callable] = None, fresh_ok: bool = Fals
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)  # main() says it from here on
-    exit_process(main())
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """
-examples/cluster.py — vgrpo.py for a job scheduler: the same flags, and what a job that can be
-preempted and requeued needs. Run it exactly as vgrpo.py:
+examples/cluster.py — vgrpo.py for a job scheduler and for several GPUs: the same flags, what a
+job that can be preempted and requeued needs, and torchrun's processes. Run it as vgrpo.py:
 
     python examples/cluster.py --model sd3.5-medium --run_dir runs/a --resume auto
     torchrun --nproc_per_node=8 examples/cluster.py --model sd3.5-medium --preset paper \
@@ -15,11 +15,15 @@ What it adds to `python vgrpo.py` (docs/training.md, "On a cluster"):
   * Out of GPU memory, a reward that fails, a write that fails: one line that names the phase or
     the file and the command that continues, after saving what can still be saved.
   * A first Ctrl-C finishes the iteration, saves it and exits 130; a second stops at once.
+  * Under torchrun (WORLD_SIZE > 1; docs/scaling.md): FSDP2 over the transformer, every process
+    holding whole groups, checkpoints gathered to rank 0 that any process count resumes.
 
-It fills in the hooks of vgrpo.Run (poll, guard, go_on) and reads the phase that vgrpo.timed
-puts on an out-of-memory error. Nothing of vgrpo.py's method changes.
+It fills in the hooks of vgrpo.Run (poll, guard, go_on; under torchrun rank, world, gather,
+broadcast, sync, whole, save, and setup's shard) and reads the phase that vgrpo.timed puts on an
+out-of-memory error. Nothing of vgrpo.py's method changes.
 """
 import contextlib
+import datetime
 import os
 import signal
 import sys
@@ -70,17 +74,29 @@ def command(given: dict) -> list:
 
 
 def train(args: V.Args, resumed=None, fresh_ok: bool = False) -> list:
-    """vgrpo.train with the signals caught and the hooks filled in; the run folder is locked
-    (vgrpo.hold_run_dir) from before anything loads to the end."""
-    run_dir = V.plan_run_dir(args, fresh_ok)
-    with V.hold_run_dir(run_dir):           # a second trainer is refused before it loads
-        try:
-            run = V.setup(args, resumed=resumed)
-        except torch.cuda.OutOfMemoryError as e:
-            raise V.RunError(f"out of GPU memory while loading ({str(e).splitlines()[0]}); try "
-                             "--offload_text_encoders or fewer --reward models") from None
-        with Cluster(run, run_dir):
-            return V.run_iterations(run, run_dir)
+    """vgrpo.train with the signals caught and the hooks filled in, in this process or in each of
+    torchrun's; the run folder is locked (vgrpo.hold_run_dir) from before anything loads to the
+    end."""
+    procs = Torchrun(args) if dist_info()[1] > 1 else None  # checks the split, joins them
+    try:
+        run_dir = V.plan_run_dir(args, fresh_ok)
+        lock = V.hold_run_dir               # a second trainer is refused before it loads
+        if procs:
+            run_dir = procs.same(run_dir)   # rank 0's folder (its time stamp) for all
+            lock = lock if procs.rank == 0 else contextlib.nullcontext  # rank 0's, for all
+        with lock(run_dir):
+            try:
+                run = V.setup(args, resumed=resumed, shard=procs.shard if procs else None)
+            except torch.cuda.OutOfMemoryError as e:
+                raise V.RunError(f"out of GPU memory while loading ({str(e).splitlines()[0]}); "
+                                 "try --offload_text_encoders or fewer --reward models") from None
+            if procs:
+                procs.fill(run)
+            with Cluster(run, run_dir):
+                return V.run_iterations(run, run_dir)
+    finally:
+        if procs:
+            torch.distributed.destroy_process_group()
 
 
 def how_to_go_on(run_dir: Path, saved=None) -> str:
@@ -169,7 +185,7 @@ class Cluster:
         finally:
             self.cuttable = False
         if it < self.run.args.iterations and self.any_rank(bool(self.stop)):   # after `it`
-            saved = V.save_checkpoint(self.run, it + 1)
+            saved = self.run.save(self.run, it + 1)
             if self.any_rank("term" in self.stop):
                 raise self.preempted(f"after iteration {it}", saved)
             raise V.Interrupted(f"after iteration {it}: {how_to_go_on(self.run_dir, saved)}")
@@ -179,7 +195,7 @@ class Cluster:
         save is a collective that processes other than a preempted set would not join)."""
         saved = None
         if not self.stepped and (isinstance(e, Preempted) or self.run.world == 1):
-            saved = V.save_checkpoint(self.run, it)
+            saved = self.run.save(self.run, it)
         if isinstance(e, Preempted):
             return self.preempted(f"at iteration {it}", saved)
         go_on = how_to_go_on(self.run_dir, saved)
@@ -195,6 +211,110 @@ class Cluster:
                          f"with the same command and --resume auto --run_dir {self.run_dir}")
 
 
+# ---- torchrun: `torchrun --nproc_per_node=N examples/cluster.py ...` (docs/scaling.md) ----------
+# WORLD_SIZE > 1 ⇒ torch.distributed and FSDP2. Every process draws the same prompts, noise and
+# pairs and keeps its whole groups (vgrpo.Run.local); collectives wait 1 h, for rank 0's longest
+# saves.
+def dist_info() -> tuple[int, int, int]:  # (rank, world, local rank); (0, 1, 0) alone
+    return tuple(int(os.getenv(k, v)) for k, v in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0).items())
+
+
+class Torchrun:
+    """This process among torchrun's: the checks of the split, the process group, FSDP2 over the
+    transformer (setup's `shard`) and vgrpo.Run's hooks for collectives and checkpoints."""
+
+    def __init__(self, args: V.Args):
+        self.rank, self.world, local_rank = dist_info()
+        P, G, mu = args.prompts_per_iter, args.group_size, args.mu
+        # each process holds whole groups, split into μ equal minibatches (one rule for any count)
+        if P % self.world:
+            raise V.ConfigError(f"--prompts_per_iter {P} must be divisible by the {self.world} "
+                                "processes")
+        if P // self.world * G % mu:
+            raise V.ConfigError(f"each process's {P // self.world * G} samples must split into "
+                                f"--mu {mu} equal minibatches")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)   # this process's GPU: vgrpo's "cuda"
+        dev = V.setup_device(args)[0]
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                                 timeout=datetime.timedelta(hours=1))
+
+    def same(self, run_dir: Path) -> Path:
+        """Rank 0's run folder on every process."""
+        box = [str(run_dir)]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return Path(box[0])
+
+    @staticmethod
+    def shard(tr, dtype: torch.dtype) -> None:
+        """FSDP2: each block a unit, then the root; parameters gathered in bf16 / fp16, gradients
+        reduced in fp32; inputs not cast (autocast casts op by op; bf16 would round SD3's
+        1000·t)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                   cast_forward_inputs=False)
+              if dtype != torch.float32 else MixedPrecisionPolicy())
+        model_class = type(tr)
+        for blk in V.transformer_blocks(tr):
+            fully_shard(blk, mp_policy=mp)
+        fully_shard(tr, mp_policy=mp)
+        type(tr).__name__ = model_class.__name__  # FSDP<class>: the saved config names the model
+
+    def fill(self, run: V.Run) -> None:
+        """Run's hooks for these processes; the loss scaler skips a step everywhere (fp16)."""
+        tr = run.adapter.transformer
+        run.rank, run.world = self.rank, self.world
+        run.gather, run.broadcast, run.whole = self.gather, self.broadcast, whole
+        run.save = self.save
+        # a LoRA's micro-batches accumulate locally, reduced at the last; a full fine-tune's
+        # every one (accumulating would hold the whole gradient unsharded on every process)
+        run.sync = lambda last: tr.set_requires_gradient_sync(last or run.args.full_finetune)
+        if run.scaler.is_enabled():             # fp16: a step skipped on one is skipped on all
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            scaler = ShardedGradScaler(run.dev.type)
+            scaler.load_state_dict(run.scaler.state_dict())
+            run.scaler = scaler
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every process's x, concatenated along the last dim (rank order)."""
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def broadcast(x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x, in place on every process."""
+        torch.distributed.broadcast(x, src=0)
+        return x
+
+    def save(self, run: V.Run, it: int) -> Path:
+        """vgrpo.save_checkpoint on rank 0; every other process joins its two gathers (the
+        weights, then the optimizer state) and all wait until it is written."""
+        tr = run.adapter.transformer
+        tr.reshard()  # forwards without a backward (a skipped update) leave the root unsharded,
+                      # and the optimizer state would not map onto it
+        final = run.run_dir / "checkpoints" / f"iter_{it:06d}"
+        if self.rank == 0:
+            final = V.save_checkpoint(run, it)
+        elif not V.is_latest(final):            # rank 0 saves it (not a save done already)
+            V.full_state(tr), V.full_state(tr, run.opt)
+        torch.distributed.barrier()
+        return final
+
+
+def whole(x: torch.Tensor) -> torch.Tensor:  # a DTensor (FSDP's gradient norm) as one tensor
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def exit_process(status: int) -> None:
+    """sys.exit; os._exit under torchrun, where gloo threads can abort an exit (docs/tests.md)."""
+    if dist_info()[1] > 1:
+        sys.stdout.flush()  # stderr is line-buffered; stdout may sit in a pipe buffer
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)  # vgrpo.main's Ctrl-C from here
-    V.exit_process(main())
+    exit_process(main())

@@ -246,8 +246,8 @@ def main(argv: Optional[list] = None) -> int:
     args, extra = parse(argv)
     root = Path(args.run_root or f"runs/curriculum-{Path(args.model).name}")
     try:
-        if V.dist_info()[1] > 1:      # vgrpo would re-create its process group per stage in
-            raise CurriculumError(    # one torchrun job, which torch does not support reliably
+        if cluster.dist_info()[1] > 1:  # cluster.py would re-create its process group per
+            raise CurriculumError(      # stage in one torchrun job, which torch does not support
                 "run this script as one process and let it start each stage under torchrun: "
                 "--launcher 'torchrun --nproc_per_node=N'")
         stages = plan(args, extra)
