@@ -405,7 +405,7 @@ def vgrpo_loss(s_new: torch.Tensor, s_old: torch.Tensor, adv: torch.Tensor, *,
     Returns: loss () fp32 and stats, detached scalars: ratio mean, mean |log ρ|, clip fraction,
         approx KL k2 = ½(log ρ)² [peer X7] and the x-space KL.
     Notes: with θ = θ_old, ρ ≡ 1 and ∇loss = −A·∇S: REINFORCE with a group baseline on the
-        surrogate (ours C18), which is the whole update when μ = 1."""
+        surrogate (ours C18): the whole update when μ = 1 (§0's algorithm box)."""
     log_ratio = s_new.float().mean(dim=1) - s_old.detach().float().mean(dim=1)  # (m,)
     ratio = torch.exp(log_ratio)                                                # (m,)
     A = adv.detach().float()
@@ -713,10 +713,7 @@ def update_steps(run: Run, ro: Rollouts, sc: Scored, pairs: Pairs, mbs: list,
     """[Alg. step 5] μ optimizer steps, one per minibatch, each accumulated over micro-batches.
 
     The first step runs at θ = θ_old, so its forward gives minibatch 0's S_old = sg(S_θ) (and
-    x̂0_old = sg(x̂0)) and ρ ≡ 1 on its samples [ours C18]. At the default μ = 1 that is the
-    only step: the ratio is exactly 1 on every sample, the clip does nothing, and the update
-    is the policy gradient −A·∇S of the surrogate with group-relative advantages. The ratio,
-    the clip and the KL to θ_old act only at μ > 1 (FLUX's preset: μ = 4).
+    x̂0_old = sg(x̂0)) and ρ ≡ 1 on its samples [ours C18]; at μ = 1 it is the only one (§0).
     Returns the log [(step k, samples, stats)] and the μ pre-clip gradient norms."""
     a, log, grad_norms = run.args, [], []
     for k, mb in enumerate(mbs):  # one optimizer step per minibatch
@@ -1498,7 +1495,11 @@ def train(args: Args, resumed: Optional[tuple] = None, fresh_ok: bool = False) -
 
 def run_iterations(run: Run, run_dir: Path) -> list[dict]:
     """The iterations from run.start, evaluations and checkpoints; a stop says how to go on."""
-    a, history, log, it = run.args, [], RunLog(run, run_dir), run.start
+    a, history, it = run.args, [], run.start
+    metrics = open_run_dir(run, run_dir)  # the folder prepared, metrics.jsonl open (rank 0)
+    if run.rank == 0:
+        say(banner(run))
+    log = RunLog(run, metrics)  # the progress bar starts here
     try:
         for it in log.bar:
             with run.guard(it):  # examples/cluster.py: a stop saves and says so
@@ -1820,10 +1821,9 @@ def evaluate(run: Run, it: int) -> dict:
 class RunLog:
     """Rank 0's record of the run: metrics.jsonl lines, and one line each above the progress bar."""
 
-    def __init__(self, run: Run, run_dir: Path):
+    def __init__(self, run: Run, file):  # file: metrics.jsonl from open_run_dir (rank > 0: None)
         from tqdm.auto import tqdm
-        self.run, self.say = run, say
-        self.file = open_run_dir(run, run_dir)
+        self.run, self.file = run, file
         self.bar = tqdm(range(run.start, run.args.iterations), initial=run.start,
                         total=run.args.iterations, desc="V-GRPO", unit="it", disable=run.rank != 0)
 
@@ -1845,7 +1845,7 @@ class RunLog:
             return
         with self.run.writing(self.run.run_dir / "metrics.jsonl"):
             print(json.dumps(m), file=self.file, flush=True)
-        self.say(line)
+        say(line)
 
     def close(self) -> None:
         """The bar, and on rank 0 metrics.jsonl."""
@@ -1943,7 +1943,6 @@ def open_run_dir(run: Run, run_dir: Path):
             _warn(f"{mpath}: {bad} unreadable line(s) dropped (cut short by a kill, or damaged)")
         mpath.with_suffix(".tmp").write_text("".join(l + "\n" for l in keep))
         os.replace(mpath.with_suffix(".tmp"), mpath)
-    say(banner(run))
     return open(mpath, "a")
 
 
@@ -2207,6 +2206,13 @@ class Args:
     def eval_terms(self) -> list[tuple[str, float]]:  # --eval_rewards, or the training terms
         return parse_reward_spec(self.eval_rewards) if self.eval_rewards else self.train_terms
 
+    # not a flag: each field's source (resolve_args: a preset, a resumed config, the command
+    # line; else its `src`), for the banner and --help
+    origin: dataclasses.InitVar[Optional[dict]] = None
+
+    def __post_init__(self, origin: Optional[dict]) -> None:
+        self.origin = {f.name: f.metadata["src"] for f in dataclasses.fields(self)} | (origin or {})
+
 
 # SD3's family preset, under the per-model presets (a plug-in's: its DEFAULTS and PRESETS).
 FAMILY_PRESET_SRC = {"sd3": "our choice: memory; the peers' 40-step evaluation"}
@@ -2285,9 +2291,8 @@ def resolve_args(given: dict, resumed: Optional[dict] = None) -> Args:
     for where, layer in layers:
         values.update(layer)
         origin.update({k: where for k in layer})
-    args = Args(**values)
+    args = Args(**values, origin=origin)
     check_args(args)
-    args.origin = {f.name: origin.get(f.name, f.metadata["src"]) for f in fields.values()}
     return args
 
 
@@ -2367,12 +2372,10 @@ def banner(run: Run) -> str:
              f"({N // run.world} per process), {a.mu} optimizer step(s) of {N // a.mu}; NFE per "
              f"sample: rollout {a.num_steps}, θ_old {a.n_mc * (a.mu - 1) / a.mu:g}, θ {a.n_mc}",
              f"  run_dir {run.run_dir}"]
-    origin = getattr(a, "origin", {})
-    changed = [f.name for f in dataclasses.fields(Args)
-               if getattr(a, f.name) != f.default and f.name in origin]
+    changed = [f.name for f in dataclasses.fields(Args) if getattr(a, f.name) != f.default]
     if changed:
         lines.append("  set by presets or flags (`--help` shows each default and its source):")
-        lines += [f"    {k} = {getattr(a, k)!r}  ← {origin[k]}" for k in changed]
+        lines += [f"    {k} = {getattr(a, k)!r}  ← {a.origin[k]}" for k in changed]
     return "\n".join(lines)
 
 

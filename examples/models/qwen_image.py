@@ -50,6 +50,9 @@ import torch
 PIPELINES = ("QwenImagePipeline",)
 ALIASES = {"qwen-image": "Qwen/Qwen-Image"}
 TINY = {"tiny-qwen-image": "build_tiny_pipeline"}
+# Another hub id that says "qwen-image" (Qwen/Qwen-Image-2512, a mirror) is this family: its
+# defaults, not SD3's. (An edit model's id matches too; its pipeline class is refused in one line.)
+HUB_HINTS = ("qwen-image",)
 
 # Both streams' attention projections and both streams' MLPs, inside the numbered blocks.
 LORA_TARGETS = ("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"

@@ -239,3 +239,15 @@ def test_real_size_pipeline_has_qwen_images_sizes():
                                                                device="meta"),
                          img_shapes=[[(1, 32, 32)]] * 2, return_dict=False)[0]
     assert v.shape == (2,) + D
+
+
+@pytest.mark.examples
+def test_other_qwen_image_hub_ids_are_this_family():
+    """A Qwen-Image hub id that is no alias (a later release, a mirror) gets this family's
+    defaults, not SD3's."""
+    for hub_id in ("Qwen/Qwen-Image-2512", "someone/qwen-image-fp8"):
+        assert V.model_family(hub_id) == "qwen_image", hub_id
+        args = V.parse_args(["--model", hub_id])
+        value, src = Q.DEFAULTS["num_steps"]
+        assert args.num_steps == value and src in args.origin["num_steps"], args.origin
+    assert V.model_family("stabilityai/stable-diffusion-3.5-large") == "sd3"

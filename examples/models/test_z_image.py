@@ -268,3 +268,13 @@ def test_real_size_pipeline_on_meta_has_the_published_sizes():
     assert pipe.transformer.config.dim == 3840 and pipe.vae_scale_factor == 8
     ad = Z.Adapter(pipe, torch.device("meta"), _Args(resolution=1024, max_sequence_length=512))
     assert len(ad.blocks()) == 34 and ad.latent_shape(1024) == (16, 128, 128)
+
+
+@pytest.mark.examples
+def test_other_z_image_hub_ids_are_this_family():
+    """A Z-Image hub id that is no alias gets this family's defaults, not SD3's."""
+    for hub_id in ("Tongyi-MAI/Z-Image", "someone/z-image-turbo-bf16"):
+        assert V.model_family(hub_id) == "z_image", hub_id
+        args = V.parse_args(["--model", hub_id])
+        value, src = Z.DEFAULTS["num_steps"]
+        assert args.num_steps == value and src in args.origin["num_steps"], args.origin

@@ -57,6 +57,9 @@ import vgrpo as V  # the running trainer (vgrpo.model_plugins maps the name to i
 PIPELINES = ("ZImagePipeline",)
 ALIASES = {"z-image-turbo": "Tongyi-MAI/Z-Image-Turbo"}
 TINY = {"tiny-z-image": "build_tiny_pipeline"}
+# Another hub id that says "z-image" (a mirror, Z-Image base) is this family, with Turbo's defaults:
+# set --num_steps for the undistilled base (made for CFG, not verified here).
+HUB_HINTS = ("z-image",)
 
 # CPU-sized overrides of DEFAULTS for --model tiny-z-image, as examples/tools/tiny_models.py's
 # _TINY: 64 px, 8 steps, a big learning rate so that `--reward jpeg` learns in about a minute.
