@@ -11,7 +11,7 @@ What it adds to `python vgrpo.py` (docs/training.md, "On a cluster"):
     saves within a fraction of an iteration and exits 75. An iteration that has not yet taken
     its first optimizer step is saved as not begun and redone on resume; one that has, finishes.
   * --resume auto: the same command, submitted again, starts the run or continues it.
-  * One trainer per run folder: a second is refused in one line; the first goes on untouched.
+  * One trainer per run folder (vgrpo.py's lock), under torchrun held by rank 0 for all.
   * Out of GPU memory, a reward that fails, a write that fails: one line that names the phase or
     the file and the command that continues, after saving what can still be saved.
   * A first Ctrl-C finishes the iteration, saves it and exits 130; a second stops at once.

@@ -25,9 +25,10 @@ class Stream(enum.IntEnum):
     SDE_WINDOW = 6         # flow_grpo_sd3.py: where the nocfg recipe's SDE window sits
 
 
-# distinct by construction: the generator's seed is (seed·1000003 + it)·16 + stream, so streams
-# that differ modulo 16 never share a seed
-assert {int(s) % 16 for s in Stream}.isdisjoint({int(s) % 16 for s in V.Stream})
+# distinct by construction (vgrpo.stream_seed): a per-iteration stream (< 16) seeds at
+# (seed·1_000_003 + it)·16 + stream, a once-per-run one (≥ 16) at −stream; these are
+# per-iteration values that none of vgrpo.Stream's takes
+assert all(s < 16 for s in Stream) and not {int(s) for s in Stream} & {int(s) for s in V.Stream}
 
 # The flags a baseline script passes to vgrpo's parser when given (None: vgrpo's per-model preset)
 PASSED = ("prompts", "eval_prompts", "prompts_per_iter", "group_size", "lr")
