@@ -1574,12 +1574,8 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     dev, dtype, ctx = setup_device(args)
     check_hub_access(hub_ids(args, model=pipe is None, rewards=rewards is None))  # before any
     rewards = setup_rewards(args, rewards, dev, dtype, train_prompts, eval_prompts)  # download
-    pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
-    adapter = make_adapter(pipe.to(dev), args, dev)
-    train_prompts, eval_prompts = (cut_prompts(pipe, ps, args.max_sequence_length)
-                                   for ps in (train_prompts, eval_prompts))
-    if args.offload_text_encoders:  # embed every prompt once, free the encoders
-        adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
+    adapter, train_prompts, eval_prompts = setup_model(args, pipe, dev, dtype, train_prompts,
+                                                       eval_prompts)
     params, lora_cfg = setup_trainable(adapter, args, ckpt or init, dtype, shard)
     compiled, time_compile = args.compile, 0.0
     if compiled is None:  # the default: on with CUDA, unsharded
@@ -1587,9 +1583,7 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
     if compiled:  # one line if it fails; nothing written yet
         time_compile = compile_blocks(adapter, args, ctx, train_prompts[:1], params,
                                       len(eval_prompts[:args.n_eval]))  # evaluate's rows
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    # fp16 gradients underflow without loss scaling; bf16 and fp32 get a no-op scaler
-    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
+    opt, scaler = setup_optimizer(args, params, dev, dtype)
     if ckpt is not None:  # optimizer, loss scale, RNG states
         restore_state(adapter.transformer, opt, scaler, ckpt, state)
     return Run(args=args, adapter=adapter, rewards=rewards, opt=opt, params=params,
@@ -1599,6 +1593,26 @@ def setup(args: Args, pipe=None, rewards: Optional[Rewards] = None,
                D=adapter.latent_shape(args.resolution), scaler=scaler, compiled=compiled,
                time_compile=time_compile, start=state["iteration"] if state else 0,
                resumed_from=ckpt)
+
+
+def setup_model(args: Args, pipe, dev, dtype, train_prompts: list, eval_prompts: list):
+    """The pipeline (given, or loaded) on `dev` behind its family's adapter; the prompts cut to
+    what its text encoders read, and with --offload_text_encoders embedded once:
+    (adapter, train_prompts, eval_prompts)."""
+    pipe = freeze_and_cast(pipe, dtype) if pipe is not None else load_pipeline(args.model, dtype)
+    adapter = make_adapter(pipe.to(dev), args, dev)
+    train_prompts, eval_prompts = (cut_prompts(pipe, ps, args.max_sequence_length)
+                                   for ps in (train_prompts, eval_prompts))
+    if args.offload_text_encoders:  # embed every prompt once, free the encoders
+        adapter.cache_prompts(train_prompts + eval_prompts[:args.n_eval])
+    return adapter, train_prompts, eval_prompts
+
+
+def setup_optimizer(args: Args, params: list, dev, dtype) -> tuple:
+    """AdamW over the trainable parameters, and the loss scaler: (opt, scaler)."""
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    # fp16 gradients underflow without loss scaling; bf16 and fp32 get a no-op scaler
+    return opt, torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
 
 
 def setup_rewards(args: Args, rewards: Optional[Rewards], dev, dtype, train_prompts: list,
