@@ -1329,21 +1329,7 @@ def test_no_two_random_streams_share_a_seed_at_any_iteration():
 # ------------------------------------------------------------------------------------------------
 # 8. Rewards: every code path on tiny models built offline
 # ------------------------------------------------------------------------------------------------
-def _tiny_pickscore(folder):
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = TM.tiny_clip_tokenizer(str(folder))
-    n = len(tok)
-    torch.manual_seed(0)
-    cfg = CLIPConfig(text_config=dict(vocab_size=n, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, max_position_embeddings=77, bos_token_id=n - 2,
-                                      eos_token_id=n - 1, pad_token_id=n - 1),
-                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, image_size=32, patch_size=8),
-                     projection_dim=16, logit_scale_init_value=4.6052)
-    CLIPModel(cfg).eval().save_pretrained(folder)
-    ip = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=ip, tokenizer=tok).save_pretrained(folder)
+_tiny_pickscore = TM.save_tiny_clip  # a tiny CLIP as PickScore's model and processor
 
 
 @pytest.mark.trainer

@@ -94,3 +94,47 @@ def test_tensorboard_curves_and_metrics_png_survive_a_kill_and_resume(tmp_path, 
     assert re.fullmatch(r"error: .*has no metrics.jsonl.*\n", capsys.readouterr().err)
     assert tb.main([str(tmp_path)]) == 2
     assert re.fullmatch(r"error: .*has no metrics.jsonl.*\n", capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------------------------------------
+# Auditing vgrpo.py's lines: examples/tools/trace_lines.py
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.examples
+def test_trace_lines_sorts_every_line_of_vgrpo_by_what_a_command_ran(tmp_path):
+    """A traced `vgrpo.py --model tiny --help` in a fresh process: the report's kinds add up to
+    `wc -l`, and its code lines to ran + error paths + other; check_args' lines ran, a raise
+    that --help never reaches is an error path, dpmpp2m_sample's body (its signature ran: the
+    definition) is "other", line for line, and leaves the floor whole unless kept; a trace of
+    another vgrpo.py is refused."""
+    import ast
+    import json
+    import subprocess
+    tool = ROOT / "examples" / "tools" / "trace_lines.py"
+    out = tmp_path / "help.json"
+    p = subprocess.run([sys.executable, str(tool), "run", str(out), "--", "--model", "tiny",
+                        "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "--num_steps" in p.stdout, p.stderr[-2000:]
+    tl = _load_example("tools/trace_lines")
+    r = tl.report([str(out)])
+    text = (ROOT / "vgrpo.py").read_text().splitlines()
+    assert r["lines"] == len(text) == r["code"] + r["docstring"] + r["comment"] + r["blank"]
+    assert r["code"] == r["code_ran"] + r["code_error_not_run"] + r["code_other_not_run"]
+    hit = set(json.loads(out.read_text())["lines"])
+    problems = next(i for i, l in enumerate(text, 1) if "problems += [msg for failed" in l)
+    assert problems in hit                                    # check_args ran
+    no_index = next(i for i, l in enumerate(text, 1) if "has no model_index.json" in l)
+    assert no_index not in hit and 0 < r["code_error_not_run"]
+    fn = next(n for n in ast.parse("\n".join(text)).body
+              if getattr(n, "name", "") == "dpmpp2m_sample")
+    body = [i for i in range(fn.body[1].lineno, fn.end_lineno + 1)  # after its docstring
+            if text[i - 1].strip() and not text[i - 1].strip().startswith("#")]
+    assert fn.lineno in hit and not hit & set(body)  # defined at import, never called
+    assert r["other_by_function"]["dpmpp2m_sample"] == len(body) > 10
+    kept = tl.report([str(out)], keep=("dpmpp2m_sample",))  # the floor keeps it whole
+    assert kept["floor"] - r["floor"] == fn.end_lineno - fn.lineno + 1 + 2  # and its 2 blanks
+    assert r["floor"] < r["lines"]
+    data = json.loads(out.read_text())
+    data["sha256"] = "0" * 64
+    (tmp_path / "other.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match="traced another vgrpo.py"):
+        tl.report([str(tmp_path / "other.json")])

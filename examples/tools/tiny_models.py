@@ -65,6 +65,25 @@ def tiny_t5_tokenizer():
                            extra_ids=0, model_max_length=512)
 
 
+def save_tiny_clip(folder) -> None:
+    """A randomly initialised CLIPModel and its CLIPProcessor (32-pixel images, the tiny byte
+    tokenizer), saved into `folder`: a stand-in for PickScore's and CLIP's weights, offline."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    tok = tiny_clip_tokenizer(str(folder))
+    n = len(tok)
+    torch.manual_seed(0)
+    cfg = CLIPConfig(text_config=dict(vocab_size=n, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=77, bos_token_id=n - 2,
+                                      eos_token_id=n - 1, pad_token_id=n - 1),
+                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, image_size=32, patch_size=8),
+                     projection_dim=16, logit_scale_init_value=4.6052)
+    CLIPModel(cfg).eval().save_pretrained(folder)
+    ip = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=ip, tokenizer=tok).save_pretrained(folder)
+
+
 def build_tiny_sd3_pipeline(seed: int = 0):
     """A randomly initialised StableDiffusion3Pipeline with SD3.5-Medium's architecture in
     miniature (MMDiT-X dual attention in block 0, qk RMSNorm, three text encoders), ~0.3M params,
