@@ -4,7 +4,7 @@ lines are for (docs/code.md, "What the lines are for"). A maintainer's tool, not
 
     # the CPU quickstart
     python examples/tools/trace_lines.py run quick.json -- --model tiny --reward jpeg \\
-        --iterations 2 --eval_every 1 --save_every 1 --run_dir /tmp/q
+        --iterations 2 --eval_every 1 --save_every 1 --run_dir "$(mktemp -d)/run"
     # the headline command's loading path on the CPU: `--model sd3.5-medium --reward pickscore`
     # against examples/tools/fake_hub.py serving tiny random models at the default hub ids
     python examples/tools/trace_lines.py run hub.json --fake_hub
