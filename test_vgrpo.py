@@ -1825,7 +1825,6 @@ def test_a_failed_checkpoint_write_leaves_latest_on_the_last_complete_one(tmp_pa
     """A checkpoint whose write fails (a full disk) leaves nothing half-written: `latest` still
     names the last complete checkpoint, no temporary folder is left, and that checkpoint loads.
     The failure is one line naming the folder (in examples/cluster.py too: its tests)."""
-    import errno
     run = tmp_path / "run"
     assert V.main(TINY + ["--iterations", "1", "--run_dir", str(run)]) == 0
     real_save = torch.save

@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,34 +88,25 @@ def trace(out: str, argv: list[str]) -> int:
 
 def trace_fake_hub(out: str, argv: list[str]) -> int:
     """The headline command against a fake Hub of tiny models, traced in a fresh process."""
-    sys.path.insert(0, str(ROOT / "examples" / "tools"))
+    sys.path[:0] = [str(ROOT / "examples" / "tools"), str(ROOT)]
     import fake_hub
     import tiny_models
-    sys.path.insert(0, str(ROOT))
     import vgrpo
-    repos = Path(tempfile.mkdtemp(prefix="trace_hub_"))
-    tiny_models.build_tiny_sd3_pipeline().save_pretrained(repos / "sd3")
-    tiny_models.save_tiny_clip(repos / "clip")
     hub = fake_hub.FakeHub()
-    hub.add_repo(vgrpo.MODEL_ALIASES["sd3.5-medium"], repos / "sd3")
-    for repo in (vgrpo.Args.pickscore_model, vgrpo.Args.pickscore_processor):
-        hub.add_repo(repo, repos / "clip")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-    with hub:
-        env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(repos / "hf_home"),
-                   HF_HUB_DISABLE_XET="1")
-        cmd = [sys.executable, __file__, "run", str(Path(out).absolute()), "--",
-               *FAKE_HUB_RUN, "--run_dir", str(repos / "run"), *argv]
-        return subprocess.run(cmd, env=env, cwd=ROOT).returncode
-
-
-def code_lines(co: types.CodeType) -> set:
-    """The line numbers that hold bytecode, in co and every code object inside it."""
-    found = {line for _, _, line in co.co_lines() if line}
-    for c in co.co_consts:
-        if isinstance(c, types.CodeType):
-            found |= code_lines(c)
-    return found
+    with tempfile.TemporaryDirectory(prefix="trace_hub_") as tmp:
+        repos = Path(tmp)
+        tiny_models.build_tiny_sd3_pipeline().save_pretrained(repos / "sd3")
+        tiny_models.save_tiny_clip(repos / "clip")
+        hub.add_repo(vgrpo.MODEL_ALIASES["sd3.5-medium"], repos / "sd3")
+        for repo in (vgrpo.Args.pickscore_model, vgrpo.Args.pickscore_processor):
+            hub.add_repo(repo, repos / "clip")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+        with hub:
+            env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(repos / "hf_home"),
+                       HF_HUB_DISABLE_XET="1")
+            cmd = [sys.executable, __file__, "run", str(Path(out).absolute()), "--",
+                   *FAKE_HUB_RUN, "--run_dir", str(repos / "run"), *argv]
+            return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
 
 def report(traces: list[str], keep: tuple = ()) -> dict:
@@ -166,8 +156,9 @@ def report(traces: list[str], keep: tuple = ()) -> dict:
         elif on_error_path(owner[i]):
             error += 1
         else:
-            other[function(owner[i])] = other.get(function(owner[i]), 0) + 1
-            unrun |= {i} if function(owner[i]) not in keep else set()
+            name = function(owner[i])
+            other[name] = other.get(name, 0) + 1
+            unrun |= {i} if name not in keep else set()
     gone = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.FunctionDef) and n.name not in keep:
@@ -177,17 +168,14 @@ def report(traces: list[str], keep: tuple = ()) -> dict:
                 gone |= set(range(start, n.end_lineno + 1 + (2 if n in tree.body else 1)))
     stmts = [n for n in ast.walk(tree) if isinstance(n, ast.stmt)
              and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
-    exe = code_lines(compile(src, str(VGRPO), "exec"))
     r = dict(lines=len(text), **counts, statements=len(stmts),
-             statements_run=sum(n.lineno in hit for n in stmts),
-             executable=len(exe), executable_run=len(exe & hit), code_ran=ran,
+             statements_run=sum(n.lineno in hit for n in stmts), code_ran=ran,
              code_error_not_run=error, code_other_not_run=sum(other.values()),
              other_by_function=dict(sorted(other.items(), key=lambda kv: (-kv[1], kv[0]))),
              floor=len(text) - len(gone | unrun), keep=sorted(keep))
     print(f"vgrpo.py: {r['lines']:,} lines = {r['code']:,} code + {r['docstring']} docstring + "
           f"{r['comment']} comment + {r['blank']} blank")
-    print(f"statements run: {r['statements_run']:,} of {r['statements']:,}; executable lines "
-          f"run: {r['executable_run']:,} of {r['executable']:,}")
+    print(f"statements run: {r['statements_run']:,} of {r['statements']:,}")
     print(f"code lines: {ran:,} ran; {error} on error paths that did not run; "
           f"{r['code_other_not_run']} other")
     print("other code lines not run, by function: " + ", ".join(
